@@ -1,0 +1,111 @@
+"""Training state to and from a checkpoint directory, without pickle.
+
+Tensors go through safetensors (model) or ``torch.save``/``torch.load(weights_only=True)``
+(optimizer); everything else is JSON, RNG byte states base64-encoded.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import random
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_model, save_model
+from torch import nn
+
+MODEL_FILE = "model.safetensors"
+OPTIMIZER_FILE = "optimizer.pt"
+STATE_FILE = "trainer_state.json"
+
+
+@dataclass
+class Progress:
+    """Where training stands: enough to continue with the next sample of the same epoch."""
+
+    epoch: int = 0
+    global_step: int = 0
+    samples_seen: int = 0
+    epoch_position: int = 0  # samples this rank has consumed in the current epoch
+    world_size: int = 1
+
+
+@dataclass
+class TrainerState:
+    """Everything in trainer_state.json."""
+
+    progress: Progress
+    scheduler: dict[str, Any]
+    scaler: dict[str, Any]
+    rng: list[dict[str, Any]]  # one entry per rank
+    metrics: dict[str, float] = field(default_factory=dict)
+    config: dict[str, Any] = field(default_factory=dict)
+    versions: dict[str, str] = field(default_factory=dict)
+
+
+def capture_rng() -> dict[str, Any]:
+    """This process's python, numpy, torch CPU and CUDA generator states, as JSON."""
+    version, internal, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)  # type: ignore[misc]
+    state: dict[str, Any] = {
+        "python": [version, list(internal), gauss],
+        "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)],
+        "torch": _b64(torch.get_rng_state()),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = [_b64(s) for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(_unb64(state["torch"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([_unb64(s) for s in state["cuda"]])
+
+
+def write_state(
+    directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, state: TrainerState
+) -> None:
+    """Write model, optimizer and trainer state files (not the manifest) into ``directory``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    save_model(model, str(directory / MODEL_FILE))
+    if optimizer is not None:
+        torch.save(optimizer.state_dict(), directory / OPTIMIZER_FILE)
+    (directory / STATE_FILE).write_text(json.dumps(_state_to_json(state), indent=1))
+
+
+def read_trainer_state(directory: Path) -> TrainerState:
+    raw = json.loads((directory / STATE_FILE).read_text())
+    return TrainerState(progress=Progress(**raw.pop("progress")), **raw)
+
+
+def load_weights(directory: Path, model: nn.Module) -> None:
+    missing, unexpected = load_model(model, str(directory / MODEL_FILE), strict=True)
+    del missing, unexpected  # strict=True already raised on any mismatch
+
+
+def load_optimizer(directory: Path, optimizer: torch.optim.Optimizer) -> None:
+    # weights_only=True: tensors and plain containers only, never arbitrary pickled objects.
+    optimizer.load_state_dict(torch.load(directory / OPTIMIZER_FILE, map_location="cpu", weights_only=True))
+
+
+def _state_to_json(state: TrainerState) -> dict[str, Any]:
+    data = asdict(state)
+    data["scheduler"] = {k: v for k, v in state.scheduler.items() if k != "lr_lambdas"}
+    return data
+
+
+def _b64(tensor: torch.Tensor) -> str:
+    return base64.b64encode(tensor.cpu().numpy().tobytes()).decode("ascii")
+
+
+def _unb64(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)

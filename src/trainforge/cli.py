@@ -1,0 +1,123 @@
+"""The ``trainforge`` command: each verb parses, builds a config, calls the API and prints."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from trainforge.errors import TrainforgeError
+
+app = typer.Typer(
+    name="trainforge",
+    help="Distributed PyTorch training on Ray Train: one command from a laptop to a GPU cluster.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+config_app = typer.Typer(help="Inspect configs.", no_args_is_help=True)
+bench_app = typer.Typer(help="Benchmarks that print figures.", no_args_is_help=True)
+app.add_typer(config_app, name="config")
+app.add_typer(bench_app, name="bench")
+
+err_console = Console(stderr=True)
+
+ConfigArg = Annotated[str, typer.Argument(help="A run config YAML, or the name of a bundled one (e.g. quickstart).")]
+SetOpt = Annotated[
+    list[str] | None, typer.Option("--set", "-s", help="Override a key: --set train.batch_size=64 (repeatable).")
+]
+
+
+def resolve_config_path(name: str) -> str:
+    """A path as given, or a config bundled with the package (``quickstart`` -> configs/quickstart.yaml)."""
+    if Path(name).exists() or name.endswith((".yaml", ".yml")) and "/" in name:
+        return name
+    bundled = Path(__file__).parent / "configs" / f"{Path(name).stem}.yaml"
+    return str(bundled) if bundled.is_file() else name
+
+
+@app.command()
+def train(
+    config: ConfigArg,
+    set_: SetOpt = None,
+    address: Annotated[
+        str | None, typer.Option(help="Ray cluster to run on (host:port or ray://host:10001); default RAY_ADDRESS.")
+    ] = None,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show Ray's own logs.")] = False,
+) -> None:
+    """Train a model as CONFIG describes, on a local Ray or the cluster at --address."""
+    from trainforge.api import fit
+
+    _setup_logging(verbose)
+    result = fit(resolve_config_path(config), set_ or [], address=address, verbose=verbose, console=err_console)
+    typer.echo(str(result.run_dir / "summary.json"))
+
+
+@config_app.command("show")
+def config_show(config: ConfigArg, set_: SetOpt = None) -> None:
+    """Print the resolved config: file, then --set overrides, then TRAINFORGE_* environment."""
+    from trainforge.config import load_config, to_yaml
+
+    typer.echo(to_yaml(load_config(resolve_config_path(config), set_ or [])), nl=False)
+
+
+@bench_app.command("peers")
+def bench_peers(
+    workers: Annotated[str, typer.Option(help="Comma-separated worker counts.")] = "1,2",
+    steps: Annotated[int, typer.Option(min=10, help="Timed steps per measurement.")] = 300,
+    batch_size: Annotated[int, typer.Option(min=1, help="Per-worker batch size.")] = 64,
+    output: Annotated[Path | None, typer.Option(help="Also write the results as JSON here.")] = None,
+) -> None:
+    """Samples/s of plain PyTorch, torchrun+DDP, plain Ray Train and trainforge on one model and data set."""
+    from trainforge.bench.peers import run_peers
+
+    _setup_logging(False)
+    counts = _parse_counts(workers)
+    run_peers(counts, steps=steps, batch_size=batch_size, output=output, console=err_console)
+
+
+def _parse_counts(text: str) -> list[int]:
+    try:
+        counts = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise TrainforgeError(f"--workers {text!r}: expected comma-separated integers such as 1,2") from None
+    if not counts or min(counts) < 1:
+        raise TrainforgeError(f"--workers {text!r}: worker counts must be >= 1")
+    return counts
+
+
+def _setup_logging(verbose: bool) -> None:
+    logging.basicConfig(
+        level=logging.INFO if verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    logging.getLogger("trainforge").setLevel(logging.INFO)
+
+
+def main() -> None:
+    """Console entry point: user errors become one line on stderr and exit code 2."""
+    try:
+        app(standalone_mode=False)
+    except TrainforgeError as err:
+        err_console.print(f"[red]error:[/] {err}", highlight=False, soft_wrap=True)
+        sys.exit(err.exit_code)
+    except typer.Exit as exit_:
+        sys.exit(exit_.exit_code)
+    except typer.Abort:
+        err_console.print("aborted")
+        sys.exit(130)
+    except Exception as err:  # click usage errors and the like
+        import click
+
+        if isinstance(err, click.ClickException):
+            err.show()
+            sys.exit(2)
+        raise
+
+
+if __name__ == "__main__":
+    main()

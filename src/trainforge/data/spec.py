@@ -1,0 +1,19 @@
+"""The data facts a model is built from, shared by the data and model components."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """What a model needs to know about its data: shapes, classes, vocabulary."""
+
+    kind: Literal["image", "tokens"]
+    input_shape: tuple[int, ...]  # per sample, e.g. (1, 8, 8) or (seq_len,)
+    num_classes: int | None = None  # image classification
+    vocab_size: int | None = None  # tokens
+    seq_len: int | None = None  # tokens
+    train_size: int = 0
+    val_size: int = 0

@@ -1,0 +1,76 @@
+"""The progress display: a rich bar on a terminal, one plain line per report elsewhere (CI, files)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+
+def describe(metrics: dict[str, Any]) -> str:
+    """The few numbers a user watches, in one short line."""
+    parts = [f"epoch {metrics.get('epoch', 0)}"]
+    for key, label, fmt in (
+        ("train/loss", "loss", "{:.4f}"),
+        ("train/accuracy", "acc", "{:.3f}"),
+        ("val/loss", "val_loss", "{:.4f}"),
+        ("val/accuracy", "val_acc", "{:.3f}"),
+        ("perf/samples_per_s", "samples/s", "{:,.0f}"),
+    ):
+        if key in metrics:
+            parts.append(f"{label} {fmt.format(metrics[key])}")
+    return "  ".join(parts)
+
+
+class ProgressDisplay:
+    """Observer that shows step, epoch, loss, samples/s and ETA as reports arrive."""
+
+    def __init__(self, console: Console) -> None:
+        self.console = console
+        self.live = console.is_terminal
+        self.progress: Progress | None = None
+        self.task_id: Any = None
+        self.started = time.monotonic()
+
+    def on_start(self, info: dict[str, Any]) -> None:
+        self.console.print(
+            f"[bold]trainforge[/] run [cyan]{info['name']}[/] · {info['workers']} worker(s) on {info['cluster']}"
+            f" · output {info['run_dir']}"
+        )
+        if self.live:
+            self.progress = Progress(
+                TextColumn("step {task.completed}/{task.total}"),
+                BarColumn(),
+                TextColumn("{task.description}"),
+                TimeElapsedColumn(),
+                TextColumn("eta"),
+                TimeRemainingColumn(),
+                console=self.console,
+                transient=False,
+            )
+            self.progress.start()
+            self.task_id = self.progress.add_task("starting workers…", total=None)
+
+    def on_report(self, metrics: dict[str, Any]) -> None:
+        step, total = metrics.get("step", 0), metrics.get("total_steps")
+        if self.progress is not None:
+            self.progress.update(self.task_id, completed=step, total=total, description=describe(metrics))
+        else:
+            self.console.print(f"step {step}/{total}  {describe(metrics)}", highlight=False)
+
+    def on_worker_error(self, errors: dict[int, str]) -> None:
+        for rank, error in sorted(errors.items()):
+            self.console.print(f"[yellow]worker {rank} failed:[/] {error}", highlight=False)
+
+    def on_end(self, summary: dict[str, Any]) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+        final = summary.get("final_metrics", {})
+        colour = "green" if summary["status"] == "finished" else "red"
+        self.console.print(
+            f"[{colour}]{summary['status']}[/] at step {summary['global_step']} in {summary['wall_time_s']:.1f} s · "
+            f"{describe(final)} · {summary['throughput_samples_per_s']:,.0f} samples/s (steady)",
+            highlight=False,
+        )

@@ -1,0 +1,223 @@
+"""Driver side of a run: connect to Ray, assemble the TorchTrainer, run it, write summary.json."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import socket
+import time
+import traceback
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import ray
+import ray.train
+from ray.train.torch import TorchTrainer
+
+from trainforge.checkpoint.format import write_json_atomic
+from trainforge.config import Config, to_yaml
+from trainforge import errors
+from trainforge.errors import ClusterError, TrainforgeError, TrainingFailed
+from trainforge.observe import ForwardingCallback, Mailbox, Observer, Observers, Pump
+from trainforge.worker.loop import train_loop_per_worker, worker_env
+
+log = logging.getLogger("trainforge")
+
+# The controller polls workers at this interval and each report waits for that poll; Ray's
+# default (2 s) would make every report cost up to 2 s of training time.
+POLL_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
+
+
+@dataclass
+class Outcome:
+    """What came back from Ray Train, before it is turned into a summary."""
+
+    status: str
+    final_metrics: dict[str, Any]
+    checkpoint: str | None
+    restarts: int
+    wall_time_s: float
+    error: str | None = None
+
+
+def resolve_address(config: Config, address: str | None) -> str | None:
+    return address or config.cluster.address or os.environ.get("RAY_ADDRESS") or None
+
+
+def check_reachable(address: str, timeout_s: float = 5.0) -> None:
+    """Fail in seconds, with a clear message, instead of waiting on Ray's long connect retries."""
+    if address == "auto":
+        return
+    parsed = urlparse(address if "://" in address else f"tcp://{address}")
+    host, port = parsed.hostname, parsed.port or (10001 if parsed.scheme == "ray" else 6379)
+    if not host:
+        raise ClusterError(f"Ray address {address!r} is not host:port, ray://host:port or 'auto'")
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            pass
+    except OSError as err:
+        raise ClusterError(
+            f"cannot reach the Ray cluster at {address} ({err.strerror or err}); "
+            "check the address, or unset RAY_ADDRESS/--address to train on a local Ray"
+        ) from None
+
+
+@contextlib.contextmanager
+def ray_session(config: Config, address: str | None, *, verbose: bool) -> Iterator[str]:
+    """Connect to the cluster at ``address`` or start a local Ray; yields a description of it."""
+    if ray.is_initialized():
+        yield "the Ray instance already running in this process"
+        return
+    quiet = {"log_to_driver": verbose, "logging_level": logging.INFO if verbose else logging.WARNING}
+    if address:
+        check_reachable(address)
+        try:
+            ray.init(address=address, **quiet)  # type: ignore[arg-type]
+        except (ConnectionError, RuntimeError) as err:
+            raise ClusterError(f"cannot connect to the Ray cluster at {address}: {err}") from None
+        where = f"the Ray cluster at {address}"
+    else:
+        workers = config.scaling.max_workers
+        cpus_per_worker = (config.scaling.resources_per_worker or {}).get("CPU", 1)
+        # Logical CPUs: enough for every worker even on a 2-core laptop; threads are capped per worker.
+        num_cpus = config.cluster.num_cpus or max(os.cpu_count() or 1, int(workers * cpus_per_worker) + 1, 4)
+        ray.init(num_cpus=num_cpus, include_dashboard=False, **quiet)  # type: ignore[arg-type]
+        where = f"a local Ray ({num_cpus} logical CPUs)"
+    try:
+        yield where
+    finally:
+        ray.shutdown()
+
+
+def build_trainer(config: Config, mailbox: Any) -> TorchTrainer:
+    scaling = config.scaling
+    resources = dict(scaling.resources_per_worker) if scaling.resources_per_worker else None
+    env = worker_env()
+    if not ray.util.client.ray.is_connected():
+        # Local cluster: let workers import user modules (model.factory) from the working directory.
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))
+    return TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config=config.to_dict(),
+        scaling_config=ray.train.ScalingConfig(
+            num_workers=scaling.num_workers,
+            use_gpu=scaling.use_gpu,
+            resources_per_worker=resources,
+            placement_strategy=scaling.placement_strategy,
+        ),
+        run_config=ray.train.RunConfig(
+            name=config.run.name,
+            storage_path=config.storage_path,
+            failure_config=ray.train.FailureConfig(max_failures=config.failure.max_failures),
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=config.checkpoint.keep_last),
+            callbacks=[ForwardingCallback(mailbox)],
+            worker_runtime_env={"env_vars": env},
+        ),
+    )
+
+
+def run_training(config: Config, observers: list[Observer], *, address: str | None, verbose: bool) -> dict[str, Any]:
+    """Train to completion (or failure) and return the summary that was written to summary.json."""
+    run_dir = config.run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(to_yaml(config))
+    os.environ.setdefault(POLL_ENV, str(config.cluster.report_poll_interval_s))
+    fanout = Observers(observers)
+    started = time.monotonic()
+    with ray_session(config, resolve_address(config, address), verbose=verbose) as where:
+        mailbox = Mailbox.remote()  # type: ignore[attr-defined]
+        pump = Pump(mailbox, fanout)
+        fanout.on_start(
+            {"name": config.run.name, "workers": config.scaling.num_workers, "cluster": where, "run_dir": str(run_dir)}
+        )
+        pump.start()
+        try:
+            outcome = _fit(build_trainer(config, mailbox), pump, started)
+        finally:
+            pump.stop()
+        if outcome.checkpoint:
+            export_final_weights(outcome.checkpoint, run_dir)
+    summary = make_summary(config, outcome, pump.last_metrics)
+    write_json_atomic(run_dir / "summary.json", summary)
+    fanout.on_end(summary)
+    if outcome.status == "failed":
+        (run_dir / "error.log").write_text(outcome.error or "")
+    return summary
+
+
+def _fit(trainer: TorchTrainer, pump: Pump, started: float) -> Outcome:
+    try:
+        result = trainer.fit()
+    except ray.train.TrainingFailedError as err:
+        user_error = _user_error(err)
+        if user_error is not None:
+            raise user_error from None
+        return Outcome(
+            status="failed",
+            final_metrics=pump.last_metrics,
+            checkpoint=pump.last_checkpoint,
+            restarts=max(0, len(pump.worker_errors) - 1),
+            wall_time_s=time.monotonic() - started,
+            error="".join(traceback.format_exception(err)),
+        )
+    except KeyboardInterrupt:
+        return Outcome("aborted", pump.last_metrics, pump.last_checkpoint, len(pump.worker_errors), time.monotonic() - started)
+    pump.drain()
+    returned = result.return_value if isinstance(result.return_value, dict) else {}
+    if "user_error" in returned:
+        raise getattr(errors, returned["user_error"], TrainforgeError)(returned["message"])
+    final = result.return_value if isinstance(result.return_value, dict) else pump.last_metrics
+    status = "finished" if result.error is None else "aborted"
+    checkpoint = result.checkpoint.path if result.checkpoint is not None else pump.last_checkpoint
+    return Outcome(status, final, checkpoint, len(pump.worker_errors), time.monotonic() - started)
+
+
+def _user_error(err: Exception) -> TrainforgeError | None:
+    """A TrainforgeError raised inside a worker (bad data path, bad factory) is the user's, not a crash."""
+    seen: set[int] = set()
+    stack: list[BaseException] = [err]
+    while stack:
+        current = stack.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, TrainforgeError):
+            return current
+        stack.extend(e for e in (current.__cause__, current.__context__) if e is not None)
+        stack.extend(getattr(current, "worker_failures", {}).values())
+    return None
+
+
+def export_final_weights(checkpoint_path: str, run_dir: Path) -> None:
+    """Copy the final model.safetensors out of the last checkpoint (local dir or remote storage)."""
+    with ray.train.Checkpoint(checkpoint_path).as_directory() as directory:
+        source = Path(directory) / "model.safetensors"
+        if source.is_file():
+            shutil.copyfile(source, run_dir / "model.safetensors")
+
+
+def make_summary(config: Config, outcome: Outcome, last_metrics: dict[str, Any]) -> dict[str, Any]:
+    final = outcome.final_metrics or last_metrics
+    return {
+        "status": outcome.status,
+        "global_step": int(final.get("step", 0)),
+        "epoch": int(final.get("epoch", 0)),
+        "num_workers": int(final.get("world_size", config.scaling.max_workers)),
+        "restarts": outcome.restarts,
+        "final_metrics": {k: v for k, v in final.items() if "/" in k},
+        "throughput_samples_per_s": float(final.get("perf/steady_samples_per_s", 0.0)),
+        "wall_time_s": round(outcome.wall_time_s, 3),
+        "checkpoint": outcome.checkpoint,
+        "config": config.to_dict(),
+        **({"error": outcome.error.strip().splitlines()[-1]} if outcome.error else {}),
+    }
+
+
+def raise_if_failed(summary: dict[str, Any], run_dir: Path) -> None:
+    if summary["status"] == "failed":
+        raise TrainingFailed(f"training failed: {summary.get('error', 'unknown error')} (details: {run_dir / 'error.log'})")

@@ -1,0 +1,86 @@
+"""Built-in causal language models: ``(B, T)`` token ids -> ``(B, T, vocab)`` next-token logits.
+
+GPT-2 and BERT come from transformers' model classes with random init; BERT runs as a decoder
+(``is_decoder=True``) so each position only attends to earlier ones and it trains like GPT-2.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from trainforge.data.spec import DataSpec
+from trainforge.errors import ModelError
+from trainforge.models.registry import HFLogits, hf_config, register
+
+
+def require_tokens(spec: DataSpec, name: str) -> tuple[int, int]:
+    """Check that ``spec`` is token data and return ``(vocab_size, seq_len)``."""
+    if spec.kind != "tokens":
+        raise ModelError(
+            f"built-in {name!r} is a language model but data.kind is {spec.kind!r}; "
+            "pick an image model (mlp, small_cnn, resnet18, resnet50, resnet152, vit_b_16) or token data"
+        )
+    if spec.vocab_size is None or spec.vocab_size < 2:
+        raise ModelError(f"built-in {name!r} needs token data with vocab_size >= 2, got {spec.vocab_size}")
+    seq_len = spec.seq_len if spec.seq_len is not None else spec.input_shape[-1]
+    return spec.vocab_size, seq_len
+
+
+def check_positions(name: str, key: str, config: Any, seq_len: int) -> None:
+    if getattr(config, key) < seq_len:
+        raise ModelError(
+            f"model.kwargs.{key}={getattr(config, key)} for {name!r} is shorter than data.seq_len={seq_len}; "
+            f"raise {key} or shorten the sequences"
+        )
+
+
+def hf_gpt2(name: str, spec: DataSpec, arch: dict[str, Any], overrides: dict[str, Any]) -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    vocab_size, seq_len = require_tokens(spec, name)
+    defaults = {**arch, "n_positions": max(1024, seq_len), "bos_token_id": None, "eos_token_id": None}
+    fixed = {"vocab_size": vocab_size, "attn_implementation": "sdpa"}
+    config = hf_config(name, GPT2Config, defaults, fixed, overrides)
+    check_positions(name, "n_positions", config, seq_len)
+    # use_cache=False: a training forward has no use for the key/value cache it would otherwise build
+    return HFLogits(GPT2LMHeadModel(config), use_cache=False)
+
+
+@register("gpt2_small")
+def gpt2_small(spec: DataSpec, **overrides: Any) -> nn.Module:
+    """A 6-layer, 512-wide GPT-2; ``overrides`` are GPT2Config fields."""
+    return hf_gpt2("gpt2_small", spec, {"n_layer": 6, "n_embd": 512, "n_head": 8}, overrides)
+
+
+@register("gpt2_base")
+def gpt2_base(spec: DataSpec, **overrides: Any) -> nn.Module:
+    """The 124M GPT-2 (12 layers, 768 wide, 12 heads) with the data's vocabulary; ``overrides`` are GPT2Config fields."""
+    return hf_gpt2("gpt2_base", spec, {"n_layer": 12, "n_embd": 768, "n_head": 12}, overrides)
+
+
+def hf_bert(name: str, spec: DataSpec, arch: dict[str, Any], overrides: dict[str, Any]) -> nn.Module:
+    from transformers import BertConfig, BertLMHeadModel
+
+    vocab_size, seq_len = require_tokens(spec, name)
+    # pad_token_id=None: the data has no padding token, so every id gets a trainable embedding
+    defaults = {**arch, "max_position_embeddings": max(512, seq_len), "pad_token_id": None}
+    fixed = {"vocab_size": vocab_size, "is_decoder": True, "attn_implementation": "sdpa"}
+    config = hf_config(name, BertConfig, defaults, fixed, overrides)
+    check_positions(name, "max_position_embeddings", config, seq_len)
+    return HFLogits(BertLMHeadModel(config), use_cache=False)
+
+
+@register("bert_small")
+def bert_small(spec: DataSpec, **overrides: Any) -> nn.Module:
+    """A 4-layer, 512-wide BERT trained as a causal LM; ``overrides`` are BertConfig fields."""
+    arch = {"num_hidden_layers": 4, "hidden_size": 512, "num_attention_heads": 8, "intermediate_size": 2048}
+    return hf_bert("bert_small", spec, arch, overrides)
+
+
+@register("bert_base")
+def bert_base(spec: DataSpec, **overrides: Any) -> nn.Module:
+    """BERT-base (12 layers, 768 wide, 12 heads) trained as a causal LM; ``overrides`` are BertConfig fields."""
+    arch = {"num_hidden_layers": 12, "hidden_size": 768, "num_attention_heads": 12, "intermediate_size": 3072}
+    return hf_bert("bert_base", spec, arch, overrides)

@@ -1,0 +1,175 @@
+"""Turn a ``model`` config section into an ``nn.Module``: a built-in by name or a user factory.
+
+Built-ins register themselves with :func:`register` when ``trainforge.models`` is imported; the
+package ``__init__`` imports every builder module, so the table is complete before any lookup.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from trainforge.config import ModelConfig
+from trainforge.data.spec import DataSpec
+from trainforge.errors import ModelError
+
+Builder = Callable[..., nn.Module]
+"""``builder(spec, **kwargs) -> nn.Module``; raises ModelError when the data does not fit."""
+
+BUILTIN_MODELS: dict[str, Builder] = {}
+
+
+def register(name: str) -> Callable[[Builder], Builder]:
+    """Decorator adding a builder to :data:`BUILTIN_MODELS` under ``name``."""
+
+    def add(builder: Builder) -> Builder:
+        if name in BUILTIN_MODELS:
+            raise ValueError(f"built-in model {name!r} is registered twice")
+        BUILTIN_MODELS[name] = builder
+        return builder
+
+    return add
+
+
+def build_model(cfg: ModelConfig, spec: DataSpec) -> nn.Module:
+    """Build the model the config names, shaped for ``spec`` (built-ins) or as the factory returns it."""
+    if cfg.name is not None:
+        return build_builtin(cfg.name, spec, cfg.kwargs)
+    if cfg.factory is not None:
+        return build_from_factory(cfg.factory, cfg.kwargs)
+    raise ModelError("set model.name to a built-in or model.factory to 'package.module:function'")
+
+
+def build_builtin(name: str, spec: DataSpec, kwargs: Mapping[str, Any]) -> nn.Module:
+    builder = BUILTIN_MODELS.get(name)
+    if builder is None:
+        known = ", ".join(sorted(BUILTIN_MODELS))
+        close = difflib.get_close_matches(name, list(BUILTIN_MODELS), n=1, cutoff=0.5)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ModelError(
+            f"unknown model.name {name!r}; {hint}built-ins are: {known} "
+            "(or set model.factory: 'package.module:function' for your own model)"
+        )
+    try:
+        inspect.signature(builder).bind(spec, **kwargs)
+    except TypeError:
+        raise ModelError(
+            f"model.kwargs {sorted(kwargs)} do not fit built-in {name!r}; it accepts: {accepted_kwargs(builder)}"
+        ) from None
+    try:
+        return builder(spec, **kwargs)
+    except ModelError:
+        raise
+    except Exception as err:
+        raise ModelError(
+            f"built-in {name!r} failed to build with model.kwargs {dict(kwargs)}: {type(err).__name__}: {err}"
+        ) from err
+
+
+def accepted_kwargs(builder: Builder) -> str:
+    names = [p.name for p in list(inspect.signature(builder).parameters.values())[1:] if p.kind is p.KEYWORD_ONLY]
+    return ", ".join(names) or "none"
+
+
+# ---------------------------------------------------------------------------------------------
+# User factories: "package.module:function", called with model.kwargs
+
+
+def load_factory(path: str) -> Callable[..., Any]:
+    """Import ``package.module`` and walk the attribute path after the colon."""
+    module_name, sep, attr_path = path.partition(":")
+    if not sep or not module_name or not attr_path:
+        raise ModelError(f"model.factory must look like 'package.module:function', got {path!r}")
+    try:
+        target: Any = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ModelError(
+            f"model.factory {path!r}: cannot import module {module_name!r} ({err}); "
+            "check the spelling and that it is importable on every worker (PYTHONPATH or an installed package)"
+        ) from err
+    except Exception as err:
+        raise ModelError(
+            f"model.factory {path!r}: importing module {module_name!r} raised {type(err).__name__}: {err}"
+        ) from err
+    owner = module_name
+    for part in attr_path.split("."):
+        if not hasattr(target, part):
+            public = [n for n in dir(target) if not n.startswith("_")]
+            close = difflib.get_close_matches(part, public, n=1, cutoff=0.6)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ModelError(f"model.factory {path!r}: {owner!r} has no attribute {part!r}{hint}")
+        target = getattr(target, part)
+        owner = f"{owner}.{part}"
+    if not callable(target):
+        raise ModelError(
+            f"model.factory {path!r} is a {type(target).__name__}, not a callable; point it at a function "
+            "that returns a torch.nn.Module"
+        )
+    return target
+
+
+def build_from_factory(path: str, kwargs: Mapping[str, Any]) -> nn.Module:
+    """Call the user's factory with ``model.kwargs``; the returned module is used as is."""
+    factory = load_factory(path)
+    try:
+        model = factory(**kwargs)
+    except Exception as err:
+        raise ModelError(
+            f"model.factory {path!r} raised {type(err).__name__} when called with model.kwargs {dict(kwargs)}: {err}"
+        ) from err
+    if not isinstance(model, nn.Module):
+        raise ModelError(
+            f"model.factory {path!r} returned {type(model).__module__}.{type(model).__qualname__}, "
+            "expected a torch.nn.Module whose forward returns logits"
+        )
+    return model
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared by the Hugging Face builders in vision.py and language.py
+
+
+class HFLogits(nn.Module):
+    """Wrap a transformers model so ``forward(x)`` returns the logits tensor instead of a ModelOutput."""
+
+    def __init__(self, model: nn.Module, **call_kwargs: Any) -> None:
+        super().__init__()
+        self.model = model
+        self.call_kwargs = call_kwargs
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x, **self.call_kwargs).logits
+
+
+def config_fields(config_cls: type) -> list[str]:
+    """The model-specific fields of a transformers config class (its own ``__init__`` arguments)."""
+    from transformers import PretrainedConfig
+
+    generic = set(inspect.signature(PretrainedConfig.__init__).parameters)
+    own = inspect.signature(config_cls.__init__).parameters.values()
+    return [p.name for p in own if p.name not in generic and p.kind is p.POSITIONAL_OR_KEYWORD]
+
+
+def hf_config(
+    name: str, config_cls: type, defaults: Mapping[str, Any], fixed: Mapping[str, Any], overrides: Mapping[str, Any]
+) -> Any:
+    """Build ``config_cls(**defaults | overrides | fixed)``, refusing overrides the class does not know.
+
+    transformers configs store unknown keys silently, so a typo would otherwise do nothing; ``fixed``
+    holds values that come from the data (channels, vocabulary) and may not be overridden.
+    """
+    from_data = sorted(set(overrides) & set(fixed))
+    if from_data:
+        raise ModelError(f"model.kwargs {from_data} for {name!r} are set from the data section; remove them")
+    fields = config_fields(config_cls)
+    unknown = sorted(set(overrides) - set(fields))
+    if unknown:
+        allowed = ", ".join(f for f in fields if f not in fixed)
+        raise ModelError(f"model.kwargs {unknown} are not {config_cls.__name__} fields; {name!r} accepts: {allowed}")
+    return config_cls(**{**defaults, **overrides, **fixed})
