@@ -34,7 +34,7 @@ SetOpt = Annotated[
 
 def resolve_config_path(name: str) -> str:
     """A path as given, or a config bundled with the package (``quickstart`` -> configs/quickstart.yaml)."""
-    if Path(name).exists() or name.endswith((".yaml", ".yml")) and "/" in name:
+    if Path(name).exists() or (name.endswith((".yaml", ".yml")) and "/" in name):
         return name
     bundled = Path(__file__).parent / "configs" / f"{Path(name).stem}.yaml"
     return str(bundled) if bundled.is_file() else name
@@ -50,10 +50,14 @@ def train(
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show Ray's own logs.")] = False,
 ) -> None:
     """Train a model as CONFIG describes, on a local Ray or the cluster at --address."""
-    from trainforge.api import fit
+    from trainforge.config import load_config
 
     _setup_logging(verbose)
-    result = fit(resolve_config_path(config), set_ or [], address=address, verbose=verbose, console=err_console)
+    # Validate before importing torch and Ray, so a config error costs milliseconds.
+    resolved = load_config(resolve_config_path(config), set_ or [])
+    from trainforge.api import fit
+
+    result = fit(resolved, address=address, verbose=verbose, console=err_console)
     typer.echo(str(result.run_dir / "summary.json"))
 
 
@@ -68,16 +72,22 @@ def config_show(config: ConfigArg, set_: SetOpt = None) -> None:
 @bench_app.command("peers")
 def bench_peers(
     workers: Annotated[str, typer.Option(help="Comma-separated worker counts.")] = "1,2",
-    steps: Annotated[int, typer.Option(min=10, help="Timed steps per measurement.")] = 300,
-    batch_size: Annotated[int, typer.Option(min=1, help="Per-worker batch size.")] = 64,
-    output: Annotated[Path | None, typer.Option(help="Also write the results as JSON here.")] = None,
+    steps: Annotated[int, typer.Option(help="Timed steps per measurement, after 5 warm-up steps (>= 10).")] = 150,
+    batch_size: Annotated[int, typer.Option(help="Per-worker batch size.")] = 64,
+    repeats: Annotated[int, typer.Option(help="Measurements per peer and worker count; the median is shown.")] = 2,
+    output: Annotated[Path | None, typer.Option(help="Also write every raw figure as JSON here.")] = None,
 ) -> None:
     """Samples/s of plain PyTorch, torchrun+DDP, plain Ray Train and trainforge on one model and data set."""
+    counts = _parse_counts(workers)
+    for flag, value, least in (("--steps", steps, 10), ("--batch-size", batch_size, 1), ("--repeats", repeats, 1)):
+        if value < least:
+            raise TrainforgeError(f"{flag} {value}: must be >= {least}")
+    if output is not None and not output.parent.is_dir():
+        raise TrainforgeError(f"--output {output}: folder {output.parent} does not exist")
     from trainforge.bench.peers import run_peers
 
     _setup_logging(False)
-    counts = _parse_counts(workers)
-    run_peers(counts, steps=steps, batch_size=batch_size, output=output, console=err_console)
+    run_peers(counts, steps=steps, batch_size=batch_size, repeats=repeats, output=output, console=Console())
 
 
 def _parse_counts(text: str) -> list[int]:

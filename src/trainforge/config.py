@@ -168,6 +168,8 @@ class Config(Section):
     def _cross_checks(self) -> Config:
         if self.precision == "fp16" and not self.scaling.use_gpu:
             raise ValueError("precision fp16 needs scaling.use_gpu: true (on CPU use bf16)")
+        if self.train.sync_batchnorm and not self.scaling.use_gpu:
+            raise ValueError("train.sync_batchnorm needs scaling.use_gpu: true (PyTorch's SyncBatchNorm is GPU-only)")
         return self
 
     @property

@@ -37,7 +37,8 @@ class ProgressDisplay:
     def on_start(self, info: dict[str, Any]) -> None:
         self.console.print(
             f"[bold]trainforge[/] run [cyan]{info['name']}[/] · {info['workers']} worker(s) on {info['cluster']}"
-            f" · output {info['run_dir']}"
+            f" · output {info['run_dir']}",
+            soft_wrap=True,
         )
         if self.live:
             self.progress = Progress(
@@ -58,7 +59,7 @@ class ProgressDisplay:
         if self.progress is not None:
             self.progress.update(self.task_id, completed=step, total=total, description=describe(metrics))
         else:
-            self.console.print(f"step {step}/{total}  {describe(metrics)}", highlight=False)
+            self.console.print(f"step {step}/{total}  {describe(metrics)}", highlight=False, soft_wrap=True)
 
     def on_worker_error(self, errors: dict[int, str]) -> None:
         for rank, error in sorted(errors.items()):
@@ -67,10 +68,11 @@ class ProgressDisplay:
     def on_end(self, summary: dict[str, Any]) -> None:
         if self.progress is not None:
             self.progress.stop()
-        final = summary.get("final_metrics", {})
+        final = {**summary.get("final_metrics", {}), "epoch": summary["epoch"]}
         colour = "green" if summary["status"] == "finished" else "red"
         self.console.print(
             f"[{colour}]{summary['status']}[/] at step {summary['global_step']} in {summary['wall_time_s']:.1f} s · "
             f"{describe(final)} · {summary['throughput_samples_per_s']:,.0f} samples/s (steady)",
             highlight=False,
+            soft_wrap=True,
         )

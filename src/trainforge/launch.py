@@ -19,9 +19,9 @@ import ray
 import ray.train
 from ray.train.torch import TorchTrainer
 
+from trainforge import errors
 from trainforge.checkpoint.format import write_json_atomic
 from trainforge.config import Config, to_yaml
-from trainforge import errors
 from trainforge.errors import ClusterError, TrainforgeError, TrainingFailed
 from trainforge.observe import ForwardingCallback, Mailbox, Observer, Observers, Pump
 from trainforge.worker.loop import train_loop_per_worker, worker_env
@@ -68,12 +68,32 @@ def check_reachable(address: str, timeout_s: float = 5.0) -> None:
 
 
 @contextlib.contextmanager
+def ray_logs_to(path: Path, *, verbose: bool) -> Iterator[None]:
+    """Ray's driver-side log lines go to ``path``; on the terminal too only when verbose."""
+    ray_logger = logging.getLogger("ray")
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    # Ray installs its own stderr handler on import; park it unless the user asked for Ray's logs.
+    parked = [] if verbose else list(ray_logger.handlers)
+    for old in parked:
+        ray_logger.removeHandler(old)
+    ray_logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        ray_logger.removeHandler(handler)
+        for old in parked:
+            ray_logger.addHandler(old)
+        handler.close()
+
+
+@contextlib.contextmanager
 def ray_session(config: Config, address: str | None, *, verbose: bool) -> Iterator[str]:
     """Connect to the cluster at ``address`` or start a local Ray; yields a description of it."""
     if ray.is_initialized():
         yield "the Ray instance already running in this process"
         return
-    quiet = {"log_to_driver": verbose, "logging_level": logging.INFO if verbose else logging.WARNING}
+    quiet = {"log_to_driver": verbose, "configure_logging": False}
     if address:
         check_reachable(address)
         try:
@@ -129,7 +149,10 @@ def run_training(config: Config, observers: list[Observer], *, address: str | No
     os.environ.setdefault(POLL_ENV, str(config.cluster.report_poll_interval_s))
     fanout = Observers(observers)
     started = time.monotonic()
-    with ray_session(config, resolve_address(config, address), verbose=verbose) as where:
+    with (
+        ray_logs_to(run_dir / "ray.log", verbose=verbose),
+        ray_session(config, resolve_address(config, address), verbose=verbose) as where,
+    ):
         mailbox = Mailbox.remote()  # type: ignore[attr-defined]
         pump = Pump(mailbox, fanout)
         fanout.on_start(
@@ -166,7 +189,9 @@ def _fit(trainer: TorchTrainer, pump: Pump, started: float) -> Outcome:
             error="".join(traceback.format_exception(err)),
         )
     except KeyboardInterrupt:
-        return Outcome("aborted", pump.last_metrics, pump.last_checkpoint, len(pump.worker_errors), time.monotonic() - started)
+        return Outcome(
+            "aborted", pump.last_metrics, pump.last_checkpoint, len(pump.worker_errors), time.monotonic() - started
+        )
     pump.drain()
     returned = result.return_value if isinstance(result.return_value, dict) else {}
     if "user_error" in returned:
@@ -220,4 +245,6 @@ def make_summary(config: Config, outcome: Outcome, last_metrics: dict[str, Any])
 
 def raise_if_failed(summary: dict[str, Any], run_dir: Path) -> None:
     if summary["status"] == "failed":
-        raise TrainingFailed(f"training failed: {summary.get('error', 'unknown error')} (details: {run_dir / 'error.log'})")
+        raise TrainingFailed(
+            f"training failed: {summary.get('error', 'unknown error')} (details: {run_dir / 'error.log'})"
+        )

@@ -47,7 +47,9 @@ class ForwardingCallback(UserCallback):
         self.mailbox.put.remote(event)  # fire and forget: calls from one caller arrive in order
 
     def after_exception(self, run_context: Any, worker_exceptions: dict[int, Exception]) -> None:
-        errors = {int(rank): f"{type(err).__name__}: {err}".splitlines()[0][:500] for rank, err in worker_exceptions.items()}
+        errors = {
+            int(rank): f"{type(err).__name__}: {err}".splitlines()[0][:500] for rank, err in worker_exceptions.items()
+        }
         self.mailbox.put.remote({"kind": "worker_error", "errors": errors})
 
 

@@ -6,7 +6,7 @@ Importing the builder modules here registers every built-in before anyone can lo
 
 from __future__ import annotations
 
-from trainforge.models import language, vision
+from trainforge.models import language, vision  # noqa: F401  (importing them registers the built-ins)
 from trainforge.models.registry import BUILTIN_MODELS, build_model
 from trainforge.models.tasks import CausalLMTask, ClassificationTask, Task, build_task
 
@@ -17,6 +17,4 @@ __all__ = [
     "Task",
     "build_model",
     "build_task",
-    "language",
-    "vision",
 ]

@@ -56,7 +56,7 @@ def gpt2_small(spec: DataSpec, **overrides: Any) -> nn.Module:
 
 @register("gpt2_base")
 def gpt2_base(spec: DataSpec, **overrides: Any) -> nn.Module:
-    """The 124M GPT-2 (12 layers, 768 wide, 12 heads) with the data's vocabulary; ``overrides`` are GPT2Config fields."""
+    """The 124M GPT-2 (12 layers, 768 wide, 12 heads) on the data's vocabulary; ``overrides`` are GPT2Config fields."""
     return hf_gpt2("gpt2_base", spec, {"n_layer": 12, "n_embd": 768, "n_head": 12}, overrides)
 
 

@@ -47,6 +47,7 @@ def build_model(cfg: ModelConfig, spec: DataSpec) -> nn.Module:
 
 
 def build_builtin(name: str, spec: DataSpec, kwargs: Mapping[str, Any]) -> nn.Module:
+    """Look ``name`` up, check ``kwargs`` against the builder, and turn any build failure into a ModelError."""
     builder = BUILTIN_MODELS.get(name)
     if builder is None:
         known = ", ".join(sorted(BUILTIN_MODELS))
@@ -68,8 +69,16 @@ def build_builtin(name: str, spec: DataSpec, kwargs: Mapping[str, Any]) -> nn.Mo
         raise
     except Exception as err:
         raise ModelError(
-            f"built-in {name!r} failed to build with model.kwargs {dict(kwargs)}: {type(err).__name__}: {err}"
+            f"built-in {name!r} failed to build with model.kwargs {dict(kwargs)}: {describe(err)}"
         ) from err
+
+
+def one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def describe(err: BaseException) -> str:
+    return f"{type(err).__name__}: {one_line(str(err))}"
 
 
 def accepted_kwargs(builder: Builder) -> str:
@@ -90,13 +99,11 @@ def load_factory(path: str) -> Callable[..., Any]:
         target: Any = importlib.import_module(module_name)
     except ImportError as err:
         raise ModelError(
-            f"model.factory {path!r}: cannot import module {module_name!r} ({err}); "
+            f"model.factory {path!r}: cannot import module {module_name!r} ({one_line(str(err))}); "
             "check the spelling and that it is importable on every worker (PYTHONPATH or an installed package)"
         ) from err
     except Exception as err:
-        raise ModelError(
-            f"model.factory {path!r}: importing module {module_name!r} raised {type(err).__name__}: {err}"
-        ) from err
+        raise ModelError(f"model.factory {path!r}: importing module {module_name!r} raised {describe(err)}") from err
     owner = module_name
     for part in attr_path.split("."):
         if not hasattr(target, part):
@@ -108,8 +115,8 @@ def load_factory(path: str) -> Callable[..., Any]:
         owner = f"{owner}.{part}"
     if not callable(target):
         raise ModelError(
-            f"model.factory {path!r} is a {type(target).__name__}, not a callable; point it at a function "
-            "that returns a torch.nn.Module"
+            f"model.factory {path!r} is not callable (got a value of type {type(target).__name__}); "
+            "point it at a function that returns a torch.nn.Module"
         )
     return target
 
@@ -121,7 +128,8 @@ def build_from_factory(path: str, kwargs: Mapping[str, Any]) -> nn.Module:
         model = factory(**kwargs)
     except Exception as err:
         raise ModelError(
-            f"model.factory {path!r} raised {type(err).__name__} when called with model.kwargs {dict(kwargs)}: {err}"
+            f"model.factory {path!r} raised {type(err).__name__} when called with model.kwargs {dict(kwargs)}: "
+            f"{one_line(str(err))}"
         ) from err
     if not isinstance(model, nn.Module):
         raise ModelError(
@@ -151,9 +159,10 @@ def config_fields(config_cls: type) -> list[str]:
     """The model-specific fields of a transformers config class (its own ``__init__`` arguments)."""
     from transformers import PretrainedConfig
 
-    generic = set(inspect.signature(PretrainedConfig.__init__).parameters)
-    own = inspect.signature(config_cls.__init__).parameters.values()
-    return [p.name for p in own if p.name not in generic and p.kind is p.POSITIONAL_OR_KEYWORD]
+    generic = set(inspect.signature(PretrainedConfig).parameters)
+    own = inspect.signature(config_cls).parameters.values()
+    keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return [p.name for p in own if p.name not in generic and p.kind in keyword]
 
 
 def hf_config(
@@ -162,11 +171,13 @@ def hf_config(
     """Build ``config_cls(**defaults | overrides | fixed)``, refusing overrides the class does not know.
 
     transformers configs store unknown keys silently, so a typo would otherwise do nothing; ``fixed``
-    holds values that come from the data (channels, vocabulary) and may not be overridden.
+    holds what trainforge decides (shapes from the data, the attention kernel) and may not be overridden.
     """
     from_data = sorted(set(overrides) & set(fixed))
     if from_data:
-        raise ModelError(f"model.kwargs {from_data} for {name!r} are set from the data section; remove them")
+        raise ModelError(
+            f"model.kwargs {from_data} for {name!r} are set by trainforge from the data section; remove them"
+        )
     fields = config_fields(config_cls)
     unknown = sorted(set(overrides) - set(fields))
     if unknown:

@@ -119,6 +119,7 @@ class ViTLogits(HFLogits):
         self.image_size = image_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # transformers interpolates on a square grid only, so a non-square build takes its own size only
         resized = tuple(x.shape[-2:]) != self.image_size
         return self.model(x, interpolate_pos_encoding=resized).logits
 
@@ -130,8 +131,13 @@ def vit_b_16(spec: DataSpec, **overrides: Any) -> nn.Module:
 
     num_classes = require_classes(spec, "vit_b_16")
     in_channels, height, width = require_chw(spec, "vit_b_16")
-    arch = {"hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12, "intermediate_size": 3072}
-    arch["patch_size"] = 16
+    arch = {
+        "hidden_size": 768,
+        "num_hidden_layers": 12,
+        "num_attention_heads": 12,
+        "intermediate_size": 3072,
+        "patch_size": 16,
+    }
     image_size = height if height == width else (height, width)
     fixed = {
         "num_channels": in_channels,

@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 from trainforge.config import Config
-from trainforge.errors import DataError, TrainforgeError
 from trainforge.data import ResumableDistributedSampler, build_datasets, make_loader
+from trainforge.errors import DataError, TrainforgeError
 from trainforge.models import Task, build_model, build_task
 from trainforge.worker import parallel
 from trainforge.worker.optim import build_optimizer, build_scheduler, effective_lr
@@ -92,9 +92,7 @@ def build(config: Config) -> WorkerRun:
             f"train.batch_size x train.grad_accum_steps = {samples_per_step} exceeds the {sampler.per_rank_size()} "
             f"training samples each of {world} workers gets; lower the batch size or use fewer workers"
         )
-    total_steps = min(
-        config.train.max_steps or math.inf, (config.train.epochs or math.inf) * steps_per_epoch
-    )
+    total_steps = min(config.train.max_steps or math.inf, (config.train.epochs or math.inf) * steps_per_epoch)
     total_steps = int(total_steps)
 
     global_batch = samples_per_step * world
@@ -178,8 +176,9 @@ def train(run: WorkerRun, progress: Any, writer: CheckpointWriter) -> dict[str, 
             if more and run.val_set is not None and cfg.train.eval_every_n_steps is None:
                 val_metrics = timed_evaluate(run, meter)
 
-    final_val = evaluate(run) if run.val_set is not None else {}
-    metrics = reduce_metrics(run, sums, time.perf_counter() - last_report, progress, final_val, meter)
+    interval_s = time.perf_counter() - last_report
+    final_val = timed_evaluate(run, meter) if run.val_set is not None else {}
+    metrics = reduce_metrics(run, sums, interval_s, progress, final_val, meter)
     metrics["time/elapsed_s"] = time.perf_counter() - start
     # A run restored after it had already finished trains nothing and writes no new checkpoint.
     writer.report(progress, metrics, force_checkpoint=progress.global_step > first_step)

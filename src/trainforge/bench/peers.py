@@ -1,0 +1,296 @@
+"""``trainforge bench peers``: the same training job in four implementations, samples/s side by side.
+
+(a) plain PyTorch in one process, (b) torchrun + DDP, (c) plain Ray Train, (d) trainforge. Every
+peer trains the :class:`~trainforge.bench.workload.Workload` and reports samples per second over
+all workers from the end of step 5 to the end of the last step. Measurements are interleaved
+(a, b, c, d, then again) and the median of the repeats is quoted, because a small shared machine
+drifts over minutes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+import trainforge
+from trainforge.bench.workload import WARMUP_STEPS, Workload
+from trainforge.errors import TrainforgeError
+
+PEERS: dict[str, str] = {
+    "a": "(a) PyTorch, 1 process",
+    "b": "(b) torchrun + DDP",
+    "c": "(c) Ray Train",
+    "d": "(d) trainforge",
+}
+GOALS: dict[str, float] = {"d/c": 0.97, "d/b": 0.93}
+RAY_CPUS = 4
+POLL_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
+POLL_INTERVAL_S = "0.2"
+SUBPROCESS_TIMEOUT_S = 900
+
+
+class PeerFailed(TrainforgeError):
+    """A peer implementation crashed or returned no figure; the benchmark cannot go on."""
+
+    exit_code = 1
+
+
+@dataclass(frozen=True)
+class Measurement:
+    peer: str
+    workers: int
+    repeat: int
+    samples_per_s: float
+    wall_s: float
+
+
+def run_peers(
+    counts: Sequence[int],
+    *,
+    steps: int = 150,
+    batch_size: int = 64,
+    repeats: int = 2,
+    output: Path | None = None,
+    console: Console | None = None,
+) -> dict[str, Any]:
+    """Measure every peer at every worker count ``repeats`` times; print the table, return the report."""
+    shown = console or Console()
+    workload = Workload.sized_for(steps, batch_size, max(counts))
+    shown.print(
+        f"bench peers: {workload.model_config().name} {workload.model_kwargs} on synthetic 3x32x32 images, "
+        f"batch {batch_size} per worker, {WARMUP_STEPS} warm-up + {steps} timed steps, "
+        f"workers {', '.join(map(str, counts))}, {repeats} repeat(s)",
+        highlight=False,
+    )
+    measurements: list[Measurement] = []
+    with tempfile.TemporaryDirectory(prefix="trainforge-bench-") as scratch, local_ray():
+        for workers in counts:
+            for repeat in range(repeats):
+                for peer, measure in MEASURES.items():
+                    started = time.monotonic()
+                    rate = measure(workload, workers, Path(scratch) / f"{peer}-{workers}w-r{repeat}")
+                    found = Measurement(peer, workers, repeat, rate, round(time.monotonic() - started, 1))
+                    measurements.append(found)
+                    shown.print(
+                        f"  {workers} worker(s), repeat {repeat + 1}/{repeats}: {PEERS[peer]:<24} "
+                        f"{rate:9.1f} samples/s  ({found.wall_s:.0f} s)",
+                        highlight=False,
+                    )
+    rows = summarise(measurements, counts)
+    shown.print(results_table(rows, repeats))
+    for line in goal_lines(rows):
+        shown.print(line, highlight=False)
+    report = {
+        "machine": machine(),
+        "workload": {**asdict(workload), "warmup_steps": WARMUP_STEPS, "repeats": repeats},
+        "goals": GOALS,
+        "rows": rows,
+        "measurements": [asdict(m) for m in measurements],
+    }
+    if output is not None:
+        output.write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+# ---------------------------------------------------------------------------------------------
+# The four peers: each returns samples/s over all workers
+
+
+def measure_plain(workload: Workload, workers: int, scratch: Path) -> float:
+    """(a) One process, ``workers`` intra-op threads, batch ``workers * b``."""
+    command = [sys.executable, "-m", "trainforge.bench.workload", "--threads", str(workers)]
+    return _run_script(command, workload, scratch, threads=workers, what=PEERS["a"])
+
+
+def measure_torchrun(workload: Workload, workers: int, scratch: Path) -> float:
+    """(b) ``workers`` torchrun processes with one thread each."""
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        str(workers),
+        "-m",
+        "trainforge.bench._torchrun_worker",
+    ]
+    return _run_script(command, workload, scratch, threads=1, what=PEERS["b"])
+
+
+def measure_ray_train(workload: Workload, workers: int, scratch: Path) -> float:
+    """(c) A TorchTrainer around an ordinary Ray Train loop; rank 0 returns its figure."""
+    import ray.train
+    from ray.train.torch import TorchTrainer
+
+    from trainforge.bench.workload import ray_train_loop
+
+    trainer = TorchTrainer(
+        ray_train_loop,  # type: ignore[arg-type]  # Train V2 passes the return value on; the stubs are V1's
+        train_loop_config={"workload": workload.to_json()},
+        scaling_config=ray.train.ScalingConfig(num_workers=workers),
+        run_config=ray.train.RunConfig(name=scratch.name, storage_path=str(scratch)),
+    )
+    returned = getattr(trainer.fit(), "return_value", None)  # Train V2's Result; mypy sees V1's
+    if not isinstance(returned, dict) or "samples_per_s" not in returned:
+        raise PeerFailed(f"{PEERS['c']} returned {returned!r} instead of its measured figure")
+    return float(returned["samples_per_s"])
+
+
+def measure_trainforge(workload: Workload, workers: int, scratch: Path) -> float:
+    """(d) ``trainforge.fit``; its progress display goes to a buffer so the bench output stays readable."""
+    config = workload.trainforge_config(workers, name=scratch.name, output_dir=str(scratch.parent))
+    result = trainforge.fit(config, console=Console(file=io.StringIO()))
+    rate = float(result.summary["throughput_samples_per_s"])
+    if rate <= 0:
+        raise PeerFailed(f"{PEERS['d']} reported throughput {rate} (summary in {result.run_dir})")
+    return rate
+
+
+MEASURES: dict[str, Callable[[Workload, int, Path], float]] = {
+    "a": measure_plain,
+    "b": measure_torchrun,
+    "c": measure_ray_train,
+    "d": measure_trainforge,
+}
+
+
+def _run_script(command: list[str], workload: Workload, scratch: Path, *, threads: int, what: str) -> float:
+    """Run a peer's script in a fresh process tree and read the figure it writes as JSON."""
+    scratch.mkdir(parents=True, exist_ok=True)
+    out = scratch / "result.json"
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": _python_path()}
+    done = subprocess.run(
+        [*command, "--workload", workload.to_json(), "--out", str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=SUBPROCESS_TIMEOUT_S,
+        check=False,
+    )
+    if done.returncode != 0 or not out.is_file():
+        tail = " | ".join(done.stderr.strip().splitlines()[-3:]) or "no output"
+        raise PeerFailed(f"{what} exited with code {done.returncode}: {tail}")
+    return float(json.loads(out.read_text())["samples_per_s"])
+
+
+def _python_path() -> str:
+    """PYTHONPATH that lets a child process import this trainforge, installed or from a source tree."""
+    source_root = str(Path(trainforge.__file__).resolve().parents[1])
+    return os.pathsep.join(filter(None, [source_root, os.environ.get("PYTHONPATH")]))
+
+
+@contextlib.contextmanager
+def local_ray() -> Iterator[None]:
+    """One local Ray for peers (c) and (d); trainforge.fit reuses a Ray that is already running.
+
+    The controller's poll interval is set before Ray starts: every Ray Train report waits for a
+    poll, and Ray's default of 2 s would dominate a short run for both Ray peers.
+    """
+    import ray
+
+    saved = {name: os.environ.get(name) for name in (POLL_ENV, "PYTHONPATH")}
+    os.environ[POLL_ENV] = POLL_INTERVAL_S
+    os.environ["PYTHONPATH"] = _python_path()  # Ray's worker processes inherit it
+    ray.init(num_cpus=RAY_CPUS, include_dashboard=False, log_to_driver=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+# ---------------------------------------------------------------------------------------------
+# Results
+
+
+def summarise(measurements: Sequence[Measurement], counts: Sequence[int]) -> list[dict[str, Any]]:
+    """One row per worker count: the median samples/s of each peer and the two ratios."""
+    rows = []
+    for workers in counts:
+        medians = {
+            peer: statistics.median(m.samples_per_s for m in measurements if m.peer == peer and m.workers == workers)
+            for peer in PEERS
+        }
+        rows.append(
+            {
+                "workers": workers,
+                **medians,
+                "d/c": _ratio(medians["d"], medians["c"]),
+                "d/b": _ratio(medians["d"], medians["b"]),
+            }
+        )
+    return rows
+
+
+def _ratio(numerator: float, denominator: float) -> float:
+    return numerator / denominator if denominator > 0 else 0.0
+
+
+def results_table(rows: Sequence[dict[str, Any]], repeats: int) -> Table:
+    table = Table(title=f"samples/s over all workers (median of {repeats})")
+    table.add_column("workers", justify="right")
+    for label in PEERS.values():
+        table.add_column(label, justify="right")
+    for ratio in GOALS:
+        table.add_column(ratio, justify="right")
+    for row in rows:
+        table.add_row(
+            str(row["workers"]),
+            *(f"{row[peer]:.1f}" for peer in PEERS),
+            *(f"{row[ratio]:.3f}" for ratio in GOALS),
+        )
+    return table
+
+
+def goal_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """``goal d/c >= 0.97: pass at 1 worker(s) (0.991), miss at 2 worker(s) (0.952)``."""
+    lines = []
+    for ratio, goal in GOALS.items():
+        verdicts = [
+            f"{'pass' if row[ratio] >= goal else 'miss'} at {row['workers']} worker(s) ({row[ratio]:.3f})"
+            for row in rows
+        ]
+        lines.append(f"goal {ratio} >= {goal}: {', '.join(verdicts)}")
+    return lines
+
+
+def machine() -> dict[str, Any]:
+    import ray
+    import torch
+
+    return {
+        "cpu_count": os.cpu_count(),
+        "cpu_model": _cpu_model(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "ray": ray.__version__,
+        "trainforge": trainforge.__version__,
+    }
+
+
+def _cpu_model() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown"

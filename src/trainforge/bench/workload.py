@@ -1,0 +1,228 @@
+"""The one workload every peer trains, the step loop the hand-written peers share, and their clock.
+
+Peers (a), (b) and (c) run :func:`run_steps` with the same model, data set type, optimizer and
+:class:`StepClock`; only the distribution layer around it differs. Peer (d) is trainforge itself,
+configured by :func:`Workload.trainforge_config` and measured by trainforge's own ``Throughput``.
+
+``python -m trainforge.bench.workload --workload JSON --threads K --out PATH`` runs peer (a), plain
+PyTorch in one process, and writes its figure to PATH as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from trainforge.config import DataConfig, ModelConfig
+
+WARMUP_STEPS = 5  # the same as trainforge.worker.loop.WARMUP_STEPS: these steps are not timed
+MODEL_NAME = "small_cnn"
+# Narrower than small_cnn's default (32, 64, 128): about 80 ms of forward+backward per batch of 64
+# on one core, so compute dominates per-step framework overhead without making runs long.
+MODEL_KWARGS: dict[str, Any] = {"channels": [16, 32, 64]}
+LEARNING_RATE = 0.01
+MOMENTUM = 0.9
+IMAGE_SHAPE = [3, 32, 32]
+NUM_CLASSES = 10
+
+AfterStep = Callable[[int, torch.Tensor], None]
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What every peer trains: per-worker batch, timed steps, data set size and seed."""
+
+    batch_size: int = 64
+    steps: int = 150
+    num_samples: int = 20_000
+    seed: int = 0
+    model_kwargs: dict[str, Any] = field(default_factory=lambda: dict(MODEL_KWARGS))
+
+    @property
+    def total_steps(self) -> int:
+        return WARMUP_STEPS + self.steps
+
+    @classmethod
+    def sized_for(cls, steps: int, batch_size: int, max_workers: int) -> Workload:
+        """A workload whose data set holds exactly one epoch at the largest worker count, so no
+        peer crosses an epoch boundary inside the timed window."""
+        return cls(batch_size=batch_size, steps=steps, num_samples=(WARMUP_STEPS + steps) * batch_size * max_workers)
+
+    def data_config(self) -> DataConfig:
+        return DataConfig(
+            name="synthetic",
+            kind="image",
+            input_shape=list(IMAGE_SHAPE),
+            num_classes=NUM_CLASSES,
+            num_samples=self.num_samples,
+            val_fraction=0.0,
+        )
+
+    def model_config(self) -> ModelConfig:
+        return ModelConfig(name=MODEL_NAME, kwargs=dict(self.model_kwargs))
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> Workload:
+        return cls(**json.loads(text))
+
+    def trainforge_config(self, workers: int, name: str, output_dir: str) -> dict[str, Any]:
+        """The trainforge run that trains this workload: no validation, default reporting and
+        checkpointing (one checkpoint, at the end)."""
+        return {
+            "run": {"name": name, "output_dir": output_dir},
+            "model": self.model_config().model_dump(mode="json"),
+            "data": self.data_config().model_dump(mode="json"),
+            "train": {"max_steps": self.total_steps, "batch_size": self.batch_size},
+            "optim": {"name": "sgd", "lr": LEARNING_RATE, "momentum": MOMENTUM},
+            "scaling": {"num_workers": workers},
+            "failure": {"max_failures": 0},
+            "seed": self.seed,
+        }
+
+
+def build(workload: Workload) -> tuple[Dataset[Any], nn.Module]:
+    """The training set and a freshly initialised model, both from trainforge's own builders."""
+    from trainforge.data import build_datasets
+    from trainforge.models import build_model
+
+    train_set, _, spec = build_datasets(workload.data_config(), workload.seed)
+    torch.manual_seed(workload.seed)
+    return train_set, build_model(workload.model_config(), spec)
+
+
+def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=LEARNING_RATE, momentum=MOMENTUM)
+
+
+class StepClock:
+    """Samples per second over all workers, from the end of warm-up step 5 to the end of the last
+    step: the definition trainforge's ``Throughput`` uses, so every peer's figure means the same."""
+
+    def __init__(self, global_batch: int, warmup: int = WARMUP_STEPS) -> None:
+        self.global_batch = global_batch
+        self.warmup = warmup
+        self.steps = 0
+        self.started: float | None = None
+        self.last = 0.0
+
+    def step_done(self) -> None:
+        now = time.perf_counter()
+        self.steps += 1
+        if self.steps == self.warmup:
+            self.started = now
+        self.last = now
+
+    @property
+    def timed_steps(self) -> int:
+        return max(self.steps - self.warmup, 0)
+
+    @property
+    def timed_s(self) -> float:
+        return self.last - self.started if self.started is not None else 0.0
+
+    def result(self) -> dict[str, float]:
+        rate = self.timed_steps * self.global_batch / self.timed_s if self.timed_s > 0 else 0.0
+        return {"samples_per_s": rate, "timed_steps": self.timed_steps, "timed_s": self.timed_s}
+
+
+def run_steps(
+    model: nn.Module,
+    loader: Iterable[Sequence[torch.Tensor]],
+    optimizer: torch.optim.Optimizer,
+    total_steps: int,
+    clock: StepClock,
+    *,
+    set_epoch: Callable[[int], None] | None = None,
+    after_step: AfterStep | None = None,
+) -> None:
+    """An ordinary training loop: epochs of shuffled batches, cross-entropy, backward, step."""
+    loss_fn = nn.CrossEntropyLoss()
+    model.train()
+    step = epoch = 0
+    while step < total_steps:
+        if set_epoch is not None:
+            set_epoch(epoch)
+        for inputs, targets in loader:
+            optimizer.zero_grad(set_to_none=True)
+            loss = loss_fn(model(inputs), targets)
+            loss.backward()  # under DDP, gradients are all-reduced here
+            optimizer.step()
+            step += 1
+            clock.step_done()
+            if after_step is not None:
+                after_step(step, loss)
+            if step >= total_steps:
+                break
+        epoch += 1
+
+
+def run_plain(workload: Workload, threads: int) -> dict[str, float]:
+    """Peer (a): no distribution at all; k "workers" are k intra-op threads and a batch of k*b."""
+    torch.set_num_threads(threads)
+    dataset, model = build(workload)
+    batch = workload.batch_size * threads
+    loader = DataLoader(dataset, batch_size=batch, shuffle=True, drop_last=True)
+    clock = StepClock(batch)
+    run_steps(model, loader, make_optimizer(model), workload.total_steps, clock)
+    return clock.result()
+
+
+def ray_train_loop(config: dict[str, Any]) -> dict[str, float] | None:
+    """Peer (c): an idiomatic Ray Train loop; rank 0 returns its figure as the run's return value."""
+    import ray.train
+    import ray.train.torch
+
+    torch.set_num_threads(1)
+    workload = Workload.from_json(config["workload"])
+    ctx = ray.train.get_context()
+    dataset, model = build(workload)
+    model = ray.train.torch.prepare_model(model)
+    loader = ray.train.torch.prepare_data_loader(
+        DataLoader(dataset, batch_size=workload.batch_size, shuffle=True, drop_last=True)
+    )
+    sampler = loader.sampler
+
+    def set_epoch(epoch: int) -> None:
+        if hasattr(sampler, "set_epoch"):  # a DistributedSampler once there is more than one worker
+            sampler.set_epoch(epoch)
+
+    def report(step: int, loss: torch.Tensor) -> None:
+        if step % 100 == 0:
+            ray.train.report({"step": step, "loss": loss.item()})
+
+    clock = StepClock(workload.batch_size * ctx.get_world_size())
+    run_steps(model, loader, make_optimizer(model), workload.total_steps, clock, set_epoch=set_epoch, after_step=report)
+    return clock.result() if ctx.get_world_rank() == 0 else None
+
+
+def write_result(path: str | Path, result: dict[str, Any]) -> None:
+    Path(path).write_text(json.dumps(result))
+
+
+def parse_args(argv: Sequence[str] | None, description: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--workload", required=True, help="The Workload as JSON.")
+    parser.add_argument("--out", required=True, help="Where to write the measured figure as JSON.")
+    parser.add_argument("--threads", type=int, default=1, help="Intra-op threads (peer a only).")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv, "Peer (a): plain PyTorch in one process.")
+    write_result(args.out, run_plain(Workload.from_json(args.workload), args.threads))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""``trainforge bench peers``: a CI-sized run through the real CLI, its flags, and its arithmetic."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from trainforge.bench.peers import PEERS, Measurement, goal_lines, summarise
+from trainforge.bench.workload import WARMUP_STEPS, StepClock, Workload
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def bench(*args: str, cwd: Path, timeout: int = 580) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)]), "TERM": "dumb"}
+    return subprocess.run(
+        [sys.executable, "-m", "trainforge", "bench", "peers", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+@pytest.mark.slow
+def test_ci_sized_run_measures_every_peer_and_prints_the_table(tmp_path: Path) -> None:
+    out = tmp_path / "out.json"
+    result = bench("--workers", "1,2", "--steps", "20", "--repeats", "1", "--output", str(out), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    report = json.loads(out.read_text())
+    assert [row["workers"] for row in report["rows"]] == [1, 2]
+    assert len(report["measurements"]) == 2 * len(PEERS)
+    assert all(m["samples_per_s"] > 0 for m in report["measurements"])
+    for row in report["rows"]:
+        assert all(row[peer] > 0 for peer in PEERS)
+        assert row["d/c"] == pytest.approx(row["d"] / row["c"])
+        assert row["d/b"] == pytest.approx(row["d"] / row["b"])
+        # One repeat: the median is the measurement itself.
+        for peer in PEERS:
+            (only,) = [m for m in report["measurements"] if m["peer"] == peer and m["workers"] == row["workers"]]
+            assert row[peer] == only["samples_per_s"]
+    assert report["workload"]["steps"] == 20
+    assert report["workload"]["warmup_steps"] == WARMUP_STEPS
+
+    for label in ("(a) PyTorch", "(b) torchrun", "(c) Ray Train", "(d) trainforge", "d/c", "d/b"):
+        assert label in result.stdout, result.stdout
+    assert "goal d/c >= 0.97:" in result.stdout
+    assert "goal d/b >= 0.93:" in result.stdout
+    # Progress: a line per measurement while it runs.
+    assert result.stdout.count("samples/s  (") == 2 * len(PEERS)
+    assert not list(tmp_path.glob("runs")), "the benchmark must not leave run folders in the working directory"
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--repeats", "0"], "--repeats 0: must be >= 1"),
+        (["--steps", "5"], "--steps 5: must be >= 10"),
+        (["--batch-size", "0"], "--batch-size 0: must be >= 1"),
+        (["--workers", "0,2"], "worker counts must be >= 1"),
+        (["--workers", "one"], "expected comma-separated integers"),
+        (["--output", "/nonexistent-dir/out.json"], "folder /nonexistent-dir does not exist"),
+    ],
+)
+def test_bad_values_are_one_line_and_exit_code_2(tmp_path: Path, args: list[str], expected: str) -> None:
+    started = time.monotonic()
+    result = bench(*args, cwd=tmp_path, timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(errors) == 1, result.stderr
+    assert errors[0].startswith("error:") and expected in errors[0], errors[0]
+    assert time.monotonic() - started < 30, "bad flags must be refused before anything is measured"
+
+
+def test_warmup_matches_trainforge_throughput_definition() -> None:
+    from trainforge.worker.loop import WARMUP_STEPS as TRAINFORGE_WARMUP
+
+    assert WARMUP_STEPS == TRAINFORGE_WARMUP
+
+
+def test_step_clock_times_from_the_end_of_warmup(monkeypatch: pytest.MonkeyPatch) -> None:
+    ticks = iter(float(t) for t in range(100))
+    monkeypatch.setattr("trainforge.bench.workload.time.perf_counter", lambda: next(ticks))
+    clock = StepClock(global_batch=128, warmup=5)
+    for _ in range(15):
+        clock.step_done()
+    # Steps end at t = 0..14: the clock runs from t = 4 (end of step 5) to t = 14, over 10 steps.
+    assert clock.result() == {"samples_per_s": 128.0, "timed_steps": 10, "timed_s": 10.0}
+
+
+def test_workload_holds_one_epoch_at_the_largest_worker_count() -> None:
+    workload = Workload.sized_for(steps=20, batch_size=64, max_workers=2)
+    assert workload.total_steps == WARMUP_STEPS + 20
+    assert workload.num_samples == workload.total_steps * 64 * 2
+    config = workload.trainforge_config(2, name="x", output_dir="/tmp")
+    assert config["train"]["max_steps"] == workload.total_steps
+    assert config["data"]["val_fraction"] == 0
+    assert config["optim"] == {"name": "sgd", "lr": 0.01, "momentum": 0.9}
+
+
+def test_rows_quote_medians_and_goals_say_pass_or_miss() -> None:
+    figures = {"a": [10.0, 30.0, 20.0], "b": [100.0, 100.0, 100.0], "c": [90.0, 100.0, 95.0], "d": [96.0, 90.0, 99.0]}
+    measurements = [
+        Measurement(peer, 2, repeat, rate, 1.0) for peer, rates in figures.items() for repeat, rate in enumerate(rates)
+    ]
+    (row,) = summarise(measurements, [2])
+    assert row == {"workers": 2, "a": 20.0, "b": 100.0, "c": 95.0, "d": 96.0, "d/c": 96.0 / 95.0, "d/b": 0.96}
+    assert goal_lines([row]) == [
+        "goal d/c >= 0.97: pass at 2 worker(s) (1.011)",
+        "goal d/b >= 0.93: pass at 2 worker(s) (0.960)",
+    ]
+    assert goal_lines([{**row, "d/b": 0.9}])[1] == "goal d/b >= 0.93: miss at 2 worker(s) (0.900)"

@@ -1,0 +1,96 @@
+"""The command line: bad input gets one line and exit code 2, never a traceback."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.helpers.runs import tiny_run
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def trainforge(*args: str, cwd: Path = ROOT, timeout: int = 240) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TERM": "dumb"}
+    return subprocess.run(
+        [sys.executable, "-m", "trainforge", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def write_config(tmp_path: Path, **sections: object) -> Path:
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(tiny_run(tmp_path, **sections)))  # type: ignore[arg-type]
+    return path
+
+
+def assert_user_error(result: subprocess.CompletedProcess[str], expected: str) -> None:
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, result.stderr
+    assert expected in errors[0], errors[0]
+
+
+def test_config_show_prints_the_resolved_config(tmp_path: Path) -> None:
+    result = trainforge("config", "show", str(write_config(tmp_path)), "--set", "train.batch_size=7")
+    assert result.returncode == 0, result.stderr
+    assert yaml.safe_load(result.stdout)["train"]["batch_size"] == 7
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--set", "train.bacth_size=3"], "unknown key train.bacth_size — did you mean train.batch_size?"),
+        (["--set", "train.batch_size=many"], "train.batch_size = 'many': Input should be a valid integer"),
+        (["--set", "optim.lr=-1"], "optim.lr = -1: Input should be greater than 0"),
+        (["--set", "nonsense"], "expected key=value"),
+        (["--set", "data.name=cifar10", "--set", "data.path=/nonexistent/cifar"], "/nonexistent/cifar"),
+        (["--set", "model.name=resnet19"], "resnet18"),
+        (["--set", "model.name=null", "--set", "model.factory=no_such_pkg.models:net"], "no_such_pkg.models"),
+        (["--set", "model.name=null", "--set", "model.factory=tests.helpers.user_models:nope"], "nope"),
+        (["--address", "127.0.0.1:9"], "cannot reach the Ray cluster at 127.0.0.1:9"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_code_2(tmp_path: Path, args: list[str], expected: str) -> None:
+    result = trainforge("train", str(write_config(tmp_path)), *args)
+    assert_user_error(result, expected)
+    assert not (tmp_path / "t" / "summary.json").exists()
+
+
+def test_missing_config_file(tmp_path: Path) -> None:
+    assert_user_error(trainforge("train", str(tmp_path / "absent.yaml")), "does not exist")
+
+
+@pytest.mark.slow
+def test_factory_that_returns_no_module_fails_once_without_retries(tmp_path: Path) -> None:
+    config = write_config(
+        tmp_path,
+        model={"name": None, "factory": "tests.helpers.user_models:not_a_module"},
+        failure={"max_failures": 3},
+    )
+    result = trainforge("train", str(config))
+    assert_user_error(result, "not_a_module")
+
+
+@pytest.mark.slow
+def test_train_command_runs_and_prints_the_summary_path(tmp_path: Path) -> None:
+    result = trainforge("train", str(write_config(tmp_path)), "--set", "scaling.num_workers=2")
+    assert result.returncode == 0, result.stderr
+    summary_path = Path(result.stdout.strip().splitlines()[-1])
+    summary = json.loads(summary_path.read_text())
+    assert summary["status"] == "finished" and summary["num_workers"] == 2
+    assert "Traceback" not in result.stderr
+    assert "step 20/20" in result.stderr  # one progress line per report when not on a terminal
+    assert (summary_path.parent / "ray.log").exists()
