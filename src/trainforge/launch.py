@@ -7,6 +7,7 @@ import logging
 import os
 import shutil
 import socket
+import sys
 import time
 import traceback
 from collections.abc import Iterator
@@ -141,8 +142,34 @@ def build_trainer(config: Config, mailbox: Any) -> TorchTrainer:
     )
 
 
+def preflight(config: Config, *, local: bool) -> None:
+    """Checks that need neither tensors nor a cluster, so that common mistakes fail before Ray starts.
+
+    Paths and factories are checked only for a local Ray: a remote cluster has its own file system
+    and Python path, and the workers check them there.
+    """
+    from trainforge.data.registry import SOURCES, unknown_source_message
+    from trainforge.errors import DataError
+    from trainforge.models.registry import load_factory, require_builtin
+
+    if config.data.name not in SOURCES:
+        raise DataError(unknown_source_message(config.data.name))
+    if config.model.name is not None:
+        require_builtin(config.model.name)
+    if not local:
+        return
+    if config.data.path is not None and not Path(config.data.path).expanduser().exists():
+        raise DataError(f"data.path {config.data.path} does not exist (data.name {config.data.name})")
+    if config.model.factory is not None:
+        if os.getcwd() not in sys.path:
+            sys.path.insert(0, os.getcwd())  # as the local workers see it (build_trainer's PYTHONPATH)
+        load_factory(config.model.factory)
+
+
 def run_training(config: Config, observers: list[Observer], *, address: str | None, verbose: bool) -> dict[str, Any]:
     """Train to completion (or failure) and return the summary that was written to summary.json."""
+    address = resolve_address(config, address)
+    preflight(config, local=address is None)
     run_dir = config.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(to_yaml(config))
@@ -151,7 +178,7 @@ def run_training(config: Config, observers: list[Observer], *, address: str | No
     started = time.monotonic()
     with (
         ray_logs_to(run_dir / "ray.log", verbose=verbose),
-        ray_session(config, resolve_address(config, address), verbose=verbose) as where,
+        ray_session(config, address, verbose=verbose) as where,
     ):
         mailbox = Mailbox.remote()  # type: ignore[attr-defined]
         pump = Pump(mailbox, fanout)

@@ -63,10 +63,19 @@ def test_builtin_names() -> None:
     assert set(BUILTIN_MODELS) == set(CASES)
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_builtin_forward_backward(name: str) -> None:
+@pytest.fixture(scope="module", params=list(CASES))
+def builtin(request: pytest.FixtureRequest) -> tuple[str, nn.Module]:
+    """One build per built-in, shared by the tests below; pytest groups them so one model lives at a time."""
+    torch.manual_seed(0)
+    name = request.param
+    return name, build(name, CASES[name][0])
+
+
+def test_builtin_forward_backward(builtin: tuple[str, nn.Module]) -> None:
+    name, model = builtin
     spec, size = CASES[name]
-    model = build(name, spec)
+    model.train()
+    model.zero_grad(set_to_none=True)
     assert type(model).forward is not nn.Module.forward
     x = batch(spec, size)
     out = model(x)
@@ -82,10 +91,10 @@ def test_builtin_forward_backward(name: str) -> None:
     assert sum(float(g.abs().sum()) for g in grads if g is not None) > 0
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_builtin_state_dict_round_trips_through_safetensors(name: str, tmp_path: Path) -> None:
+def test_builtin_state_dict_round_trips_through_safetensors(builtin: tuple[str, nn.Module], tmp_path: Path) -> None:
+    name, model = builtin
     spec, size = CASES[name]
-    model = build(name, spec).eval()
+    model.eval()
     save_model(model, str(tmp_path / "model.safetensors"))
     torch.manual_seed(1)
     fresh = build(name, spec).eval()
@@ -181,7 +190,7 @@ def test_hf_overrides_reach_the_config() -> None:
         ("mlp", DIGITS, {"hidden": [8]}, "model.kwargs ['hidden'] do not fit built-in 'mlp'; it accepts: hidden_sizes"),
         ("mlp", DIGITS, {"hidden_sizes": 5}, "built-in 'mlp' failed to build with model.kwargs {'hidden_sizes': 5}: "),
         ("gpt2_small", TOKENS, {"n_layers": 2}, "model.kwargs ['n_layers'] are not GPT2Config fields; 'gpt2_small'"),
-        ("gpt2_small", TOKENS, {"vocab_size": 5}, "model.kwargs ['vocab_size'] for 'gpt2_small' are set from the data"),
+        ("gpt2_small", TOKENS, {"vocab_size": 5}, "model.kwargs ['vocab_size'] for 'gpt2_small' are set by trainforge"),
         ("gpt2_small", TOKENS, {"n_positions": 8}, "model.kwargs.n_positions=8 for 'gpt2_small' is shorter than"),
         ("bert_small", TOKENS, {"max_position_embeddings": 8}, "max_position_embeddings=8 for 'bert_small' is shorter"),
         ("gpt2_small", TOKENS, {"n_embd": 100, "n_head": 3}, "built-in 'gpt2_small' failed to build"),

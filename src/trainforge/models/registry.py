@@ -46,8 +46,8 @@ def build_model(cfg: ModelConfig, spec: DataSpec) -> nn.Module:
     raise ModelError("set model.name to a built-in or model.factory to 'package.module:function'")
 
 
-def build_builtin(name: str, spec: DataSpec, kwargs: Mapping[str, Any]) -> nn.Module:
-    """Look ``name`` up, check ``kwargs`` against the builder, and turn any build failure into a ModelError."""
+def require_builtin(name: str) -> Builder:
+    """The builder registered as ``name``, or a ModelError listing the built-ins and the closest one."""
     builder = BUILTIN_MODELS.get(name)
     if builder is None:
         known = ", ".join(sorted(BUILTIN_MODELS))
@@ -57,6 +57,12 @@ def build_builtin(name: str, spec: DataSpec, kwargs: Mapping[str, Any]) -> nn.Mo
             f"unknown model.name {name!r}; {hint}built-ins are: {known} "
             "(or set model.factory: 'package.module:function' for your own model)"
         )
+    return builder
+
+
+def build_builtin(name: str, spec: DataSpec, kwargs: Mapping[str, Any]) -> nn.Module:
+    """Look ``name`` up, check ``kwargs`` against the builder, and turn any build failure into a ModelError."""
+    builder = require_builtin(name)
     try:
         inspect.signature(builder).bind(spec, **kwargs)
     except TypeError:
