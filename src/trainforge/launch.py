@@ -18,7 +18,9 @@ from urllib.parse import urlparse
 
 import ray
 import ray.train
-from ray.train.torch import TorchTrainer
+from ray.train.v2.api.config import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+from ray.train.v2.api.exceptions import TrainingFailedError
+from ray.train.v2.torch.torch_trainer import TorchTrainer
 
 from trainforge import errors
 from trainforge.checkpoint.format import write_json_atomic
@@ -125,17 +127,17 @@ def build_trainer(config: Config, mailbox: Any) -> TorchTrainer:
     return TorchTrainer(
         train_loop_per_worker,
         train_loop_config=config.to_dict(),
-        scaling_config=ray.train.ScalingConfig(
+        scaling_config=ScalingConfig(
             num_workers=scaling.num_workers,
             use_gpu=scaling.use_gpu,
             resources_per_worker=resources,
             placement_strategy=scaling.placement_strategy,
         ),
-        run_config=ray.train.RunConfig(
+        run_config=RunConfig(
             name=config.run.name,
             storage_path=config.storage_path,
-            failure_config=ray.train.FailureConfig(max_failures=config.failure.max_failures),
-            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=config.checkpoint.keep_last),
+            failure_config=FailureConfig(max_failures=config.failure.max_failures),
+            checkpoint_config=CheckpointConfig(num_to_keep=config.checkpoint.keep_last),
             callbacks=[ForwardingCallback(mailbox)],
             worker_runtime_env={"env_vars": env},
         ),
@@ -203,7 +205,7 @@ def run_training(config: Config, observers: list[Observer], *, address: str | No
 def _fit(trainer: TorchTrainer, pump: Pump, started: float) -> Outcome:
     try:
         result = trainer.fit()
-    except ray.train.TrainingFailedError as err:
+    except TrainingFailedError as err:
         user_error = _user_error(err)
         if user_error is not None:
             raise user_error from None
@@ -220,10 +222,11 @@ def _fit(trainer: TorchTrainer, pump: Pump, started: float) -> Outcome:
             "aborted", pump.last_metrics, pump.last_checkpoint, len(pump.worker_errors), time.monotonic() - started
         )
     pump.drain()
-    returned = result.return_value if isinstance(result.return_value, dict) else {}
+    value = getattr(result, "return_value", None)
+    returned = value if isinstance(value, dict) else {}
     if "user_error" in returned:
         raise getattr(errors, returned["user_error"], TrainforgeError)(returned["message"])
-    final = result.return_value if isinstance(result.return_value, dict) else pump.last_metrics
+    final = returned or pump.last_metrics
     status = "finished" if result.error is None else "aborted"
     checkpoint = result.checkpoint.path if result.checkpoint is not None else pump.last_checkpoint
     return Outcome(status, final, checkpoint, len(pump.worker_errors), time.monotonic() - started)

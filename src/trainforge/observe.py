@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import ray
-from ray.train import UserCallback
+from ray.train.v2.api.callback import UserCallback
 
 log = logging.getLogger("trainforge")
 

@@ -50,7 +50,8 @@ class TrainerState:
 def capture_rng() -> dict[str, Any]:
     """This process's python, numpy, torch CPU and CUDA generator states, as JSON."""
     version, internal, gauss = random.getstate()
-    kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)  # type: ignore[misc]
+    kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+    assert not isinstance(keys, str)  # legacy=True always gives the MT19937 key array
     state: dict[str, Any] = {
         "python": [version, list(internal), gauss],
         "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)],

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 import ray.train
+import ray.train.torch
 import torch
 from torch import nn
 

@@ -19,7 +19,8 @@ def effective_lr(cfg: OptimConfig, global_batch: int) -> float:
 
 def build_optimizer(cfg: OptimConfig, model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
     # Weight decay on matrices and convolution kernels only, as is standard for biases and norms.
-    decay, no_decay = [], []
+    decay: list[torch.nn.Parameter] = []
+    no_decay: list[torch.nn.Parameter] = []
     for param in model.parameters():
         if param.requires_grad:
             (decay if param.ndim >= 2 else no_decay).append(param)

@@ -81,7 +81,7 @@ class CheckpointWriter:
             progress=Progress(**{**progress.__dict__, "world_size": self.run.world}),
             scheduler=runner.scheduler.state_dict(),
             scaler=runner.scaler.state_dict(),
-            rng=list(rng),  # type: ignore[arg-type]
+            rng=[dict(r) for r in rng],
             metrics={k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))},
             config=self.run.config.to_dict(),
             versions=library_versions(),

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from trainforge.models import Task
 
@@ -96,7 +97,9 @@ class StepRunner:
             start = time.perf_counter()
             last = micro == accum - 1
             # DDP all-reduces gradients in backward; skip that sync on all but the last micro-batch.
-            sync = contextlib.nullcontext() if last or not hasattr(self.model, "no_sync") else self.model.no_sync()
+            model = self.model
+            ddp = isinstance(model, DistributedDataParallel)
+            sync = model.no_sync() if ddp and not last else contextlib.nullcontext()
             with sync:
                 with self.autocast():
                     output = self.model(inputs)
