@@ -98,8 +98,9 @@ class StepRunner:
             last = micro == accum - 1
             # DDP all-reduces gradients in backward; skip that sync on all but the last micro-batch.
             model = self.model
-            ddp = isinstance(model, DistributedDataParallel)
-            sync = model.no_sync() if ddp and not last else contextlib.nullcontext()
+            sync: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
+            if isinstance(model, DistributedDataParallel) and not last:
+                sync = model.no_sync()
             with sync:
                 with self.autocast():
                     output = self.model(inputs)
