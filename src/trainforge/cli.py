@@ -47,18 +47,31 @@ def train(
     address: Annotated[
         str | None, typer.Option(help="Ray cluster to run on (host:port or ray://host:10001); default RAY_ADDRESS.")
     ] = None,
+    resume: Annotated[
+        str | None,
+        typer.Option(
+            help="auto (newest valid checkpoint of this run), none, or a checkpoint path; sets checkpoint.resume."
+        ),
+    ] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show Ray's own logs.")] = False,
 ) -> None:
-    """Train a model as CONFIG describes, on a local Ray or the cluster at --address."""
+    """Train a model as CONFIG describes, on a local Ray or the cluster at --address.
+
+    Re-running the same command continues the run from its newest valid checkpoint.
+    Ctrl-C once: checkpoint and stop (resumable); twice: abort.
+    """
     from trainforge.config import load_config
 
     _setup_logging(verbose)
+    overrides = [*(set_ or []), *([f"checkpoint.resume={resume}"] if resume is not None else [])]
     # Validate before importing torch and Ray, so a config error costs milliseconds.
-    resolved = load_config(resolve_config_path(config), set_ or [])
+    resolved = load_config(resolve_config_path(config), overrides)
     from trainforge.api import fit
 
     result = fit(resolved, address=address, verbose=verbose, console=err_console)
     typer.echo(str(result.run_dir / "summary.json"))
+    if result.status == "aborted":
+        raise typer.Exit(130)
 
 
 @config_app.command("show")

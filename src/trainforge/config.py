@@ -133,12 +133,26 @@ class ScalingConfig(Section):
 
 class CheckpointConfig(Section):
     every_n_steps: PositiveInt | None = None
+    every_n_minutes: PositiveFloat | None = None
+    at_epoch_end: bool = False
     keep_last: PositiveInt = 3
+    keep_best_metric: str | None = None
+    keep_best_mode: Literal["min", "max"] = "min"
     storage_path: str | None = None
+    on_save_error: Literal["continue", "fail"] = "continue"
+    resume: str = "auto"
+
+    @field_validator("resume")
+    @classmethod
+    def _resume_value(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("must be auto, none, or the path of a checkpoint directory")
+        return value
 
 
 class FailureConfig(Section):
     max_failures: Annotated[int, Field(ge=-1)] = 3
+    collective_timeout_s: PositiveFloat = 300.0
 
 
 class ClusterConfig(Section):

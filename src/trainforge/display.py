@@ -55,6 +55,9 @@ class ProgressDisplay:
             self.task_id = self.progress.add_task("starting workers…", total=None)
 
     def on_report(self, metrics: dict[str, Any]) -> None:
+        for event in metrics.get("events", []):
+            colour = "red" if "failed" in event else "yellow" if "skipped" in event else "cyan"
+            self.console.print(f"[{colour}]{event}[/]", highlight=False, soft_wrap=True)
         step, total = metrics.get("step", 0), metrics.get("total_steps")
         if self.progress is not None:
             self.progress.update(self.task_id, completed=step, total=total, description=describe(metrics))
@@ -69,7 +72,7 @@ class ProgressDisplay:
         if self.progress is not None:
             self.progress.stop()
         final = {**summary.get("final_metrics", {}), "epoch": summary["epoch"]}
-        colour = "green" if summary["status"] == "finished" else "red"
+        colour = {"finished": "green", "stopped": "yellow"}.get(summary["status"], "red")
         self.console.print(
             f"[{colour}]{summary['status']}[/] at step {summary['global_step']} in {summary['wall_time_s']:.1f} s · "
             f"{describe(final)} · {summary['throughput_samples_per_s']:,.0f} samples/s (steady)",

@@ -5,9 +5,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import shutil
+import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Iterator
@@ -16,14 +17,17 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+import pyarrow.fs as pafs
 import ray
-import ray.train
-from ray.train.v2.api.config import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+from ray.train.torch import TorchConfig
+from ray.train.v2.api.config import FailureConfig, RunConfig, ScalingConfig
 from ray.train.v2.api.exceptions import TrainingFailedError
 from ray.train.v2.torch.torch_trainer import TorchTrainer
 
 from trainforge import errors
 from trainforge.checkpoint.format import write_json_atomic
+from trainforge.checkpoint.state import MODEL_FILE
+from trainforge.checkpoint.storage import CheckpointStore
 from trainforge.config import Config, to_yaml
 from trainforge.errors import ClusterError, TrainforgeError, TrainingFailed
 from trainforge.observe import ForwardingCallback, Mailbox, Observer, Observers, Pump
@@ -40,10 +44,9 @@ POLL_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
 class Outcome:
     """What came back from Ray Train, before it is turned into a summary."""
 
-    status: str
+    status: str  # finished, stopped (graceful stop, resumable), failed, aborted
     final_metrics: dict[str, Any]
     checkpoint: str | None
-    restarts: int
     wall_time_s: float
     error: str | None = None
 
@@ -126,7 +129,8 @@ def build_trainer(config: Config, mailbox: Any) -> TorchTrainer:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))
     return TorchTrainer(
         train_loop_per_worker,
-        train_loop_config=config.to_dict(),
+        train_loop_config={"config": config.to_dict(), "control": mailbox},
+        torch_config=TorchConfig(timeout_s=int(config.failure.collective_timeout_s)),
         scaling_config=ScalingConfig(
             num_workers=scaling.num_workers,
             use_gpu=scaling.use_gpu,
@@ -137,7 +141,8 @@ def build_trainer(config: Config, mailbox: Any) -> TorchTrainer:
             name=config.run.name,
             storage_path=config.storage_path,
             failure_config=FailureConfig(max_failures=config.failure.max_failures),
-            checkpoint_config=CheckpointConfig(num_to_keep=config.checkpoint.keep_last),
+            # trainforge writes, verifies and rotates checkpoints itself (checkpoint/manager.py);
+            # Ray's own checkpoint registry stays empty.
             callbacks=[ForwardingCallback(mailbox)],
             worker_runtime_env={"env_vars": env},
         ),
@@ -187,14 +192,10 @@ def run_training(config: Config, observers: list[Observer], *, address: str | No
         fanout.on_start(
             {"name": config.run.name, "workers": config.scaling.num_workers, "cluster": where, "run_dir": str(run_dir)}
         )
-        pump.start()
-        try:
-            outcome = _fit(build_trainer(config, mailbox), pump, started)
-        finally:
-            pump.stop()
+        outcome = _fit(build_trainer(config, mailbox), pump, started)
         if outcome.checkpoint:
             export_final_weights(outcome.checkpoint, run_dir)
-    summary = make_summary(config, outcome, pump.last_metrics)
+    summary = make_summary(config, outcome, pump)
     write_json_atomic(run_dir / "summary.json", summary)
     fanout.on_end(summary)
     if outcome.status == "failed":
@@ -203,33 +204,72 @@ def run_training(config: Config, observers: list[Observer], *, address: str | No
 
 
 def _fit(trainer: TorchTrainer, pump: Pump, started: float) -> Outcome:
+    """Run ``fit`` on a thread; the main thread drains reports and owns the signals.
+
+    First Ctrl-C (or SIGTERM): the workers checkpoint and stop at their next report. Second: abort.
+    """
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["result"] = trainer.fit()
+        except BaseException as err:
+            box["error"] = err
+
+    thread = threading.Thread(target=target, name="trainforge-fit", daemon=True)
+    thread.start()
     try:
-        result = trainer.fit()
-    except TrainingFailedError as err:
+        with graceful_stop(pump.mailbox):
+            while thread.is_alive():
+                thread.join(timeout=0.5)
+                pump.drain()
+    except KeyboardInterrupt:
+        pump.drain()
+        return Outcome("aborted", pump.last_metrics, pump.last_checkpoint, time.monotonic() - started)
+    pump.drain()
+    elapsed = time.monotonic() - started
+    if "error" in box:
+        err = box["error"]
         user_error = _user_error(err)
         if user_error is not None:
             raise user_error from None
-        return Outcome(
-            status="failed",
-            final_metrics=pump.last_metrics,
-            checkpoint=pump.last_checkpoint,
-            restarts=max(0, len(pump.worker_errors) - 1),
-            wall_time_s=time.monotonic() - started,
-            error="".join(traceback.format_exception(err)),
-        )
-    except KeyboardInterrupt:
-        return Outcome(
-            "aborted", pump.last_metrics, pump.last_checkpoint, len(pump.worker_errors), time.monotonic() - started
-        )
-    pump.drain()
-    value = getattr(result, "return_value", None)
+        if not isinstance(err, TrainingFailedError):
+            raise err
+        trace = "".join(traceback.format_exception(err))
+        return Outcome("failed", pump.last_metrics, pump.last_checkpoint, elapsed, trace)
+    value = getattr(box["result"], "return_value", None)
     returned = value if isinstance(value, dict) else {}
+    if returned.get("user_error") == "TrainingFailed":
+        return Outcome("failed", pump.last_metrics, pump.last_checkpoint, elapsed, returned["message"])
     if "user_error" in returned:
         raise getattr(errors, returned["user_error"], TrainforgeError)(returned["message"])
     final = returned or pump.last_metrics
-    status = "finished" if result.error is None else "aborted"
-    checkpoint = result.checkpoint.path if result.checkpoint is not None else pump.last_checkpoint
-    return Outcome(status, final, checkpoint, len(pump.worker_errors), time.monotonic() - started)
+    status = str(final.get("status", "finished"))
+    return Outcome(status, final, final.get("checkpoint/path") or pump.last_checkpoint, elapsed)
+
+
+@contextlib.contextmanager
+def graceful_stop(mailbox: Any) -> Iterator[None]:
+    """SIGINT/SIGTERM: first asks for a checkpoint-and-stop, second raises KeyboardInterrupt."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    asked = 0
+
+    def handler(signum: int, frame: Any) -> None:
+        nonlocal asked
+        asked += 1
+        if asked > 1:
+            raise KeyboardInterrupt
+        log.warning("stopping: the workers checkpoint at their next report (press Ctrl-C again to abort)")
+        mailbox.request_stop.remote()
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
 
 
 def _user_error(err: Exception) -> TrainforgeError | None:
@@ -248,23 +288,23 @@ def _user_error(err: Exception) -> TrainforgeError | None:
     return None
 
 
-def export_final_weights(checkpoint_path: str, run_dir: Path) -> None:
-    """Copy the final model.safetensors out of the last checkpoint (local dir or remote storage)."""
-    with ray.train.Checkpoint(checkpoint_path).as_directory() as directory:
-        source = Path(directory) / "model.safetensors"
-        if source.is_file():
-            shutil.copyfile(source, run_dir / "model.safetensors")
+def export_final_weights(checkpoint_uri: str, run_dir: Path) -> None:
+    """Copy the final model.safetensors out of the last checkpoint (local directory or object store)."""
+    store, name = CheckpointStore.for_checkpoint(checkpoint_uri)
+    source = f"{store.path(name)}/{MODEL_FILE}"
+    pafs.copy_files(source, str(run_dir / MODEL_FILE), store.fs, pafs.LocalFileSystem())
 
 
-def make_summary(config: Config, outcome: Outcome, last_metrics: dict[str, Any]) -> dict[str, Any]:
-    final = outcome.final_metrics or last_metrics
+def make_summary(config: Config, outcome: Outcome, pump: Pump) -> dict[str, Any]:
+    final = outcome.final_metrics or pump.last_metrics
     return {
         "status": outcome.status,
         "global_step": int(final.get("step", 0)),
         "epoch": int(final.get("epoch", 0)),
         "num_workers": int(final.get("world_size", config.scaling.max_workers)),
-        "restarts": outcome.restarts,
-        "final_metrics": {k: v for k, v in final.items() if "/" in k},
+        "restarts": len(pump.worker_errors),
+        "recovery_s": pump.recovery_s,
+        "final_metrics": {k: v for k, v in final.items() if "/" in k and isinstance(v, (int, float))},
         "throughput_samples_per_s": float(final.get("perf/steady_samples_per_s", 0.0)),
         "wall_time_s": round(outcome.wall_time_s, 3),
         "checkpoint": outcome.checkpoint,

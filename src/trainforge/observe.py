@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
+import time
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -25,9 +25,17 @@ class Mailbox:
 
     def __init__(self) -> None:
         self.items: list[dict[str, Any]] = []
+        self.stop = False
 
     def put(self, item: dict[str, Any]) -> None:
         self.items.append(item)
+
+    def request_stop(self) -> None:
+        """Ask the workers to checkpoint and stop at their next report (graceful stop)."""
+        self.stop = True
+
+    def stop_requested(self) -> bool:
+        return self.stop
 
     def drain(self) -> list[dict[str, Any]]:
         items, self.items = self.items, []
@@ -42,15 +50,13 @@ class ForwardingCallback(UserCallback):
 
     def after_report(self, run_context: Any, metrics: list[dict[str, Any]], checkpoint: Any) -> None:
         event: dict[str, Any] = {"kind": "report", "metrics": dict(metrics[0]) if metrics else {}}
-        if checkpoint is not None:
-            event["checkpoint"] = checkpoint.path
         self.mailbox.put.remote(event)  # fire and forget: calls from one caller arrive in order
 
     def after_exception(self, run_context: Any, worker_exceptions: dict[int, Exception]) -> None:
         errors = {
             int(rank): f"{type(err).__name__}: {err}".splitlines()[0][:500] for rank, err in worker_exceptions.items()
         }
-        self.mailbox.put.remote({"kind": "worker_error", "errors": errors})
+        self.mailbox.put.remote({"kind": "worker_error", "errors": errors, "time": time.time()})
 
 
 class Observer(Protocol):
@@ -90,42 +96,46 @@ class Observers:
 
 
 class Pump:
-    """A driver thread that drains the mailbox and dispatches events while ``fit`` blocks."""
+    """Drains the mailbox and dispatches events; the driver's main loop calls ``drain`` while it waits.
 
-    def __init__(self, mailbox: Any, observers: Observers, interval_s: float = 0.5) -> None:
+    It also keeps what the summary needs: the last report, restarts, and recovery times (from a
+    worker failure to the first completed step after the restore that followed it).
+    """
+
+    def __init__(self, mailbox: Any, observers: Observers) -> None:
         self.mailbox = mailbox
         self.observers = observers
-        self.interval_s = interval_s
         self.last_metrics: dict[str, Any] = {}
-        self.last_checkpoint: str | None = None
         self.worker_errors: list[dict[int, str]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="trainforge-pump", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=30)
-        self.drain()  # whatever arrived after the last poll
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            try:
-                self.drain()
-            except ray.exceptions.RayError as err:
-                log.debug("mailbox unavailable: %s", err)
+        self.recovery_s: list[float] = []
+        self._failed_at: float | None = None
 
     def drain(self) -> None:
-        for event in ray.get(self.mailbox.drain.remote()):
+        try:
+            events = ray.get(self.mailbox.drain.remote(), timeout=30)
+        except (ray.exceptions.RayError, TimeoutError) as err:
+            log.debug("mailbox unavailable: %s", err)
+            return
+        for event in events:
             if event["kind"] == "report":
-                self.last_metrics = event["metrics"]
-                self.last_checkpoint = event.get("checkpoint", self.last_checkpoint)
-                self.observers.on_report(event["metrics"])
+                self._on_report(event["metrics"])
             elif event["kind"] == "worker_error":
                 self.worker_errors.append(event["errors"])
+                if self._failed_at is None:
+                    self._failed_at = event["time"]
                 self.observers.on_worker_error(event["errors"])
+
+    def _on_report(self, metrics: dict[str, Any]) -> None:
+        resumed = any(str(e).startswith("resumed from") for e in metrics.get("events", []))
+        if resumed and self._failed_at is not None and "time/unix" in metrics:
+            self.recovery_s.append(round(metrics["time/unix"] - self._failed_at, 3))
+            self._failed_at = None
+        self.last_metrics = metrics
+        self.observers.on_report(metrics)
+
+    @property
+    def last_checkpoint(self) -> str | None:
+        return self.last_metrics.get("checkpoint/path")
 
 
 class MetricsLog:

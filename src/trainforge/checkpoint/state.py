@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import load_model, save_model
+from safetensors.torch import _remove_duplicate_names, load_model, save_file
 from torch import nn
 
 MODEL_FILE = "model.safetensors"
@@ -72,14 +72,35 @@ def restore_rng(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all([_unb64(s) for s in state["cuda"]])
 
 
+def snapshot_tensors(tree: Any) -> Any:
+    """A CPU copy of every tensor in a (nested) state dict, so training can go on while it is written."""
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().to("cpu", copy=True)
+    if isinstance(tree, dict):
+        return {k: snapshot_tensors(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(snapshot_tensors(v) for v in tree)
+    return tree
+
+
+def model_snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's tensors copied to CPU, one entry per storage (tied weights once), as safetensors keeps them."""
+    state = model.state_dict()
+    keep = _remove_duplicate_names(state)  # {kept name: [aliases]}, the names load_model expects
+    return {name: state[name].detach().to("cpu", copy=True).contiguous() for name in keep}
+
+
 def write_state(
-    directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, state: TrainerState
+    directory: Path,
+    model_state: dict[str, torch.Tensor],
+    optimizer_state: dict[str, Any] | None,
+    state: TrainerState,
 ) -> None:
     """Write model, optimizer and trainer state files (not the manifest) into ``directory``."""
     directory.mkdir(parents=True, exist_ok=True)
-    save_model(model, str(directory / MODEL_FILE))
-    if optimizer is not None:
-        torch.save(optimizer.state_dict(), directory / OPTIMIZER_FILE)
+    save_file(model_state, str(directory / MODEL_FILE))
+    if optimizer_state is not None:
+        torch.save(optimizer_state, directory / OPTIMIZER_FILE)
     (directory / STATE_FILE).write_text(json.dumps(_state_to_json(state), indent=1))
 
 
@@ -89,8 +110,8 @@ def read_trainer_state(directory: Path) -> TrainerState:
 
 
 def load_weights(directory: Path, model: nn.Module) -> None:
-    missing, unexpected = load_model(model, str(directory / MODEL_FILE), strict=True)
-    del missing, unexpected  # strict=True already raised on any mismatch
+    """Weights into ``model``; strict, with tied weights restored from the one stored copy."""
+    load_model(model, str(directory / MODEL_FILE), strict=True)
 
 
 def load_optimizer(directory: Path, optimizer: torch.optim.Optimizer) -> None:

@@ -1,7 +1,9 @@
 """The function every Ray Train worker runs: build -> restore -> steps -> report -> close.
 
-Workers talk to the driver only through ``ray.train.report``. Every report is a barrier across
-ranks, so all ranks report at the same steps, decided from the step count alone.
+Workers talk to the driver only through ``ray.train.report`` (and read one stop flag). Every
+report is a barrier across ranks, so every decision that changes the sequence of collectives
+(report now, save now, stop) is taken from numbers that are identical on all ranks: the step
+count, or totals that came out of the report's own all-reduce.
 """
 
 from __future__ import annotations
@@ -9,128 +11,98 @@ from __future__ import annotations
 import logging
 import math
 import os
-import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
+import ray
 import ray.train
-import ray.train.torch
-import torch
-from torch import nn
 
 from trainforge.config import Config
-from trainforge.data import ResumableDistributedSampler, build_datasets, make_loader
-from trainforge.errors import DataError, TrainforgeError
-from trainforge.models import Task, build_model, build_task
-from trainforge.worker import parallel
-from trainforge.worker.optim import build_optimizer, build_scheduler, effective_lr
-from trainforge.worker.saving import CheckpointWriter, restore_latest
-from trainforge.worker.step import MetricSums, StepRunner
+from trainforge.data import make_loader
+from trainforge.errors import TrainforgeError
+from trainforge.worker.build import WorkerRun, build, evaluate, pin_memory
+from trainforge.worker.metrics import Throughput, reduce_metrics
+from trainforge.worker.saving import Checkpointing, Restored, restore, run_store
+from trainforge.worker.step import MetricSums
 
 log = logging.getLogger("trainforge.worker")
 
-WARMUP_STEPS = 5  # steps excluded from the throughput figure (allocator, caches, first all-reduce)
+
+def train_loop_per_worker(payload: dict[str, Any]) -> dict[str, Any]:
+    """Ray Train entry point; rank 0's return value (final metrics and status) reaches the driver."""
+    config = Config.model_validate(payload["config"])
+    try:
+        run = build(config)
+        checkpointing = Checkpointing(run, run_store())
+        restored = restore(run, checkpointing.store)
+    except TrainforgeError as err:
+        # Every rank fails the same way on a bad data path, model or checkpoint; returning (instead
+        # of raising) spares Ray's retries, which are meant for crashes. The driver re-raises it.
+        return {"user_error": type(err).__name__, "message": str(err)}
+    try:
+        return Session(run, checkpointing, restored, payload.get("control")).train()
+    except SaveFailedStop as err:
+        return {"user_error": "TrainingFailed", "message": str(err)}
+    finally:
+        checkpointing.close()
+
+
+class SaveFailedStop(Exception):
+    """Raised on every rank at the same report when a save failed and on_save_error is fail."""
 
 
 @dataclass
-class WorkerRun:
-    """The components of one worker's run, built from the config."""
+class Control:
+    """Decisions taken at a report, the same on every rank."""
 
-    config: Config
-    rank: int
-    world: int
-    device: torch.device
-    model: nn.Module
-    task: Task
-    runner: StepRunner
-    train_set: Any
-    val_set: Any
-    sampler: ResumableDistributedSampler
-    total_steps: int
-    steps_per_epoch: int
+    save: bool = False
+    stop: bool = False
+    failed: str | None = None
 
 
-def train_loop_per_worker(config_dict: dict[str, Any]) -> dict[str, Any]:
-    """Ray Train entry point; returns rank 0's final metrics to the driver."""
-    config = Config.model_validate(config_dict)
-    try:
-        run = build(config)
-    except TrainforgeError as err:
-        # Every rank fails the same way on a bad data path or model; returning (instead of raising)
-        # spares Ray's retries, which are meant for crashes, and the driver re-raises it.
-        return {"user_error": type(err).__name__, "message": str(err)}
-    writer = CheckpointWriter(run)
-    progress = restore_latest(run, ray.train.get_checkpoint())
-    final = train(run, progress, writer)
-    return final
+@dataclass
+class Session:
+    """One worker's pass through training, from the restored position to the end (or a stop)."""
 
+    run: WorkerRun
+    checkpointing: Checkpointing
+    restored: Restored
+    control: Any = None
+    sums: MetricSums = field(init=False)
+    meter: Throughput = field(init=False)
+    events: list[str] = field(default_factory=list)
+    val_metrics: dict[str, float] = field(default_factory=dict)
+    save_failures: int = 0
+    last_checkpoint: str | None = None
 
-def build(config: Config) -> WorkerRun:
-    ctx = ray.train.get_context()
-    rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    torch.set_num_threads(config.train.threads_per_worker)
-    device = ray.train.torch.get_device() if config.scaling.use_gpu else torch.device("cpu")
-    if config.deterministic:
-        torch.use_deterministic_algorithms(True, warn_only=True)
-        torch.backends.cudnn.benchmark = False
+    def __post_init__(self) -> None:
+        cfg = self.run.config
+        self.per_step = cfg.train.batch_size * cfg.train.grad_accum_steps
+        self.sums = MetricSums(self.run.device)
+        self.meter = Throughput(self.per_step * self.run.world)
+        self.progress = self.restored.progress
+        self.first_step = self.progress.global_step
+        # Right after a restore, report after the first step: the driver times recovery from it.
+        stride = 1 if self.restored.source else cfg.train.log_every_n_steps
+        self.next_report = self.first_step + stride
+        self.last_checkpoint = self.restored.source
+        self.started = self.last_report = self.last_save = time.perf_counter()
+        self.failed_message = ""
+        if self.restored.source:
+            self.events.append(f"resumed from {self.restored.source} at step {self.progress.global_step}")
+        self.events.extend(f"skipped checkpoint {reason}" for reason in self.restored.skipped)
 
-    train_set, val_set, spec = build_datasets(config.data, config.seed)
-    # Same seed on every rank for the weights; DDP also broadcasts rank 0's copy.
-    seed_all(config.seed)
-    plain = build_model(config.model, spec)
-    task = build_task(config.model, spec)
-    model = parallel.wrap_model(plain, device, sync_batchnorm=config.train.sync_batchnorm)
-    # Per-rank streams from here on (dropout, augmentation), reproducible per rank.
-    seed_all(config.seed * 1000 + rank + 1)
+    def train(self) -> dict[str, Any]:
+        run, progress = self.run, self.progress
+        stopped = False
+        while progress.global_step < run.total_steps and not stopped:
+            stopped = self.epoch()
+        return self.finish("stopped" if stopped else "finished")
 
-    sampler = ResumableDistributedSampler(len(train_set), world, rank, config.data.shuffle, config.seed, even=True)
-    samples_per_step = config.train.batch_size * config.train.grad_accum_steps
-    steps_per_epoch = sampler.per_rank_size() // samples_per_step
-    if steps_per_epoch == 0:
-        raise DataError(
-            f"train.batch_size x train.grad_accum_steps = {samples_per_step} exceeds the {sampler.per_rank_size()} "
-            f"training samples each of {world} workers gets; lower the batch size or use fewer workers"
-        )
-    total_steps = min(config.train.max_steps or math.inf, (config.train.epochs or math.inf) * steps_per_epoch)
-    total_steps = int(total_steps)
-
-    global_batch = samples_per_step * world
-    optimizer = build_optimizer(config.optim, model, effective_lr(config.optim, global_batch))
-    scheduler = build_scheduler(config.schedule, optimizer, total_steps)
-    runner = StepRunner(
-        model,
-        task,
-        optimizer,
-        scheduler,
-        device=device,
-        precision=config.precision,
-        grad_clip_norm=config.train.grad_clip_norm,
-    )
-    return WorkerRun(
-        config, rank, world, device, model, task, runner, train_set, val_set, sampler, total_steps, steps_per_epoch
-    )
-
-
-def seed_all(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
-
-def train(run: WorkerRun, progress: Any, writer: CheckpointWriter) -> dict[str, Any]:
-    cfg = run.config
-    per_step = cfg.train.batch_size * cfg.train.grad_accum_steps
-    sums = MetricSums(run.device)
-    meter = Throughput(per_step * run.world)
-    val_metrics: dict[str, float] = {}
-    start = time.perf_counter()
-    last_report = start
-    first_step = progress.global_step
-    next_report = first_step + cfg.train.log_every_n_steps
-
-    while progress.global_step < run.total_steps:
+    def epoch(self) -> bool:
+        """Steps to the end of the current epoch (or of training); True when asked to stop."""
+        run, cfg, progress = self.run, self.run.config, self.progress
         run.sampler.set_epoch(progress.epoch)
         run.sampler.set_start(progress.epoch_position)
         loader = make_loader(
@@ -138,53 +110,153 @@ def train(run: WorkerRun, progress: Any, writer: CheckpointWriter) -> dict[str, 
             run.sampler,
             cfg.train.batch_size,
             num_workers=cfg.data.num_workers,
-            pin_memory=_pin_memory(cfg, run.device),
+            pin_memory=pin_memory(cfg, run.device),
             drop_last=True,
             seed=cfg.seed,
             epoch=progress.epoch,
             rank=run.rank,
         )
         batches = iter(loader)
-        epoch_len = run.steps_per_epoch * per_step
+        epoch_len = run.steps_per_epoch * self.per_step
         while progress.global_step < run.total_steps and progress.epoch_position < epoch_len:
-            times = run.runner.run(batches, cfg.train.grad_accum_steps, sums)
+            times = run.runner.run(batches, cfg.train.grad_accum_steps, self.sums)
             if times is None:
                 break
             progress.global_step += 1
-            progress.epoch_position += per_step
-            progress.samples_seen += per_step * run.world
-            meter.step_done()
-            sums.add("data_s", times.data_s)
-            sums.add("compute_s", times.compute_s)
-            sums.add("optim_s", times.optim_s)
-
-            if _due(progress.global_step, cfg.train.eval_every_n_steps):
-                val_metrics = timed_evaluate(run, meter)
+            progress.epoch_position += self.per_step
+            progress.samples_seen += self.per_step * run.world
+            self.meter.step_done()
+            for name in ("data_s", "compute_s", "optim_s"):
+                self.sums.add(name, getattr(times, name))
+            if cfg.train.eval_every_n_steps and progress.global_step % cfg.train.eval_every_n_steps == 0:
+                self.val_metrics = self.timed_evaluate()
             if progress.global_step >= run.total_steps:
                 break
-            if progress.global_step >= next_report or writer.due(progress):
-                now = time.perf_counter()
-                metrics = reduce_metrics(run, sums, now - last_report, progress, val_metrics, meter)
-                metrics["time/elapsed_s"] = now - start
-                last_report, val_metrics = now, {}
-                next_report = progress.global_step + report_stride(cfg, metrics["perf/step_time_s"])
-                writer.report(progress, metrics)
+            due = progress.global_step >= self.next_report or self.checkpointing.due(progress.global_step)
+            if due and self.report_and_act():
+                return True
         if progress.epoch_position >= epoch_len:
             # A full epoch: the next one starts at its beginning with a new shuffle.
             progress.epoch += 1
             progress.epoch_position = 0
             more = progress.global_step < run.total_steps
             if more and run.val_set is not None and cfg.train.eval_every_n_steps is None:
-                val_metrics = timed_evaluate(run, meter)
+                self.val_metrics = self.timed_evaluate()
+            if more and cfg.checkpoint.at_epoch_end:
+                self.save({})
+        return False
 
-    interval_s = time.perf_counter() - last_report
-    final_val = timed_evaluate(run, meter) if run.val_set is not None else {}
-    metrics = reduce_metrics(run, sums, interval_s, progress, final_val, meter)
-    metrics["time/elapsed_s"] = time.perf_counter() - start
-    # A run restored after it had already finished trains nothing and writes no new checkpoint.
-    writer.report(progress, metrics, force_checkpoint=progress.global_step > first_step)
-    writer.close()
-    return metrics
+    def report_and_act(self) -> bool:
+        """Report, then save and/or stop as the reduced control signals say; True to stop."""
+        metrics, control = self.report()
+        if control.failed:
+            raise_save_failure(control.failed)
+        if control.save or self.checkpointing.due(self.progress.global_step):
+            self.save(metrics)
+        return control.stop
+
+    def report(self, *, final: bool = False) -> tuple[dict[str, Any], Control]:
+        cfg = self.run.config
+        now = time.perf_counter()
+        self.gather_control_signals(final=final)
+        metrics, totals = reduce_metrics(self.run, self.sums, now - self.last_report, self.progress, self.meter)
+        metrics.update(self.val_metrics)
+        metrics["time/elapsed_s"] = now - self.started
+        metrics["checkpoint/save_failures"] = self.save_failures
+        metrics["checkpoint/stall_s"] = self.checkpointing.stall_s
+        if self.last_checkpoint and self.run.rank == 0:
+            metrics["checkpoint/path"] = self.last_checkpoint
+        if self.events and self.run.rank == 0:
+            metrics["events"] = list(self.events)
+        self.events.clear()
+        self.val_metrics = {}
+        self.last_report = now
+        self.next_report = self.progress.global_step + report_stride(cfg, metrics["perf/step_time_s"])
+        if not final:
+            ray.train.report(metrics)
+        return metrics, self.decide(totals)
+
+    def gather_control_signals(self, *, final: bool) -> None:
+        """Rank 0's view (save outcomes, stop flag, time since the last save) enters the all-reduce."""
+        failures = stop = minutes = 0.0
+        failed_message = ""
+        if self.run.rank == 0:
+            for outcome in self.checkpointing.collect():
+                if outcome.error:
+                    failures += 1
+                    failed_message = f"checkpoint save at step {outcome.step} failed: {outcome.error}"
+                    self.events.append(failed_message)
+                else:
+                    self.last_checkpoint = outcome.uri
+            stop = 1.0 if (not final and self.stop_requested()) else 0.0
+            minutes = (time.perf_counter() - self.last_save) / 60
+        self.save_failures += int(failures)
+        self.failed_message = failed_message
+        # Every rank calls it: Ray requires the same number of calls on all workers.
+        preempted = ray.train.get_preemption_info() is not None
+        self.sums.add("ctrl/save_failures", failures)
+        self.sums.add("ctrl/stop", stop + (1.0 if preempted else 0.0))
+        self.sums.add("ctrl/minutes_since_save", minutes)
+
+    def decide(self, totals: dict[str, float]) -> Control:
+        cfg = self.run.config.checkpoint
+        control = Control()
+        if totals.get("ctrl/save_failures", 0.0) > 0:
+            self.save_failures = max(self.save_failures, int(totals["ctrl/save_failures"]))
+            if cfg.on_save_error == "fail":
+                control.failed = self.failed_message or "a checkpoint save failed"
+        if totals.get("ctrl/stop", 0.0) > 0:
+            control.stop = control.save = True
+        every = cfg.every_n_minutes
+        if every is not None and totals.get("ctrl/minutes_since_save", 0.0) >= every:
+            control.save = True
+        return control
+
+    def stop_requested(self) -> bool:
+        if self.control is None:
+            return False
+        try:
+            return bool(ray.get(self.control.stop_requested.remote(), timeout=10))
+        except Exception as err:  # the driver went away: keep training, it may come back
+            log.debug("stop flag unreadable: %s", err)
+            return False
+
+    def save(self, metrics: dict[str, Any]) -> None:
+        # The snapshot stall is training time: it stays in the throughput figure.
+        self.checkpointing.save(self.progress, metrics)
+        self.last_save = time.perf_counter()
+
+    def timed_evaluate(self) -> dict[str, float]:
+        started = time.perf_counter()
+        metrics = evaluate(self.run)
+        self.meter.exclude(time.perf_counter() - started)
+        return metrics
+
+    def finish(self, status: str) -> dict[str, Any]:
+        """Final validation, final checkpoint (waited for), final report; rank 0's summary."""
+        run = self.run
+        if status == "finished" and run.val_set is not None:
+            self.val_metrics = self.timed_evaluate()
+        metrics, _ = self.report(final=True)
+        if self.progress.global_step > self.first_step or self.last_checkpoint is None:
+            self.save(metrics)
+        for outcome in self.checkpointing.wait():
+            if outcome.error:
+                self.save_failures += 1
+                metrics.setdefault("events", []).append(f"final checkpoint save failed: {outcome.error}")
+                metrics["checkpoint/final_save_error"] = outcome.error
+            else:
+                self.last_checkpoint = outcome.uri
+        metrics["checkpoint/save_failures"] = self.save_failures
+        if self.last_checkpoint:
+            metrics["checkpoint/path"] = self.last_checkpoint
+        metrics["status"] = status
+        ray.train.report(metrics)
+        return metrics
+
+
+def raise_save_failure(message: str) -> None:
+    raise SaveFailedStop(f"{message}; stopped because checkpoint.on_save_error is fail")
 
 
 def report_stride(cfg: Config, step_time_s: float) -> int:
@@ -194,132 +266,6 @@ def report_stride(cfg: Config, step_time_s: float) -> int:
     the same on every rank, and so is the stride."""
     by_time = math.ceil(cfg.train.report_min_interval_s / step_time_s) if step_time_s > 0 else 1
     return max(cfg.train.log_every_n_steps, by_time)
-
-
-def timed_evaluate(run: WorkerRun, meter: Throughput) -> dict[str, float]:
-    started = time.perf_counter()
-    metrics = evaluate(run)
-    meter.exclude(time.perf_counter() - started)
-    return metrics
-
-
-def _due(step: int, every: int | None) -> bool:
-    return every is not None and step % every == 0
-
-
-def _pin_memory(cfg: Config, device: torch.device) -> bool:
-    return cfg.data.pin_memory if cfg.data.pin_memory is not None else device.type == "cuda"
-
-
-class Throughput:
-    """Samples per second over all workers, wall clock from the end of warm-up to the last step.
-
-    Reports and checkpoint stalls count (they cost training time); validation does not.
-    """
-
-    def __init__(self, global_batch: int) -> None:
-        self.global_batch = global_batch
-        self.local_steps = 0
-        self.timed_steps = 0
-        self.started: float | None = None
-        self.last = 0.0
-        self.excluded_s = 0.0
-
-    def step_done(self) -> None:
-        now = time.perf_counter()
-        self.local_steps += 1
-        if self.local_steps == WARMUP_STEPS:
-            self.started = now
-        elif self.started is not None:
-            self.timed_steps += 1
-            self.last = now
-
-    def exclude(self, seconds: float) -> None:
-        if self.started is not None:
-            self.excluded_s += seconds
-
-    @property
-    def samples_per_s(self) -> float:
-        if self.started is None or self.timed_steps == 0:
-            return 0.0
-        return self.timed_steps * self.global_batch / max(self.last - self.started - self.excluded_s, 1e-9)
-
-
-def reduce_metrics(
-    run: WorkerRun,
-    sums: MetricSums,
-    interval_s: float,
-    progress: Any,
-    val_metrics: dict[str, float],
-    meter: Throughput,
-) -> dict[str, Any]:
-    """One all-reduce of the interval's sums; every rank gets the same numbers."""
-    names = sorted(sums.values)
-    vector = torch.stack([sums.values[n] for n in names]) if names else torch.zeros(0, dtype=torch.float64)
-    totals = dict(zip(names, parallel.all_reduce_sum(vector, run.device).tolist(), strict=True))
-    sums.reset()
-    steps = max(totals.get("steps", 0.0) / run.world, 1.0)
-    metrics: dict[str, Any] = {
-        "step": progress.global_step,
-        "epoch": progress.epoch,
-        "samples_seen": progress.samples_seen,
-        "total_steps": run.total_steps,
-        "world_size": run.world,
-        "train/lr": run.runner.optimizer.param_groups[0]["lr"],
-        "train/grad_norm": totals.get("grad_norm_sum", 0.0) / run.world / steps,
-        "train/skipped_steps": totals.get("skipped_steps", 0.0) / run.world,
-        "perf/samples_per_s": steps * meter.global_batch / interval_s if interval_s > 0 else 0.0,
-        "perf/steady_samples_per_s": meter.samples_per_s,
-        "perf/step_time_s": sum(totals.get(k, 0.0) for k in ("data_s", "compute_s", "optim_s")) / run.world / steps,
-        "perf/data_wait_s": totals.get("data_s", 0.0) / run.world / steps,
-        "perf/compute_s": totals.get("compute_s", 0.0) / run.world / steps,
-        "perf/optimizer_s": totals.get("optim_s", 0.0) / run.world / steps,
-    }
-    if totals.get("count"):
-        for name, value in run.task.finalize(totals).items():
-            metrics[f"train/{name}"] = value
-    metrics.update(val_metrics)
-    return metrics
-
-
-@torch.no_grad()
-def evaluate(run: WorkerRun) -> dict[str, float]:
-    """Validation over every rank's disjoint share; metrics averaged over all samples of all ranks."""
-    if run.val_set is None:
-        return {}
-    cfg = run.config
-    sampler = ResumableDistributedSampler(len(run.val_set), run.world, run.rank, False, cfg.seed, even=False)
-    loader = make_loader(
-        run.val_set,
-        sampler,
-        cfg.train.batch_size,
-        num_workers=cfg.data.num_workers,
-        pin_memory=_pin_memory(cfg, run.device),
-        drop_last=False,
-        seed=cfg.seed,
-        epoch=0,
-        rank=run.rank,
-    )
-    # The unwrapped module: no DDP hooks, and ranks may see different numbers of batches.
-    model = parallel.unwrap(run.model)
-    model.eval()
-    sums = MetricSums(run.device)
-    for inputs, targets in loader:
-        inputs, targets = inputs.to(run.device), targets.to(run.device)
-        with run.runner.autocast():
-            output = model(inputs)
-            loss = run.task.loss(output, targets)
-        stats = run.task.stats(output, targets)
-        sums.add("loss_sum", loss.float() * stats["count"])
-        for name, value in stats.items():
-            sums.add(name, value)
-    names = ["loss_sum", "correct", "count"]
-    values = [sums.values.get(n, torch.zeros((), dtype=torch.float64, device=run.device)) for n in names]
-    totals = dict(zip(names, parallel.all_reduce_sum(torch.stack(values), run.device).tolist(), strict=True))
-    model.train()
-    if not totals["count"]:
-        return {}
-    return {f"val/{k}": v for k, v in run.task.finalize(totals).items()}
 
 
 def worker_env() -> dict[str, str]:

@@ -44,3 +44,12 @@ def all_gather_objects(obj: object) -> list[object]:
     gathered: list[object] = [None] * world_size()
     dist.all_gather_object(gathered, obj)
     return gathered
+
+
+def broadcast_object(obj: object) -> object:
+    """Rank 0's small picklable object, on every rank."""
+    if world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

@@ -1,32 +1,39 @@
-"""Worker side of checkpointing: when to save, what goes in, and restoring the newest valid one."""
+"""Worker side of checkpointing: taking snapshots, and restoring the newest checkpoint that verifies.
+
+Every rank takes part in the collective steps (gathering RNG states, agreeing on which checkpoint
+to restore); rank 0 alone writes, through the background CheckpointManager.
+"""
 
 from __future__ import annotations
 
 import importlib.metadata
 import logging
-import shutil
 import tempfile
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import ray.train
 
-from trainforge.checkpoint.format import verify, write_manifest
+from trainforge.checkpoint.manager import CheckpointManager, RotationPolicy, SaveOutcome, Snapshot
 from trainforge.checkpoint.state import (
     Progress,
     TrainerState,
     capture_rng,
     load_optimizer,
     load_weights,
+    model_snapshot,
     read_trainer_state,
     restore_rng,
-    write_state,
+    snapshot_tensors,
 )
+from trainforge.checkpoint.storage import CheckpointStore
+from trainforge.config import CheckpointConfig
 from trainforge.errors import CheckpointError
 from trainforge.worker import parallel
 
 if TYPE_CHECKING:
-    from trainforge.worker.loop import WorkerRun
+    from trainforge.worker.build import WorkerRun
 
 log = logging.getLogger("trainforge.worker")
 
@@ -41,70 +48,141 @@ def library_versions() -> dict[str, str]:
     return found
 
 
-def checkpoint_dir_name(step: int) -> str:
-    return f"checkpoint_{step:09d}"
+def run_store() -> CheckpointStore:
+    """This run's checkpoint directory on the storage Ray Train was given (local, NFS or S3)."""
+    storage = ray.train.get_context().get_storage()
+    return CheckpointStore(storage.storage_filesystem, storage.experiment_fs_path)
 
 
-class CheckpointWriter:
-    """Decides when a report carries a checkpoint and writes it (rank 0 writes, all ranks report)."""
+class Checkpointing:
+    """When to save, what goes in; rank 0 hands snapshots to the background manager."""
 
-    def __init__(self, run: WorkerRun) -> None:
+    def __init__(self, run: WorkerRun, store: CheckpointStore) -> None:
+        cfg: CheckpointConfig = run.config.checkpoint
         self.run = run
-        self.every = run.config.checkpoint.every_n_steps
-        self._scratch = Path(tempfile.mkdtemp(prefix="trainforge-ckpt-"))
+        self.cfg = cfg
+        self.store = store
+        self.manager = (
+            CheckpointManager(store, RotationPolicy(cfg.keep_last, cfg.keep_best_metric, cfg.keep_best_mode))
+            if run.rank == 0
+            else None
+        )
+        self.last_saved_step = -1
+        self.stall_s = 0.0
 
-    def due(self, progress: Progress) -> bool:
-        return self.every is not None and progress.global_step % self.every == 0
+    def due(self, step: int) -> bool:
+        return self.cfg.every_n_steps is not None and step % self.cfg.every_n_steps == 0
 
-    def report(self, progress: Progress, metrics: dict[str, Any], *, force_checkpoint: bool = False) -> None:
-        if not (force_checkpoint or self.due(progress)):
-            ray.train.report(metrics)
+    def save(self, progress: Progress, metrics: dict[str, Any]) -> None:
+        """Snapshot now (all ranks: the RNG gather is a collective), write in the background (rank 0)."""
+        if progress.global_step == self.last_saved_step:
             return
-        # Collective: every rank's RNG state travels to rank 0, which writes the whole checkpoint.
         rng = parallel.all_gather_objects(capture_rng())
-        name = checkpoint_dir_name(progress.global_step)
-        if self.run.rank != 0:
-            ray.train.report(metrics, checkpoint_dir_name=name)
+        self.last_saved_step = progress.global_step
+        if self.manager is None:
             return
-        directory = self._scratch / name
-        self._write(directory, progress, metrics, rng)
-        ray.train.report(
-            metrics,
-            checkpoint=ray.train.Checkpoint.from_directory(str(directory)),
-            checkpoint_dir_name=name,
-        )
-        shutil.rmtree(directory, ignore_errors=True)
-
-    def _write(self, directory: Path, progress: Progress, metrics: dict[str, Any], rng: list[Any]) -> None:
         runner = self.run.runner
-        state = TrainerState(
-            progress=Progress(**{**progress.__dict__, "world_size": self.run.world}),
-            scheduler=runner.scheduler.state_dict(),
-            scaler=runner.scaler.state_dict(),
-            rng=[dict(r) for r in rng],
-            metrics={k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))},
-            config=self.run.config.to_dict(),
-            versions=library_versions(),
+        snapshot = Snapshot(
+            step=progress.global_step,
+            epoch=progress.epoch,
+            model_state=model_snapshot(parallel.unwrap(self.run.model)),
+            optimizer_state=snapshot_tensors(runner.optimizer.state_dict()),
+            trainer_state=TrainerState(
+                progress=Progress(**{**asdict(progress), "world_size": self.run.world}),
+                scheduler=runner.scheduler.state_dict(),
+                scaler=runner.scaler.state_dict(),
+                rng=[dict(r) for r in rng],  # type: ignore[call-overload]
+                metrics={k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))},
+                config=self.run.config.to_dict(),
+                versions=library_versions(),
+            ),
         )
-        write_state(directory, parallel.unwrap(self.run.model), runner.optimizer, state)
-        write_manifest(directory, {"global_step": progress.global_step, "epoch": progress.epoch})
+        self.stall_s += self.manager.save_async(snapshot)
+
+    def collect(self) -> list[SaveOutcome]:
+        return self.manager.collect() if self.manager is not None else []
+
+    def wait(self) -> list[SaveOutcome]:
+        """Block until the save in flight (if any) is committed; its outcome."""
+        if self.manager is None:
+            return []
+        self.manager.wait()
+        return self.manager.collect()
 
     def close(self) -> None:
-        shutil.rmtree(self._scratch, ignore_errors=True)
+        if self.manager is not None:
+            self.manager.close()
 
 
-def restore_latest(run: WorkerRun, checkpoint: ray.train.Checkpoint | None) -> Progress:
-    """Load the checkpoint Ray hands back after a restart; a fresh Progress when there is none."""
-    if checkpoint is None:
-        return Progress(world_size=run.world)
-    with checkpoint.as_directory() as path:
-        directory = Path(path)
-        check = verify(directory)
+# ---------------------------------------------------------------------------------------------
+# Restore
+
+
+def choose_checkpoint(store: CheckpointStore, resume: str) -> tuple[tuple[CheckpointStore, str] | None, list[str]]:
+    """Rank 0: the checkpoint to start from (None: from scratch), and why newer ones were skipped."""
+    if resume == "none":
+        existing = [e.name for e in store.entries()]
+        if existing:
+            raise CheckpointError(
+                f"checkpoint.resume is none but {store.uri('')} already holds {len(existing)} checkpoint(s) "
+                f"(newest {existing[-1]}); use a new run.name, or --resume auto to continue it"
+            )
+        return None, []
+    if resume != "auto":
+        explicit, name = CheckpointStore.for_checkpoint(resume)
+        check = explicit.verify(name)
         if not check.ok:
-            raise CheckpointError(f"checkpoint {checkpoint.path} is invalid: {'; '.join(check.problems)}")
-        state = read_trainer_state(directory)
-        load_weights(directory, parallel.unwrap(run.model))
-        load_optimizer(directory, run.runner.optimizer)
+            raise CheckpointError(f"checkpoint {resume} is not valid: {'; '.join(check.problems)}")
+        return (explicit, name), []
+    skipped: list[str] = []
+    for entry in reversed(store.entries()):
+        check = store.verify(entry.name)
+        if check.ok:
+            return (store, entry.name), skipped
+        log.warning("skipping checkpoint %s: %s", entry.name, "; ".join(check.problems))
+        skipped.append(f"{entry.name}: {'; '.join(check.problems)}")
+    return None, skipped
+
+
+@dataclass
+class Restored:
+    """Where a run starts: its progress, the checkpoint it came from, and what restore skipped."""
+
+    progress: Progress
+    source: str | None = None
+    skipped: list[str] = field(default_factory=list)
+
+
+def restore(run: WorkerRun, store: CheckpointStore) -> Restored:
+    """All ranks: agree (rank 0 decides) on a checkpoint and load it; a fresh Progress if none."""
+    choice: Any = None
+    if run.rank == 0:
+        try:
+            picked, skipped = choose_checkpoint(store, run.config.checkpoint.resume)
+            choice = ("ok", picked[0].uri(picked[1]), skipped) if picked else ("none", skipped)
+        except CheckpointError as err:
+            choice = ("error", str(err))
+    choice = parallel.broadcast_object(choice)
+    if choice[0] == "error":
+        raise CheckpointError(choice[1])
+    if choice[0] == "none":
+        return Restored(Progress(world_size=run.world), None, choice[1])
+    _, uri, skipped = choice
+    name = uri.rstrip("/").rsplit("/", 1)[-1]
+    # The run's own store keeps its file system settings (endpoint, credentials); others are parsed.
+    source = store if uri == store.uri(name) else CheckpointStore.for_checkpoint(uri)[0]
+    with tempfile.TemporaryDirectory(prefix="trainforge-restore-") as scratch:
+        progress = load_into(run, source.fetch(name, Path(scratch)))
+    if run.rank == 0:
+        log.info("resumed from %s at step %d (epoch %d)", uri, progress.global_step, progress.epoch)
+    return Restored(progress, uri, skipped)
+
+
+def load_into(run: WorkerRun, directory: Path) -> Progress:
+    """Weights, optimizer, schedule, scaler, progress and this rank's RNG from a verified directory."""
+    state = read_trainer_state(directory)
+    load_weights(directory, parallel.unwrap(run.model))
+    load_optimizer(directory, run.runner.optimizer)
     runner = run.runner
     runner.scheduler.load_state_dict({**state.scheduler, "lr_lambdas": [None] * len(runner.optimizer.param_groups)})
     runner.scaler.load_state_dict(state.scaler)
@@ -112,17 +190,16 @@ def restore_latest(run: WorkerRun, checkpoint: ray.train.Checkpoint | None) -> P
     if progress.world_size == run.world:
         restore_rng(state.rng[run.rank])
     else:
-        # Same global position, split over the new number of ranks; exactness is not promised.
+        # The same global position, split over the new number of ranks; exactness is not promised.
         consumed = progress.epoch_position * progress.world_size
         per_step = run.config.train.batch_size * run.config.train.grad_accum_steps
         progress.epoch_position = consumed // run.world // per_step * per_step
-        log.warning(
-            "resuming with %d workers from a checkpoint written by %d: training continues, "
-            "but the run is no longer bit-identical to an uninterrupted one",
-            run.world,
-            progress.world_size,
-        )
+        if run.rank == 0:
+            log.warning(
+                "resuming with %d workers from a checkpoint written by %d: training continues, "
+                "but the run is no longer bit-identical to an uninterrupted one",
+                run.world,
+                progress.world_size,
+            )
     progress.world_size = run.world
-    if run.rank == 0:
-        log.info("resumed from %s at step %d (epoch %d)", checkpoint.path, progress.global_step, progress.epoch)
     return progress

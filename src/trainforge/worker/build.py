@@ -1,0 +1,136 @@
+"""Building one worker's components from the config: data, model, task, DDP, optimizer, schedule."""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import ray.train
+import ray.train.torch
+import torch
+from torch import nn
+
+from trainforge.config import Config
+from trainforge.data import ResumableDistributedSampler, build_datasets, make_loader
+from trainforge.errors import DataError
+from trainforge.models import Task, build_model, build_task
+from trainforge.worker import parallel
+from trainforge.worker.optim import build_optimizer, build_scheduler, effective_lr
+from trainforge.worker.step import MetricSums, StepRunner
+
+
+@dataclass
+class WorkerRun:
+    """The components of one worker's run, built from the config."""
+
+    config: Config
+    rank: int
+    world: int
+    device: torch.device
+    model: nn.Module
+    task: Task
+    runner: StepRunner
+    train_set: Any
+    val_set: Any
+    sampler: ResumableDistributedSampler
+    total_steps: int
+    steps_per_epoch: int
+
+
+def build(config: Config) -> WorkerRun:
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    torch.set_num_threads(config.train.threads_per_worker)
+    device = ray.train.torch.get_device() if config.scaling.use_gpu else torch.device("cpu")
+    if config.deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cudnn.benchmark = False
+
+    train_set, val_set, spec = build_datasets(config.data, config.seed)
+    # Same seed on every rank for the weights; DDP also broadcasts rank 0's copy.
+    seed_all(config.seed)
+    plain = build_model(config.model, spec)
+    task = build_task(config.model, spec)
+    model = parallel.wrap_model(plain, device, sync_batchnorm=config.train.sync_batchnorm)
+    # Per-rank streams from here on (dropout, augmentation), reproducible per rank.
+    seed_all(config.seed * 1000 + rank + 1)
+
+    sampler = ResumableDistributedSampler(len(train_set), world, rank, config.data.shuffle, config.seed, even=True)
+    samples_per_step = config.train.batch_size * config.train.grad_accum_steps
+    steps_per_epoch = sampler.per_rank_size() // samples_per_step
+    if steps_per_epoch == 0:
+        raise DataError(
+            f"train.batch_size x train.grad_accum_steps = {samples_per_step} exceeds the {sampler.per_rank_size()} "
+            f"training samples each of {world} workers gets; lower the batch size or use fewer workers"
+        )
+    total_steps = min(config.train.max_steps or math.inf, (config.train.epochs or math.inf) * steps_per_epoch)
+    total_steps = int(total_steps)
+
+    global_batch = samples_per_step * world
+    optimizer = build_optimizer(config.optim, model, effective_lr(config.optim, global_batch))
+    scheduler = build_scheduler(config.schedule, optimizer, total_steps)
+    runner = StepRunner(
+        model,
+        task,
+        optimizer,
+        scheduler,
+        device=device,
+        precision=config.precision,
+        grad_clip_norm=config.train.grad_clip_norm,
+    )
+    return WorkerRun(
+        config, rank, world, device, model, task, runner, train_set, val_set, sampler, total_steps, steps_per_epoch
+    )
+
+
+def seed_all(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def pin_memory(cfg: Config, device: torch.device) -> bool:
+    return cfg.data.pin_memory if cfg.data.pin_memory is not None else device.type == "cuda"
+
+
+@torch.no_grad()
+def evaluate(run: WorkerRun) -> dict[str, float]:
+    """Validation over every rank's disjoint share; metrics averaged over all samples of all ranks."""
+    if run.val_set is None:
+        return {}
+    cfg = run.config
+    sampler = ResumableDistributedSampler(len(run.val_set), run.world, run.rank, False, cfg.seed, even=False)
+    loader = make_loader(
+        run.val_set,
+        sampler,
+        cfg.train.batch_size,
+        num_workers=cfg.data.num_workers,
+        pin_memory=pin_memory(cfg, run.device),
+        drop_last=False,
+        seed=cfg.seed,
+        epoch=0,
+        rank=run.rank,
+    )
+    # The unwrapped module: no DDP hooks, and ranks may see different numbers of batches.
+    model = parallel.unwrap(run.model)
+    model.eval()
+    sums = MetricSums(run.device)
+    for inputs, targets in loader:
+        inputs, targets = inputs.to(run.device), targets.to(run.device)
+        with run.runner.autocast():
+            output = model(inputs)
+            loss = run.task.loss(output, targets)
+        stats = run.task.stats(output, targets)
+        sums.add("loss_sum", loss.float() * stats["count"])
+        for name, value in stats.items():
+            sums.add(name, value)
+    names = ["loss_sum", "correct", "count"]
+    values = [sums.values.get(n, torch.zeros((), dtype=torch.float64, device=run.device)) for n in names]
+    totals = dict(zip(names, parallel.all_reduce_sum(torch.stack(values), run.device).tolist(), strict=True))
+    model.train()
+    if not totals["count"]:
+        return {}
+    return {f"val/{k}": v for k, v in run.task.finalize(totals).items()}
