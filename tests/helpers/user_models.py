@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+
+import torch
 from torch import nn
 
 NOT_CALLABLE = 42
@@ -18,3 +21,22 @@ def not_a_module() -> dict[str, int]:
 
 def failing(hidden: int = 16) -> nn.Module:
     raise ValueError(f"hidden={hidden} must be even")
+
+
+class Paced(nn.Module):
+    """Wraps a model and sleeps in forward: a step slow enough for a test to act mid-run."""
+
+    def __init__(self, inner: nn.Module, delay_s: float) -> None:
+        super().__init__()
+        self.inner = inner
+        self.delay_s = delay_s
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(self.delay_s)
+        return self.inner(x)
+
+
+def paced_net(hidden: int = 32, delay_s: float = 0.02, dropout: float = 0.1) -> nn.Module:
+    """A digits classifier with dropout (so RNG state matters) that takes at least ``delay_s`` a step."""
+    inner = nn.Sequential(nn.Flatten(), nn.Linear(64, hidden), nn.ReLU(), nn.Dropout(dropout), nn.Linear(hidden, 10))
+    return Paced(inner, delay_s)

@@ -86,8 +86,8 @@ def snapshot_tensors(tree: Any) -> Any:
 def model_snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
     """The model's tensors copied to CPU, one entry per storage (tied weights once), as safetensors keeps them."""
     state = model.state_dict()
-    keep = _remove_duplicate_names(state)  # {kept name: [aliases]}, the names load_model expects
-    return {name: state[name].detach().to("cpu", copy=True).contiguous() for name in keep}
+    aliases = {name for names in _remove_duplicate_names(state).values() for name in names}
+    return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state.items() if k not in aliases}
 
 
 def write_state(

@@ -1,0 +1,156 @@
+"""A run killed mid-epoch and resumed ends bit-identical to the same run uninterrupted.
+
+Faults are real: SIGKILL of one Ray Train worker process (Ray restarts the group, trainforge
+restores the newest valid checkpoint), and SIGTERM of the driver followed by re-running the
+same command.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+import trainforge
+from tests.helpers.runs import tiny_run
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def paced_config(tmp_path: Path, **sections: Any) -> dict[str, Any]:
+    base = tiny_run(
+        tmp_path,
+        model={"name": None, "factory": "tests.helpers.user_models:paced_net", "kwargs": {"delay_s": 0.03}},
+        train={"max_steps": 60, "batch_size": 8, "log_every_n_steps": 5},
+        optim={"name": "adamw", "lr": 0.003},
+        checkpoint={"every_n_steps": 20, "keep_last": 5},
+        failure={"max_failures": 2},
+    )
+    for name, values in sections.items():
+        base[name] = {**base.get(name, {}), **values} if isinstance(values, dict) else values
+    return base
+
+
+def final_state(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
+    """Model and optimizer tensors of the checkpoint at ``step``, flattened to one dict."""
+    checkpoint = run_dir / f"checkpoint_{step:09d}"
+    state = {f"model/{k}": v for k, v in load_file(str(checkpoint / "model.safetensors")).items()}
+    optimizer = torch.load(checkpoint / "optimizer.pt", weights_only=True)
+    for index, slots in optimizer["state"].items():
+        for key, value in slots.items():
+            state[f"optim/{index}/{key}"] = torch.as_tensor(value)
+    return state
+
+
+def assert_bit_identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    different = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not different, f"differs after resume: {different[:5]}"
+
+
+def worker_pids() -> list[int]:
+    """Training workers of the Ray this test process started (its descendants), never anyone else's."""
+    found = []
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            if any("RayTrainWorker" in part for part in proc.cmdline()):
+                found.append(proc.pid)
+        except psutil.Error:
+            continue
+    return found
+
+
+def kill_a_worker_after(marker: Path, timeout_s: float = 180) -> dict[str, Any]:
+    """Start a thread that SIGKILLs one training worker once ``marker`` exists."""
+    done: dict[str, Any] = {}
+
+    def watch() -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and not marker.exists():
+            time.sleep(0.01)
+        pids = worker_pids()
+        if pids:
+            os.kill(max(pids), signal.SIGKILL)
+            done["pid"], done["at"] = max(pids), time.time()
+
+    threading.Thread(target=watch, daemon=True).start()
+    return done
+
+
+@pytest.mark.usefixtures("ray_local")
+@pytest.mark.parametrize(
+    ("label", "sections"),
+    [
+        ("1-worker", {"scaling": {"num_workers": 1}}),
+        (
+            "2-workers-accum-bf16-loader-workers",
+            {
+                "scaling": {"num_workers": 2},
+                "train": {"grad_accum_steps": 2},
+                "precision": "bf16",
+                "data": {"num_workers": 2},
+            },
+        ),
+    ],
+)
+def test_worker_killed_mid_epoch_resumes_bit_identical(tmp_path: Path, label: str, sections: dict) -> None:
+    straight = trainforge.fit(paced_config(tmp_path / "straight", **sections))
+    run_dir = tmp_path / "killed" / "t"
+    killed = kill_a_worker_after(run_dir / "checkpoint_000000020")
+    resumed = trainforge.fit(paced_config(tmp_path / "killed", **sections))
+
+    assert killed, "no worker was killed"
+    summary = resumed.summary
+    assert summary["status"] == "finished"
+    assert summary["restarts"] == 1
+    assert len(summary["recovery_s"]) == 1 and summary["recovery_s"][0] < 60
+    events = [e for line in (run_dir / "metrics.jsonl").read_text().splitlines() for e in json.loads(line).get("events", [])]
+    assert any(e.startswith("resumed from") and "checkpoint_0000000" in e for e in events), events
+    # The epoch is 1438 / world / (batch x accum) steps long: step 20 is mid-epoch in every variant.
+    assert_bit_identical(final_state(straight.run_dir, 60), final_state(run_dir, 60))
+    assert torch.equal(
+        load_file(str(straight.model_path))["inner.4.weight"], load_file(str(resumed.model_path))["inner.4.weight"]
+    )
+
+
+@pytest.mark.slow
+def test_driver_stopped_and_rerun_resumes_bit_identical(tmp_path: Path) -> None:
+    """SIGTERM to `trainforge train` checkpoints and stops; the same command then finishes the run."""
+    config = paced_config(tmp_path / "cli", scaling={"num_workers": 2})
+    path = tmp_path / "cli.yaml"
+    path.write_text(yaml.safe_dump(config))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TERM": "dumb"}
+    command = [sys.executable, "-m", "trainforge", "train", str(path)]
+    run_dir = tmp_path / "cli" / "t"
+
+    first = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 180
+    while not (run_dir / "checkpoint_000000020").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    first.send_signal(signal.SIGTERM)
+    _, stderr = first.communicate(timeout=180)
+    assert first.returncode == 0, stderr
+    stopped = json.loads((run_dir / "summary.json").read_text())
+    assert stopped["status"] == "stopped"
+    assert 20 <= stopped["global_step"] < 60
+
+    second = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert second.returncode == 0, second.stderr
+    assert "resumed from" in second.stderr
+    finished = json.loads((run_dir / "summary.json").read_text())
+    assert finished["status"] == "finished" and finished["global_step"] == 60
+
+    straight = trainforge.fit(paced_config(tmp_path / "straight", scaling={"num_workers": 2}))
+    assert_bit_identical(final_state(straight.run_dir, 60), final_state(run_dir, 60))
