@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import json
+import pickle
 import random
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -15,6 +16,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors import safe_open
 from safetensors.torch import _remove_duplicate_names, load_model, save_file
 from torch import nn
 
@@ -117,6 +119,29 @@ def load_weights(directory: Path, model: nn.Module) -> None:
 def load_optimizer(directory: Path, optimizer: torch.optim.Optimizer) -> None:
     # weights_only=True: tensors and plain containers only, never arbitrary pickled objects.
     optimizer.load_state_dict(torch.load(directory / OPTIMIZER_FILE, map_location="cpu", weights_only=True))
+
+
+def check_loadable(directory: Path) -> str | None:
+    """Why a verified checkpoint still cannot be loaded safely (None if it can), without loading tensors.
+
+    A manifest proves the files are the ones written, not that whoever wrote them was benign:
+    ``optimizer.pt`` must unpickle under ``weights_only`` (tensors and plain containers only).
+    """
+    try:
+        json.loads((directory / STATE_FILE).read_text())
+        with safe_open(str(directory / MODEL_FILE), framework="pt") as handle:
+            handle.keys()
+        if (directory / OPTIMIZER_FILE).exists():
+            torch.load(directory / OPTIMIZER_FILE, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError:
+        return (
+            f"refused to load: {OPTIMIZER_FILE} holds pickled objects other than tensors and plain "
+            "containers (it could run code); it was not unpickled"
+        )
+    except Exception as err:  # JSON or safetensors header errors
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        return f"refused to load: {type(err).__name__}: {first[:300]}"
+    return None
 
 
 def _state_to_json(state: TrainerState) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from trainforge.checkpoint.state import (
     Progress,
     TrainerState,
     capture_rng,
+    check_loadable,
     load_optimizer,
     load_weights,
     model_snapshot,
@@ -130,18 +131,28 @@ def choose_checkpoint(store: CheckpointStore, resume: str) -> tuple[tuple[Checkp
         return None, []
     if resume != "auto":
         explicit, name = CheckpointStore.for_checkpoint(resume)
-        check = explicit.verify(name)
-        if not check.ok:
-            raise CheckpointError(f"checkpoint {resume} is not valid: {'; '.join(check.problems)}")
+        problems = problems_with(explicit, name)
+        if problems:
+            raise CheckpointError(f"checkpoint {resume} is not valid: {'; '.join(problems)}")
         return (explicit, name), []
     skipped: list[str] = []
     for entry in reversed(store.entries()):
-        check = store.verify(entry.name)
-        if check.ok:
+        problems = problems_with(store, entry.name)
+        if not problems:
             return (store, entry.name), skipped
-        log.warning("skipping checkpoint %s: %s", entry.name, "; ".join(check.problems))
-        skipped.append(f"{entry.name}: {'; '.join(check.problems)}")
+        log.warning("skipping checkpoint %s: %s", entry.name, "; ".join(problems))
+        skipped.append(f"{entry.name}: {'; '.join(problems)}")
     return None, skipped
+
+
+def problems_with(store: CheckpointStore, name: str) -> list[str]:
+    """Why a checkpoint cannot be restored: manifest verification, then a safe-load check."""
+    check = store.verify(name)
+    if not check.ok:
+        return list(check.problems)
+    with tempfile.TemporaryDirectory(prefix="trainforge-check-") as scratch:
+        refusal = check_loadable(store.fetch(name, Path(scratch)))
+    return [refusal] if refusal else []
 
 
 @dataclass
