@@ -408,3 +408,38 @@ def test_seed_worker_seeds_every_generator() -> None:
         random.setstate(saved[0])
         np.random.set_state(saved[1])
         torch.set_rng_state(saved[2])
+
+
+class NoisyAugment(PairDataset):
+    """A dataset whose items draw random numbers, as augmentations do."""
+
+    def __len__(self) -> int:
+        return 40
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.rand(3) + index, torch.tensor(index)
+
+
+def test_random_augmentation_is_exact_across_worker_counts_and_resume() -> None:
+    """With loader workers, a sample's random draws depend on (seed, epoch, index) only."""
+
+    def items(num_workers: int, start: int) -> list[torch.Tensor]:
+        sampler = ResumableDistributedSampler(40, 1, 0, True, seed=3)
+        sampler.set_epoch(2)
+        sampler.set_start(start)
+        loader = make_loader(
+            NoisyAugment(),
+            sampler,
+            4,
+            num_workers=num_workers,
+            pin_memory=False,
+            drop_last=True,
+            seed=3,
+            epoch=2,
+            rank=0,
+        )
+        return [x for batch, _ in loader for x in batch]
+
+    straight = items(2, 0)
+    assert all(torch.equal(a, b) for a, b in zip(items(1, 0), straight, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(items(2, 12), straight[12:], strict=True))

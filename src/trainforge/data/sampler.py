@@ -122,6 +122,11 @@ def make_loader(
     """
     options: dict[str, Any] = {}
     if num_workers > 0:
+        # In loader workers, reseed per sample: what a sample's augmentation draws then depends
+        # on (seed, epoch, index) alone, not on which worker loads it or where a resumed epoch
+        # starts. (Without workers, the dataset draws from the training process's RNG, which
+        # checkpoints save and restore, so resume is exact there too.)
+        dataset = SampleSeeded(dataset, seed, epoch)
         context = multiprocessing.get_context(LOADER_START_METHOD)
         if LOADER_START_METHOD == "forkserver":
             context.set_forkserver_preload(FORKSERVER_PRELOAD)  # no effect once the server runs
@@ -140,6 +145,25 @@ def make_loader(
         generator=torch.Generator().manual_seed(mix_seed(seed, epoch, rank)),
         **options,
     )
+
+
+class SampleSeeded(Dataset[Any]):
+    """A dataset view that seeds python, numpy and torch from (seed, epoch, index) before each item."""
+
+    def __init__(self, dataset: Dataset[Any], seed: int, epoch: int) -> None:
+        self.dataset = dataset
+        self.seed = seed
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, index: int) -> Any:
+        value = mix_seed(self.seed, self.epoch, index)
+        random.seed(value)
+        np.random.seed(value % 2**32)
+        torch.manual_seed(value)
+        return self.dataset[index]
 
 
 def seed_worker(seed: int, epoch: int, rank: int, worker_id: int) -> None:
