@@ -92,6 +92,11 @@ class Session:
         if self.restored.source:
             self.events.append(f"resumed from {self.restored.source} at step {self.progress.global_step}")
         self.events.extend(f"skipped checkpoint {reason}" for reason in self.restored.skipped)
+        if self.restored.written_by is not None:
+            self.events.append(
+                f"resumed with {self.run.world} workers from a checkpoint written by {self.restored.written_by}: "
+                "training continues, but is no longer bit-identical to an uninterrupted run"
+            )
 
     def train(self) -> dict[str, Any]:
         run, progress = self.run, self.progress

@@ -162,6 +162,7 @@ class Restored:
     progress: Progress
     source: str | None = None
     skipped: list[str] = field(default_factory=list)
+    written_by: int | None = None  # workers that wrote the checkpoint, when it differs from now
 
 
 def restore(run: WorkerRun, store: CheckpointStore) -> Restored:
@@ -183,14 +184,15 @@ def restore(run: WorkerRun, store: CheckpointStore) -> Restored:
     # The run's own store keeps its file system settings (endpoint, credentials); others are parsed.
     source = store if uri == store.uri(name) else CheckpointStore.for_checkpoint(uri)[0]
     with tempfile.TemporaryDirectory(prefix="trainforge-restore-") as scratch:
-        progress = load_into(run, source.fetch(name, Path(scratch)))
+        progress, written_by = load_into(run, source.fetch(name, Path(scratch)))
     if run.rank == 0:
         log.info("resumed from %s at step %d (epoch %d)", uri, progress.global_step, progress.epoch)
-    return Restored(progress, uri, skipped)
+    return Restored(progress, uri, skipped, None if written_by == run.world else written_by)
 
 
-def load_into(run: WorkerRun, directory: Path) -> Progress:
-    """Weights, optimizer, schedule, scaler, progress and this rank's RNG from a verified directory."""
+def load_into(run: WorkerRun, directory: Path) -> tuple[Progress, int]:
+    """Weights, optimizer, schedule, scaler, progress and this rank's RNG from a verified directory;
+    also the number of workers that wrote it."""
     state = read_trainer_state(directory)
     load_weights(directory, parallel.unwrap(run.model))
     load_optimizer(directory, run.runner.optimizer)
@@ -198,6 +200,7 @@ def load_into(run: WorkerRun, directory: Path) -> Progress:
     runner.scheduler.load_state_dict({**state.scheduler, "lr_lambdas": [None] * len(runner.optimizer.param_groups)})
     runner.scaler.load_state_dict(state.scaler)
     progress = state.progress
+    written_by = progress.world_size
     if progress.world_size == run.world:
         restore_rng(state.rng[run.rank])
     else:
@@ -213,4 +216,4 @@ def load_into(run: WorkerRun, directory: Path) -> Progress:
                 progress.world_size,
             )
     progress.world_size = run.world
-    return progress
+    return progress, written_by
