@@ -125,7 +125,8 @@ class Session:
         epoch_len = run.steps_per_epoch * self.per_step
         while progress.global_step < run.total_steps and progress.epoch_position < epoch_len:
             times = run.runner.run(batches, cfg.train.grad_accum_steps, self.sums)
-            if times is None:
+            if times is None:  # the loader ran dry early: count the epoch as done rather than loop on it
+                progress.epoch_position = epoch_len
                 break
             progress.global_step += 1
             progress.epoch_position += self.per_step
