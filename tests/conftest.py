@@ -21,6 +21,7 @@ def ray_local() -> Iterator[None]:
     if ray.is_initialized():
         ray.shutdown()
     ray.init(
+        address="local",
         num_cpus=4,
         include_dashboard=False,
         log_to_driver=False,

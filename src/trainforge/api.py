@@ -14,6 +14,7 @@ from trainforge.config import Config, load_config
 from trainforge.display import ProgressDisplay
 from trainforge.launch import raise_if_failed, run_training
 from trainforge.observe import MetricsLog, Observer
+from trainforge.report import ReportWriter
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,9 @@ def fit(
     """Train the run a config describes; raises TrainforgeError for user errors and failed runs."""
     resolved = load_config(config, overrides)
     shown = console or Console(stderr=True)
-    watchers: list[Observer] = [ProgressDisplay(shown), MetricsLog(resolved.run_dir), *observers]
+    # The report comes last: it reads what the other observers wrote.
+    run_dir = resolved.run_dir
+    watchers: list[Observer] = [ProgressDisplay(shown), MetricsLog(run_dir), *observers, ReportWriter(run_dir)]
     summary = run_training(resolved, watchers, address=address, verbose=verbose)
     raise_if_failed(summary, resolved.run_dir)
     return RunResult(summary, resolved.run_dir)

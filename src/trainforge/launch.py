@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import signal
 import socket
@@ -112,7 +113,8 @@ def ray_session(config: Config, address: str | None, *, verbose: bool) -> Iterat
         cpus_per_worker = (config.scaling.resources_per_worker or {}).get("CPU", 1)
         # Logical CPUs: enough for every worker even on a 2-core laptop; threads are capped per worker.
         num_cpus = config.cluster.num_cpus or max(os.cpu_count() or 1, int(workers * cpus_per_worker) + 1, 4)
-        ray.init(num_cpus=num_cpus, include_dashboard=False, **quiet)  # type: ignore[arg-type]
+        # address="local": always a new cluster, never one some other `ray start` left on this machine.
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **quiet)  # type: ignore[arg-type]
         where = f"a local Ray ({num_cpus} logical CPUs)"
     try:
         yield where
@@ -130,7 +132,9 @@ def build_trainer(config: Config, mailbox: Any) -> TorchTrainer:
     return TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"config": config.to_dict(), "control": mailbox},
-        torch_config=TorchConfig(timeout_s=int(config.failure.collective_timeout_s)),
+        # The process group's timeout (gloo and NCCL collectives); rounded up, as 0 s would make
+        # init_process_group itself time out.
+        torch_config=TorchConfig(timeout_s=math.ceil(config.failure.collective_timeout_s)),
         scaling_config=ScalingConfig(
             num_workers=scaling.num_workers,
             use_gpu=scaling.use_gpu,

@@ -74,22 +74,40 @@ def restore_rng(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all([_unb64(s) for s in state["cuda"]])
 
 
-def snapshot_tensors(tree: Any) -> Any:
-    """A CPU copy of every tensor in a (nested) state dict, so training can go on while it is written."""
+def snapshot_tensors(tree: Any, reuse: Any = None) -> Any:
+    """A host copy of every tensor in a (nested) state dict, so training can go on while it is written.
+
+    ``reuse``: the previous snapshot of the same structure, whose buffers are overwritten in place
+    when shapes and dtypes match. Allocating (and page-faulting) fresh host memory on every save
+    costs several times more than the copy itself.
+    """
     if isinstance(tree, torch.Tensor):
-        return tree.detach().to("cpu", copy=True)
+        return _copy_to_host(tree, reuse if isinstance(reuse, torch.Tensor) else None)
     if isinstance(tree, dict):
-        return {k: snapshot_tensors(v) for k, v in tree.items()}
+        old = reuse if isinstance(reuse, dict) else {}
+        return {k: snapshot_tensors(v, old.get(k)) for k, v in tree.items()}
     if isinstance(tree, (list, tuple)):
-        return type(tree)(snapshot_tensors(v) for v in tree)
+        old_items = list(reuse) if isinstance(reuse, (list, tuple)) and len(reuse) == len(tree) else [None] * len(tree)
+        return type(tree)(snapshot_tensors(v, o) for v, o in zip(tree, old_items, strict=True))
     return tree
 
 
-def model_snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The model's tensors copied to CPU, one entry per storage (tied weights once), as safetensors keeps them."""
+def _copy_to_host(tensor: torch.Tensor, buffer: torch.Tensor | None) -> torch.Tensor:
+    source = tensor.detach()
+    if buffer is None or buffer.shape != source.shape or buffer.dtype != source.dtype:
+        # Pinned host memory makes the device-to-host copy of GPU tensors fast (and async-capable).
+        buffer = torch.empty(source.shape, dtype=source.dtype, pin_memory=source.is_cuda)
+    buffer.copy_(source)
+    return buffer
+
+
+def model_snapshot(model: nn.Module, reuse: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """The model's tensors copied to host memory, one entry per storage (tied weights once), as
+    safetensors keeps them; ``reuse`` as in :func:`snapshot_tensors`."""
     state = model.state_dict()
     aliases = {name for names in _remove_duplicate_names(state).values() for name in names}
-    return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state.items() if k not in aliases}
+    old = reuse or {}
+    return {k: _copy_to_host(v, old.get(k)) for k, v in state.items() if k not in aliases}
 
 
 def write_state(

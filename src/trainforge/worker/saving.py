@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.metadata
 import logging
 import tempfile
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -69,7 +70,8 @@ class Checkpointing:
             else None
         )
         self.last_saved_step = -1
-        self.stall_s = 0.0
+        self.stall_s = 0.0  # the training thread's wait in the last save: snapshot copy (+ previous save)
+        self.previous: Snapshot | None = None
 
     def due(self, step: int) -> bool:
         return self.cfg.every_n_steps is not None and step % self.cfg.every_n_steps == 0
@@ -83,11 +85,17 @@ class Checkpointing:
         if self.manager is None:
             return
         runner = self.run.runner
+        started = time.perf_counter()
+        # At most one save in flight, and its buffers are reused below: wait for it first.
+        self.manager.wait()
+        previous = self.previous
         snapshot = Snapshot(
             step=progress.global_step,
             epoch=progress.epoch,
-            model_state=model_snapshot(parallel.unwrap(self.run.model)),
-            optimizer_state=snapshot_tensors(runner.optimizer.state_dict()),
+            model_state=model_snapshot(parallel.unwrap(self.run.model), previous.model_state if previous else None),
+            optimizer_state=snapshot_tensors(
+                runner.optimizer.state_dict(), previous.optimizer_state if previous else None
+            ),
             trainer_state=TrainerState(
                 progress=Progress(**{**asdict(progress), "world_size": self.run.world}),
                 scheduler=runner.scheduler.state_dict(),
@@ -98,7 +106,9 @@ class Checkpointing:
                 versions=library_versions(),
             ),
         )
-        self.stall_s += self.manager.save_async(snapshot)
+        self.manager.save_async(snapshot)
+        self.previous = snapshot
+        self.stall_s = time.perf_counter() - started
 
     def collect(self) -> list[SaveOutcome]:
         return self.manager.collect() if self.manager is not None else []
