@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 from pathlib import Path
@@ -23,6 +24,8 @@ config_app = typer.Typer(help="Inspect configs.", no_args_is_help=True)
 bench_app = typer.Typer(help="Benchmarks that print figures.", no_args_is_help=True)
 app.add_typer(config_app, name="config")
 app.add_typer(bench_app, name="bench")
+ckpt_app = typer.Typer(help="List, verify and inspect checkpoints.", no_args_is_help=True)
+app.add_typer(ckpt_app, name="ckpt")
 
 err_console = Console(stderr=True)
 
@@ -103,6 +106,92 @@ def bench_peers(
     run_peers(counts, steps=steps, batch_size=batch_size, repeats=repeats, output=output, console=Console())
 
 
+@bench_app.command("checkpoint")
+def bench_checkpoint(
+    size_mb: Annotated[float, typer.Option(help="Model size in MB (10^6 bytes); Adam state adds twice that.")] = 500,
+    dir_: Annotated[
+        Path | None, typer.Option("--dir", help="Folder on the disk to measure; default a new temp folder.")
+    ] = None,
+    repeats: Annotated[int, typer.Option(help="Measurements of each figure; the median is shown.")] = 3,
+    output: Annotated[Path | None, typer.Option(help="Also write every raw figure as JSON here.")] = None,
+) -> None:
+    """Checkpoint save, async stall, write bandwidth and load time against their goals."""
+    if size_mb <= 0:
+        raise TrainforgeError(f"--size-mb {size_mb}: must be > 0")
+    if repeats < 1:
+        raise TrainforgeError(f"--repeats {repeats}: must be >= 1")
+    if dir_ is not None and not dir_.is_dir():
+        raise TrainforgeError(f"--dir {dir_}: folder does not exist")
+    if output is not None and not output.parent.is_dir():
+        raise TrainforgeError(f"--output {output}: folder {output.parent} does not exist")
+    from trainforge.bench.checkpoint import run_checkpoint_bench
+
+    _setup_logging(False)
+    run_checkpoint_bench(size_mb=size_mb, directory=dir_, repeats=repeats, output=output, console=Console())
+
+
+CkptPathArg = Annotated[str, typer.Argument(help="A checkpoint directory: a local path or a URI (s3://...).")]
+
+
+@ckpt_app.command("list")
+def ckpt_list(
+    location: Annotated[
+        str, typer.Argument(help="A run directory, a storage folder holding runs, or a URI (s3://bucket/prefix/run).")
+    ],
+) -> None:
+    """Every checkpoint of a run, verified: step, epoch, metrics, size, time, and valid or why not."""
+    from trainforge.checkpoint.inspect import list_checkpoints, list_table
+
+    _wide_console().print(list_table(location, list_checkpoints(location)))
+
+
+@ckpt_app.command("verify")
+def ckpt_verify(path: CkptPathArg) -> None:
+    """Check a checkpoint as restore does (sizes, SHA-256, safe load): exit 0 if valid, 1 if not."""
+    from trainforge.checkpoint.inspect import human_bytes, verify_checkpoint
+
+    check = verify_checkpoint(path)
+    if check.ok:
+        files = check.manifest["files"] if check.manifest else {}
+        size = sum(int(entry["size"]) for entry in files.values())
+        typer.echo(f"valid: {path} ({len(files)} files, {human_bytes(size)}, SHA-256 checked)")
+        return
+    typer.echo(f"invalid: {path}")
+    for problem in check.problems:
+        typer.echo(f"  {problem}")
+    raise typer.Exit(1)
+
+
+@ckpt_app.command("inspect")
+def ckpt_inspect(
+    path: CkptPathArg,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead.")] = False,
+) -> None:
+    """Manifest, progress, versions, metrics, config and tensor summary, without loading tensors."""
+    from trainforge.checkpoint.inspect import inspect_checkpoint, inspection_view
+
+    report = inspect_checkpoint(path)
+    if as_json:
+        typer.echo(json.dumps(report, indent=1, sort_keys=True))
+    else:
+        _wide_console().print(inspection_view(report), highlight=False)
+
+
+@app.command()
+def report(
+    run_dir: Annotated[Path, typer.Argument(help="A run directory: <run.output_dir>/<run.name>.")],
+) -> None:
+    """Write RUN_DIR/report/: PNG plots and a self-contained report.html; print the page's path."""
+    from trainforge.report import write_report
+
+    typer.echo(str(write_report(run_dir)))
+
+
+def _wide_console() -> Console:
+    """Rich's console, 200 columns wide when stdout is a file or pipe (instead of 80), so tables keep their rows."""
+    return Console() if sys.stdout.isatty() else Console(width=200)
+
+
 def _parse_counts(text: str) -> list[int]:
     try:
         counts = [int(part) for part in text.split(",") if part.strip()]
@@ -124,7 +213,10 @@ def _setup_logging(verbose: bool) -> None:
 def main() -> None:
     """Console entry point: user errors become one line on stderr and exit code 2."""
     try:
-        app(standalone_mode=False)
+        # standalone_mode=False: click returns typer.Exit's code instead of exiting; pass it on.
+        code = app(standalone_mode=False)
+        if isinstance(code, int) and code:
+            sys.exit(code)
     except TrainforgeError as err:
         err_console.print(f"[red]error:[/] {err}", highlight=False, soft_wrap=True)
         sys.exit(err.exit_code)

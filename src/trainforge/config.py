@@ -152,7 +152,7 @@ class CheckpointConfig(Section):
 
 class FailureConfig(Section):
     max_failures: Annotated[int, Field(ge=-1)] = 3
-    collective_timeout_s: PositiveFloat = 300.0
+    collective_timeout_s: Annotated[float, Field(ge=1.0)] = 300.0  # whole seconds reach gloo/NCCL: >= 1
 
 
 class ClusterConfig(Section):

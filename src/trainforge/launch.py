@@ -30,7 +30,7 @@ from trainforge.checkpoint.format import write_json_atomic
 from trainforge.checkpoint.state import MODEL_FILE
 from trainforge.checkpoint.storage import CheckpointStore
 from trainforge.config import Config, to_yaml
-from trainforge.errors import ClusterError, TrainforgeError, TrainingFailed
+from trainforge.errors import CheckpointError, ClusterError, TrainforgeError, TrainingFailed
 from trainforge.observe import ForwardingCallback, Mailbox, Observer, Observers, Pump
 from trainforge.worker.loop import train_loop_per_worker, worker_env
 
@@ -177,10 +177,30 @@ def preflight(config: Config, *, local: bool) -> None:
         load_factory(config.model.factory)
 
 
+def check_resume(config: Config) -> None:
+    """``--resume none`` or a path start a run: refuse one that already has checkpoints, whose
+    timeline they would otherwise mix with the new one."""
+    mode = config.checkpoint.resume
+    if mode == "auto":
+        return
+    try:
+        store = CheckpointStore.from_uri(f"{config.storage_path.rstrip('/')}/{config.run.name}")
+        existing = [entry.name for entry in store.entries()]
+    except OSError as err:  # storage the driver cannot see: the workers will find out
+        log.warning("could not list the run's checkpoints from the driver: %s", err)
+        return
+    if existing:
+        raise CheckpointError(
+            f"checkpoint.resume is {mode} but {store.uri('')} already holds {len(existing)} checkpoint(s) "
+            f"(newest {existing[-1]}); use a new run.name, or --resume auto to continue this run"
+        )
+
+
 def run_training(config: Config, observers: list[Observer], *, address: str | None, verbose: bool) -> dict[str, Any]:
     """Train to completion (or failure) and return the summary that was written to summary.json."""
     address = resolve_address(config, address)
     preflight(config, local=address is None)
+    check_resume(config)
     run_dir = config.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(to_yaml(config))

@@ -206,7 +206,8 @@ def local_ray() -> Iterator[None]:
     saved = {name: os.environ.get(name) for name in (POLL_ENV, "PYTHONPATH")}
     os.environ[POLL_ENV] = POLL_INTERVAL_S
     os.environ["PYTHONPATH"] = _python_path()  # Ray's worker processes inherit it
-    ray.init(num_cpus=RAY_CPUS, include_dashboard=False, log_to_driver=False)
+    # address="local": always a fresh instance, never a cluster someone else started on this machine.
+    ray.init(address="local", num_cpus=RAY_CPUS, include_dashboard=False, log_to_driver=False)
     try:
         yield
     finally:

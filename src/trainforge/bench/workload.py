@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from trainforge.config import DataConfig, ModelConfig
 
-WARMUP_STEPS = 5  # the same as trainforge.worker.loop.WARMUP_STEPS: these steps are not timed
+WARMUP_STEPS = 5  # the same as trainforge.worker.metrics.WARMUP_STEPS: these steps are not timed
 MODEL_NAME = "small_cnn"
 # Narrower than small_cnn's default (32, 64, 128): about 80 ms of forward+backward per batch of 64
 # on one core, so compute dominates per-step framework overhead without making runs long.

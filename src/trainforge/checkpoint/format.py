@@ -43,6 +43,9 @@ def write_manifest(directory: Path, meta: dict[str, Any]) -> dict[str, Any]:
         rel = path.relative_to(directory).as_posix()
         if rel == MANIFEST or path.name.startswith("."):
             continue
+        # Durable before the manifest vouches for it: rotation may delete older checkpoints next.
+        with path.open("rb") as handle:
+            os.fsync(handle.fileno())
         files[rel] = {"size": path.stat().st_size, "sha256": sha256_file(path)}
     manifest = {"format_version": FORMAT_VERSION, "files": files, **meta}
     write_json_atomic(directory / MANIFEST, manifest)
@@ -85,6 +88,9 @@ def verify(directory: str | os.PathLike[str]) -> Verification:
         return Verification(root, (problem or "manifest unreadable",), None)
     problems = []
     for rel, entry in manifest["files"].items():
+        if not isinstance(entry, dict):
+            problems.append(f"manifest.json is malformed: the entry for {rel} is not a table")
+            continue
         path = root / rel
         if not path.is_file():
             problems.append(f"{rel} is missing")

@@ -8,6 +8,7 @@ flight: a new save first waits for the previous one.
 from __future__ import annotations
 
 import logging
+import shutil
 import tempfile
 import threading
 import time
@@ -152,3 +153,4 @@ class CheckpointManager:
 
     def close(self) -> None:
         self.wait()
+        shutil.rmtree(self.scratch, ignore_errors=True)

@@ -7,15 +7,19 @@ Tensors go through safetensors (model) or ``torch.save``/``torch.load(weights_on
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
+import os
 import pickle
 import random
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+import torch.utils.serialization as torch_serialization
 from safetensors import safe_open
 from safetensors.torch import _remove_duplicate_names, load_model, save_file
 from torch import nn
@@ -119,9 +123,32 @@ def write_state(
     """Write model, optimizer and trainer state files (not the manifest) into ``directory``."""
     directory.mkdir(parents=True, exist_ok=True)
     save_file(model_state, str(directory / MODEL_FILE))
+    os.chmod(directory / MODEL_FILE, 0o666 & ~_UMASK)  # safetensors creates 0600; honour the umask
     if optimizer_state is not None:
-        torch.save(optimizer_state, directory / OPTIMIZER_FILE)
+        # The manifest's SHA-256 covers the file; torch's own CRC32 pass would only double the cost.
+        with _torch_save_crc32(False):
+            torch.save(optimizer_state, directory / OPTIMIZER_FILE)
     (directory / STATE_FILE).write_text(json.dumps(_state_to_json(state), indent=1))
+
+
+@contextlib.contextmanager
+def _torch_save_crc32(enabled: bool) -> Iterator[None]:
+    config = torch_serialization.config.save
+    before = config.compute_crc32
+    config.compute_crc32 = enabled
+    try:
+        yield
+    finally:
+        config.compute_crc32 = before
+
+
+def _current_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _current_umask()
 
 
 def read_trainer_state(directory: Path) -> TrainerState:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import shutil
 import time
@@ -113,6 +114,9 @@ class CheckpointStore:
             return Verification(where, (problem or "manifest unreadable",), None)
         problems = []
         for rel, entry in manifest["files"].items():
+            if not isinstance(entry, dict):
+                problems.append(f"manifest.json is malformed: the entry for {rel} is not a table")
+                continue
             info = self.fs.get_file_info(f"{self.path(name)}/{rel}")
             if info.type != pafs.FileType.File:
                 problems.append(f"{rel} is missing")
@@ -145,11 +149,13 @@ class CheckpointStore:
             if target.exists():
                 self._retire_invalid(name)
             staging.rename(target)
+            _fsync_dir(target.parent)  # the rename itself survives a crash
             return final
         files = sorted(p for p in staging.rglob("*") if p.is_file())
         for path in sorted(files, key=lambda p: p.name == MANIFEST):  # manifest last
             rel = path.relative_to(staging).as_posix()
             pafs.copy_files(str(path), f"{final}/{rel}", pafs.LocalFileSystem(), self.fs)
+        shutil.rmtree(staging, ignore_errors=True)  # the local copy has served its purpose
         return final
 
     def _retire_invalid(self, name: str) -> None:
@@ -161,6 +167,7 @@ class CheckpointStore:
         if self.is_local:
             return Path(self.path(name))
         local = scratch / name
+        local.mkdir(parents=True, exist_ok=True)
         pafs.copy_files(self.path(name), str(local), self.fs, pafs.LocalFileSystem())
         return local
 
@@ -174,3 +181,11 @@ class CheckpointStore:
             manifest, _ = self.read_manifest(name)
             if manifest is None and self.fs.get_file_info(self.path(name)).type == pafs.FileType.Directory:
                 self.fs.delete_dir(self.path(name))
+
+
+def _fsync_dir(path: Path) -> None:
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)

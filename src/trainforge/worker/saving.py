@@ -130,23 +130,21 @@ class Checkpointing:
 
 
 def choose_checkpoint(store: CheckpointStore, resume: str) -> tuple[tuple[CheckpointStore, str] | None, list[str]]:
-    """Rank 0: the checkpoint to start from (None: from scratch), and why newer ones were skipped."""
-    if resume == "none":
-        existing = [e.name for e in store.entries()]
-        if existing:
-            raise CheckpointError(
-                f"checkpoint.resume is none but {store.uri('')} already holds {len(existing)} checkpoint(s) "
-                f"(newest {existing[-1]}); use a new run.name, or --resume auto to continue it"
-            )
-        return None, []
-    if resume != "auto":
+    """Rank 0: the checkpoint to start from (None: from scratch), and why newer ones were skipped.
+
+    ``none`` and a path decide only the run's first start (the driver has checked that the run
+    holds no checkpoints yet); once the run has checkpoints of its own, a worker-group restart
+    continues from them, as ``auto`` does.
+    """
+    own = store.entries()
+    if resume not in ("auto", "none") and not own:
         explicit, name = CheckpointStore.for_checkpoint(resume)
         problems = problems_with(explicit, name)
         if problems:
             raise CheckpointError(f"checkpoint {resume} is not valid: {'; '.join(problems)}")
         return (explicit, name), []
     skipped: list[str] = []
-    for entry in reversed(store.entries()):
+    for entry in reversed(own):
         problems = problems_with(store, entry.name)
         if not problems:
             return (store, entry.name), skipped

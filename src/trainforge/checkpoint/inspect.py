@@ -1,0 +1,499 @@
+"""Read-only tools over checkpoints, behind ``trainforge ckpt list|verify|inspect``.
+
+Everything goes through :class:`CheckpointStore`, so a local run directory and an ``s3://`` prefix
+are read the same way. ``inspect`` reads JSON and the safetensors header only; ``verify`` and
+``list`` also run restore's safe-load check (``weights_only`` unpickling, memory-mapped), so that
+they call valid exactly what restore would restore.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import struct
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow.fs as pafs
+from rich.console import Group, RenderableType
+from rich.table import Table
+
+from trainforge.checkpoint.format import MANIFEST, Verification
+from trainforge.checkpoint.storage import CHECKPOINT_RE, TEMP_PREFIX, CheckpointStore
+from trainforge.errors import CheckpointError
+
+# The names state.py writes, repeated here so that ``trainforge ckpt`` does not import torch (the
+# unit tests check that they agree).
+MODEL_FILE = "model.safetensors"
+OPTIMIZER_FILE = "optimizer.pt"
+STATE_FILE = "trainer_state.json"
+LISTED_METRICS = ("val/loss", "val/accuracy", "train/loss")
+CONFIG_SECTIONS = ("model", "data", "train", "optim", "schedule", "scaling", "checkpoint")
+CONFIG_SCALARS = ("precision", "seed", "deterministic")
+RETIRED_PREFIX = ".invalid-"
+INCOMPLETE = "incomplete save"  # a .tmp- staging dir of a save that never committed
+RETIRED = "retired invalid"  # restore skipped it as invalid; a later save of its step set it aside
+_HIDDEN_STEP_RE = re.compile(r"checkpoint_(\d+)")
+_MAX_HEADER_BYTES = 100 << 20  # safetensors refuses headers above 100 MB too
+
+
+# ---------------------------------------------------------------------------------------------
+# Opening a location
+
+
+def open_location(location: str) -> CheckpointStore:
+    """The store at a run directory or URI; CheckpointError when nothing is there."""
+    store = CheckpointStore.from_uri(location)
+    kind = _file_type(store, store.root)
+    if kind == pafs.FileType.NotFound:
+        raise CheckpointError(f"{location} does not exist")
+    if kind != pafs.FileType.Directory:
+        raise CheckpointError(f"{location} is not a directory (give a run directory or a storage URI)")
+    return store
+
+
+def open_checkpoint(path: str) -> tuple[CheckpointStore, str]:
+    """The store holding the checkpoint directory ``path``, and its name; CheckpointError if absent."""
+    store, name = CheckpointStore.for_checkpoint(path)
+    kind = _file_type(store, store.path(name))
+    if kind == pafs.FileType.NotFound:
+        raise CheckpointError(f"{path} does not exist")
+    if kind != pafs.FileType.Directory:
+        raise CheckpointError(f"{path} is not a checkpoint directory (a checkpoint is a folder with {MANIFEST})")
+    return store, name
+
+
+def _file_type(store: CheckpointStore, path: str) -> pafs.FileType:
+    try:
+        return store.fs.get_file_info(path).type
+    except OSError as err:  # unreachable object store, bad credentials
+        raise CheckpointError(f"cannot read {path}: {err}") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# verify
+
+
+def verify_checkpoint(path: str) -> Verification:
+    """Check one checkpoint directory as restore does: its manifest (reads every byte), then that it
+    loads without unpickling anything but tensors."""
+    store, name = open_checkpoint(path)
+    return verify_in(store, name)
+
+
+def verify_in(store: CheckpointStore, name: str) -> Verification:
+    """``store.verify`` plus restore's safe-load check; a malformed manifest entry or an I/O error
+    becomes a listed problem instead of an exception."""
+    manifest, problem = store.read_manifest(name)
+    if manifest is not None:
+        problem = manifest_shape_problem(manifest)
+    if problem is not None:
+        return Verification(_display_path(store, name), (problem,), None)
+    try:
+        check = store.verify(name)
+        refusal = load_refusal(store, name) if check.ok else None
+    except OSError as err:
+        return Verification(_display_path(store, name), (f"unreadable: {err}",), manifest)
+    return Verification(check.path, (refusal,), check.manifest) if refusal else check
+
+
+def load_refusal(store: CheckpointStore, name: str) -> str | None:
+    """Why restore would refuse a checkpoint whose manifest verifies (a hostile ``optimizer.pt``)."""
+    from trainforge.checkpoint.state import check_loadable  # torch: imported only once something verified
+
+    with tempfile.TemporaryDirectory(prefix="trainforge-ckpt-") as scratch:
+        # CheckpointStore.fetch from an object store does not create the local folder itself
+        # (pyarrow's copy_files writes the files only): make it first.
+        (Path(scratch) / name).mkdir()
+        return check_loadable(store.fetch(name, Path(scratch)))
+
+
+def manifest_shape_problem(manifest: dict[str, Any]) -> str | None:
+    """Why a manifest that parsed as JSON still cannot be checked, or None."""
+    for rel, entry in manifest["files"].items():
+        if not isinstance(entry, dict):
+            return f"manifest.json is malformed: the entry for {rel} is not a table"
+        if not isinstance(entry.get("size"), int) or not isinstance(entry.get("sha256"), str):
+            return f"manifest.json is malformed: the entry for {rel} lacks an integer size or a sha256"
+        if rel.startswith("/") or ".." in rel.split("/"):
+            return f"manifest.json is malformed: {rel} points outside the checkpoint"
+    return None
+
+
+def _display_path(store: CheckpointStore, name: str) -> Path:
+    return Path(store.path(name))
+
+
+# ---------------------------------------------------------------------------------------------
+# list
+
+
+@dataclass(frozen=True)
+class Listed:
+    """One directory of a run's checkpoint storage, as ``ckpt list`` shows it."""
+
+    name: str
+    uri: str
+    kind: str  # "checkpoint", "incomplete" (a .tmp- staging dir) or "retired" (a .invalid- dir)
+    step: int | None = None
+    epoch: int | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+    size_bytes: int = 0
+    created_at: float | None = None
+    problems: tuple[str, ...] = ()
+
+    @property
+    def valid(self) -> bool:
+        return self.kind == "checkpoint" and not self.problems
+
+    @property
+    def status(self) -> str:
+        if self.kind == "incomplete":
+            return INCOMPLETE
+        if self.kind == "retired":
+            return RETIRED
+        return "valid" if not self.problems else "; ".join(self.problems)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "uri": self.uri,
+            "kind": self.kind,
+            "step": self.step,
+            "epoch": self.epoch,
+            "metrics": self.metrics,
+            "size_bytes": self.size_bytes,
+            "created_at": self.created_at,
+            "valid": self.valid,
+            "status": self.status,
+            "problems": list(self.problems),
+        }
+
+
+def list_checkpoints(location: str) -> list[Listed]:
+    """Every checkpoint under a run directory (verified), plus leftover staging and retired dirs.
+
+    ``location`` may also be a storage root holding several runs (each run's checkpoints are listed
+    as ``run/checkpoint_...``) or one checkpoint directory. CheckpointError when there are none.
+    """
+    store = open_location(location)
+    match = CHECKPOINT_RE.match(store.root.rsplit("/", 1)[-1])
+    if match and not store.entries():
+        parent, _, name = store.root.rpartition("/")
+        return [_listed_checkpoint(CheckpointStore(store.fs, parent), name, int(match.group(1)))]
+    found = _list_run(store, prefix="")
+    if not found:
+        for child in _child_dirs(store):
+            if not child.startswith("."):
+                found.extend(_list_run(CheckpointStore(store.fs, store.path(child)), prefix=f"{child}/"))
+    if not found:
+        raise CheckpointError(f"{location} holds no checkpoints (expected checkpoint_<step> directories)")
+    return found
+
+
+def _list_run(store: CheckpointStore, prefix: str) -> list[Listed]:
+    rows = [_listed_checkpoint(store, entry.name, entry.step, prefix) for entry in store.entries()]
+    for hidden in _child_dirs(store):
+        if hidden.startswith(TEMP_PREFIX):
+            kind = "incomplete"
+        elif hidden.startswith(RETIRED_PREFIX):
+            kind = "retired"
+        else:
+            continue
+        step_match = _HIDDEN_STEP_RE.search(hidden)
+        rows.append(
+            Listed(
+                name=prefix + hidden,
+                uri=store.uri(hidden),
+                kind=kind,
+                step=int(step_match.group(1)) if step_match else None,
+                size_bytes=_tree_size(store, hidden),
+            )
+        )
+    return sorted(rows, key=lambda r: (r.step if r.step is not None else -1, r.kind != "checkpoint", r.name))
+
+
+def _listed_checkpoint(store: CheckpointStore, name: str, step: int, prefix: str = "") -> Listed:
+    check = verify_in(store, name)
+    manifest = check.manifest or store.read_manifest(name)[0] or {}
+    found = manifest.get("metrics")
+    metrics: dict[str, Any] = found if isinstance(found, dict) else {}
+    return Listed(
+        name=prefix + name,
+        uri=store.uri(name),
+        kind="checkpoint",
+        step=_as_int(manifest.get("global_step"), step),
+        epoch=_as_int(manifest.get("epoch"), None),
+        metrics={k: float(metrics[k]) for k in LISTED_METRICS if isinstance(metrics.get(k), (int, float))},
+        size_bytes=_tree_size(store, name),
+        created_at=float(manifest["created_at"]) if isinstance(manifest.get("created_at"), (int, float)) else None,
+        problems=check.problems,
+    )
+
+
+def _child_dirs(store: CheckpointStore) -> list[str]:
+    selector = pafs.FileSelector(store.root, recursive=False, allow_not_found=True)
+    return sorted(i.base_name for i in store.fs.get_file_info(selector) if i.type == pafs.FileType.Directory)
+
+
+def _tree_size(store: CheckpointStore, name: str) -> int:
+    selector = pafs.FileSelector(store.path(name), recursive=True, allow_not_found=True)
+    return sum(i.size or 0 for i in store.fs.get_file_info(selector) if i.type == pafs.FileType.File)
+
+
+def _as_int(value: Any, default: int | None) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else default
+
+
+# ---------------------------------------------------------------------------------------------
+# inspect
+
+
+def inspect_checkpoint(path: str) -> dict[str, Any]:
+    """Everything worth knowing about one checkpoint without loading a tensor; JSON-ready.
+
+    Sizes are compared with the manifest (cheap); ``verify`` is the full SHA-256 check.
+    """
+    store, name = open_checkpoint(path)
+    files = _files(store, name)
+    if not {MANIFEST, STATE_FILE, MODEL_FILE} & files.keys():
+        raise CheckpointError(f"{path} is not a checkpoint: it holds none of {MANIFEST}, {STATE_FILE}, {MODEL_FILE}")
+    problems: list[str] = []
+    manifest, manifest_problem = store.read_manifest(name)
+    if manifest is not None:
+        manifest_problem = manifest_shape_problem(manifest)
+    if manifest_problem:
+        problems.append(manifest_problem)
+        manifest = None
+    if manifest is not None:
+        problems.extend(_size_problems(manifest, files))
+    state = _read_json(store, name, STATE_FILE, problems)
+    report: dict[str, Any] = {
+        "path": store.uri(name),
+        "manifest": _manifest_summary(manifest) if manifest is not None else None,
+        "sizes_match_manifest": manifest is not None and not problems,
+        "files": files,
+        "progress": state.get("progress", {}),
+        "versions": state.get("versions", {}),
+        "metrics": state.get("metrics") or (manifest or {}).get("metrics", {}),
+        "config": _config_sections(state.get("config", {})),
+        "scheduler": state.get("scheduler", {}),
+        "scaler": state.get("scaler", {}),
+        "rng_ranks": len(state.get("rng", [])),
+        "model": _model_summary(store, name, files, problems),
+        "optimizer": {"file": OPTIMIZER_FILE, "size_bytes": files[OPTIMIZER_FILE]} if OPTIMIZER_FILE in files else None,
+        "problems": problems,
+    }
+    if OPTIMIZER_FILE not in files:
+        problems.append(f"{OPTIMIZER_FILE} is missing")
+    return report
+
+
+def _files(store: CheckpointStore, name: str) -> dict[str, int]:
+    root = store.path(name)
+    selector = pafs.FileSelector(root, recursive=True)
+    return {
+        info.path[len(root) + 1 :]: int(info.size or 0)
+        for info in store.fs.get_file_info(selector)
+        if info.type == pafs.FileType.File
+    }
+
+
+def _size_problems(manifest: dict[str, Any], files: dict[str, int]) -> list[str]:
+    problems = []
+    for rel, entry in manifest["files"].items():
+        if rel not in files:
+            problems.append(f"{rel} is missing")
+        elif files[rel] != entry["size"]:
+            problems.append(f"{rel} has {files[rel]} bytes, manifest says {entry['size']} (truncated?)")
+    return problems
+
+
+def _manifest_summary(manifest: dict[str, Any]) -> dict[str, Any]:
+    keys = ("format_version", "global_step", "epoch", "world_size", "created_at")
+    return {**{k: manifest.get(k) for k in keys}, "files": manifest["files"]}
+
+
+def _read_json(store: CheckpointStore, name: str, rel: str, problems: list[str]) -> dict[str, Any]:
+    try:
+        with store.fs.open_input_stream(f"{store.path(name)}/{rel}") as stream:
+            data = json.loads(stream.read())
+    except FileNotFoundError:
+        problems.append(f"{rel} is missing")
+        return {}
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        problems.append(f"{rel} is unreadable: {err}")
+        return {}
+    if not isinstance(data, dict):
+        problems.append(f"{rel} is malformed: not a JSON object")
+        return {}
+    return data
+
+
+def _config_sections(config: dict[str, Any]) -> dict[str, Any]:
+    picked = {k: config[k] for k in CONFIG_SECTIONS if isinstance(config.get(k), dict)}
+    picked.update({k: config[k] for k in CONFIG_SCALARS if k in config})
+    return picked
+
+
+def _model_summary(store: CheckpointStore, name: str, files: dict[str, int], problems: list[str]) -> dict[str, Any]:
+    if MODEL_FILE not in files:
+        problems.append(f"{MODEL_FILE} is missing")
+        return {"file": MODEL_FILE, "size_bytes": None}
+    summary: dict[str, Any] = {"file": MODEL_FILE, "size_bytes": files[MODEL_FILE]}
+    try:
+        with store.fs.open_input_stream(f"{store.path(name)}/{MODEL_FILE}") as stream:
+            summary.update(safetensors_summary(read_safetensors_header(stream)))
+    except (OSError, ValueError) as err:
+        problems.append(f"{MODEL_FILE} header is unreadable: {err}")
+    return summary
+
+
+def read_safetensors_header(stream: Any) -> dict[str, Any]:
+    """The JSON header of a safetensors stream: 8 bytes of little-endian length, then the JSON."""
+    head = stream.read(8)
+    if len(head) < 8:
+        raise ValueError("shorter than the 8-byte header length")
+    (length,) = struct.unpack("<Q", head)
+    if length > _MAX_HEADER_BYTES:
+        raise ValueError(f"header length {length} is implausible")
+    raw = stream.read(length)
+    if len(raw) < length:
+        raise ValueError(f"header is cut short ({len(raw)} of {length} bytes)")
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"header is not JSON: {err}") from None
+    if not isinstance(header, dict):
+        raise ValueError("header is not a JSON object")
+    return header
+
+
+def safetensors_summary(header: dict[str, Any]) -> dict[str, Any]:
+    """Tensor count, parameter count and per-dtype counts from a safetensors header."""
+    dtypes: dict[str, dict[str, int]] = {}
+    parameters = data_bytes = 0
+    tensors = {k: v for k, v in header.items() if k != "__metadata__"}
+    for key, info in tensors.items():
+        if not isinstance(info, dict) or not isinstance(info.get("shape"), list):
+            raise ValueError(f"header entry {key} has no shape")
+        count = math.prod(int(n) for n in info["shape"])
+        start, end = info.get("data_offsets", (0, 0))
+        parameters += count
+        data_bytes += int(end) - int(start)
+        slot = dtypes.setdefault(str(info.get("dtype")), {"tensors": 0, "parameters": 0})
+        slot["tensors"] += 1
+        slot["parameters"] += count
+    return {
+        "tensors": len(tensors),
+        "parameters": parameters,
+        "data_bytes": data_bytes,
+        "dtypes": dtypes,
+        "metadata": header.get("__metadata__") or {},
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Rendering (rich)
+
+
+def human_bytes(size: float | None) -> str:
+    if size is None:
+        return "-"
+    for unit in ("B", "kB", "MB", "GB"):
+        if abs(size) < 1000 or unit == "GB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1000
+    return f"{size:.1f} TB"
+
+
+def human_time(stamp: float | None) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(stamp)) if stamp is not None else "-"
+
+
+def list_table(location: str, rows: Sequence[Listed]) -> Table:
+    """The table ``ckpt list`` prints: one row per directory, ``valid`` or why not."""
+    shown_metrics = [m for m in LISTED_METRICS if any(m in r.metrics for r in rows)]
+    valid = sum(r.valid for r in rows)
+    table = Table(title=f"{location}: {valid} valid of {sum(r.kind == 'checkpoint' for r in rows)} checkpoint(s)")
+    table.add_column("name", no_wrap=True)
+    table.add_column("step", justify="right")
+    table.add_column("epoch", justify="right")
+    for metric in shown_metrics:
+        table.add_column(metric, justify="right")
+    table.add_column("size", justify="right")
+    table.add_column("created")
+    table.add_column("status")
+    for row in rows:
+        status = f"[green]{row.status}[/]" if row.valid else f"[red]{row.status}[/]"
+        table.add_row(
+            row.name,
+            _or_dash(row.step),
+            _or_dash(row.epoch),
+            *(f"{row.metrics[m]:.4f}" if m in row.metrics else "-" for m in shown_metrics),
+            human_bytes(row.size_bytes),
+            human_time(row.created_at),
+            status,
+        )
+    return table
+
+
+def inspection_view(report: dict[str, Any]) -> RenderableType:
+    """What ``ckpt inspect`` prints without ``--json``."""
+    parts: list[RenderableType] = [f"[bold]{report['path']}[/]"]
+    manifest = report["manifest"]
+    if manifest is not None:
+        integrity = "sizes match" if report["sizes_match_manifest"] else "[red]sizes do not match[/]"
+        parts.append(
+            f"manifest: format {manifest['format_version']}, {len(manifest['files'])} files, "
+            f"written {human_time(manifest.get('created_at'))}; {integrity} "
+            "(run `trainforge ckpt verify` for the SHA-256 check)"
+        )
+    parts.append(_pairs("progress", report["progress"]))
+    parts.append(_pairs("versions", report["versions"]))
+    shown = {k: _short(v) for k, v in sorted(report["metrics"].items()) if k.startswith(("train/", "val/"))}
+    parts.append(_pairs("metrics", shown) + f" ({len(report['metrics']) - len(shown)} more with --json)")
+    model = report["model"]
+    if "tensors" in model:
+        dtypes = ", ".join(
+            f"{dtype} {v['tensors']} tensors / {v['parameters']:,} params" for dtype, v in model["dtypes"].items()
+        )
+        parts.append(
+            f"model: {model['file']} {human_bytes(model['size_bytes'])}, {model['tensors']} tensors, "
+            f"{model['parameters']:,} parameters ({dtypes})"
+        )
+    optimizer = report["optimizer"]
+    if optimizer is not None:
+        parts.append(f"optimizer: {optimizer['file']} {human_bytes(optimizer['size_bytes'])}")
+    parts.append(f"rng states: {report['rng_ranks']} rank(s)")
+    config = Table(title="config", show_header=False)
+    config.add_column("section", style="bold")
+    config.add_column("values")
+    for section, values in report["config"].items():
+        if isinstance(values, dict):
+            text = ", ".join(f"{k}={v}" for k, v in values.items() if v is not None and v != {})
+        else:
+            text = str(values)
+        config.add_row(section, text)
+    parts.append(config)
+    for problem in report["problems"]:
+        parts.append(f"[red]problem:[/] {problem}")
+    return Group(*parts)
+
+
+def _pairs(title: str, values: dict[str, Any]) -> str:
+    body = ", ".join(f"{k} {v}" for k, v in values.items()) if values else "-"
+    return f"{title}: {body}"
+
+
+def _short(value: Any) -> Any:
+    return f"{value:.6g}" if isinstance(value, float) else value
+
+
+def _or_dash(value: Any) -> str:
+    return "-" if value is None else str(value)

@@ -1,0 +1,249 @@
+"""Checkpoints of real runs: the ``trainforge ckpt`` tools name every corruption, restore walks back
+past a corrupt newest checkpoint, and rotation holds across restarts.
+
+One tiny run is trained once per module; tests that change a run work on a copy of it.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from rich.console import Console
+
+import trainforge
+from tests.helpers.runs import tiny_run
+from tests.unit.test_checkpoint import CORRUPTIONS, flip_byte
+from trainforge.checkpoint.inspect import list_checkpoints
+from trainforge.checkpoint.storage import CheckpointStore, checkpoint_name
+
+ROOT = Path(__file__).resolve().parents[2]
+EVERY = 5
+
+
+def run_config(output_dir: Path, max_steps: int, **checkpoint: Any) -> dict[str, Any]:
+    return tiny_run(
+        output_dir,
+        train={"max_steps": max_steps},
+        checkpoint={"every_n_steps": EVERY, "keep_last": 10, **checkpoint},
+    )
+
+
+def fit(config: dict[str, Any]) -> trainforge.RunResult:
+    result = trainforge.fit(config, console=Console(file=io.StringIO()))
+    assert result.status == "finished"
+    return result
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "trainforge", *args],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "TERM": "dumb", "COLUMNS": "160"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+
+
+def ckpt(*args: str) -> subprocess.CompletedProcess[str]:
+    return cli("ckpt", *args)
+
+
+def events(run_dir: Path) -> list[str]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [event for row in rows for event in row.get("events", [])]
+
+
+def saved_steps(run_dir: Path) -> list[int]:
+    return [e.step for e in CheckpointStore.from_uri(str(run_dir)).entries()]
+
+
+def best_saved_step(run_dir: Path, steps: list[int], metric: str) -> int:
+    """The saved step whose report (the metrics the checkpoint carries) has the largest ``metric``."""
+    at_step = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        if row.get("step") in steps and metric in row:
+            at_step[row["step"]] = row[metric]
+    assert set(at_step) == set(steps)
+    return max(steps, key=lambda s: at_step[s])
+
+
+ROTATION = {"keep_last": 2, "keep_best_metric": "train/loss", "keep_best_mode": "max"}
+
+
+@pytest.fixture(scope="module")
+def trained(ray_local: None, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The run directory of a 20-step run with a checkpoint every 5 steps, rotated to the newest 2
+    plus the one with the highest train/loss (the worst, so that it differs from the newest)."""
+    result = fit(run_config(tmp_path_factory.mktemp("trained"), 20, **ROTATION))
+    best = best_saved_step(result.run_dir, [5, 10, 15, 20], "train/loss")
+    assert saved_steps(result.run_dir) == sorted({best, 15, 20})
+    return result.run_dir
+
+
+@pytest.mark.slow
+def test_ckpt_verify_and_list_name_every_corruption(trained: Path, tmp_path: Path) -> None:
+    cases = tmp_path / "cases"
+    source = trained / checkpoint_name(15)
+    for index, (corrupt, _) in enumerate(CORRUPTIONS.values(), start=1):
+        shutil.copytree(source, cases / checkpoint_name(index))
+        corrupt(cases / checkpoint_name(index))
+    shutil.copytree(source, cases / checkpoint_name(99))
+
+    listing = ckpt("list", str(cases))
+    assert listing.returncode == 0, listing.stderr
+    rows = {line.split()[1]: line for line in listing.stdout.splitlines() if line.startswith("│ checkpoint_")}
+    for index, (_, reason) in enumerate(CORRUPTIONS.values(), start=1):
+        assert reason in rows[checkpoint_name(index)] and "valid" not in rows[checkpoint_name(index)].split("│")[-2]
+    assert rows[checkpoint_name(99)].split("│")[-2].strip() == "valid"
+    assert "1 valid of 6 checkpoint(s)" in listing.stdout
+
+    for index, (kind, (_, reason)) in enumerate(CORRUPTIONS.items(), start=1):
+        result = ckpt("verify", str(cases / checkpoint_name(index)))
+        assert result.returncode == 1, (kind, result.stdout, result.stderr)
+        lines = result.stdout.splitlines()
+        assert lines[0] == f"invalid: {cases / checkpoint_name(index)}"
+        assert any(reason in line for line in lines[1:]), (kind, lines)
+
+    valid = ckpt("verify", str(trained / checkpoint_name(20)))
+    assert valid.returncode == 0 and valid.stdout.startswith("valid: "), valid.stdout
+
+    missing = ckpt("verify", str(tmp_path / "absent"))
+    assert missing.returncode == 2 and "Traceback" not in missing.stderr
+    assert missing.stderr.strip() == f"error: {tmp_path / 'absent'} does not exist"
+
+    inspected = ckpt("inspect", "--json", str(trained / checkpoint_name(20)))
+    assert inspected.returncode == 0, inspected.stderr
+    report = json.loads(inspected.stdout)
+    assert report["progress"]["global_step"] == 20 and report["progress"]["world_size"] == 1
+    assert report["progress"]["samples_seen"] == 20 * 16
+    assert report["manifest"]["global_step"] == 20 and report["problems"] == []
+    assert report["config"]["model"]["name"] == "mlp" and report["config"]["train"]["max_steps"] == 20
+    assert report["model"]["tensors"] > 0 and report["model"]["parameters"] > 0
+    assert set(report["model"]["dtypes"]) == {"F32"}
+    assert report["optimizer"]["size_bytes"] > 0 and set(report["versions"]) >= {"torch", "ray", "trainforge"}
+
+
+@pytest.mark.slow
+def test_resume_walks_back_past_a_corrupt_newest_checkpoint(trained: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / trained.name
+    shutil.copytree(trained, run_dir)
+    flip_byte(run_dir / checkpoint_name(20))
+    half_written = run_dir / ".tmp-checkpoint_000000025-0badf00d"
+    half_written.mkdir()
+    (half_written / "model.safetensors").write_bytes(b"\x00" * 1000)
+    before = saved_steps(run_dir)
+
+    result = fit(run_config(tmp_path, 30))  # keep_last 10: nothing rotates out
+
+    assert result.summary["global_step"] == 30
+    seen = events(run_dir)
+    skipped = [e for e in seen if e.startswith("skipped checkpoint ")]
+    assert skipped == ["skipped checkpoint checkpoint_000000020: model.safetensors fails its SHA-256 check (corrupted)"]
+    resumed = [e for e in seen if e.startswith("resumed from ")]
+    assert resumed == [f"resumed from {run_dir / checkpoint_name(15)} at step 15"]
+    # The half-written save was neither restored nor touched; the corrupt one was set aside when
+    # step 20 was saved again, and everything the new run wrote verifies.
+    assert half_written.is_dir()
+    rows = {row.name: row for row in list_checkpoints(str(run_dir))}
+    assert rows[half_written.name].kind == "incomplete"
+    [retired] = [row for row in rows.values() if row.kind == "retired"]
+    assert retired.name.startswith(".invalid-checkpoint_000000020-")
+    valid = sorted({*before, 20, 25, 30})
+    assert [name for name, row in rows.items() if row.valid] == [checkpoint_name(s) for s in valid]
+
+
+@pytest.mark.slow
+def test_rotation_keeps_last_and_best_across_restarts(trained: Path, tmp_path: Path) -> None:
+    # The first run is the fixture's (keep_last 2 + best); this re-runs a copy with more steps.
+    run_dir = tmp_path / trained.name
+    shutil.copytree(trained, run_dir)
+    second = fit(run_config(tmp_path, 30, **ROTATION))
+    assert second.run_dir == run_dir
+    assert any(e.startswith("resumed from ") and e.endswith("at step 20") for e in events(run_dir))
+    best = best_saved_step(run_dir, [5, 10, 15, 20, 25, 30], "train/loss")
+    assert saved_steps(run_dir) == sorted({best, 25, 30})
+    assert all(row.valid for row in list_checkpoints(str(run_dir)))
+
+
+def test_bench_checkpoint_measures_through_the_real_code_paths(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    result = cli("bench", "checkpoint", "--size-mb", "4", "--repeats=1", "--dir", str(tmp_path), "--output", str(out))
+    assert result.returncode == 0, result.stderr
+    assert "checkpoint I/O goals" in result.stdout and "where the time goes" in result.stdout
+    report = json.loads(out.read_text())
+    assert set(report["verdicts"]) == {"save_s", "load_s", "stall_fraction", "durable_write_fraction"}
+    assert set(report["verdicts"].values()) <= {"pass", "miss"}
+    [figures] = report["repeats"]
+    assert figures["files"].keys() == {"model.safetensors", "optimizer.pt", "trainer_state.json"}
+    # Adam's two moments: the checkpoint is about three times the weights.
+    assert 2.8 < report["workload"]["checkpoint_MB"] / report["workload"]["model_MB"] < 3.3
+    assert figures["save_s"] > 0 and figures["load_s"] > 0 and figures["raw_write_MBps"] > 0
+    assert [p.name for p in tmp_path.iterdir()] == ["bench.json"]  # its files are gone
+
+    bad = cli("bench", "checkpoint", "--size-mb", "0")
+    assert bad.returncode == 2 and bad.stderr.strip() == "error: --size-mb 0.0: must be > 0"
+
+
+@pytest.mark.slow
+def test_ckpt_tools_read_checkpoints_on_s3(trained: Path, tmp_path: Path) -> None:
+    """The same tools on an S3-compatible server (moto on loopback), through pyarrow's S3 file system."""
+    moto_server = pytest.importorskip("moto.server")
+    import socket
+
+    import pyarrow.fs as pafs
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    env = {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+    }
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        fs = pafs.S3FileSystem(
+            endpoint_override=env["AWS_ENDPOINT_URL"], scheme="http", region="us-east-1", allow_bucket_creation=True
+        )
+        fs.create_dir("ckpt-bucket")
+        for step in (15, 20):
+            target = f"ckpt-bucket/runs/t/{checkpoint_name(step)}"
+            pafs.copy_files(str(trained / checkpoint_name(step)), target, None, fs)
+        with fs.open_output_stream(f"ckpt-bucket/runs/t/{checkpoint_name(20)}/optimizer.pt") as stream:
+            stream.write(b"cut short")
+
+        listing = ckpt("list", "s3://ckpt-bucket/runs/t")
+        assert listing.returncode == 0, listing.stderr
+        rows = {line.split()[1]: line for line in listing.stdout.splitlines() if line.startswith("│ checkpoint_")}
+        assert rows[checkpoint_name(15)].split("│")[-2].strip() == "valid"
+        assert "optimizer.pt has 9 bytes" in rows[checkpoint_name(20)]
+        bad = ckpt("verify", f"s3://ckpt-bucket/runs/t/{checkpoint_name(20)}")
+        assert bad.returncode == 1 and "optimizer.pt has 9 bytes" in bad.stdout
+        inspected = ckpt("inspect", "--json", f"s3://ckpt-bucket/runs/t/{checkpoint_name(15)}")
+        assert inspected.returncode == 0, inspected.stderr
+        assert json.loads(inspected.stdout)["progress"]["global_step"] == 15
+        missing = ckpt("list", "s3://ckpt-bucket/runs/absent")
+        assert missing.returncode == 2
+        assert missing.stderr.strip() == "error: s3://ckpt-bucket/runs/absent does not exist"
+    finally:
+        server.stop()
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
