@@ -88,7 +88,7 @@ def config_show(config: ConfigArg, set_: SetOpt = None) -> None:
 @bench_app.command("peers")
 def bench_peers(
     workers: Annotated[str, typer.Option(help="Comma-separated worker counts.")] = "1,2",
-    steps: Annotated[int, typer.Option(help="Timed steps per measurement, after 5 warm-up steps (>= 10).")] = 150,
+    steps: Annotated[int, typer.Option(help="Timed steps per measurement, after 5 warm-up steps (>= 10).")] = 100,
     batch_size: Annotated[int, typer.Option(help="Per-worker batch size.")] = 64,
     repeats: Annotated[int, typer.Option(help="Measurements per peer and worker count; the median is shown.")] = 2,
     output: Annotated[Path | None, typer.Option(help="Also write every raw figure as JSON here.")] = None,
@@ -103,6 +103,8 @@ def bench_peers(
     from trainforge.bench.peers import run_peers
 
     _setup_logging(False)
+    # The peers' runs live in a temporary folder: trainforge's "run report: PATH" lines would point nowhere.
+    logging.getLogger("trainforge").setLevel(logging.WARNING)
     run_peers(counts, steps=steps, batch_size=batch_size, repeats=repeats, output=output, console=Console())
 
 

@@ -6,6 +6,7 @@ import time
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 
@@ -57,7 +58,7 @@ class ProgressDisplay:
     def on_report(self, metrics: dict[str, Any]) -> None:
         for event in metrics.get("events", []):
             colour = "red" if "failed" in event else "yellow" if "skipped" in event else "cyan"
-            self.console.print(f"[{colour}]{event}[/]", highlight=False, soft_wrap=True)
+            self.console.print(f"[{colour}]{escape(event)}[/]", highlight=False, soft_wrap=True)
         step, total = metrics.get("step", 0), metrics.get("total_steps")
         if self.progress is not None:
             self.progress.update(self.task_id, completed=step, total=total, description=describe(metrics))
@@ -66,7 +67,7 @@ class ProgressDisplay:
 
     def on_worker_error(self, errors: dict[int, str]) -> None:
         for rank, error in sorted(errors.items()):
-            self.console.print(f"[yellow]worker {rank} failed:[/] {error}", highlight=False)
+            self.console.print(f"[yellow]worker {rank} failed:[/] {escape(error)}", highlight=False, soft_wrap=True)
 
     def on_end(self, summary: dict[str, Any]) -> None:
         if self.progress is not None:

@@ -31,7 +31,7 @@ from trainforge.checkpoint.state import MODEL_FILE
 from trainforge.checkpoint.storage import CheckpointStore
 from trainforge.config import Config, to_yaml
 from trainforge.errors import CheckpointError, ClusterError, TrainforgeError, TrainingFailed
-from trainforge.observe import ForwardingCallback, Mailbox, Observer, Observers, Pump
+from trainforge.observe import ForwardingCallback, Observer, Observers, Pump, start_mailbox
 from trainforge.worker.loop import train_loop_per_worker, worker_env
 
 log = logging.getLogger("trainforge")
@@ -39,6 +39,7 @@ log = logging.getLogger("trainforge")
 # The controller polls workers at this interval and each report waits for that poll; Ray's
 # default (2 s) would make every report cost up to 2 s of training time.
 POLL_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
+COLLECTIVE_TIMEOUT_ENV = "RAY_TRAIN_COLLECTIVE_TIMEOUT_S"
 
 
 @dataclass
@@ -205,21 +206,23 @@ def run_training(config: Config, observers: list[Observer], *, address: str | No
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(to_yaml(config))
     os.environ.setdefault(POLL_ENV, str(config.cluster.report_poll_interval_s))
+    # Ray Train's own barrier in report() waits at most this long too (Ray passes it to the workers).
+    os.environ[COLLECTIVE_TIMEOUT_ENV] = str(config.failure.collective_timeout_s)
     fanout = Observers(observers)
     started = time.monotonic()
     with (
         ray_logs_to(run_dir / "ray.log", verbose=verbose),
         ray_session(config, address, verbose=verbose) as where,
     ):
-        mailbox = Mailbox.remote()  # type: ignore[attr-defined]
+        mailbox = start_mailbox()
         pump = Pump(mailbox, fanout)
         fanout.on_start(
             {"name": config.run.name, "workers": config.scaling.num_workers, "cluster": where, "run_dir": str(run_dir)}
         )
         outcome = _fit(build_trainer(config, mailbox), pump, started)
-        if outcome.checkpoint:
-            export_final_weights(outcome.checkpoint, run_dir)
     summary = make_summary(config, outcome, pump)
+    if outcome.checkpoint:
+        summary["model_weights_step"] = export_final_weights(outcome.checkpoint, run_dir, summary["global_step"])
     write_json_atomic(run_dir / "summary.json", summary)
     fanout.on_end(summary)
     if outcome.status == "failed":
@@ -312,11 +315,19 @@ def _user_error(err: Exception) -> TrainforgeError | None:
     return None
 
 
-def export_final_weights(checkpoint_uri: str, run_dir: Path) -> None:
-    """Copy the final model.safetensors out of the last checkpoint (local directory or object store)."""
+def export_final_weights(checkpoint_uri: str, run_dir: Path, final_step: int) -> int | None:
+    """Copy model.safetensors out of the last valid checkpoint (local or object store); the step
+    it holds, which is older than the final step when the final save failed (said in the log)."""
     store, name = CheckpointStore.for_checkpoint(checkpoint_uri)
-    source = f"{store.path(name)}/{MODEL_FILE}"
-    pafs.copy_files(source, str(run_dir / MODEL_FILE), store.fs, pafs.LocalFileSystem())
+    step = int(name.rsplit("_", 1)[-1]) if name.rsplit("_", 1)[-1].isdigit() else None
+    try:
+        pafs.copy_files(f"{store.path(name)}/{MODEL_FILE}", str(run_dir / MODEL_FILE), store.fs, pafs.LocalFileSystem())
+    except OSError as err:
+        log.error("could not copy the final weights out of %s: %s", checkpoint_uri, err)
+        return None
+    if step is not None and step != final_step:
+        log.warning("model.safetensors holds the weights of step %s, the last checkpoint that was saved", step)
+    return step
 
 
 def make_summary(config: Config, outcome: Outcome, pump: Pump) -> dict[str, Any]:

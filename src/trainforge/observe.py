@@ -19,6 +19,14 @@ from ray.train.v2.api.callback import UserCallback
 log = logging.getLogger("trainforge")
 
 
+def start_mailbox() -> Any:
+    """A Mailbox on the driver's own node, like Ray Train's controller: it must outlive worker nodes."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
+    return Mailbox.options(scheduling_strategy=here).remote()  # type: ignore[attr-defined]
+
+
 @ray.remote(num_cpus=0)
 class Mailbox:
     """A tiny actor the controller drops events into and the driver drains."""

@@ -116,7 +116,8 @@ def test_worker_killed_mid_epoch_resumes_bit_identical(tmp_path: Path, label: st
     assert summary["status"] == "finished"
     assert summary["restarts"] == 1
     assert len(summary["recovery_s"]) == 1 and summary["recovery_s"][0] < 60
-    events = [e for line in (run_dir / "metrics.jsonl").read_text().splitlines() for e in json.loads(line).get("events", [])]
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    events = [e for line in lines for e in json.loads(line).get("events", [])]
     assert any(e.startswith("resumed from") and "checkpoint_0000000" in e for e in events), events
     # The epoch is 1438 / world / (batch x accum) steps long: step 20 is mid-epoch in every variant.
     assert_bit_identical(final_state(straight.run_dir, 60), final_state(run_dir, 60))

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from trainforge.bench.peers import PEERS, Measurement, goal_lines, summarise
+from trainforge.bench.peers import PEERS, Measurement, goal_lines, spread_line, summarise
 from trainforge.bench.workload import WARMUP_STEPS, StepClock, Workload
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -52,10 +52,14 @@ def test_ci_sized_run_measures_every_peer_and_prints_the_table(tmp_path: Path) -
     assert report["workload"]["steps"] == 20
     assert report["workload"]["warmup_steps"] == WARMUP_STEPS
 
-    for label in ("(a) PyTorch", "(b) torchrun", "(c) Ray Train", "(d) trainforge", "d/c", "d/b"):
-        assert label in result.stdout, result.stdout
+    table = result.stdout[result.stdout.index("samples/s over all workers, median of 1") :]
+    for header in ("(a) PyTorch", "(b) torchrun", "(c) Ray", "trainforge", "d/c", "d/b"):
+        assert header in table, result.stdout
+    for row in report["rows"]:
+        assert f"{row['d/c']:.3f}" in table and f"{row['d/b']:.3f}" in table, result.stdout
     assert "goal d/c >= 0.97:" in result.stdout
     assert "goal d/b >= 0.93:" in result.stdout
+    assert "repeats: 1, so no spread" in result.stdout
     # Progress: a line per measurement while it runs.
     assert result.stdout.count("samples/s  (") == 2 * len(PEERS)
     assert not list(tmp_path.glob("runs")), "the benchmark must not leave run folders in the working directory"
@@ -112,7 +116,9 @@ def test_workload_holds_one_epoch_at_the_largest_worker_count() -> None:
 def test_rows_quote_medians_and_goals_say_pass_or_miss() -> None:
     figures = {"a": [10.0, 30.0, 20.0], "b": [100.0, 100.0, 100.0], "c": [90.0, 100.0, 95.0], "d": [96.0, 90.0, 99.0]}
     measurements = [
-        Measurement(peer, 2, repeat, rate, 1.0) for peer, rates in figures.items() for repeat, rate in enumerate(rates)
+        Measurement(peer, 2, repeat, rate, 1.0, 0.5)
+        for peer, rates in figures.items()
+        for repeat, rate in enumerate(rates)
     ]
     (row,) = summarise(measurements, [2])
     assert row == {"workers": 2, "a": 20.0, "b": 100.0, "c": 95.0, "d": 96.0, "d/c": 96.0 / 95.0, "d/b": 0.96}
@@ -121,3 +127,16 @@ def test_rows_quote_medians_and_goals_say_pass_or_miss() -> None:
         "goal d/b >= 0.93: pass at 2 worker(s) (0.960)",
     ]
     assert goal_lines([{**row, "d/b": 0.9}])[1] == "goal d/b >= 0.93: miss at 2 worker(s) (0.900)"
+
+
+def test_spread_line_names_the_noisiest_measurement() -> None:
+    measurements = [
+        Measurement("a", 1, 0, 100.0, 1.0, 0.5),
+        Measurement("a", 1, 1, 110.0, 1.0, 2.0),
+        Measurement("c", 1, 0, 100.0, 1.0, 1.0),
+        Measurement("c", 1, 1, 150.0, 1.0, 1.5),
+    ]
+    line = spread_line(measurements)
+    assert line.startswith("spread between repeats: median 30%, largest 50% ((c) Ray Train at 1 worker(s))"), line
+    assert "load average 0.5-2.0" in line
+    assert "no spread" in spread_line(measurements[::2])

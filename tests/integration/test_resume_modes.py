@@ -31,7 +31,9 @@ def test_auto_continues_none_refuses_and_a_path_starts_from_it(tmp_path: Path) -
     # The same run with a longer budget continues from its newest checkpoint.
     longer = trainforge.fit(tiny_run(tmp_path, train={"max_steps": 15}, checkpoint={"every_n_steps": 5}))
     assert longer.summary["global_step"] == 15
-    assert any(e.startswith("resumed from") and e.endswith("checkpoint_000000010 at step 10") for e in events(longer.run_dir))
+    assert any(
+        e.startswith("resumed from") and e.endswith("checkpoint_000000010 at step 10") for e in events(longer.run_dir)
+    )
 
     # Re-running a finished run changes nothing and writes no new checkpoint.
     again = trainforge.fit(tiny_run(tmp_path, train={"max_steps": 15}, checkpoint={"every_n_steps": 5}))
@@ -48,7 +50,7 @@ def test_auto_continues_none_refuses_and_a_path_starts_from_it(tmp_path: Path) -
     assert branched.summary["global_step"] == 8
     assert any("checkpoint_000000005 at step 5" in e for e in events(branched.run_dir))
 
-    with pytest.raises(CheckpointError, match="is not valid: manifest.json is missing"):
+    with pytest.raises(CheckpointError, match=r"is not valid: manifest\.json is missing"):
         trainforge.fit(tiny_run(tmp_path, run={"name": "bad"}, checkpoint={"resume": str(tmp_path / "nowhere")}))
 
 

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
@@ -36,6 +37,12 @@ PEERS: dict[str, str] = {
     "b": "(b) torchrun + DDP",
     "c": "(c) Ray Train",
     "d": "(d) trainforge",
+}
+HEADERS: dict[str, str] = {  # two-line table headers, so the table fits 80 columns
+    "a": "(a) PyTorch\n1 process",
+    "b": "(b) torchrun\n+ DDP",
+    "c": "(c) Ray\nTrain",
+    "d": "(d)\ntrainforge",
 }
 GOALS: dict[str, float] = {"d/c": 0.97, "d/b": 0.93}
 RAY_CPUS = 4
@@ -56,13 +63,14 @@ class Measurement:
     workers: int
     repeat: int
     samples_per_s: float
-    wall_s: float
+    wall_s: float  # the whole measurement, start-up included
+    load_1min: float  # the machine's load average when it started: the bench shares the machine
 
 
 def run_peers(
     counts: Sequence[int],
     *,
-    steps: int = 150,
+    steps: int = 100,
     batch_size: int = 64,
     repeats: int = 2,
     output: Path | None = None,
@@ -77,23 +85,10 @@ def run_peers(
         f"workers {', '.join(map(str, counts))}, {repeats} repeat(s)",
         highlight=False,
     )
-    measurements: list[Measurement] = []
-    with tempfile.TemporaryDirectory(prefix="trainforge-bench-") as scratch, local_ray():
-        for workers in counts:
-            for repeat in range(repeats):
-                for peer, measure in MEASURES.items():
-                    started = time.monotonic()
-                    rate = measure(workload, workers, Path(scratch) / f"{peer}-{workers}w-r{repeat}")
-                    found = Measurement(peer, workers, repeat, rate, round(time.monotonic() - started, 1))
-                    measurements.append(found)
-                    shown.print(
-                        f"  {workers} worker(s), repeat {repeat + 1}/{repeats}: {PEERS[peer]:<24} "
-                        f"{rate:9.1f} samples/s  ({found.wall_s:.0f} s)",
-                        highlight=False,
-                    )
+    measurements = measure_all(workload, counts, repeats, shown)
     rows = summarise(measurements, counts)
     shown.print(results_table(rows, repeats))
-    for line in goal_lines(rows):
+    for line in [*goal_lines(rows), spread_line(measurements)]:
         shown.print(line, highlight=False)
     report = {
         "machine": machine(),
@@ -105,6 +100,26 @@ def run_peers(
     if output is not None:
         output.write_text(json.dumps(report, indent=2) + "\n")
     return report
+
+
+def measure_all(workload: Workload, counts: Sequence[int], repeats: int, shown: Console) -> list[Measurement]:
+    """Every peer at every worker count, interleaved a, b, c, d per repeat; a progress line each."""
+    measurements: list[Measurement] = []
+    with tempfile.TemporaryDirectory(prefix="trainforge-bench-") as scratch, local_ray():
+        for workers in counts:
+            for repeat in range(repeats):
+                for peer, measure in MEASURES.items():
+                    load = os.getloadavg()[0]
+                    started = time.monotonic()
+                    rate = measure(workload, workers, Path(scratch) / f"{peer}-{workers}w-r{repeat}")
+                    found = Measurement(peer, workers, repeat, rate, round(time.monotonic() - started, 1), load)
+                    measurements.append(found)
+                    shown.print(
+                        f"  {workers} worker(s), repeat {repeat + 1}/{repeats}: {PEERS[peer]:<24} "
+                        f"{rate:9.1f} samples/s  ({found.wall_s:.0f} s, load {load:.1f})",
+                        highlight=False,
+                    )
+    return measurements
 
 
 # ---------------------------------------------------------------------------------------------
@@ -247,10 +262,10 @@ def _ratio(numerator: float, denominator: float) -> float:
 
 
 def results_table(rows: Sequence[dict[str, Any]], repeats: int) -> Table:
-    table = Table(title=f"samples/s over all workers (median of {repeats})")
+    table = Table(title=f"samples/s over all workers, median of {repeats}", box=box.SIMPLE_HEAD)
     table.add_column("workers", justify="right")
-    for label in PEERS.values():
-        table.add_column(label, justify="right")
+    for header in HEADERS.values():
+        table.add_column(header, justify="right")
     for ratio in GOALS:
         table.add_column(ratio, justify="right")
     for row in rows:
@@ -272,6 +287,24 @@ def goal_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
         ]
         lines.append(f"goal {ratio} >= {goal}: {', '.join(verdicts)}")
     return lines
+
+
+def spread_line(measurements: Sequence[Measurement]) -> str:
+    """How far repeats of one measurement disagree: the noise floor the ratios should be read against."""
+    spreads = []
+    for key in sorted({(m.peer, m.workers) for m in measurements}):
+        rates = [m.samples_per_s for m in measurements if (m.peer, m.workers) == key]
+        if len(rates) > 1 and min(rates) > 0:
+            spreads.append((max(rates) / min(rates) - 1, key))
+    if not spreads:
+        return "repeats: 1, so no spread between repeats to judge the noise by"
+    worst, (peer, workers) = max(spreads)
+    loads = [m.load_1min for m in measurements]
+    return (
+        f"spread between repeats: median {statistics.median(s for s, _ in spreads):.0%}, largest {worst:.0%} "
+        f"({PEERS[peer]} at {workers} worker(s)); load average {min(loads):.1f}-{max(loads):.1f} "
+        f"on {os.cpu_count()} CPUs"
+    )
 
 
 def machine() -> dict[str, Any]:

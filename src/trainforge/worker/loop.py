@@ -21,6 +21,7 @@ import ray.train
 from trainforge.config import Config
 from trainforge.data import make_loader
 from trainforge.errors import TrainforgeError
+from trainforge.worker import parallel
 from trainforge.worker.build import WorkerRun, build, evaluate, pin_memory
 from trainforge.worker.metrics import Throughput, reduce_metrics
 from trainforge.worker.saving import Checkpointing, Restored, restore, run_store
@@ -243,16 +244,24 @@ class Session:
         run = self.run
         if status == "finished" and run.val_set is not None:
             self.val_metrics = self.timed_evaluate()
-        metrics, _ = self.report(final=True)
+        metrics, control = self.report(final=True)
+        if control.failed:
+            raise_save_failure(control.failed)
         if self.progress.global_step > self.first_step or self.last_checkpoint is None:
             self.save(metrics)
+        final_error = ""
         for outcome in self.checkpointing.wait():
             if outcome.error:
                 self.save_failures += 1
-                metrics.setdefault("events", []).append(f"final checkpoint save failed: {outcome.error}")
+                final_error = f"final checkpoint save at step {outcome.step} failed: {outcome.error}"
+                metrics.setdefault("events", []).append(final_error)
                 metrics["checkpoint/final_save_error"] = outcome.error
             else:
                 self.last_checkpoint = outcome.uri
+        # Only rank 0 knows how its save went; every rank must take the same way out.
+        failed_anywhere = parallel.all_reduce_sum([1.0 if final_error else 0.0], self.run.device).item() > 0
+        if failed_anywhere and self.run.config.checkpoint.on_save_error == "fail":
+            raise_save_failure(final_error or "the final checkpoint save failed")
         metrics["checkpoint/save_failures"] = self.save_failures
         if self.last_checkpoint:
             metrics["checkpoint/path"] = self.last_checkpoint

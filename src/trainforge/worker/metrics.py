@@ -30,19 +30,23 @@ class Throughput:
         self.started: float | None = None
         self.last = 0.0
         self.excluded_s = 0.0
+        self.pending_s = 0.0
 
     def step_done(self) -> None:
         now = time.perf_counter()
         self.local_steps += 1
         if self.local_steps == WARMUP_STEPS:
             self.started = now
+            self.pending_s = 0.0
         elif self.started is not None:
             self.timed_steps += 1
             self.last = now
+            self.excluded_s += self.pending_s  # excluded time counts once a timed step follows it
+            self.pending_s = 0.0
 
     def exclude(self, seconds: float) -> None:
-        if self.started is not None:
-            self.excluded_s += seconds
+        """Time (validation) that is not training; it is taken out only if it lies inside the window."""
+        self.pending_s += seconds
 
     @property
     def samples_per_s(self) -> float:

@@ -1,0 +1,212 @@
+"""Losing a whole Ray node mid-run (its raylet and every process on it, SIGKILL).
+
+A real multi-node cluster on one machine (``ray.cluster_utils.Cluster``): a head that runs no
+training workers and two 1-CPU worker nodes, one training worker each. The GCS declares a
+killed node dead within a second or two (short health checks below).
+
+* fixed ``scaling.num_workers: 2``: the run waits for capacity; a node is added back and the run
+  resumes from its newest checkpoint with 2 workers.
+* elastic ``scaling.num_workers: [1, 2]``: the run resumes at once with the 1 worker that fits.
+
+The node killed is one that does not host trainforge's ``Mailbox`` actor: it is created with
+``num_cpus=0`` and no node affinity, so Ray may put it on a worker node, and when that node dies
+the driver stops receiving reports and failures (no metrics.jsonl lines, ``restarts`` 0, no
+``recovery_s``) although training itself recovers. That is a trainforge bug (observe.Mailbox
+should be pinned to the driver's node, as Ray pins its TrainController), not what is tested here.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import ray
+from ray._private import ray_constants
+from ray.cluster_utils import Cluster
+
+import trainforge
+from tests.helpers.faults import (
+    checkpoints,
+    events,
+    first_resumed_report,
+    paced_run,
+    patched_environ,
+    recovery_s,
+    reports,
+    steps_after,
+    wait_until,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.slow
+
+# Node death is noticed by the GCS's health checks of each raylet: period x threshold.
+FAST_NODE_DEATH = {
+    "health_check_initial_delay_ms": 0,
+    "health_check_period_ms": 500,
+    "health_check_timeout_ms": 500,
+    "health_check_failure_threshold": 3,
+}
+
+
+# Ray Train waits this long for a worker group's placement group before it retries the start
+# (default 60 s). After a node loss an elastic run first asks again for the old size, because the
+# dead node is still counted for a moment; each wrong guess costs one such wait.
+START_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
+START_TIMEOUT_S = "10"
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    """Head (0 CPUs: no training worker lands there) + worker nodes added per test; one driver.
+
+    The cluster lives in a private RAY_TMPDIR: Cluster records its address in
+    ``$RAY_TMPDIR/ray/ray_current_cluster``, and with the shared default (/tmp/ray) every other
+    ``ray.init()`` on the machine would try to join it.
+    """
+    if ray.is_initialized():
+        ray.shutdown()
+    temp_dir = tempfile.mkdtemp(prefix="tfray-", dir="/tmp")  # short: Ray's socket paths live under it
+    with patched_environ(RAY_TMPDIR=temp_dir, OMP_NUM_THREADS="1", **{START_TIMEOUT_ENV: START_TIMEOUT_S}):
+        made = Cluster(
+            initialize_head=True,
+            head_node_args={"num_cpus": 0, "include_dashboard": False, "_system_config": FAST_NODE_DEATH},
+        )
+        try:
+            ray.init(
+                address=made.address,
+                log_to_driver=False,
+                runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}},
+            )
+            yield made
+        finally:
+            shut_down(made)
+            shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def shut_down(cluster: Cluster) -> None:
+    """Disconnect and remove every node. A run thread left behind by a failed test may have
+    reconnected the driver (Ray auto-initialises on use), which Cluster refuses: retry."""
+    for _ in range(5):
+        ray.shutdown()
+        try:
+            cluster.shutdown()
+            return
+        except ValueError:
+            time.sleep(1)
+
+
+@pytest.fixture
+def two_nodes(cluster: Cluster) -> Cluster:
+    """Exactly two live 1-CPU worker nodes, whatever the previous test left."""
+    while len(cluster.worker_nodes) < 2:
+        cluster.add_node(num_cpus=1)
+    while len(cluster.worker_nodes) > 2:
+        cluster.remove_node(next(iter(cluster.worker_nodes)))
+    cluster.wait_for_nodes()
+    wait_until(lambda: ray.cluster_resources().get("CPU", 0) == 2, 30, "2 CPUs in the cluster")
+    return cluster
+
+
+def processes_on(node: Any) -> list[str]:
+    """Ray process titles (ray::RayTrainWorker, ray::Mailbox, ...) running under a node's raylet."""
+    raylet = node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid
+    titles = []
+    for proc in psutil.Process(raylet).children(recursive=True):
+        try:
+            titles.append(proc.cmdline()[0])
+        except (psutil.Error, IndexError):
+            continue
+    return titles
+
+
+def kill_a_training_node(cluster: Cluster) -> dict[str, Any]:
+    """SIGKILL every process of a worker node that hosts a training worker but not trainforge's
+    driver-side Mailbox actor (which Ray may place on any node: see the note at the top)."""
+    hosting = {n: processes_on(n) for n in cluster.worker_nodes}
+    training = [n for n, titles in hosting.items() if any("RayTrainWorker" in t for t in titles)]
+    victims = [n for n in training if not any("Mailbox" in t for t in hosting[n])]
+    assert victims, f"no worker node hosts a training worker without the Mailbox: {list(hosting.values())}"
+    mailbox_on_a_worker_node = any("Mailbox" in t for titles in hosting.values() for t in titles)
+    at = time.time()
+    cluster.remove_node(victims[0], allow_graceful=False)
+    return {"at": at, "killed_processes": hosting[victims[0]], "mailbox_on_a_worker_node": mailbox_on_a_worker_node}
+
+
+def node_config(tmp_path: Path, num_workers: Any) -> dict[str, Any]:
+    return paced_run(
+        tmp_path,
+        scaling={"num_workers": num_workers},
+        train={"max_steps": 80},
+        failure={"max_failures": 3},
+    )
+
+
+def recovery_line(label: str, summary: dict[str, Any], run_dir: Path, fault: dict[str, Any]) -> str:
+    first = first_resumed_report(run_dir)
+    return (
+        f"\n{label}: node killed (it ran {fault['killed_processes']}; the Mailbox was on a worker node: "
+        f"{fault['mailbox_on_a_worker_node']}); first step after recovery: step {first['step']} on "
+        f"{first['world_size']} worker(s), {recovery_s(run_dir, fault['at']):.1f} s after the kill; "
+        f"summary restarts {summary['restarts']} recovery_s {summary['recovery_s']}"
+    )
+
+
+def fit_in_background(config: dict[str, Any]) -> Future[trainforge.RunResult]:
+    """Run ``trainforge.fit`` on a thread: the test's main thread must add and remove nodes, since a
+    Ray node object installs signal handlers, which Python allows only on the main thread."""
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="fit").submit(trainforge.fit, config)
+
+
+def test_fixed_size_run_waits_for_a_node_then_resumes(two_nodes: Cluster, tmp_path: Path) -> None:
+    run_dir = tmp_path / "t"
+    running = fit_in_background(node_config(tmp_path, 2))
+    wait_until(lambda: checkpoints(run_dir) or running.done(), 240, "the first checkpoint")
+    killed = kill_a_training_node(two_nodes)
+    # One node short, the run cannot place 2 workers: it must wait, neither fail nor train on.
+    wait_until(lambda: any(r.get("event") == "worker_error" for r in reports(run_dir)), 60, "the worker error")
+    time.sleep(5)
+    assert not running.done(), "the run ended with a node missing"
+    assert not steps_after(run_dir, killed["at"] + 1), "trained on with a missing worker"
+    added_at = time.time()
+    two_nodes.add_node(num_cpus=1)
+    result = running.result(timeout=300)
+
+    summary = result.summary
+    assert summary["status"] == "finished" and summary["global_step"] == 80
+    assert summary["num_workers"] == 2
+    assert summary["restarts"] >= 1
+    assert summary["recovery_s"], summary
+    first = first_resumed_report(run_dir)
+    assert first["world_size"] == 2
+    print(recovery_line("fixed [2]", summary, run_dir, killed))
+    print(f"fixed [2]: first step {first['time/unix'] - added_at:.1f} s after the replacement node was added")
+
+
+def test_elastic_run_continues_on_the_surviving_node(two_nodes: Cluster, tmp_path: Path) -> None:
+    run_dir = tmp_path / "t"
+    running = fit_in_background(node_config(tmp_path, [1, 2]))
+    wait_until(lambda: checkpoints(run_dir) or running.done(), 240, "the first checkpoint")
+    killed = kill_a_training_node(two_nodes)
+    result = running.result(timeout=300)
+
+    summary = result.summary
+    assert summary["status"] == "finished" and summary["global_step"] == 80
+    assert summary["num_workers"] == 1
+    assert summary["restarts"] >= 1
+    assert summary["recovery_s"], summary
+    assert first_resumed_report(run_dir)["world_size"] == 1
+    assert any(e.startswith("resumed with 1 workers from a checkpoint written by 2") for e in events(run_dir))
+    sizes = [r["world_size"] for r in reports(run_dir) if "world_size" in r]
+    assert sizes[0] == 2 and sizes[-1] == 1, sizes
+    print(recovery_line("elastic [1, 2]", summary, run_dir, killed))
+    print(json.dumps({"world_sizes": sizes}))
