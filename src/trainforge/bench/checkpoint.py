@@ -127,6 +127,7 @@ class Workload:
     optimizer: torch.optim.Optimizer
     layers: int
     step_count: int = 0
+    previous: Snapshot | None = None
 
     @classmethod
     def of_size(cls, size_mb: float, seed: int = 0) -> Workload:
@@ -150,12 +151,16 @@ class Workload:
         return time.perf_counter() - started
 
     def snapshot(self) -> Snapshot:
-        """What ``worker/saving.Checkpointing.save`` hands the manager, taken the same way."""
-        return Snapshot(
+        """What ``worker/saving.Checkpointing.save`` hands the manager, taken the same way: into the
+        previous snapshot's host buffers when there is one (the caller has waited for its save)."""
+        previous = self.previous
+        snap = Snapshot(
             step=self.step_count,
             epoch=0,
-            model_state=model_snapshot(self.model),
-            optimizer_state=snapshot_tensors(self.optimizer.state_dict()),
+            model_state=model_snapshot(self.model, previous.model_state if previous else None),
+            optimizer_state=snapshot_tensors(
+                self.optimizer.state_dict(), previous.optimizer_state if previous else None
+            ),
             trainer_state=TrainerState(
                 progress=Progress(global_step=self.step_count, samples_seen=self.step_count * BATCH),
                 scheduler={},
@@ -166,6 +171,8 @@ class Workload:
                 versions={"torch": torch.__version__, "trainforge": trainforge.__version__},
             ),
         )
+        self.previous = snap
+        return snap
 
 
 def run_checkpoint_bench(
@@ -325,14 +332,16 @@ def load(target: Workload, store: CheckpointStore, name: str, figures: Repeat) -
 def async_save(workload: Workload, store: CheckpointStore, scratch: Path, figures: Repeat) -> None:
     """Training steps go on while the manager writes in the background; time what the loop feels."""
     manager = CheckpointManager(store, RotationPolicy(keep_last=1), scratch=scratch)
+    # A first save, as a run's first checkpoint: later snapshots copy into its host buffers.
+    manager.save_async(workload.snapshot())
+    manager.wait()
+    manager.collect()
     workload.step()
     figures.idle_step_s = statistics.median(workload.step() for _ in range(IDLE_STEPS))
 
     started = time.perf_counter()
-    snap = workload.snapshot()
-    manager.save_async(snap)
+    manager.save_async(workload.snapshot())
     figures.stall_s = time.perf_counter() - started
-    del snap
 
     during: list[float] = []
     outcomes = manager.collect()
