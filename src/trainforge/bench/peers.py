@@ -3,7 +3,7 @@
 (a) plain PyTorch in one process, (b) torchrun + DDP, (c) plain Ray Train, (d) trainforge. Every
 peer trains the :class:`~trainforge.bench.workload.Workload` and reports samples per second over
 all workers from the end of step 5 to the end of the last step. Measurements are interleaved
-(a, b, c, d, then again) and the median of the repeats is quoted, because a small shared machine
+(a b c d, then d c b a) and the median of the repeats is quoted, because a small shared machine
 drifts over minutes.
 """
 
@@ -103,23 +103,33 @@ def run_peers(
 
 
 def measure_all(workload: Workload, counts: Sequence[int], repeats: int, shown: Console) -> list[Measurement]:
-    """Every peer at every worker count, interleaved a, b, c, d per repeat; a progress line each."""
+    """Every peer at every worker count; a progress line each.
+
+    Repeats alternate the order (a b c d, then d c b a, ...), so a machine that drifts over
+    minutes favours no peer by its position.
+    """
     measurements: list[Measurement] = []
     with tempfile.TemporaryDirectory(prefix="trainforge-bench-") as scratch, local_ray():
         for workers in counts:
             for repeat in range(repeats):
-                for peer, measure in MEASURES.items():
+                order = list(MEASURES) if repeat % 2 == 0 else list(reversed(MEASURES))
+                for peer in order:
                     load = os.getloadavg()[0]
                     started = time.monotonic()
-                    rate = measure(workload, workers, Path(scratch) / f"{peer}-{workers}w-r{repeat}")
+                    rate = MEASURES[peer](workload, workers, Path(scratch) / f"{peer}-{workers}w-r{repeat}")
                     found = Measurement(peer, workers, repeat, rate, round(time.monotonic() - started, 1), load)
                     measurements.append(found)
-                    shown.print(
-                        f"  {workers} worker(s), repeat {repeat + 1}/{repeats}: {PEERS[peer]:<24} "
-                        f"{rate:9.1f} samples/s  ({found.wall_s:.0f} s, load {load:.1f})",
-                        highlight=False,
-                    )
+                    shown.print(progress_line(found, repeats), highlight=False)
     return measurements
+
+
+def progress_line(found: Measurement, repeats: int) -> str:
+    """``  2 workers 1/2  (c) Ray Train            1496.1 samples/s   29 s  load 4.5``"""
+    workers = f"{found.workers} worker" + ("s" if found.workers > 1 else "")
+    return (
+        f"  {workers:<9} {found.repeat + 1}/{repeats}  {PEERS[found.peer]:<23}{found.samples_per_s:8.1f} samples/s"
+        f"  {found.wall_s:4.0f} s  load {found.load_1min:.1f}"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
