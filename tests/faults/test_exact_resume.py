@@ -17,30 +17,24 @@ import time
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
 
 import trainforge
-from tests.helpers.runs import tiny_run
+from tests.helpers.faults import paced_run, worker_pids
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def paced_config(tmp_path: Path, **sections: Any) -> dict[str, Any]:
-    base = tiny_run(
-        tmp_path,
-        model={"name": None, "factory": "tests.helpers.user_models:paced_net", "kwargs": {"delay_s": 0.03}},
-        train={"max_steps": 60, "batch_size": 8, "log_every_n_steps": 5},
-        optim={"name": "adamw", "lr": 0.003},
-        checkpoint={"every_n_steps": 20, "keep_last": 5},
-        failure={"max_failures": 2},
-    )
+    """``paced_run`` with a checkpoint every 20 steps: step 20 is mid-epoch in every variant below."""
+    config = paced_run(tmp_path, checkpoint={"every_n_steps": 20})
+    config["model"]["kwargs"] = {"delay_s": 0.03}
     for name, values in sections.items():
-        base[name] = {**base.get(name, {}), **values} if isinstance(values, dict) else values
-    return base
+        config[name] = {**config.get(name, {}), **values} if isinstance(values, dict) else values
+    return config
 
 
 def final_state(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
@@ -58,18 +52,6 @@ def assert_bit_identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor])
     assert a.keys() == b.keys()
     different = [k for k in a if not torch.equal(a[k], b[k])]
     assert not different, f"differs after resume: {different[:5]}"
-
-
-def worker_pids() -> list[int]:
-    """Training workers of the Ray this test process started (its descendants), never anyone else's."""
-    found = []
-    for proc in psutil.Process().children(recursive=True):
-        try:
-            if any("RayTrainWorker" in part for part in proc.cmdline()):
-                found.append(proc.pid)
-        except psutil.Error:
-            continue
-    return found
 
 
 def kill_a_worker_after(marker: Path, timeout_s: float = 180) -> dict[str, Any]:

@@ -232,16 +232,24 @@ def local_ray() -> Iterator[None]:
     os.environ[POLL_ENV] = POLL_INTERVAL_S
     os.environ["PYTHONPATH"] = _python_path()  # Ray's worker processes inherit it
     # address="local": always a fresh instance, never a cluster someone else started on this machine.
-    ray.init(address="local", num_cpus=RAY_CPUS, include_dashboard=False, log_to_driver=False)
+    try:
+        ray.init(address="local", num_cpus=RAY_CPUS, include_dashboard=False, log_to_driver=False)
+    except Exception as err:  # Ray raises bare Exceptions, e.g. when its node times out on a busy machine
+        _restore_env(saved)
+        raise PeerFailed(f"could not start a local Ray for peers (c) and (d): {err}") from err
     try:
         yield
     finally:
         ray.shutdown()
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+        _restore_env(saved)
+
+
+def _restore_env(saved: dict[str, str | None]) -> None:
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 # ---------------------------------------------------------------------------------------------
