@@ -38,6 +38,7 @@ from rich.table import Table
 from torch import nn
 
 import trainforge
+from trainforge.bench import cpu_model
 from trainforge.checkpoint.format import write_manifest
 from trainforge.checkpoint.manager import CheckpointManager, RotationPolicy, Snapshot
 from trainforge.checkpoint.state import (
@@ -51,7 +52,7 @@ from trainforge.checkpoint.state import (
     snapshot_tensors,
     write_state,
 )
-from trainforge.checkpoint.storage import CheckpointStore, checkpoint_name
+from trainforge.checkpoint.storage import CheckpointStore, checkpoint_name, fsync_path
 from trainforge.errors import TrainforgeError
 
 MB = 1_000_000
@@ -306,7 +307,7 @@ def sync_save(workload: Workload, store: CheckpointStore, scratch: Path, figures
     figures.checkpoint_bytes = sum(figures.files.values())
     started = time.perf_counter()
     for path in final.iterdir():
-        fsync_file(path)
+        fsync_path(path)
     figures.flush_s = time.perf_counter() - started
     for path in final.iterdir():
         evict(path)
@@ -356,14 +357,6 @@ def async_save(workload: Workload, store: CheckpointStore, scratch: Path, figure
     figures.steps_during_save = len(during)
     # The last step usually ends after the save did: count only steps that overlapped it fully.
     figures.saving_step_s = statistics.median(during[:-1] or during) if during else 0.0
-
-
-def fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def evict(path: Path) -> None:
@@ -426,7 +419,7 @@ def describe_disk(where: Path) -> str:
 def machine() -> dict[str, Any]:
     return {
         "cpu_count": os.cpu_count(),
-        "cpu_model": _cpu_model(),
+        "cpu_model": cpu_model(),
         "memory_GB": round(psutil.virtual_memory().total / 1e9, 1),
         "platform": platform.platform(),
         "python": platform.python_version(),
@@ -434,14 +427,6 @@ def machine() -> dict[str, Any]:
         "torch_threads": torch.get_num_threads(),
         "trainforge": trainforge.__version__,
     }
-
-
-def _cpu_model() -> str:
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from rich.console import Console
 from rich.table import Table
 
 import trainforge
+from trainforge.bench import cpu_model
 from trainforge.bench.workload import WARMUP_STEPS, Workload
 from trainforge.errors import TrainforgeError
 
@@ -331,18 +332,10 @@ def machine() -> dict[str, Any]:
 
     return {
         "cpu_count": os.cpu_count(),
-        "cpu_model": _cpu_model(),
+        "cpu_model": cpu_model(),
         "platform": platform.platform(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "ray": ray.__version__,
         "trainforge": trainforge.__version__,
     }
-
-
-def _cpu_model() -> str:
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown"

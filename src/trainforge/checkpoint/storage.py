@@ -149,7 +149,7 @@ class CheckpointStore:
             if target.exists():
                 self._retire_invalid(name)
             staging.rename(target)
-            _fsync_dir(target.parent)  # the rename itself survives a crash
+            fsync_path(target.parent)  # the rename itself survives a crash
             return final
         files = sorted(p for p in staging.rglob("*") if p.is_file())
         for path in sorted(files, key=lambda p: p.name == MANIFEST):  # manifest last
@@ -183,7 +183,8 @@ class CheckpointStore:
                 self.fs.delete_dir(self.path(name))
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """fsync a file or a directory (a directory's entries: renames and creations in it)."""
     descriptor = os.open(path, os.O_RDONLY)
     try:
         os.fsync(descriptor)
