@@ -161,6 +161,36 @@ class ClusterConfig(Section):
     report_poll_interval_s: PositiveFloat = 0.2
 
 
+class TrackingConfig(Section):
+    """MLflow: one run per training job, logged from the driver (tracking/)."""
+
+    enabled: bool = True
+    uri: str | None = None  # None: a local store under run.output_dir, so no server is needed
+    experiment: str = "trainforge"
+    required: bool = False  # True: an unreachable tracking server fails the run instead of being skipped
+    system_metrics: bool = True  # per-node CPU, memory, network, disk (psutil) and GPU (NVML)
+
+
+class MetricsConfig(Section):
+    """Prometheus export of training metrics through Ray's metrics agent on every node (metrics/)."""
+
+    enabled: bool = True
+
+
+class TuneConfig(Section):
+    """Hyperparameter search (``trainforge tune``); the search space comes from ``--space``."""
+
+    metric: str | None = None  # None: val/loss where there is validation data, else train/loss
+    mode: Literal["min", "max"] = "min"
+    num_trials: PositiveInt = 8
+    max_concurrent: PositiveInt | None = None  # None: what the cluster's free resources allow
+    workers_per_trial: PositiveInt = 1
+    search: Literal["random", "grid", "optuna"] = "random"
+    scheduler: Literal["none", "asha", "pbt", "median"] = "none"
+    scheduler_params: dict[str, Any] = Field(default_factory=dict)
+    time_budget_s: PositiveFloat | None = None
+
+
 class Config(Section):
     """The whole run: one section per component plus a few run-wide scalars."""
 
@@ -174,6 +204,9 @@ class Config(Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     failure: FailureConfig = Field(default_factory=FailureConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    tune: TuneConfig = Field(default_factory=TuneConfig)
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     seed: NonNegInt = 0
     deterministic: bool = False

@@ -57,14 +57,25 @@ class ForwardingCallback(UserCallback):
         self.mailbox = mailbox
 
     def after_report(self, run_context: Any, metrics: list[dict[str, Any]], checkpoint: Any) -> None:
-        event: dict[str, Any] = {"kind": "report", "metrics": dict(metrics[0]) if metrics else {}}
-        self.mailbox.put.remote(event)  # fire and forget: calls from one caller arrive in order
+        self.mailbox.put.remote({"kind": "report", "metrics": merge_reports(metrics)})  # fire and forget: in order
 
     def after_exception(self, run_context: Any, worker_exceptions: dict[int, Exception]) -> None:
         errors = {
             int(rank): f"{type(err).__name__}: {err}".splitlines()[0][:500] for rank, err in worker_exceptions.items()
         }
         self.mailbox.put.remote({"kind": "worker_error", "errors": errors, "time": time.time()})
+
+
+PER_NODE_PREFIX = "system/"
+
+
+def merge_reports(metrics: list[dict[str, Any]]) -> dict[str, Any]:
+    """Rank 0's report (every rank reports the same all-reduced figures) plus the per-node
+    ``system/<node>/...`` samples that each node's first worker adds to its own report."""
+    merged = dict(metrics[0]) if metrics else {}
+    for other in metrics[1:]:
+        merged.update({k: v for k, v in other.items() if k.startswith(PER_NODE_PREFIX)})
+    return merged
 
 
 class Observer(Protocol):

@@ -23,7 +23,8 @@ from trainforge.data import make_loader
 from trainforge.errors import TrainforgeError
 from trainforge.worker import parallel
 from trainforge.worker.build import WorkerRun, build, evaluate, pin_memory
-from trainforge.worker.metrics import Throughput, reduce_metrics
+from trainforge.worker.hooks import Hooks, build_hooks
+from trainforge.worker.metrics import Throughput, local_times, reduce_metrics
 from trainforge.worker.saving import Checkpointing, Restored, restore, run_store
 from trainforge.worker.step import MetricSums
 
@@ -41,12 +42,14 @@ def train_loop_per_worker(payload: dict[str, Any]) -> dict[str, Any]:
         # Every rank fails the same way on a bad data path, model or checkpoint; returning (instead
         # of raising) spares Ray's retries, which are meant for crashes. The driver re-raises it.
         return {"user_error": type(err).__name__, "message": str(err)}
+    hooks = build_hooks(run)
     try:
-        return Session(run, checkpointing, restored, payload.get("control")).train()
+        return Session(run, checkpointing, restored, payload.get("control"), hooks).train()
     except SaveFailedStop as err:
         return {"user_error": "TrainingFailed", "message": str(err)}
     finally:
         checkpointing.close()
+        hooks.close()
 
 
 class SaveFailedStop(Exception):
@@ -70,6 +73,7 @@ class Session:
     checkpointing: Checkpointing
     restored: Restored
     control: Any = None
+    hooks: Hooks = field(default_factory=lambda: Hooks([]))
     sums: MetricSums = field(init=False)
     meter: Throughput = field(init=False)
     events: list[str] = field(default_factory=list)
@@ -166,6 +170,7 @@ class Session:
         cfg = self.run.config
         now = time.perf_counter()
         self.gather_control_signals(final=final)
+        local = local_times(self.sums)
         metrics, totals = reduce_metrics(self.run, self.sums, now - self.last_report, self.progress, self.meter)
         metrics.update(self.val_metrics)
         metrics["time/elapsed_s"] = now - self.started
@@ -179,6 +184,7 @@ class Session:
         self.val_metrics = {}
         self.last_report = now
         self.next_report = self.progress.global_step + report_stride(cfg, metrics["perf/step_time_s"])
+        self.hooks.on_report(metrics, local)
         if not final:
             ray.train.report(metrics)
         return metrics, self.decide(totals)
@@ -189,6 +195,7 @@ class Session:
         failed_message = ""
         if self.run.rank == 0:
             for outcome in self.checkpointing.collect():
+                self.hooks.on_save(outcome)
                 if outcome.error:
                     failures += 1
                     failed_message = f"checkpoint save at step {outcome.step} failed: {outcome.error}"
@@ -251,6 +258,7 @@ class Session:
             self.save(metrics)
         final_error = ""
         for outcome in self.checkpointing.wait():
+            self.hooks.on_save(outcome)
             if outcome.error:
                 self.save_failures += 1
                 final_error = f"final checkpoint save at step {outcome.step} failed: {outcome.error}"

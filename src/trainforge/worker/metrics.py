@@ -55,6 +55,19 @@ class Throughput:
         return self.timed_steps * self.global_batch / max(self.last - self.started - self.excluded_s, 1e-9)
 
 
+STEP_PARTS = ("data_s", "compute_s", "optim_s")
+
+
+def local_times(sums: MetricSums) -> dict[str, float]:
+    """This rank's own per-step times over the interval, before the all-reduce averages them away
+    (the figures that tell a straggler apart)."""
+    steps = float(sums.values["steps"]) if "steps" in sums.values else 0.0
+    local = {name: float(sums.values[name]) / steps if steps else 0.0 for name in STEP_PARTS if name in sums.values}
+    local["step_s"] = sum(local.values())
+    local["steps"] = steps
+    return local
+
+
 def reduce_metrics(
     run: WorkerRun, sums: MetricSums, interval_s: float, progress: Progress, meter: Throughput
 ) -> tuple[dict[str, Any], dict[str, float]]:
@@ -68,7 +81,7 @@ def reduce_metrics(
     totals = dict(zip(names, parallel.all_reduce_sum(vector, run.device).tolist(), strict=True))
     sums.reset()
     steps = max(totals.get("steps", 0.0) / run.world, 1.0)
-    per_step = {k: totals.get(k, 0.0) / run.world / steps for k in ("data_s", "compute_s", "optim_s")}
+    per_step = {k: totals.get(k, 0.0) / run.world / steps for k in STEP_PARTS}
     metrics: dict[str, Any] = {
         "step": progress.global_step,
         "epoch": progress.epoch,

@@ -1,0 +1,66 @@
+"""Worker-side observers: the loop says what happened at each report and save, hooks decide what to
+do with it (export Prometheus metrics, sample the node's CPU and GPU, ...). The loop never grows an
+``if feature_enabled:``; a feature is a hook plus one line in ``build_hooks``.
+
+Hooks run on the training thread, so they must be cheap (no network round trips per call). A hook
+that raises is logged once and then skipped: observing a run never stops it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from trainforge.checkpoint.manager import SaveOutcome
+    from trainforge.worker.build import WorkerRun
+
+log = logging.getLogger("trainforge.worker")
+
+
+class WorkerHook(Protocol):
+    def on_report(self, metrics: dict[str, Any], local: dict[str, float]) -> None:
+        """Every rank, just before ``ray.train.report``. ``metrics`` is the all-reduced report (the
+        same on every rank; a hook may add keys to it, which reach the driver's callback with this
+        rank's report); ``local`` is this rank's own per-step times over the interval
+        (``data_s``, ``compute_s``, ``optim_s``, ``comm_s``, ``step_s``) and its ``steps``."""
+        ...
+
+    def on_save(self, outcome: SaveOutcome) -> None:
+        """Rank 0, when a checkpoint save finished (``outcome.error`` is set when it failed)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class Hooks:
+    """Fan-out with failure isolation."""
+
+    def __init__(self, hooks: list[WorkerHook]) -> None:
+        self.hooks = hooks
+        self._failed: set[int] = set()
+
+    def _each(self, method: str, *args: Any) -> None:
+        for index, hook in enumerate(self.hooks):
+            if index in self._failed:
+                continue
+            try:
+                getattr(hook, method)(*args)
+            except Exception as err:  # observing must never take training down
+                log.warning("%s.%s failed, disabled for this run: %s", type(hook).__name__, method, err)
+                self._failed.add(index)
+
+    def on_report(self, metrics: dict[str, Any], local: dict[str, float]) -> None:
+        self._each("on_report", metrics, local)
+
+    def on_save(self, outcome: SaveOutcome) -> None:
+        self._each("on_save", outcome)
+
+    def close(self) -> None:
+        self._each("close")
+
+
+def build_hooks(run: WorkerRun) -> Hooks:
+    """The hooks this run's config asks for."""
+    hooks: list[WorkerHook] = []
+    return Hooks(hooks)
