@@ -167,8 +167,11 @@ class TrackingConfig(Section):
     enabled: bool = True
     uri: str | None = None  # None: a local store under run.output_dir, so no server is needed
     experiment: str = "trainforge"
-    required: bool = False  # True: an unreachable tracking server fails the run instead of being skipped
+    required: bool = False  # True: unreachable at the start fails the run; an incomplete record fails it at the end
     system_metrics: bool = True  # per-node CPU, memory, network, disk (psutil) and GPU (NVML)
+    parent_run_id: str | None = None  # nest this run under another MLflow run (a search's trials)
+    flush_timeout_s: Annotated[float, Field(ge=0.0)] = 30.0  # at the end, wait at most this long for MLflow
+    max_buffered_points: PositiveInt = 100_000  # metric points kept while the server is away; oldest dropped
 
 
 class MetricsConfig(Section):

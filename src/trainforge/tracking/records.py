@@ -1,0 +1,133 @@
+"""What a run looks like to MLflow: params from the config, metric points from reports, tags.
+
+Pure functions without MLflow imports: MLflow's limits (name characters, value lengths) are
+applied here, so the background sender never has a record refused for its shape.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import re
+import subprocess
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+# MLflow's own limits (mlflow.utils.validation); a longer value is refused by the server.
+MAX_KEY_LENGTH = 250
+MAX_PARAM_VALUE_LENGTH = 6000
+MAX_TAG_VALUE_LENGTH = 8000
+TRUNCATED = "...[truncated]"
+
+# MLflow accepts letters, digits, '_', '-', '.', ' ', ':' and '/' in names (':' not on Windows).
+_BAD_CHARS = re.compile(r"[^/\w.\- :]")
+
+# (key, value, timestamp in ms, step): one metric point, in the shape MLflow's Metric takes.
+Point = tuple[str, float, int, int]
+
+# Report keys that are the point's coordinates rather than measurements.
+COORDINATES = {"step", "time/unix"}
+
+
+def flatten(tree: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """``{"optim": {"lr": 0.1}}`` -> ``("optim.lr", 0.1)``; an empty mapping stays one entry."""
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping) and value:
+            yield from flatten(value, f"{name}.")
+        else:
+            yield name, value
+
+
+def param_value(value: Any) -> str:
+    """A config value as MLflow stores it: strings as they are, the rest as JSON (YAML spells them alike)."""
+    text = value if isinstance(value, str) else json.dumps(value, sort_keys=True)
+    return clip(text, MAX_PARAM_VALUE_LENGTH)
+
+
+def clip(text: str, limit: int) -> str:
+    """``text`` cut to ``limit`` characters, saying so at the end."""
+    return text if len(text) <= limit else text[: limit - len(TRUNCATED)] + TRUNCATED
+
+
+def config_params(config: Mapping[str, Any]) -> dict[str, str]:
+    """The flattened resolved config (``optim.lr``, ``scaling.num_workers``, ...) as MLflow params."""
+    return {sanitize_key(key): param_value(value) for key, value in flatten(config)}
+
+
+def sanitize_key(name: str) -> str:
+    """A metric, param or tag name MLflow accepts: bad characters become '_', and the name must
+    be a normalised relative path (no empty, '.' or '..' segments), at most 250 characters."""
+    parts = [_BAD_CHARS.sub("_", part) for part in str(name).split("/") if part]
+    parts = [part if part.strip(".") else part.replace(".", "_") for part in parts]
+    clean = "/".join(parts) or "_"
+    if len(clean) > MAX_KEY_LENGTH:  # keep names unique when cut: the tail becomes a hash
+        digest = hashlib.sha1(clean.encode()).hexdigest()[:10]
+        clean = f"{clean[: MAX_KEY_LENGTH - 11]}~{digest}"
+    return clean
+
+
+def metric_points(report: Mapping[str, Any]) -> list[Point]:
+    """Every numeric key of a report, at ``step = report["step"]`` and the report's own time."""
+    step = int(report.get("step", 0))
+    unix = report.get("time/unix")
+    stamp = int(float(unix if isinstance(unix, (int, float)) else time.time()) * 1000)
+    points = []
+    for key, value in report.items():
+        if key in COORDINATES or isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        points.append((sanitize_key(key), float(value), stamp, step))
+    return points
+
+
+def git_tags(cwd: Path) -> dict[str, str]:
+    """The commit of the working directory's git checkout and whether it has uncommitted changes."""
+    try:
+        commit = _git(cwd, "rev-parse", "HEAD")
+        dirty = _git(cwd, "status", "--porcelain", "--untracked-files=no")
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    return {"mlflow.source.git.commit": commit, "trainforge.git_dirty": "true" if dirty else "false"}
+
+
+def _git(cwd: Path, *args: str) -> str:
+    done = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=10, check=True)
+    return done.stdout.strip()
+
+
+def version_tags() -> dict[str, str]:
+    """Versions of the libraries that decide what a run computes."""
+    tags = {}
+    for package in ("trainforge", "torch", "ray", "mlflow"):
+        try:
+            tags[f"trainforge.version.{package}"] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return tags
+
+
+def scaling_tags(scaling: Mapping[str, Any]) -> dict[str, str]:
+    """Workers and accelerator kind as the config asks for them."""
+    workers = scaling.get("num_workers", 1)
+    asked = f"{workers[0]}-{workers[1]}" if isinstance(workers, (list, tuple)) else str(workers)
+    return {"trainforge.workers": asked, "trainforge.accelerator": "gpu" if scaling.get("use_gpu") else "cpu"}
+
+
+def cluster_tags(resources: Mapping[str, float], nodes: int) -> dict[str, str]:
+    """What the cluster offers (``ray.cluster_resources()``): nodes, CPUs, GPUs and their kinds."""
+    tags = {
+        "trainforge.cluster.nodes": str(nodes),
+        "trainforge.cluster.cpus": f"{resources.get('CPU', 0):g}",
+        "trainforge.cluster.gpus": f"{resources.get('GPU', 0):g}",
+    }
+    kinds = sorted(key.split(":", 1)[1] for key in resources if key.startswith("accelerator_type:"))
+    if kinds:
+        tags["trainforge.cluster.accelerator_types"] = ",".join(kinds)
+    return tags
+
+
+def clean_tags(tags: Mapping[str, str]) -> dict[str, str]:
+    return {sanitize_key(key): clip(str(value), MAX_TAG_VALUE_LENGTH) for key, value in tags.items()}

@@ -1,0 +1,159 @@
+"""The driver-side observer that records one training job as one MLflow run."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from trainforge.tracking.outbox import Leftover, Outbox
+from trainforge.tracking.records import (
+    clean_tags,
+    cluster_tags,
+    config_params,
+    git_tags,
+    metric_points,
+    scaling_tags,
+    version_tags,
+)
+from trainforge.tracking.runs import (
+    RESUME_FILE,
+    RunPlan,
+    artifact_call,
+    end_call,
+    open_run,
+    params_call,
+    tags_call,
+)
+from trainforge.tracking.store import MLFLOW_LOGS, TrackingError, probe, resolve_uri, run_link
+
+if TYPE_CHECKING:
+    from trainforge.config import Config
+
+log = logging.getLogger("trainforge")
+
+LOG_FILE = "tracking.log"  # MLflow's own log lines and HTTP retries of this run
+# Run-directory files uploaded at the end (those that exist), then the report folder.
+ARTIFACT_FILES = ("config.yaml", "summary.json", "metrics.jsonl", "model.safetensors", "error.log")
+REPORT_DIR = "report"
+
+
+class MlflowTracker:
+    """Observer: params and tags at the start, every report's numbers as metrics, the run
+    directory's files as artifacts at the end, all through a background ``Outbox``.
+
+    ``on_report`` only converts a dict and appends to a queue, so tracking costs the training
+    path nothing: it runs on the driver, which never waits on it until ``on_end``.
+    """
+
+    def __init__(
+        self, config: Config, run_dir: Path, *, parent_run_id: str | None = None, run_name: str | None = None
+    ) -> None:
+        self.settings = config.tracking
+        self.run_dir = Path(run_dir)
+        self.uri = resolve_uri(self.settings.uri, config.run.output_dir)
+        self.config = config
+        plan = RunPlan(
+            uri=self.uri,
+            experiment=self.settings.experiment,
+            run_name=run_name or config.run.name,
+            tags={},
+            parent_run_id=parent_run_id or self.settings.parent_run_id,
+            resume_file=self.run_dir / RESUME_FILE,
+        )
+        self.outbox = Outbox(
+            self.uri, lambda client: open_run(client, plan), max_points=self.settings.max_buffered_points
+        )
+        self.cwd = Path(os.getcwd())
+        self.restarts = 0
+        self.world_size: Any = None
+        self.leftover: Leftover | None = None
+        self._log_handler: logging.Handler | None = None
+
+    def on_start(self, info: dict[str, Any]) -> None:
+        self._log_handler = MLFLOW_LOGS.route_to(self.run_dir / LOG_FILE)
+        static = {
+            **version_tags(),
+            **scaling_tags(self.config.scaling.model_dump()),
+            **cluster_info(),
+            "trainforge.run_dir": str(self.run_dir),
+        }
+        cwd = self.cwd
+        self.outbox.add_call("params", params_call(config_params(self.config.to_dict())))
+        self.outbox.add_call(
+            "tags", lambda client, run_id: tags_call(clean_tags({**static, **git_tags(cwd)}))(client, run_id)
+        )
+        self.outbox.start()
+
+    def on_report(self, metrics: dict[str, Any]) -> None:
+        world = metrics.get("world_size")
+        if world is not None and world != self.world_size:
+            self.world_size = world
+            self.outbox.add_call("world size tag", tags_call({"trainforge.world_size": str(world)}))
+        self.outbox.add_points(metric_points(metrics))
+
+    def on_worker_error(self, errors: dict[int, str]) -> None:
+        self.restarts += 1
+        self.outbox.add_call("restarts tag", tags_call({"trainforge.restarts": str(self.restarts)}))
+
+    def on_end(self, summary: dict[str, Any]) -> None:
+        step = int(summary.get("global_step", 0))
+        self.outbox.add_points(
+            metric_points(
+                {"step": step, "run/wall_time_s": summary.get("wall_time_s"), "run/restarts": summary.get("restarts")}
+            )
+        )
+        for name in ARTIFACT_FILES:
+            if (self.run_dir / name).is_file():
+                self.outbox.add_call(f"artifact {name}", artifact_call(self.run_dir / name))
+        if (self.run_dir / REPORT_DIR).is_dir():
+            self.outbox.add_call("report artifacts", artifact_call(self.run_dir / REPORT_DIR, REPORT_DIR))
+        self.outbox.add_call(f"final status {summary.get('status')}", end_call(str(summary.get("status"))))
+        self.leftover = self.outbox.close(self.settings.flush_timeout_s)
+        if self._log_handler is not None:
+            MLFLOW_LOGS.release(self._log_handler)
+        opened = self.outbox.opened
+        if self.leftover:
+            log.warning(
+                "MLflow at %s did not get everything: %s (the run directory %s has all of it)",
+                self.uri,
+                self.leftover.describe(),
+                self.run_dir,
+            )
+        elif opened is not None:
+            log.info("%s", run_link(self.uri, opened.experiment_id, opened.run_id))
+
+    def raise_if_incomplete(self) -> None:
+        """With ``tracking.required``, a run whose record in MLflow is incomplete ends in an error."""
+        if self.settings.required and self.leftover:
+            raise TrackingError(
+                f"training ended ({self.run_dir / 'summary.json'}) but tracking.required is set and MLflow at "
+                f"{self.uri} is missing: {self.leftover.describe()}"
+            )
+
+
+def cluster_info() -> dict[str, str]:
+    """Nodes, CPUs, GPUs and accelerator kinds of the Ray cluster this run uses."""
+    import ray
+
+    if not ray.is_initialized():
+        return {}
+    alive = sum(1 for node in ray.nodes() if node.get("Alive"))
+    return cluster_tags(ray.cluster_resources(), alive)
+
+
+def make_tracker(
+    config: Config, run_dir: Path, *, parent_run_id: str | None = None, run_name: str | None = None
+) -> MlflowTracker | None:
+    """The run's MLflow observer, or None when ``tracking.enabled`` is false.
+
+    With ``tracking.required`` the store is probed now, so an unreachable one stops the run
+    before training starts (TrackingError, exit code 2).
+    """
+    if not config.tracking.enabled:
+        return None
+    tracker = MlflowTracker(config, run_dir, parent_run_id=parent_run_id, run_name=run_name)
+    if config.tracking.required:
+        probe(tracker.uri)
+    return tracker
