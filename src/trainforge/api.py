@@ -13,8 +13,9 @@ from rich.console import Console
 from trainforge.config import Config, load_config
 from trainforge.display import ProgressDisplay
 from trainforge.launch import raise_if_failed, run_training
-from trainforge.observe import MetricsLog, Observer
+from trainforge.observe import MetricsLog, Observer, WorkerLog
 from trainforge.report import ReportWriter
+from trainforge.tracking import make_tracker
 
 
 @dataclass(frozen=True)
@@ -53,9 +54,19 @@ def fit(
     """Train the run a config describes; raises TrainforgeError for user errors and failed runs."""
     resolved = load_config(config, overrides)
     shown = console or Console(stderr=True)
-    # The report comes last: it reads what the other observers wrote.
+    # The report comes after the others: it reads what they wrote; the tracker uploads the report.
     run_dir = resolved.run_dir
-    watchers: list[Observer] = [ProgressDisplay(shown), MetricsLog(run_dir), *observers, ReportWriter(run_dir)]
+    tracker = make_tracker(resolved, run_dir)
+    watchers: list[Observer] = [
+        ProgressDisplay(shown),
+        MetricsLog(run_dir),
+        WorkerLog(run_dir),
+        *observers,
+        ReportWriter(run_dir),
+        *([tracker] if tracker is not None else []),
+    ]
     summary = run_training(resolved, watchers, address=address, verbose=verbose)
     raise_if_failed(summary, resolved.run_dir)
+    if tracker is not None:
+        tracker.raise_if_incomplete()
     return RunResult(summary, resolved.run_dir)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -68,6 +69,13 @@ class ProgressDisplay:
     def on_worker_error(self, errors: dict[int, str]) -> None:
         for rank, error in sorted(errors.items()):
             self.console.print(f"[yellow]worker {rank} failed:[/] {escape(error)}", highlight=False, soft_wrap=True)
+
+    def on_log(self, lines: list[dict[str, Any]]) -> None:
+        """Warnings and errors from any worker; the rest is in workers.log."""
+        for line in lines:
+            if line["level"] >= logging.WARNING:
+                colour = "red" if line["level"] >= logging.ERROR else "yellow"
+                self.console.print(f"[{colour}]{escape(line['text'])}[/]", highlight=False, soft_wrap=True)
 
     def on_end(self, summary: dict[str, Any]) -> None:
         if self.progress is not None:

@@ -1,8 +1,9 @@
 """How the driver watches a run: the controller forwards reports to a mailbox, observers consume them.
 
 Firing order, for every observer: ``on_start`` once, then ``on_report`` per report of rank 0's
-metrics (in step order) with ``on_worker_error`` interleaved as failures happen, then ``on_end``
-once with the summary. An observer that raises is logged and skipped; it never stops training.
+metrics (in step order) with ``on_worker_error`` and ``on_log`` (batches of worker log lines)
+interleaved as they happen, then ``on_end`` once with the summary. ``on_log`` is optional. An
+observer that raises is logged and skipped; it never stops training.
 """
 
 from __future__ import annotations
@@ -94,8 +95,11 @@ class Observers:
 
     def _each(self, method: str, *args: Any) -> None:
         for index, observer in enumerate(self.observers):
+            handler = getattr(observer, method, None)
+            if handler is None:  # optional methods (on_log)
+                continue
             try:
-                getattr(observer, method)(*args)
+                handler(*args)
             except Exception as err:  # an observer must never take training down
                 if index not in self._failed:
                     log.warning("%s.%s failed: %s", type(observer).__name__, method, err)
@@ -109,6 +113,9 @@ class Observers:
 
     def on_worker_error(self, errors: dict[int, str]) -> None:
         self._each("on_worker_error", errors)
+
+    def on_log(self, lines: list[dict[str, Any]]) -> None:
+        self._each("on_log", lines)
 
     def on_end(self, summary: dict[str, Any]) -> None:
         self._each("on_end", summary)
@@ -143,6 +150,8 @@ class Pump:
                 if self._failed_at is None:
                     self._failed_at = event["time"]
                 self.observers.on_worker_error(event["errors"])
+            elif event["kind"] == "log":
+                self.observers.on_log(event["lines"])
 
     def _on_report(self, metrics: dict[str, Any]) -> None:
         resumed = any(str(e).startswith("resumed from") for e in metrics.get("events", []))
@@ -173,6 +182,29 @@ class MetricsLog:
     def on_worker_error(self, errors: dict[int, str]) -> None:
         with self.path.open("a") as handle:
             handle.write(json.dumps({"event": "worker_error", "errors": errors}) + "\n")
+
+    def on_end(self, summary: dict[str, Any]) -> None:
+        pass
+
+
+class WorkerLog:
+    """Appends every worker's log lines (tagged with rank and node) to ``<run dir>/workers.log``."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.path = run_dir / "workers.log"
+
+    def on_start(self, info: dict[str, Any]) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def on_report(self, metrics: dict[str, Any]) -> None:
+        pass
+
+    def on_worker_error(self, errors: dict[int, str]) -> None:
+        pass
+
+    def on_log(self, lines: list[dict[str, Any]]) -> None:
+        with self.path.open("a") as handle:
+            handle.writelines(line["text"] + "\n" for line in lines)
 
     def on_end(self, summary: dict[str, Any]) -> None:
         pass

@@ -40,3 +40,12 @@ def paced_net(hidden: int = 32, delay_s: float = 0.02, dropout: float = 0.1) -> 
     """A digits classifier with dropout (so RNG state matters) that takes at least ``delay_s`` a step."""
     inner = nn.Sequential(nn.Flatten(), nn.Linear(64, hidden), nn.ReLU(), nn.Dropout(dropout), nn.Linear(hidden, 10))
     return Paced(inner, delay_s)
+
+
+def chatty_net(hidden: int = 16) -> nn.Module:
+    """A tiny_net whose factory prints a line and logs a warning on every worker (log forwarding)."""
+    import logging
+
+    print(f"building chatty_net with hidden={hidden}")
+    logging.getLogger("user.models").warning("chatty_net: hidden=%d is small", hidden)
+    return tiny_net(hidden)

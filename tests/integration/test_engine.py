@@ -128,3 +128,26 @@ def test_user_factory_same_accuracy_with_one_and_two_workers(tmp_path: Path) -> 
     one, two = run(1, 64, "one"), run(2, 32, "two")
     assert one > 0.93 and two > 0.93
     assert abs(one - two) <= 0.01
+
+
+def test_worker_log_lines_carry_rank_and_node_and_warnings_reach_the_console(tmp_path: Path) -> None:
+    import io
+
+    from rich.console import Console
+
+    config = tiny_run(
+        tmp_path,
+        model={"name": None, "factory": "tests.helpers.user_models:chatty_net", "kwargs": {"hidden": 8}},
+        scaling={"num_workers": 2},
+        train={"max_steps": 6},
+    )
+    shown = io.StringIO()
+    result = trainforge.fit(config, console=Console(file=shown, width=200))
+    lines = (result.run_dir / "workers.log").read_text().splitlines()
+    for rank in (0, 1):
+        mine = [line for line in lines if f" rank={rank} node=" in line]
+        assert any("WARNING" in line and "user.models: chatty_net: hidden=8 is small" in line for line in mine)
+        assert any("INFO" in line and "stdout: building chatty_net with hidden=8" in line for line in mine)
+    console = shown.getvalue()
+    assert console.count("chatty_net: hidden=8 is small") == 2  # one warning per worker, each shown once
+    assert "building chatty_net" not in console  # INFO lines stay in the file

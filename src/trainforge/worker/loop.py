@@ -24,6 +24,7 @@ from trainforge.errors import TrainforgeError
 from trainforge.worker import parallel
 from trainforge.worker.build import WorkerRun, build, evaluate, pin_memory
 from trainforge.worker.hooks import Hooks, build_hooks
+from trainforge.worker.logs import shipped_logs
 from trainforge.worker.metrics import Throughput, local_times, reduce_metrics
 from trainforge.worker.saving import Checkpointing, Restored, restore, run_store
 from trainforge.worker.step import MetricSums
@@ -33,6 +34,12 @@ log = logging.getLogger("trainforge.worker")
 
 def train_loop_per_worker(payload: dict[str, Any]) -> dict[str, Any]:
     """Ray Train entry point; rank 0's return value (final metrics and status) reaches the driver."""
+    rank = ray.train.get_context().get_world_rank()
+    with shipped_logs(payload.get("control"), rank, ray.util.get_node_ip_address()):
+        return run_worker(payload)
+
+
+def run_worker(payload: dict[str, Any]) -> dict[str, Any]:
     config = Config.model_validate(payload["config"])
     try:
         run = build(config)
@@ -97,6 +104,7 @@ class Session:
         if self.restored.source:
             self.events.append(f"resumed from {self.restored.source} at step {self.progress.global_step}")
         self.events.extend(f"skipped checkpoint {reason}" for reason in self.restored.skipped)
+        self.events.extend(self.restored.notes)
         if self.restored.written_by is not None:
             self.events.append(
                 f"resumed with {self.run.world} workers from a checkpoint written by {self.restored.written_by}: "
