@@ -100,6 +100,8 @@ class Session:
         self.next_report = self.first_step + stride
         self.last_checkpoint = self.restored.source
         self.started = self.last_report = self.last_save = time.perf_counter()
+        self.reports = 0
+        self.stop_probe: Any = None  # the stop flag's pending read: asked at one report, read at a later one
         self.failed_message = ""
         if self.restored.source:
             self.events.append(f"resumed from {self.restored.source} at step {self.progress.global_step}")
@@ -214,8 +216,9 @@ class Session:
             minutes = (time.perf_counter() - self.last_save) / 60
         self.save_failures += int(failures)
         self.failed_message = failed_message
-        # Every rank calls it: Ray requires the same number of calls on all workers.
-        preempted = ray.train.get_preemption_info() is not None
+        # A barrier across workers, so not at every report: every rank calls it at the same reports.
+        self.reports += 1
+        preempted = self.reports % PREEMPTION_CHECK_EVERY == 0 and ray.train.get_preemption_info() is not None
         self.sums.add("ctrl/save_failures", failures)
         self.sums.add("ctrl/stop", stop + (1.0 if preempted else 0.0))
         self.sums.add("ctrl/minutes_since_save", minutes)
@@ -235,13 +238,21 @@ class Session:
         return control
 
     def stop_requested(self) -> bool:
+        """The driver's stop flag, without waiting on it: the read asked for at an earlier report is
+        taken if it has arrived, and a new one is sent. A stop takes effect one report later."""
         if self.control is None:
             return False
-        try:
-            return bool(ray.get(self.control.stop_requested.remote(), timeout=10))
-        except Exception as err:  # the driver went away: keep training, it may come back
-            log.debug("stop flag unreadable: %s", err)
-            return False
+        answer = False
+        if self.stop_probe is not None:
+            ready, _ = ray.wait([self.stop_probe], timeout=0)
+            if not ready:
+                return False
+            try:
+                answer = bool(ray.get(self.stop_probe))
+            except Exception as err:  # the driver went away: keep training, it may come back
+                log.debug("stop flag unreadable: %s", err)
+        self.stop_probe = self.control.stop_requested.remote()
+        return answer
 
     def save(self, metrics: dict[str, Any]) -> None:
         # The snapshot stall is training time: it stays in the throughput figure.
@@ -284,6 +295,11 @@ class Session:
         metrics["status"] = status
         ray.train.report(metrics)
         return metrics
+
+
+# Ray's preemption notice is read every this many reports (reports are >= 1 s apart by default;
+# clouds give 30 s or more of notice).
+PREEMPTION_CHECK_EVERY = 5
 
 
 def raise_save_failure(message: str) -> None:
