@@ -91,10 +91,16 @@ def bench_peers(
     steps: Annotated[int, typer.Option(help="Timed steps per measurement, after 5 warm-up steps (>= 10).")] = 100,
     batch_size: Annotated[int, typer.Option(help="Per-worker batch size.")] = 64,
     repeats: Annotated[int, typer.Option(help="Measurements per peer and worker count; the median is shown.")] = 2,
+    peers: Annotated[
+        str,
+        typer.Option(help="Peers: a PyTorch, b torchrun, c Ray Train, d trainforge, e trainforge unobserved."),
+    ] = "abcde",
     output: Annotated[Path | None, typer.Option(help="Also write every raw figure as JSON here.")] = None,
 ) -> None:
-    """Samples/s of plain PyTorch, torchrun+DDP, plain Ray Train and trainforge on one model and data set."""
+    """Samples/s of plain PyTorch, torchrun+DDP, plain Ray Train and trainforge (observed and not) on one workload."""
     counts = _parse_counts(workers)
+    if not peers or set(peers) - set("abcde"):
+        raise TrainforgeError(f"--peers {peers!r}: letters from abcde, e.g. --peers de")
     for flag, value, least in (("--steps", steps, 10), ("--batch-size", batch_size, 1), ("--repeats", repeats, 1)):
         if value < least:
             raise TrainforgeError(f"{flag} {value}: must be >= {least}")
@@ -105,7 +111,9 @@ def bench_peers(
     _setup_logging(False)
     # The peers' runs live in a temporary folder: trainforge's "run report: PATH" lines would point nowhere.
     logging.getLogger("trainforge").setLevel(logging.WARNING)
-    run_peers(counts, steps=steps, batch_size=batch_size, repeats=repeats, output=output, console=Console())
+    run_peers(
+        counts, steps=steps, batch_size=batch_size, repeats=repeats, peers=peers, output=output, console=Console()
+    )
 
 
 @bench_app.command("checkpoint")

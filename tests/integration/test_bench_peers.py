@@ -46,6 +46,7 @@ def test_ci_sized_run_measures_every_peer_and_prints_the_table(tmp_path: Path) -
         assert all(row[peer] > 0 for peer in PEERS)
         assert row["d/c"] == pytest.approx(row["d"] / row["c"])
         assert row["d/b"] == pytest.approx(row["d"] / row["b"])
+        assert row["d/e"] == pytest.approx(row["d"] / row["e"])
         # One repeat: the median is the measurement itself.
         for peer in PEERS:
             (only,) = [m for m in report["measurements"] if m["peer"] == peer and m["workers"] == row["workers"]]
@@ -54,12 +55,13 @@ def test_ci_sized_run_measures_every_peer_and_prints_the_table(tmp_path: Path) -
     assert report["workload"]["warmup_steps"] == WARMUP_STEPS
 
     table = result.stdout[result.stdout.index("samples/s over all workers, median of 1") :]
-    for header in ("(a) PyTorch", "(b) torchrun", "(c) Ray", "trainforge", "d/c", "d/b"):
+    for header in ("(a) PyTorch", "(b) torchrun", "(c) Ray", "trainforge", "(e) trainforge", "d/c", "d/b", "d/e"):
         assert header in table, result.stdout
     for row in report["rows"]:
         assert f"{row['d/c']:.3f}" in table and f"{row['d/b']:.3f}" in table, result.stdout
     assert "goal d/c >= 0.97:" in result.stdout
     assert "goal d/b >= 0.93:" in result.stdout
+    assert "goal d/e >= 0.98:" in result.stdout
     assert "repeats: 1, so no spread" in result.stdout
     # Progress: a line per measurement while it runs.
     assert len(re.findall(r"^  [12] workers?\s+1/1  \(\w\) .* samples/s .* load", result.stdout, re.M)) == 2 * len(
@@ -78,6 +80,7 @@ def test_ci_sized_run_measures_every_peer_and_prints_the_table(tmp_path: Path) -
         (["--workers", "0,2"], "worker counts must be >= 1"),
         (["--workers", "one"], "expected comma-separated integers"),
         (["--output", "/nonexistent-dir/out.json"], "folder /nonexistent-dir does not exist"),
+        (["--peers", "dx"], "--peers 'dx': letters from abcde"),
     ],
 )
 def test_bad_values_are_one_line_and_exit_code_2(tmp_path: Path, args: list[str], expected: str) -> None:
@@ -124,7 +127,8 @@ def test_rows_quote_medians_and_goals_say_pass_or_miss() -> None:
         for peer, rates in figures.items()
         for repeat, rate in enumerate(rates)
     ]
-    (row,) = summarise(measurements, [2])
+    (row,) = summarise(measurements, [2], "abcd")
+    # Peer (e) was not measured: no d/e ratio, and no goal line for it.
     assert row == {"workers": 2, "a": 20.0, "b": 100.0, "c": 95.0, "d": 96.0, "d/c": 96.0 / 95.0, "d/b": 0.96}
     assert goal_lines([row]) == [
         "goal d/c >= 0.97: pass at 2 worker(s) (1.011)",
