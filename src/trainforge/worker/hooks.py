@@ -11,6 +11,8 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any, Protocol
 
+from trainforge.tracking.system import system_hooks
+
 if TYPE_CHECKING:
     from trainforge.checkpoint.manager import SaveOutcome
     from trainforge.worker.build import WorkerRun
@@ -63,4 +65,5 @@ class Hooks:
 def build_hooks(run: WorkerRun) -> Hooks:
     """The hooks this run's config asks for."""
     hooks: list[WorkerHook] = []
+    hooks.extend(system_hooks(run.config))
     return Hooks(hooks)

@@ -1,0 +1,278 @@
+"""MLflow tracking without Ray: names and values MLflow accepts, the fail-soft sender against a
+real unreachable port, runs in a real sqlite store (open, resume, nest, refuse), system samples."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+from mlflow import MlflowClient
+
+from tests.helpers.faults import free_port
+from tests.helpers.runs import tiny_run
+from trainforge.config import load_config
+from trainforge.tracking import SearchRun, TrackingError, make_tracker
+from trainforge.tracking.outbox import Outbox, is_transient
+from trainforge.tracking.records import (
+    MAX_KEY_LENGTH,
+    MAX_PARAM_VALUE_LENGTH,
+    cluster_tags,
+    config_params,
+    git_tags,
+    metric_points,
+    sanitize_key,
+    scaling_tags,
+)
+from trainforge.tracking.runs import RESUME_FILE, RunPlan, open_run
+from trainforge.tracking.store import local_store_uri, resolve_uri, run_link
+from trainforge.tracking.system import Gpus, SystemMetrics
+
+REPORT = {"step": 10, "time/unix": 1_790_000_000.5, "train/loss": 0.5, "epoch": 1, "events": ["x"], "ok": True}
+
+
+@pytest.fixture(autouse=True)
+def one_http_try(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A refused connection fails at once instead of after MLflow's own retries."""
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+
+
+def config(tmp_path: Path, **tracking: Any) -> Any:
+    return load_config(tiny_run(tmp_path, tracking=tracking))
+
+
+def client_for(tmp_path: Path) -> MlflowClient:
+    return MlflowClient(local_store_uri(tmp_path))
+
+
+def test_params_are_the_flattened_config_within_mlflow_limits() -> None:
+    params = config_params(
+        {
+            "optim": {"lr": 0.1, "betas": [0.9, 0.99]},
+            "model": {"kwargs": {}, "name": "mlp"},
+            "seed": None,
+            "x": "y" * 9000,
+        }
+    )
+    assert params["optim.lr"] == "0.1"
+    assert params["optim.betas"] == "[0.9, 0.99]"
+    assert params["model.kwargs"] == "{}"
+    assert params["model.name"] == "mlp"
+    assert params["seed"] == "null"
+    assert len(params["x"]) == MAX_PARAM_VALUE_LENGTH and params["x"].endswith("[truncated]")
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("train/loss", "train/loss"),
+        ("system/10.0.0.1/cpu_percent", "system/10.0.0.1/cpu_percent"),
+        ("a b:c-d.e", "a b:c-d.e"),
+        ("loss(ema)@2", "loss_ema__2"),
+        ("/lead//double/", "lead/double"),
+        ("x/../y/./z", "x/__/y/_/z"),
+        ("", "_"),
+    ],
+)
+def test_metric_names_become_ones_mlflow_accepts(name: str, expected: str) -> None:
+    assert sanitize_key(name) == expected
+
+
+def test_long_names_are_cut_and_stay_distinct() -> None:
+    first, second = sanitize_key("k" * 300 + "a"), sanitize_key("k" * 300 + "b")
+    assert len(first) == len(second) == MAX_KEY_LENGTH
+    assert first != second
+
+
+def test_metric_points_take_every_number_at_the_reports_step_and_time() -> None:
+    points = metric_points(REPORT)
+    assert sorted(points) == [("epoch", 1.0, 1_790_000_000_500, 10), ("train/loss", 0.5, 1_790_000_000_500, 10)]
+
+
+def test_scaling_and_cluster_tags() -> None:
+    assert scaling_tags({"num_workers": [2, 4], "use_gpu": True}) == {
+        "trainforge.workers": "2-4",
+        "trainforge.accelerator": "gpu",
+    }
+    tags = cluster_tags({"CPU": 16.0, "GPU": 2.0, "accelerator_type:H100": 1.0}, nodes=2)
+    assert tags["trainforge.cluster.gpus"] == "2"
+    assert tags["trainforge.cluster.accelerator_types"] == "H100"
+    assert tags["trainforge.cluster.nodes"] == "2"
+
+
+def test_git_tags_name_the_commit_and_whether_the_tree_is_dirty(tmp_path: Path) -> None:
+    assert git_tags(tmp_path) == {}  # not a repository
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], cwd=tmp_path, check=True)
+    (tmp_path / "f").write_text("1")
+    subprocess.run([*git, "add", "f"], cwd=tmp_path, check=True)
+    subprocess.run([*git, "commit", "-qm", "c"], cwd=tmp_path, check=True)
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=tmp_path, capture_output=True, text=True).stdout.strip()
+    assert git_tags(tmp_path) == {"mlflow.source.git.commit": head, "trainforge.git_dirty": "false"}
+    (tmp_path / "f").write_text("2")
+    assert git_tags(tmp_path)["trainforge.git_dirty"] == "true"
+
+
+def test_the_default_store_is_sqlite_under_the_output_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert resolve_uri(None, tmp_path) == f"sqlite:///{tmp_path.resolve()}/mlflow.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://tracking:5000")
+    assert resolve_uri(None, tmp_path) == "http://tracking:5000"
+    assert resolve_uri("http://explicit:5000", tmp_path) == "http://explicit:5000"
+    assert run_link(local_store_uri(tmp_path), "1", "abc").endswith(
+        f"mlflow ui --backend-store-uri sqlite:///{tmp_path}/mlflow.db"
+    )
+    assert run_link("http://tracking:5000/", "1", "abc") == "MLflow run: http://tracking:5000/#/experiments/1/runs/abc"
+
+
+def test_mlflow_refusals_are_not_retried_and_outages_are() -> None:
+    from mlflow.exceptions import MlflowException
+    from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE, TEMPORARILY_UNAVAILABLE
+
+    assert not is_transient(MlflowException("bad", error_code=INVALID_PARAMETER_VALUE))
+    assert is_transient(MlflowException("busy", error_code=TEMPORARILY_UNAVAILABLE))
+    assert is_transient(MlflowException("API request to http://x failed with exception ConnectionError"))
+    assert is_transient(ConnectionRefusedError())
+    assert not is_transient(FileNotFoundError())
+
+
+def test_unreachable_server_buffers_warns_once_drops_oldest_past_the_bound_and_says_what_was_lost(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    uri = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    plan = RunPlan(uri=uri, experiment="e", run_name="r", tags={})
+    outbox = Outbox(uri, lambda client: open_run(client, plan), max_points=10).start()
+    with caplog.at_level(logging.INFO, logger="trainforge"):
+        for step in range(5):  # 5 reports of 5 points: 25 points, 10 kept
+            outbox.add_points([(f"m{i}", float(i), 0, step) for i in range(5)])
+        outbox.add_call("artifact x", lambda client, run_id: None)
+        assert outbox.wait_open(2.0) is None
+        left = outbox.close(timeout_s=2.0)
+    unreachable = [r for r in caplog.records if "unreachable" in r.getMessage()]
+    assert len(unreachable) == 1 and "training continues" in unreachable[0].getMessage()
+    assert sum("buffer full" in r.getMessage() for r in caplog.records) == 1
+    assert left.dropped == 15
+    assert left.points == 10
+    assert "artifact x" in left.calls and "the run itself (never created)" in left.calls
+    assert "15 oldest metric points dropped" in left.describe()
+
+
+def test_required_tracking_fails_before_training_when_the_store_is_unreachable(tmp_path: Path) -> None:
+    cfg = config(tmp_path, uri=f"http://127.0.0.1:{free_port()}", required=True)
+    with pytest.raises(TrackingError, match=r"tracking\.uri http://127\.0\.0\.1:\d+ cannot be reached"):
+        make_tracker(cfg, cfg.run_dir)
+    assert make_tracker(config(tmp_path, enabled=False), cfg.run_dir) is None
+
+
+def drive(tracker: Any, reports: list[dict[str, Any]], status: str = "finished") -> None:
+    """What observe.Pump and launch.run_training do with an observer, without Ray."""
+    tracker.on_start({"name": "t"})
+    for report in reports:
+        tracker.on_report(report)
+    tracker.on_worker_error({1: "ActorDiedError: gone"})
+    tracker.run_dir.mkdir(parents=True, exist_ok=True)
+    (tracker.run_dir / "summary.json").write_text(json.dumps({"status": status}))
+    tracker.on_end({"status": status, "global_step": reports[-1]["step"], "wall_time_s": 1.0, "restarts": 1})
+
+
+def test_a_run_in_the_local_store_and_its_resume(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    cfg = config(tmp_path, flush_timeout_s=60)
+    first = make_tracker(cfg, cfg.run_dir)
+    assert first is not None
+    with caplog.at_level(logging.INFO, logger="trainforge"):
+        drive(first, [{**REPORT, "step": s, "train/loss": 1.0 / s} for s in (5, 10)], status="stopped")
+    assert not first.leftover
+    assert "mlflow ui --backend-store-uri sqlite:///" in caplog.text
+    run_id = json.loads((cfg.run_dir / RESUME_FILE).read_text())["run_id"]
+
+    # The same run directory again, with more steps: the same MLflow run continues.
+    more = load_config(tiny_run(tmp_path, train={"max_steps": 40}, tracking={"flush_timeout_s": 60}))
+    second = make_tracker(more, more.run_dir)
+    assert second is not None
+    drive(second, [{**REPORT, "step": 15, "train/loss": 0.05}])
+    assert not second.leftover
+
+    client = client_for(tmp_path)
+    runs = client.search_runs([client.get_experiment_by_name("trainforge").experiment_id])
+    assert [run.info.run_id for run in runs] == [run_id]
+    run = runs[0]
+    assert run.info.status == "FINISHED"
+    assert run.data.params["train.max_steps"] == "20"  # the first value stays; the change is a tag
+    assert run.data.tags["trainforge.resume_changed.train.max_steps"] == "40 (was 20)"
+    assert run.data.tags["trainforge.restarts"] == "1"
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "train/loss")] == [
+        (5, 0.2),
+        (10, 0.1),
+        (15, 0.05),
+    ]
+    assert "summary.json" in {a.path for a in client.list_artifacts(run_id)}
+    assert (cfg.run_dir / "tracking.log").is_file()
+
+
+def test_a_record_the_store_refuses_is_dropped_and_the_rest_still_arrives(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    uri = local_store_uri(tmp_path)
+    plan = RunPlan(uri=uri, experiment="refusals", run_name="r", tags={})
+    outbox = Outbox(uri, lambda client: open_run(client, plan), max_points=100).start()
+    with caplog.at_level(logging.WARNING, logger="trainforge"):
+        outbox.add_call("a bad param", lambda client, run_id: client.log_param(run_id, "x" * 300, 1))
+        outbox.add_points([("after", 1.0, 0, 1)])
+        outbox.add_call("a good tag", lambda client, run_id: client.set_tag(run_id, "good", "yes"))
+        left = outbox.close(timeout_s=60)
+    assert left.calls == ["a bad param (refused)"]
+    assert "MLflow refused a bad param" in caplog.text
+    assert outbox.opened is not None
+    run = client_for(tmp_path).get_run(outbox.opened.run_id)
+    assert run.data.metrics == {"after": 1.0}
+    assert run.data.tags["good"] == "yes"
+
+
+def test_search_run_nests_its_trials_in_its_own_experiment(tmp_path: Path) -> None:
+    cfg = config(tmp_path, experiment="search", flush_timeout_s=60)
+    search = SearchRun.start(cfg, "lr-search", {"space": {"optim.lr": "loguniform(1e-4, 1e-1)"}, "trials": 2})
+    parent = search.run_id
+    assert parent is not None
+    trial_cfg = load_config(tiny_run(tmp_path, run={"name": "trial0"}, tracking={"experiment": "elsewhere"}))
+    trial = make_tracker(trial_cfg, trial_cfg.run_dir, parent_run_id=parent, run_name="trial0")
+    assert trial is not None
+    drive(trial, [REPORT])
+    search.log_metrics({"best/train_loss": 0.5}, step=1)
+    search.set_tags({"best_trial": "trial0"})
+    assert not search.end("finished")
+
+    client = client_for(tmp_path)
+    parent_run, child = client.get_run(parent), client.get_run(trial.outbox.opened.run_id)
+    assert parent_run.info.status == "FINISHED"
+    assert parent_run.data.params["trials"] == "2"
+    assert parent_run.data.params["base.optim.lr"] == "0.05"
+    assert parent_run.data.metrics["best/train_loss"] == 0.5
+    assert parent_run.data.tags["best_trial"] == "trial0"
+    assert child.data.tags["mlflow.parentRunId"] == parent
+    assert child.info.experiment_id == parent_run.info.experiment_id
+    assert child.info.run_name == "trial0"
+
+
+def test_a_disabled_search_run_accepts_everything_and_does_nothing(tmp_path: Path) -> None:
+    search = SearchRun.start(config(tmp_path, enabled=False), "s")
+    search.log_metrics({"a": 1.0})
+    assert search.run_id is None
+    assert search.end() is None
+    assert not (tmp_path / "mlflow.db").exists()
+
+
+def test_system_sample_has_every_key_for_the_node() -> None:
+    hook = SystemMetrics("10.1.2.3")
+    report: dict[str, Any] = {"step": 1}
+    hook.on_report(report, {})
+    hook.close()
+    node = {k.removeprefix("system/10.1.2.3/"): v for k, v in report.items() if k.startswith("system/")}
+    assert {"cpu_percent", "memory_used_gb", "memory_percent"} <= node.keys()
+    assert 0.0 <= node["cpu_percent"] <= 100.0
+    assert 0.0 < node["memory_percent"] <= 100.0 and node["memory_used_gb"] > 0
+    assert all(v >= 0 for k, v in node.items() if k.endswith("_mb_s"))
+    gpu_keys = {k for k in node if k.startswith("gpu")}
+    assert bool(gpu_keys) == bool(Gpus().handles)
