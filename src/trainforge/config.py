@@ -178,6 +178,11 @@ class MetricsConfig(Section):
     """Prometheus export of training metrics through Ray's metrics agent on every node (metrics/)."""
 
     enabled: bool = True
+    # How often every process of a local Ray pushes its metrics to the node's agent (Ray's
+    # metrics_report_interval_ms; Ray floors it at 1 s). None: Ray's default, 10 s. A cluster sets
+    # it at `ray start` (RAY_metrics_report_interval_ms); setting it for one is refused at connect.
+    export_interval_s: Annotated[float, Field(ge=1.0)] | None = None
+    trial: str | None = None  # label `trial` on every series; `trainforge tune` sets it to the trial id
 
 
 class TuneConfig(Section):

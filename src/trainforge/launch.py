@@ -31,6 +31,7 @@ from trainforge.checkpoint.state import MODEL_FILE
 from trainforge.checkpoint.storage import CheckpointStore
 from trainforge.config import Config, to_yaml
 from trainforge.errors import CheckpointError, ClusterError, TrainforgeError, TrainingFailed
+from trainforge.metrics.session import check_cluster_options, local_ray_options, publish_local_targets
 from trainforge.observe import ForwardingCallback, Observer, Observers, Pump, start_mailbox
 from trainforge.worker.loop import train_loop_per_worker, worker_env
 
@@ -103,6 +104,7 @@ def ray_session(config: Config, address: str | None, *, verbose: bool) -> Iterat
         return
     quiet = {"log_to_driver": verbose, "configure_logging": False}
     if address:
+        check_cluster_options(config.metrics)
         check_reachable(address)
         try:
             ray.init(address=address, **quiet)  # type: ignore[arg-type]
@@ -115,10 +117,14 @@ def ray_session(config: Config, address: str | None, *, verbose: bool) -> Iterat
         # Logical CPUs: enough for every worker even on a 2-core laptop; threads are capped per worker.
         num_cpus = config.cluster.num_cpus or max(os.cpu_count() or 1, int(workers * cpus_per_worker) + 1, 4)
         # address="local": always a new cluster, never one some other `ray start` left on this machine.
-        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **quiet)  # type: ignore[arg-type]
+        # No dashboard (11 more processes, ~0.9 GB); metrics export works without it (metrics/session.py).
+        options = local_ray_options(config.metrics)
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **options, **quiet)  # type: ignore[arg-type]
         where = f"a local Ray ({num_cpus} logical CPUs)"
     try:
-        yield where
+        # Prometheus finds a local Ray's metrics agent through the file Ray's dashboard would write.
+        with contextlib.nullcontext() if address else publish_local_targets(config.metrics):
+            yield where
     finally:
         ray.shutdown()
 

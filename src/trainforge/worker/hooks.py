@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any, Protocol
 
+from trainforge.metrics.hook import metrics_hooks
 from trainforge.tracking.system import system_hooks
 
 if TYPE_CHECKING:
@@ -66,4 +67,5 @@ def build_hooks(run: WorkerRun) -> Hooks:
     """The hooks this run's config asks for."""
     hooks: list[WorkerHook] = []
     hooks.extend(system_hooks(run.config))
+    hooks.extend(metrics_hooks(run))
     return Hooks(hooks)

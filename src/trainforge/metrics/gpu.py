@@ -1,0 +1,44 @@
+"""The node's GPUs (NVML) as Prometheus gauges, sampled by the first worker of each node.
+
+The NVML reading itself is tracking.system's ``Gpus`` (shared with MLflow's system metrics);
+this module only maps its readings to metric names and units. Without NVML (CPU-only node, no
+driver) there are no GPUs and nothing is recorded.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+
+from trainforge.metrics.export import Gauges
+from trainforge.metrics.names import GPU
+from trainforge.tracking.system import Gpus
+
+# Gpus.sample() key suffix -> (metric, factor to the metric's unit)
+READINGS = {
+    "util_percent": ("trainforge_gpu_utilization_percent", 1.0),
+    "memory_used_gb": ("trainforge_gpu_memory_used_bytes", 1e9),
+    "temperature_c": ("trainforge_gpu_temperature_celsius", 1.0),
+    "power_w": ("trainforge_gpu_power_watts", 1.0),
+}
+KEY = re.compile(r"gpu(\d+)_(.+)")
+
+
+class NodeGpus:
+    """Records every GPU NVML sees on this node (all of them, not just this worker's)."""
+
+    def __init__(self, constant: Mapping[str, str]) -> None:
+        self.gpus = Gpus()
+        self.gauges = Gauges(GPU, constant) if self.gpus.handles else None
+
+    def record(self) -> None:
+        if self.gauges is None:
+            return
+        for key, value in self.gpus.sample().items():
+            match = KEY.fullmatch(key)
+            if match and match.group(2) in READINGS:
+                name, factor = READINGS[match.group(2)]
+                self.gauges.set(name, value * factor, gpu=match.group(1))
+
+    def close(self) -> None:
+        self.gpus.close()
