@@ -160,6 +160,19 @@ def test_unreachable_server_buffers_warns_once_drops_oldest_past_the_bound_and_s
     assert "15 oldest metric points dropped" in left.describe()
 
 
+def test_tracking_keys_bound_the_buffer_and_the_wait_at_the_end(tmp_path: Path) -> None:
+    cfg = config(tmp_path, uri=f"http://127.0.0.1:{free_port()}", max_buffered_points=3, flush_timeout_s=0.5)
+    tracker = make_tracker(cfg, cfg.run_dir)
+    assert tracker is not None
+    drive(tracker, [{**REPORT, "step": step} for step in (1, 2, 3)])  # 2 points each, then 2 at the end
+    assert tracker.leftover is not None
+    assert (tracker.leftover.points, tracker.leftover.dropped) == (3, 5)
+    assert "final status finished" in tracker.leftover.calls
+    tracker.settings.required = True
+    with pytest.raises(TrackingError, match=r"tracking\.required is set and MLflow at http://127\.0\.0\.1"):
+        tracker.raise_if_incomplete()
+
+
 def test_required_tracking_fails_before_training_when_the_store_is_unreachable(tmp_path: Path) -> None:
     cfg = config(tmp_path, uri=f"http://127.0.0.1:{free_port()}", required=True)
     with pytest.raises(TrackingError, match=r"tracking\.uri http://127\.0\.0\.1:\d+ cannot be reached"):
@@ -238,8 +251,12 @@ def test_search_run_nests_its_trials_in_its_own_experiment(tmp_path: Path) -> No
     assert parent is not None
     trial_cfg = load_config(tiny_run(tmp_path, run={"name": "trial0"}, tracking={"experiment": "elsewhere"}))
     trial = make_tracker(trial_cfg, trial_cfg.run_dir, parent_run_id=parent, run_name="trial0")
-    assert trial is not None
+    # A trial that runs through fit: the parent comes from its config.
+    keyed_cfg = load_config(tiny_run(tmp_path, run={"name": "trial1"}, tracking={"parent_run_id": parent}))
+    keyed = make_tracker(keyed_cfg, keyed_cfg.run_dir)
+    assert trial is not None and keyed is not None
     drive(trial, [REPORT])
+    drive(keyed, [REPORT])
     search.log_metrics({"best/train_loss": 0.5}, step=1)
     search.set_tags({"best_trial": "trial0"})
     assert not search.end("finished")
@@ -254,6 +271,7 @@ def test_search_run_nests_its_trials_in_its_own_experiment(tmp_path: Path) -> No
     assert child.data.tags["mlflow.parentRunId"] == parent
     assert child.info.experiment_id == parent_run.info.experiment_id
     assert child.info.run_name == "trial0"
+    assert client.get_run(keyed.outbox.opened.run_id).data.tags["mlflow.parentRunId"] == parent
 
 
 def test_a_disabled_search_run_accepts_everything_and_does_nothing(tmp_path: Path) -> None:

@@ -1,0 +1,186 @@
+"""MLflow tracking end to end: a real ``mlflow server`` on loopback, real Ray workers, the run read
+back through MlflowClient; resume continues the run; the server dying mid-run stops nothing."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from mlflow import MlflowClient
+
+import trainforge
+from tests.helpers.faults import Fault, free_port, paced_run, reports, wait_until
+from tests.helpers.runs import tiny_run
+from trainforge.tracking.runs import RESUME_FILE
+
+pytestmark = [pytest.mark.usefixtures("ray_local"), pytest.mark.slow]
+
+RUN_FILES = {"config.yaml", "summary.json", "metrics.jsonl", "model.safetensors", "report"}
+
+
+class MlflowServer:
+    """``mlflow server`` (sqlite backend, proxied artifacts) in its own process group, so that a
+    test can SIGKILL all of it and start it again on the same port and store."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> MlflowServer:
+        command = [
+            str(Path(sys.executable).with_name("mlflow")),
+            "server",
+            "--backend-store-uri",
+            f"sqlite:///{self.root / 'mlflow.db'}",
+            "--artifacts-destination",
+            str(self.root / "artifacts"),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--workers",
+            "1",
+        ]
+        with (self.root / "server.log").open("ab") as out:
+            self.proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        return self
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=2) as answer:
+                return bool(answer.status == 200)
+        except OSError:
+            return False
+
+    def wait_healthy(self, timeout_s: float = 240) -> None:
+        wait_until(self.healthy, timeout_s, f"mlflow server at {self.url} (log: {self.root / 'server.log'})", 0.5)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self.proc = None
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MlflowServer]:
+    started = MlflowServer(tmp_path_factory.mktemp("mlflow-server")).start()
+    try:
+        started.wait_healthy()
+        yield started
+    finally:
+        started.kill()
+
+
+def only_run(client: MlflowClient, experiment: str) -> Any:
+    found = client.get_experiment_by_name(experiment)
+    assert found is not None, f"no experiment {experiment}"
+    runs = client.search_runs([found.experiment_id])
+    assert len(runs) == 1, f"{len(runs)} runs in {experiment}"
+    return runs[0]
+
+
+def steps(client: MlflowClient, run_id: str, key: str = "train/loss") -> list[int]:
+    return sorted(m.step for m in client.get_metric_history(run_id, key))
+
+
+def reported_steps(run_dir: Path) -> list[int]:
+    """Steps of every report in metrics.jsonl (both runs of a resumed run directory)."""
+    return sorted(r["step"] for r in reports(run_dir) if "step" in r)
+
+
+def test_two_workers_make_one_run_and_a_resume_continues_it(tmp_path: Path, server: MlflowServer) -> None:
+    tracking = {"uri": server.url, "experiment": "two-workers"}
+    result = trainforge.fit(tiny_run(tmp_path, scaling={"num_workers": 2}, tracking=tracking))
+    assert result.status == "finished"
+    client = MlflowClient(server.url)
+    run = only_run(client, "two-workers")
+    run_id = run.info.run_id
+    assert json.loads((result.run_dir / RESUME_FILE).read_text())["run_id"] == run_id
+    assert run.info.status == "FINISHED"
+    assert run.data.params["optim.lr"] == "0.05"
+    assert run.data.params["scaling.num_workers"] == "2"
+    assert run.data.params["tracking.uri"] == server.url
+    tags = run.data.tags
+    assert tags["trainforge.world_size"] == "2" and tags["trainforge.accelerator"] == "cpu"
+    assert tags["trainforge.version.ray"] and tags["trainforge.cluster.nodes"] == "1"
+    assert steps(client, run_id) == [5, 10, 15, 20]
+    assert {"val/accuracy", "train/lr", "train/grad_norm", "perf/samples_per_s", "perf/data_wait_s"} <= set(
+        run.data.metrics
+    )
+    system = [key for key in run.data.metrics if key.startswith("system/")]
+    assert any(key.endswith("/cpu_percent") for key in system) and any(key.endswith("/net_recv_mb_s") for key in system)
+    assert {a.path for a in client.list_artifacts(run_id)} >= RUN_FILES
+    assert {"report/report.html", "report/loss.png"} <= {a.path for a in client.list_artifacts(run_id, "report")}
+
+    # The same run directory with more steps: training resumes from step 20, tracking continues the run.
+    resumed = trainforge.fit(tiny_run(tmp_path, scaling={"num_workers": 2}, train={"max_steps": 30}, tracking=tracking))
+    assert resumed.summary["global_step"] == 30
+    run = only_run(client, "two-workers")
+    assert run.info.run_id == run_id and run.info.status == "FINISHED"
+    assert steps(client, run_id) == reported_steps(result.run_dir) and max(steps(client, run_id)) == 30
+    assert run.data.tags["trainforge.resume_changed.train.max_steps"] == "30 (was 20)"
+
+
+def test_without_a_uri_the_run_lands_in_the_local_store(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    with caplog.at_level(logging.INFO, logger="trainforge"):
+        result = trainforge.fit(tiny_run(tmp_path))
+    store = f"sqlite:///{tmp_path.resolve()}/mlflow.db"
+    assert f"mlflow ui --backend-store-uri {store}" in caplog.text
+    client = MlflowClient(store)
+    run = only_run(client, "trainforge")
+    assert run.info.status == "FINISHED" and run.info.run_name == result.run_dir.name
+    assert steps(client, run.info.run_id) == [5, 10, 15, 20]
+    assert {a.path for a in client.list_artifacts(run.info.run_id)} >= RUN_FILES
+    assert run.info.artifact_uri.startswith((tmp_path.resolve() / "mlartifacts").as_uri())
+
+
+def test_the_server_dying_mid_run_stops_nothing_and_what_was_buffered_arrives_when_it_is_back(
+    tmp_path: Path, server: MlflowServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    config = paced_run(
+        tmp_path,
+        scaling={"num_workers": 2},
+        tracking={"uri": server.url, "experiment": "outage", "flush_timeout_s": 300},
+    )
+    run_dir = tmp_path / "t"
+
+    def tracked_and_past_step_10() -> bool:
+        return (run_dir / RESUME_FILE).is_file() and any(r.get("step", 0) >= 10 for r in reports(run_dir))
+
+    def kill_and_restart() -> dict[str, Any]:
+        server.kill()
+        killed = time.time()
+        server.start()  # comes back in tens of seconds; training does not wait for it
+        return {"at": killed}
+
+    with caplog.at_level(logging.INFO, logger="trainforge"), Fault(tracked_and_past_step_10, kill_and_restart) as fault:
+        result = trainforge.fit(config)
+        killed_at = fault.join()["at"]
+    assert result.status == "finished" and result.summary["global_step"] == 60
+    assert any(r.get("time/unix", 0) > killed_at for r in reports(run_dir)), "training stopped with the server"
+    unreachable = [r for r in caplog.records if "is unreachable" in r.getMessage()]
+    assert len(unreachable) == 1, [r.getMessage() for r in unreachable]
+    assert "training continues" in unreachable[0].getMessage()
+
+    # on_end waited for the server: everything buffered during the outage is there.
+    client = MlflowClient(server.url)
+    run = only_run(client, "outage")
+    assert run.info.status == "FINISHED"
+    assert steps(client, run.info.run_id) == reported_steps(run_dir)
+    assert {a.path for a in client.list_artifacts(run.info.run_id)} >= RUN_FILES
