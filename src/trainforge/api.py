@@ -65,7 +65,12 @@ def fit(
         ReportWriter(run_dir),
         *([tracker] if tracker is not None else []),
     ]
-    summary = run_training(resolved, watchers, address=address, verbose=verbose)
+    try:
+        summary = run_training(resolved, watchers, address=address, verbose=verbose)
+    except BaseException:
+        if tracker is not None:
+            tracker.on_error()
+        raise
     raise_if_failed(summary, resolved.run_dir)
     if tracker is not None:
         tracker.raise_if_incomplete()

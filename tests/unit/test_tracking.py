@@ -225,6 +225,22 @@ def test_a_run_in_the_local_store_and_its_resume(tmp_path: Path, caplog: pytest.
     assert (cfg.run_dir / "tracking.log").is_file()
 
 
+def test_a_run_that_raised_before_its_end_is_marked_failed(tmp_path: Path) -> None:
+    cfg = config(tmp_path, flush_timeout_s=60)
+    tracker = make_tracker(cfg, cfg.run_dir)
+    assert tracker is not None
+    tracker.on_error()  # before on_start: no run was opened, nothing to end
+    assert tracker.leftover is None
+    tracker.on_start({"name": "t"})
+    tracker.on_report(REPORT)
+    tracker.on_error()
+    assert tracker.leftover is not None and not tracker.leftover
+    assert tracker.outbox.opened is not None
+    run = client_for(tmp_path).get_run(tracker.outbox.opened.run_id)
+    assert run.info.status == "FAILED"
+    assert run.data.metrics["train/loss"] == 0.5
+
+
 def test_a_record_the_store_refuses_is_dropped_and_the_rest_still_arrives(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

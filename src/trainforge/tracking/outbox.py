@@ -111,6 +111,10 @@ class Outbox:
         self._thread.start()
         return self
 
+    @property
+    def started(self) -> bool:
+        return self._thread.ident is not None
+
     def add_points(self, points: list[Point]) -> None:
         if not points:
             return

@@ -110,6 +110,16 @@ class MlflowTracker:
         if (self.run_dir / REPORT_DIR).is_dir():
             self.outbox.add_call("report artifacts", artifact_call(self.run_dir / REPORT_DIR, REPORT_DIR))
         self.outbox.add_call(f"final status {summary.get('status')}", end_call(str(summary.get("status"))))
+        self._close()
+
+    def on_error(self) -> None:
+        """``fit`` raised instead of reaching ``on_end`` (a user error the workers found): the
+        MLflow run ends FAILED rather than showing RUNNING forever."""
+        if self.outbox.started and self.leftover is None:
+            self.outbox.add_call("final status failed", end_call("failed"))
+            self._close()
+
+    def _close(self) -> None:
         self.leftover = self.outbox.close(self.settings.flush_timeout_s)
         if self._log_handler is not None:
             MLFLOW_LOGS.release(self._log_handler)
