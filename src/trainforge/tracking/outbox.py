@@ -18,10 +18,11 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trainforge.tracking.records import Point
-from trainforge.tracking.store import SENDER_THREAD, connect, first_line
+from trainforge.tracking.store import MLFLOW_LOGS, SENDER_THREAD, connect, first_line, run_link
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
@@ -66,7 +67,7 @@ class Leftover:
             parts.append(f"{self.refused} metric points the store refused")
         parts.extend(self.calls)
         if self.disabled:
-            parts.append(f"everything after: {self.disabled}")
+            parts.append(self.disabled)
         return "; ".join(parts)
 
 
@@ -86,8 +87,13 @@ def is_transient(err: BaseException) -> bool:
 class Outbox:
     """Bounded queues drained by one daemon thread into one MLflow run."""
 
-    def __init__(self, uri: str, opener: Opener, *, max_points: int, label: str = "run") -> None:
+    def __init__(
+        self, uri: str, opener: Opener, *, max_points: int, label: str = "run", log_path: Path | None = None
+    ) -> None:
+        """``log_path``: where MLflow's own log lines go while this outbox runs (else nowhere)."""
         self.uri = uri
+        self.log_path = log_path
+        self._log_handler: logging.Handler | None = None
         self.opener = opener
         self.max_points = max_points
         self.label = label
@@ -108,6 +114,8 @@ class Outbox:
     # ---- the caller's side: never blocks on the network --------------------------------------
 
     def start(self) -> Outbox:
+        if self.log_path is not None:
+            self._log_handler = MLFLOW_LOGS.route_to(self.log_path)
         self._thread.start()
         return self
 
@@ -150,11 +158,6 @@ class Outbox:
         self._is_open.wait(timeout_s)
         return self.opened
 
-    @property
-    def pending(self) -> int:
-        with self._cond:
-            return len(self._points) + len(self._inflight_points) + len(self._calls) + (self._inflight_call is not None)
-
     def close(self, timeout_s: float) -> Leftover:
         """Send what is queued, waiting at most ``timeout_s``; what was not sent."""
         with self._cond:
@@ -172,7 +175,19 @@ class Outbox:
                 left.calls.insert(0, "the run itself (never created)")
             self._points.clear()
             self._calls.clear()
-            return left
+        if self._log_handler is not None:
+            MLFLOW_LOGS.release(self._log_handler)
+            self._log_handler = None
+        return left
+
+    def close_and_say(self, timeout_s: float, what: str) -> Leftover:
+        """``close``, then one line: where to see the run, or what it lacks."""
+        left = self.close(timeout_s)
+        if left:
+            log.warning("MLflow at %s did not get everything of %s: %s", self.uri, what, left.describe())
+        elif self.opened is not None:
+            log.info("%s", run_link(self.uri, self.opened.experiment_id, self.opened.run_id))
+        return left
 
     # ---- the sender thread ---------------------------------------------------------------------
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -17,12 +16,10 @@ from trainforge.tracking.records import (
     version_tags,
 )
 from trainforge.tracking.runs import RunPlan, artifact_call, end_call, open_run, params_call, tags_call
-from trainforge.tracking.store import MLFLOW_LOGS, probe, resolve_uri, run_link
+from trainforge.tracking.store import probe, resolve_uri
 
 if TYPE_CHECKING:
     from trainforge.config import Config
-
-log = logging.getLogger("trainforge")
 
 
 class SearchRun:
@@ -39,7 +36,6 @@ class SearchRun:
         self.uri = resolve_uri(self.settings.uri, config.run.output_dir)
         self.outbox: Outbox | None = None
         self.leftover: Leftover | None = None
-        self._log_handler: logging.Handler | None = None
 
     @classmethod
     def start(
@@ -68,9 +64,9 @@ class SearchRun:
             lambda client: open_run(client, plan),
             max_points=search.settings.max_buffered_points,
             label="search",
+            log_path=log_dir / "tracking.log" if log_dir is not None else None,
         )
         base = {f"base.{key}": value for key, value in config_params(config.to_dict()).items()}
-        search._log_handler = MLFLOW_LOGS.route_to(log_dir / "tracking.log") if log_dir is not None else None
         search.outbox.add_call("params", params_call({**base, **_params(params or {})}))
         search.outbox.add_call("tags", tags_call(clean_tags(version_tags())))
         search.outbox.start()
@@ -109,16 +105,7 @@ class SearchRun:
         if self.outbox is None:
             return None
         self.outbox.add_call(f"final status {status}", end_call(status))
-        self.leftover = self.outbox.close(self.settings.flush_timeout_s)
-        if self._log_handler is not None:
-            MLFLOW_LOGS.release(self._log_handler)
-        opened = self.outbox.opened
-        if self.leftover:
-            log.warning(
-                "MLflow at %s did not get everything of search %s: %s", self.uri, self.name, self.leftover.describe()
-            )
-        elif opened is not None:
-            log.info("%s", run_link(self.uri, opened.experiment_id, opened.run_id))
+        self.leftover = self.outbox.close_and_say(self.settings.flush_timeout_s, f"search {self.name}")
         return self.leftover
 
 

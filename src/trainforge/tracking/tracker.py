@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,12 +25,10 @@ from trainforge.tracking.runs import (
     params_call,
     tags_call,
 )
-from trainforge.tracking.store import MLFLOW_LOGS, TrackingError, probe, resolve_uri, run_link
+from trainforge.tracking.store import TrackingError, probe, resolve_uri
 
 if TYPE_CHECKING:
     from trainforge.config import Config
-
-log = logging.getLogger("trainforge")
 
 LOG_FILE = "tracking.log"  # MLflow's own log lines and HTTP retries of this run
 # Run-directory files uploaded at the end (those that exist), then the report folder.
@@ -63,16 +60,17 @@ class MlflowTracker:
             resume_file=self.run_dir / RESUME_FILE,
         )
         self.outbox = Outbox(
-            self.uri, lambda client: open_run(client, plan), max_points=self.settings.max_buffered_points
+            self.uri,
+            lambda client: open_run(client, plan),
+            max_points=self.settings.max_buffered_points,
+            log_path=self.run_dir / LOG_FILE,
         )
         self.cwd = Path(os.getcwd())
         self.restarts = 0
         self.world_size: Any = None
         self.leftover: Leftover | None = None
-        self._log_handler: logging.Handler | None = None
 
     def on_start(self, info: dict[str, Any]) -> None:
-        self._log_handler = MLFLOW_LOGS.route_to(self.run_dir / LOG_FILE)
         static = {
             **version_tags(),
             **scaling_tags(self.config.scaling.model_dump()),
@@ -120,19 +118,8 @@ class MlflowTracker:
             self._close()
 
     def _close(self) -> None:
-        self.leftover = self.outbox.close(self.settings.flush_timeout_s)
-        if self._log_handler is not None:
-            MLFLOW_LOGS.release(self._log_handler)
-        opened = self.outbox.opened
-        if self.leftover:
-            log.warning(
-                "MLflow at %s did not get everything: %s (the run directory %s has all of it)",
-                self.uri,
-                self.leftover.describe(),
-                self.run_dir,
-            )
-        elif opened is not None:
-            log.info("%s", run_link(self.uri, opened.experiment_id, opened.run_id))
+        what = f"the run in {self.run_dir} (all of it is in that directory)"
+        self.leftover = self.outbox.close_and_say(self.settings.flush_timeout_s, what)
 
     def raise_if_incomplete(self) -> None:
         """With ``tracking.required``, a run whose record in MLflow is incomplete ends in an error."""
