@@ -33,6 +33,7 @@ from trainforge.checkpoint.storage import CheckpointStore
 from trainforge.config import CheckpointConfig
 from trainforge.errors import CheckpointError
 from trainforge.worker import parallel
+from trainforge.worker.optim import apply_hyperparameters, effective_lr, hyperparameters_differ
 
 if TYPE_CHECKING:
     from trainforge.worker.build import WorkerRun
@@ -171,6 +172,7 @@ class Restored:
     source: str | None = None
     skipped: list[str] = field(default_factory=list)
     written_by: int | None = None  # workers that wrote the checkpoint, when it differs from now
+    notes: list[str] = field(default_factory=list)  # what restore changed on purpose (for the run's events)
 
 
 def restore(run: WorkerRun, store: CheckpointStore) -> Restored:
@@ -191,21 +193,22 @@ def restore(run: WorkerRun, store: CheckpointStore) -> Restored:
     name = uri.rstrip("/").rsplit("/", 1)[-1]
     # The run's own store keeps its file system settings (endpoint, credentials); others are parsed.
     source = store if uri == store.uri(name) else CheckpointStore.for_checkpoint(uri)[0]
+    notes: list[str] = []
     with tempfile.TemporaryDirectory(prefix="trainforge-restore-") as scratch:
-        progress, written_by = load_into(run, source.fetch(name, Path(scratch)))
+        progress, written_by = load_into(run, source.fetch(name, Path(scratch)), notes)
     if run.rank == 0:
         log.info("resumed from %s at step %d (epoch %d)", uri, progress.global_step, progress.epoch)
-    return Restored(progress, uri, skipped, None if written_by == run.world else written_by)
+    return Restored(progress, uri, skipped, None if written_by == run.world else written_by, notes)
 
 
-def load_into(run: WorkerRun, directory: Path) -> tuple[Progress, int]:
+def load_into(run: WorkerRun, directory: Path, notes: list[str] | None = None) -> tuple[Progress, int]:
     """Weights, optimizer, schedule, scaler, progress and this rank's RNG from a verified directory;
-    also the number of workers that wrote it."""
+    also the number of workers that wrote it. What restore changed on purpose goes to ``notes``."""
     state = read_trainer_state(directory)
+    notes = [] if notes is None else notes
     load_weights(directory, parallel.unwrap(run.model))
-    load_optimizer(directory, run.runner.optimizer)
     runner = run.runner
-    runner.scheduler.load_state_dict({**state.scheduler, "lr_lambdas": [None] * len(runner.optimizer.param_groups)})
+    restore_optimizer(run, directory, state, notes)
     runner.scaler.load_state_dict(state.scaler)
     progress = state.progress
     written_by = progress.world_size
@@ -225,3 +228,25 @@ def load_into(run: WorkerRun, directory: Path) -> tuple[Progress, int]:
             )
     progress.world_size = run.world
     return progress, written_by
+
+
+def restore_optimizer(run: WorkerRun, directory: Path, state: TrainerState, notes: list[str]) -> None:
+    """Optimizer and schedule state; then, when the checkpoint was saved under other optimizer or
+    schedule settings (another run's checkpoint: a PBT exploit, a fine-tune), this run's own values.
+
+    Restoring the state dicts brings back the saving run's LR and the like; the config in effect
+    is this run's, so its values are put back on top (``apply_hyperparameters``). Moments saved by
+    another kind of optimizer cannot be used and are left out.
+    """
+    cfg = run.config
+    optimizer, scheduler = run.runner.optimizer, run.runner.scheduler
+    saved_optim = state.config.get("optim", {}).get("name", cfg.optim.name)
+    if saved_optim == cfg.optim.name:
+        load_optimizer(directory, optimizer)
+    else:
+        notes.append(f"optimizer state not restored: the checkpoint used {saved_optim}, this run {cfg.optim.name}")
+    scheduler.load_state_dict({**state.scheduler, "lr_lambdas": [None] * len(optimizer.param_groups)})
+    if state.config and hyperparameters_differ(state.config, cfg.optim, cfg.schedule):
+        lr = effective_lr(cfg.optim, cfg.train.batch_size * cfg.train.grad_accum_steps * run.world)
+        apply_hyperparameters(optimizer, scheduler, cfg.optim, lr)
+        notes.append(f"optimizer hyperparameters from this run's config (lr now {optimizer.param_groups[0]['lr']:.4g})")
