@@ -5,16 +5,20 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from mlflow import MlflowClient
 
 from tests.helpers.faults import free_port
 from tests.helpers.runs import tiny_run
 from trainforge.config import load_config
+from trainforge.errors import ConfigError
 from trainforge.tracking import SearchRun, TrackingError, make_tracker
 from trainforge.tracking.outbox import Outbox, is_transient
 from trainforge.tracking.records import (
@@ -126,6 +130,31 @@ def test_the_default_store_is_sqlite_under_the_output_dir(tmp_path: Path, monkey
         f"mlflow ui --backend-store-uri sqlite:///{tmp_path}/mlflow.db"
     )
     assert run_link("http://tracking:5000/", "1", "abc") == "MLflow run: http://tracking:5000/#/experiments/1/runs/abc"
+
+
+@pytest.mark.parametrize("uri", ["/srv/mlruns", "file:///srv/mlruns", "./mlruns"])
+def test_a_file_store_uri_is_a_config_error(tmp_path: Path, uri: str) -> None:
+    with pytest.raises(ConfigError, match=r"tracking\.uri .* is MLflow's file store, which MLflow 3 refuses"):
+        make_tracker(config(tmp_path, uri=uri), tmp_path)
+
+
+def test_required_and_unreachable_is_one_line_and_exit_code_2_before_ray_starts(tmp_path: Path) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(tiny_run(tmp_path)))
+    uri = f"http://127.0.0.1:{free_port()}"
+    cli = str(Path(sys.executable).with_name("trainforge"))
+    done = subprocess.run(
+        [cli, "train", str(path), "--set", "tracking.required=true", "--set", f"tracking.uri={uri}"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0"},
+    )
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and f"tracking.uri {uri} cannot be reached" in errors[0], done.stderr
+    assert not (tmp_path / "t" / "ray.log").exists()  # stopped before Ray started
 
 
 def test_mlflow_refusals_are_not_retried_and_outages_are() -> None:

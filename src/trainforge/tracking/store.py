@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import unquote, urlparse
 
-from trainforge.errors import TrainforgeError
+from trainforge.errors import ConfigError, TrainforgeError
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
@@ -48,9 +48,15 @@ class TrackingError(TrainforgeError):
 def resolve_uri(uri: str | None, output_dir: str | os.PathLike[str]) -> str:
     """``tracking.uri``, else ``MLFLOW_TRACKING_URI``, else the sqlite store under ``output_dir``."""
     chosen = uri or os.environ.get("MLFLOW_TRACKING_URI")
-    if chosen:
-        return chosen
-    return local_store_uri(Path(output_dir).expanduser().resolve())
+    if not chosen:
+        return local_store_uri(Path(output_dir).expanduser().resolve())
+    scheme = urlparse(chosen).scheme
+    if scheme in {"", "file"} and os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() not in {"1", "true"}:
+        raise ConfigError(
+            f"tracking.uri {chosen!r} is MLflow's file store, which MLflow 3 refuses; use sqlite:///PATH/mlflow.db, "
+            "an http(s):// tracking server, or leave tracking.uri unset for the local store"
+        )
+    return chosen
 
 
 def local_store_uri(directory: Path) -> str:
