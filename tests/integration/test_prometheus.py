@@ -215,10 +215,19 @@ def test_checkpoint_metrics_come_from_rank_0_and_match_the_files(monitored: Moni
     assert abs(float(saved_at["value"][1]) - time.time()) < 3600
 
 
-def test_driver_exports_restarts_by_reason_from_zero(monitored: Monitored) -> None:
+def test_driver_exports_restarts_progress_and_the_run_s_end(monitored: Monitored) -> None:
     restarts = values_by(monitored.last('trainforge_restarts{run="prom"}'), "reason")
     assert restarts == dict.fromkeys(names.RESTART_REASONS, 0.0)
     assert monitored.result.summary["restarts"] == 0
+
+    reports = (monitored.result.run_dir / "metrics.jsonl").read_text().splitlines()
+    last_report = json.loads(reports[-1])["time/unix"]
+    (reported,) = monitored.last('trainforge_run_last_report_timestamp_seconds{run="prom"}')
+    assert float(reported["value"][1]) == pytest.approx(last_report, abs=1e-3)
+    (active,) = monitored.prometheus.query('max_over_time(trainforge_run_active{run="prom"}[10m])')
+    assert float(active["value"][1]) == 1
+    ended = 'last_over_time(trainforge_run_active{run="prom"}[10m]) == 0'
+    wait_for(lambda: len(monitored.prometheus.query(ended)) == 1, 30, "the driver to export the run's end")
 
 
 def test_exported_values_are_the_reported_ones(monitored: Monitored) -> None:

@@ -1,8 +1,8 @@
 """Gradient all-reduce timing through a DDP communication hook.
 
-DDP all-reduces gradients in buckets while backward is still running. The hook below is DDP's
-own ``allreduce_hook`` (same numerics: divide by the world size, then sum) with a timestamp when
-a bucket is handed to the process group and one when its all-reduce completes. Per step that
+DDP all-reduces gradients in buckets while backward is still running. The hook below does what
+DDP's own ``allreduce_hook`` does (divide by the world size, then sum) with a timestamp when a
+bucket is handed to the process group and one when its all-reduce completes. Per step that
 gives two honest figures:
 
 * **in flight**: the union of the buckets' [launch, done] spans, i.e. time with communication
@@ -26,7 +26,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
 log = logging.getLogger("trainforge.worker")
@@ -64,18 +63,21 @@ class CommTimer:
     def hook(
         self, process_group: dist.ProcessGroup | None, bucket: dist.GradBucket
     ) -> torch.futures.Future[torch.Tensor]:
-        """DDP's default all-reduce, timed. Timing never fails the collective: on any error it
-        stops timing for the rest of the run."""
+        """DDP's default all-reduce (as its ``allreduce_hook``: divide by the world size, then sum),
+        timed. Timing never fails the collective: on any error it stops timing for the run."""
         launched = None if self.broken else self._safe_mark()
         is_last = bucket.is_last()
-        future = allreduce_hook(process_group, bucket)  # type: ignore[arg-type]
+        group = process_group if process_group is not None else dist.group.WORLD
+        buffer = bucket.buffer()
+        buffer.div_(group.size())  # type: ignore[union-attr]  # before the sum: no fp16 overflow
+        future = dist.all_reduce(buffer, group=group, async_op=True).get_future()
 
-        def done(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+        def done(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
             if launched is not None and not self.broken:
                 finished = self._safe_mark()
                 if finished is not None:
                     self.spans.append((launched, finished, is_last))
-            return fut.value()
+            return fut.value()[0]
 
         return future.then(done)
 

@@ -49,15 +49,15 @@ class PrometheusHook:
         *,
         rank: int,
         comm: CommTimer | None = None,
+        comm_measured: bool = True,
         gpus: NodeGpus | None = None,
-        distributed: bool = False,
     ) -> None:
         self.gauges = Gauges(TRAINING, labels)
         self.checkpoint = Gauges(CHECKPOINT, labels) if rank == 0 else None
         self.comm = comm
         self.gpus = gpus
-        # A single worker has no gradient communication: 0 is the measurement, not a gap.
-        self.comm_measured = comm is not None or not distributed
+        # Without a timer there is nothing to say, unless there is no communication (one worker).
+        self.comm_measured = comm_measured
         self.save_failures = 0
 
     def on_report(self, metrics: dict[str, Any], local: dict[str, float]) -> None:
@@ -114,12 +114,15 @@ def metrics_hooks(run: WorkerRun) -> list[PrometheusHook]:
         node = ray.util.get_node_ip_address()
         labels = {"run": config.run.name, "trial": config.metrics.trial or "", "rank": str(run.rank), "node": node}
         first_on_node = ray.train.get_context().get_local_rank() == 0
+        timing = config.metrics.comm_timing
+        timer = CommTimer.attach(run.model, run.device) if timing else None
         hook = PrometheusHook(
             labels,
             rank=run.rank,
-            comm=CommTimer.attach(run.model, run.device),
+            comm=timer,
+            # One worker has no gradient communication: 0 s is then a measurement, not a guess.
+            comm_measured=timing and (timer is not None or run.world == 1),
             gpus=NodeGpus(labels) if first_on_node else None,
-            distributed=run.world > 1,
         )
     except Exception as err:
         log.warning("Prometheus metrics disabled for this worker: %s", err)

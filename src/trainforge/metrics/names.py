@@ -92,6 +92,18 @@ DRIVER = (
         (*RUN_LABELS, "reason"),
         "driver",
     ),
+    MetricDef(
+        "trainforge_run_active",
+        "1 while the run trains (also while it waits for workers), 0 once it ended.",
+        RUN_LABELS,
+        "driver",
+    ),
+    MetricDef(
+        "trainforge_run_last_report_timestamp_seconds",
+        "Unix time of the last report that reached the driver (the run's start before the first one).",
+        RUN_LABELS,
+        "driver",
+    ),
 )
 RESTART_REASONS = ("oom", "node", "error")
 

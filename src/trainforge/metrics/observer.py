@@ -1,14 +1,20 @@
-"""Driver side: worker-group failures as ``trainforge_restarts{reason}``.
+"""Driver side: what only the driver sees, as gauges of the run.
 
-The workers cannot count their own deaths; the driver sees every failure through observe.py's
-``on_worker_error`` (forwarded by the Ray Train controller's callback) and records it with
-``ray.util.metrics`` from the driver process, which exports through its node's metrics agent
-like any Ray worker. All reasons start at 0 so that the series exist before the first failure.
+* ``trainforge_restarts{reason}``: the workers cannot count their own deaths; the driver sees
+  every failure through observe.py's ``on_worker_error`` (forwarded by the Ray Train controller's
+  callback). Every reason starts at 0, so the series exist before the first failure.
+* ``trainforge_run_last_report_timestamp_seconds`` and ``trainforge_run_active``: the stall
+  alert's input. A run that waits for workers (a lost node, no capacity) has no worker series at
+  all; the driver's keep saying that the run is on and when it last made progress.
+
+The driver records with ``ray.util.metrics`` like any Ray worker; its node's metrics agent
+exports them.
 """
 
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -33,8 +39,8 @@ def failure_reason(errors: Iterable[str]) -> str:
     return "error"
 
 
-class RestartMetrics:
-    """Observer (observe.py) that records the run's worker-group failures by reason."""
+class RunMetrics:
+    """Observer (observe.py) that records the run's progress and its worker-group failures."""
 
     def __init__(self, config: Config) -> None:
         self.labels = {"run": config.run.name, "trial": config.metrics.trial or ""}
@@ -43,25 +49,31 @@ class RestartMetrics:
 
     def on_start(self, info: dict[str, Any]) -> None:
         self.gauges = Gauges(DRIVER, self.labels)
+        self.gauges.set("trainforge_run_active", 1)
+        self.gauges.set("trainforge_run_last_report_timestamp_seconds", time.time())
         for reason in self.counts:
-            self._record(reason)
+            self._record_restarts(reason)
 
     def on_report(self, metrics: dict[str, Any]) -> None:
-        pass
+        if self.gauges is not None:
+            self.gauges.set(
+                "trainforge_run_last_report_timestamp_seconds", float(metrics.get("time/unix", time.time()))
+            )
 
     def on_worker_error(self, errors: dict[int, str]) -> None:
         reason = failure_reason(errors.values())
         self.counts[reason] += 1
-        self._record(reason)
+        self._record_restarts(reason)
 
     def on_end(self, summary: dict[str, Any]) -> None:
-        pass
+        if self.gauges is not None:
+            self.gauges.set("trainforge_run_active", 0)
 
-    def _record(self, reason: str) -> None:
+    def _record_restarts(self, reason: str) -> None:
         if self.gauges is not None:
             self.gauges.set("trainforge_restarts", self.counts[reason], reason=reason)
 
 
-def metrics_observers(config: Config) -> list[RestartMetrics]:
-    """What ``api.fit`` adds to its observers: the restart gauge, when ``metrics.enabled``."""
-    return [RestartMetrics(config)] if config.metrics.enabled else []
+def metrics_observers(config: Config) -> list[RunMetrics]:
+    """What ``api.fit`` adds to its observers, when ``metrics.enabled``."""
+    return [RunMetrics(config)] if config.metrics.enabled else []
