@@ -10,6 +10,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from trainforge.errors import TrainforgeError
 
@@ -77,6 +78,43 @@ def train(
         raise typer.Exit(130)
 
 
+@app.command()
+def tune(
+    config: ConfigArg,
+    space: Annotated[
+        str, typer.Option("--space", help="Search space YAML: config keys -> domains (or a bundled one's name).")
+    ],
+    trials: Annotated[int | None, typer.Option(help="Number of trials; sets tune.num_trials.")] = None,
+    scheduler: Annotated[str | None, typer.Option(help="asha, pbt, median or none; sets tune.scheduler.")] = None,
+    search: Annotated[str | None, typer.Option(help="random, grid or optuna; sets tune.search.")] = None,
+    set_: SetOpt = None,
+    address: Annotated[
+        str | None, typer.Option(help="Ray cluster to run on (host:port or ray://host:10001); default RAY_ADDRESS.")
+    ] = None,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show Ray's own logs.")] = False,
+) -> None:
+    """Search hyperparameters: every trial is a complete run under <run.output_dir>/<run.name>/<trial>/.
+
+    Writes tune_summary.json, best.yaml (trainforge train runs it as is) and plots there.
+    Re-running the same command continues an interrupted search.
+    """
+    from trainforge.config import load_config
+    from trainforge.tune.schedulers import make_plan
+    from trainforge.tune.space import load_space
+
+    _setup_logging(verbose)
+    flags = {"num_trials": trials, "scheduler": scheduler, "search": search}
+    overrides = [*(set_ or []), *(f"tune.{key}={value}" for key, value in flags.items() if value is not None)]
+    # Config, space and search plan are checked before Ray and torch are imported: a mistake costs milliseconds.
+    resolved = load_config(resolve_config_path(config), overrides)
+    space_path = resolve_config_path(space)
+    make_plan(resolved, load_space(space_path, resolved))
+    from trainforge.api import tune as run_tune
+
+    result = run_tune(resolved, space_path, address=address, verbose=verbose, console=err_console)
+    typer.echo(str(result.search_dir / "tune_summary.json"))
+
+
 @config_app.command("show")
 def config_show(config: ConfigArg, set_: SetOpt = None) -> None:
     """Print the resolved config: file, then --set overrides, then TRAINFORGE_* environment."""
@@ -138,6 +176,49 @@ def bench_checkpoint(
 
     _setup_logging(False)
     run_checkpoint_bench(size_mb=size_mb, directory=dir_, repeats=repeats, output=output, console=Console())
+
+
+@bench_app.command("tune")
+def bench_tune(
+    measure: Annotated[
+        str, typer.Option(help="Comma-separated: overhead (per-trial time outside training), asha, concurrency.")
+    ] = "overhead,asha,concurrency",
+    trials: Annotated[int, typer.Option(help="overhead: trials to time.")] = 3,
+    steps: Annotated[
+        int, typer.Option(help="overhead: optimizer steps per trial (about a minute of training).")
+    ] = 15000,
+    asha_trials: Annotated[int, typer.Option(help="asha: trials of the demo search, with ASHA and without.")] = 12,
+    concurrent: Annotated[int, typer.Option(help="concurrency: one-worker trials run at once.")] = 10,
+    output: Annotated[Path | None, typer.Option(help="Also write every raw figure as JSON here.")] = None,
+) -> None:
+    """Trial overhead, compute saved by ASHA on the demo search, and concurrent trials."""
+    from trainforge.bench.tune import MEASURES, run_tune_bench
+
+    chosen = tuple(part.strip() for part in measure.split(",") if part.strip())
+    unknown = [m for m in chosen if m not in MEASURES]
+    if not chosen or unknown:
+        raise TrainforgeError(f"--measure {measure!r}: choose from {', '.join(MEASURES)}")
+    for flag, value in (
+        ("--trials", trials),
+        ("--steps", steps),
+        ("--asha-trials", asha_trials),
+        ("--concurrent", concurrent),
+    ):
+        if value < 1:
+            raise TrainforgeError(f"{flag} {value}: must be >= 1")
+    if output is not None and not output.parent.is_dir():
+        raise TrainforgeError(f"--output {output}: folder {output.parent} does not exist")
+    _setup_logging(False)
+    logging.getLogger("trainforge").setLevel(logging.WARNING)
+    run_tune_bench(
+        measures=chosen,
+        trials=trials,
+        steps=steps,
+        asha_trials=asha_trials,
+        concurrent=concurrent,
+        output=output,
+        console=_wide_console(),
+    )
 
 
 CkptPathArg = Annotated[str, typer.Argument(help="A checkpoint directory: a local path or a URI (s3://...).")]
@@ -228,7 +309,8 @@ def main() -> None:
         if isinstance(code, int) and code:
             sys.exit(code)
     except TrainforgeError as err:
-        err_console.print(f"[red]error:[/] {err}", highlight=False, soft_wrap=True)
+        # escape: messages quote values such as [lo, hi], which rich would take for markup.
+        err_console.print(f"[red]error:[/] {escape(str(err))}", highlight=False, soft_wrap=True)
         sys.exit(err.exit_code)
     except typer.Exit as exit_:
         sys.exit(exit_.exit_code)

@@ -189,16 +189,20 @@ class MetricsConfig(Section):
 
 
 class TuneConfig(Section):
-    """Hyperparameter search (``trainforge tune``); the search space comes from ``--space``."""
+    """Hyperparameter search (``trainforge tune``); the search space comes from ``--space``.
+
+    Scheduler parameters that measure time (grace period, perturbation interval, max_t) are in
+    optimizer steps: the trials' ``step`` is Tune's time attribute.
+    """
 
     metric: str | None = None  # None: val/loss where there is validation data, else train/loss
     mode: Literal["min", "max"] = "min"
-    num_trials: PositiveInt = 8
+    num_trials: PositiveInt | None = None  # None: 8, or every grid point once for search grid
     max_concurrent: PositiveInt | None = None  # None: what the cluster's free resources allow
     workers_per_trial: PositiveInt = 1
     search: Literal["random", "grid", "optuna"] = "random"
     scheduler: Literal["none", "asha", "pbt", "median"] = "none"
-    scheduler_params: dict[str, Any] = Field(default_factory=dict)
+    scheduler_params: dict[str, Any] = Field(default_factory=dict)  # a section per scheduler: {asha: {...}}
     time_budget_s: PositiveFloat | None = None
 
 

@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -129,7 +129,9 @@ def ray_session(config: Config, address: str | None, *, verbose: bool) -> Iterat
         ray.shutdown()
 
 
-def build_trainer(config: Config, mailbox: Any) -> TorchTrainer:
+def build_trainer(config: Config, mailbox: Any, callbacks: Sequence[Any] = ()) -> TorchTrainer:
+    """The run's TorchTrainer; ``callbacks`` are extra Ray Train callbacks for its controller
+    (a hyperparameter search records each trial's placement groups with one)."""
     scaling = config.scaling
     resources = dict(scaling.resources_per_worker) if scaling.resources_per_worker else None
     env = worker_env()
@@ -154,7 +156,7 @@ def build_trainer(config: Config, mailbox: Any) -> TorchTrainer:
             failure_config=FailureConfig(max_failures=config.failure.max_failures),
             # trainforge writes, verifies and rotates checkpoints itself (checkpoint/manager.py);
             # Ray's own checkpoint registry stays empty.
-            callbacks=[ForwardingCallback(mailbox)],
+            callbacks=[ForwardingCallback(mailbox), *callbacks],
             worker_runtime_env={"env_vars": env},
         ),
     )
@@ -203,7 +205,14 @@ def check_resume(config: Config) -> None:
         )
 
 
-def run_training(config: Config, observers: list[Observer], *, address: str | None, verbose: bool) -> dict[str, Any]:
+def run_training(
+    config: Config,
+    observers: list[Observer],
+    *,
+    address: str | None,
+    verbose: bool,
+    callbacks: Sequence[Any] = (),
+) -> dict[str, Any]:
     """Train to completion (or failure) and return the summary that was written to summary.json."""
     address = resolve_address(config, address)
     preflight(config, local=address is None)
@@ -225,7 +234,7 @@ def run_training(config: Config, observers: list[Observer], *, address: str | No
         fanout.on_start(
             {"name": config.run.name, "workers": config.scaling.num_workers, "cluster": where, "run_dir": str(run_dir)}
         )
-        outcome = _fit(build_trainer(config, mailbox), pump, started)
+        outcome = _fit(build_trainer(config, mailbox, callbacks), pump, started)
     summary = make_summary(config, outcome, pump)
     if outcome.checkpoint:
         summary["model_weights_step"] = export_final_weights(outcome.checkpoint, run_dir, summary["global_step"])

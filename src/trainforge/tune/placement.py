@@ -1,0 +1,112 @@
+"""Giving a stopped trial's resources back: the placement groups of its Ray Train worker groups.
+
+When Tune stops a trial (a scheduler's early stop, a PBT exploit, the time budget) it ends the
+trial's actor at once. The trial's Ray Train controller dies with it, but the placement group the
+controller created for its workers does not: a placement group lives as long as the job that
+created it. Ray Train starts a detached ``PlacementGroupCleaner`` for that case, but it finds the
+controller's state through the dashboard's state API, which fails when the dashboard is off or
+when several Ray instances run on one machine; the group then holds its CPUs (and GPUs) until
+the search ends.
+
+So each trial's Ray Train run records the placement group of every worker group it starts (a
+controller-side callback, ``RecordPlacementGroups``) in a ledger actor owned by the search
+driver, and the driver removes a trial's groups once the trial's actor has ended.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import ray
+from ray.train.v2._internal.execution.callback import WorkerGroupCallback
+from ray.util.placement_group import PlacementGroup, remove_placement_group
+
+log = logging.getLogger("trainforge")
+
+
+@ray.remote(num_cpus=0)
+class PlacementGroupLedger:
+    """trial id -> hex ids of the placement groups its worker groups were given."""
+
+    def __init__(self) -> None:
+        self.groups: dict[str, list[str]] = {}
+
+    def add(self, trial_id: str, group_id: str) -> None:
+        self.groups.setdefault(trial_id, []).append(group_id)
+
+    def take(self, trial_ids: list[str] | None = None) -> list[str]:
+        """Forget and return the groups of these trials (all trials when None)."""
+        chosen = list(self.groups) if trial_ids is None else trial_ids
+        return [group for trial in chosen for group in self.groups.pop(trial, [])]
+
+
+def start_ledger() -> Any:
+    """A ledger on the driver's node (like the run's mailbox: it must outlive worker nodes)."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
+    return PlacementGroupLedger.options(scheduling_strategy=here).remote()  # type: ignore[attr-defined]
+
+
+class RecordPlacementGroups(WorkerGroupCallback):
+    """Ray Train controller callback: every worker group's placement group goes into the ledger."""
+
+    def __init__(self, ledger: Any, trial_id: str) -> None:
+        self.ledger = ledger
+        self.trial_id = trial_id
+
+    def after_worker_group_start(self, worker_group: Any) -> None:
+        group = worker_group.get_worker_group_state().placement_group_handle.placement_group
+        self.ledger.add.remote(self.trial_id, group.id.hex())
+
+
+def release(ledger: Any, trial_ids: list[str] | None = None) -> int:
+    """Remove the recorded placement groups of trials whose actors have ended (all when None);
+    the number removed. Groups a finished run already removed are skipped."""
+    try:
+        group_ids = ray.get(ledger.take.remote(trial_ids), timeout=30)
+    except (ray.exceptions.RayError, TimeoutError) as err:
+        log.warning("could not read the placement group ledger: %s", err)
+        return 0
+    table = ray.util.placement_group_table()
+    removed = 0
+    for group_id in group_ids:
+        if table.get(group_id, {}).get("state", "REMOVED") == "REMOVED":
+            continue
+        try:
+            remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(group_id))))
+            removed += 1
+        except Exception as err:  # already gone between the table read and now
+            log.debug("placement group %s: %s", group_id, err)
+    return removed
+
+
+class Releaser:
+    """Relay listener: a trial's placement groups are removed a few seconds after Tune ended its
+    actor (the controller must be gone, or it would start a new group), and at once when a
+    paused trial starts again (its old actor is gone by then)."""
+
+    DELAY_S = 5.0
+
+    def __init__(self, ledger: Any) -> None:
+        self.ledger = ledger
+        self.due: dict[str, float] = {}
+
+    def on_trial_start(self, trial: Any) -> None:
+        release(self.ledger, [trial.trial_id])
+
+    def on_trial_complete(self, trial: Any) -> None:
+        self.due[trial.trial_id] = time.monotonic() + self.DELAY_S
+
+    def on_trial_error(self, trial: Any) -> None:
+        self.due[trial.trial_id] = time.monotonic() + self.DELAY_S
+
+    def on_step_end(self) -> None:
+        now = time.monotonic()
+        ready = [trial_id for trial_id, at in self.due.items() if at <= now]
+        if ready:
+            for trial_id in ready:
+                del self.due[trial_id]
+            release(self.ledger, ready)

@@ -1,0 +1,98 @@
+"""MLflow for a search: one parent run, and each trial's run nested under it (trainforge.tracking).
+
+A trial is a ``trainforge.fit`` run, so its MLflow run is the ordinary training run (params, every
+report's metrics, artifacts, final status); the search only points it at the parent
+(``tracking.parent_run_id``) in the parent's store (``tracking.uri``). A trial a scheduler stopped
+never reaches the end of ``fit``: the driver ends its run afterwards (status KILLED, summary and
+files). Every trial's run gets the ``trainforge.stopped_early`` tag and ``tune/stopped_early``
+metric; the parent gets the search's settings, the best value after each trial, the best trial,
+``tune_summary.json``, ``best.yaml`` and the plots.
+
+A continued (restored) search opens a new parent run tagged ``trainforge.continues``; trials that
+resume keep their own runs.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from trainforge.config import Config, load_config
+from trainforge.tracking import SearchRun, make_tracker
+from trainforge.tracking.records import metric_points
+from trainforge.tracking.runs import tags_call
+
+if TYPE_CHECKING:
+    from trainforge.tune.schedulers import SearchPlan
+    from trainforge.tune.space import SearchSpace
+    from trainforge.tune.summary import TrialOutcome
+
+PARENT_FILE = "search_tracking.json"  # the parent run of each session of this search
+
+
+def start_search_run(config: Config, plan: SearchPlan, space: SearchSpace, base: dict[str, Any]) -> SearchRun:
+    """Open the parent run and point the trials' config (``base``, changed in place) at it."""
+    search_dir = config.run_dir
+    params = {
+        "space": json.dumps({d.key: {d.kind: list(d.args)} for d in space.domains}),
+        "search": plan.search,
+        "scheduler": plan.scheduler,
+        "scheduler_params": json.dumps(plan.scheduler_params),
+        "metric": plan.metric,
+        "mode": plan.mode,
+        "num_trials": plan.num_trials,
+    }
+    search = SearchRun.start(config, config.run.name, params, log_dir=search_dir)
+    parent = search.run_id
+    if parent is None:
+        return search
+    earlier = search_dir / PARENT_FILE
+    sessions = json.loads(earlier.read_text()) if earlier.is_file() else []
+    if sessions:
+        search.set_tags({"trainforge.continues": sessions[-1]})
+    earlier.write_text(json.dumps([*sessions, parent]))
+    base["tracking"]["uri"] = search.uri
+    base["tracking"]["parent_run_id"] = parent
+    return search
+
+
+def finish_trial_runs(outcomes: list[TrialOutcome]) -> None:
+    """Tag every trial's run with whether it stopped early; end the runs of stopped trials."""
+    for outcome in outcomes:
+        run_dir = Path(outcome.run_dir)
+        if not (run_dir / "tracking.json").is_file() or not (run_dir / "config.yaml").is_file():
+            continue  # the trial never opened a run (disabled, or never started)
+        config = load_config(run_dir / "config.yaml")
+        tracker = make_tracker(config, run_dir)
+        if tracker is None:
+            continue
+        flag = outcome.stopped_early
+        tracker.outbox.add_call("stopped_early tag", tags_call({"trainforge.stopped_early": str(flag).lower()}))
+        tracker.outbox.add_points(metric_points({"step": outcome.steps, "tune/stopped_early": float(flag)}))
+        tracker.outbox.start()
+        summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").is_file() else {}
+        if flag and summary:
+            tracker.on_end(summary)  # files, status KILLED: what fit would have done had Tune let it
+        else:
+            tracker.outbox.close_and_say(config.tracking.flush_timeout_s, f"the run in {run_dir}")
+
+
+def finish_search_run(search: SearchRun, summary: dict[str, Any], outcomes: list[TrialOutcome], status: str) -> None:
+    """The parent's record: best value after each finished trial, the best trial, the outputs."""
+    metric = summary["metric"]
+    better = min if summary["mode"] == "min" else max
+    finals = [o.last_metric for o in sorted(outcomes, key=lambda o: o.trial_id) if o.last_metric is not None]
+    for done in range(1, len(finals) + 1):
+        search.log_metrics({f"best/{metric}": better(finals[:done])}, step=done)
+    compute = summary["compute"]
+    search.log_metrics({"tune/steps_run": compute["steps_run"], "tune/saved_fraction": compute["saved_fraction"]})
+    if summary.get("best"):
+        search.set_tags({"best_trial": summary["best"]["trial_id"]})
+    search_dir = Path(summary["search_dir"])
+    for name in ("tune_summary.json", "best.yaml"):
+        if (search_dir / name).is_file():
+            search.log_artifact(search_dir / name)
+    if (search_dir / "plots").is_dir():
+        search.log_artifact(search_dir / "plots", "plots")
+    search.end(status)

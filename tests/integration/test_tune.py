@@ -1,0 +1,166 @@
+"""The demo search (configs/tune_digits*.yaml), CI-sized, with each searcher and scheduler, on a real
+local Ray: trial counts, the best trial, best.yaml, early stopping, PBT's exploit, resources."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import trainforge
+from tests.helpers.faults import wait_until
+
+pytestmark = [pytest.mark.usefixtures("ray_local"), pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
+DEMO = ROOT / "configs" / "tune_digits.yaml"
+DEMO_SPACE = ROOT / "configs" / "tune_digits_space.yaml"
+TRIAL_KEYS = {"trial_id", "config", "status", "last_metric", "best_metric", "steps", "stopped_early", "wall_time_s"}
+
+
+def search(tmp_path: Path, name: str, *overrides: str, **options: Any) -> trainforge.TuneResult:
+    """The demo search, CI-sized: 60 steps per trial, a report every 10, a checkpoint every 30."""
+    ci_sized = [
+        f"run.output_dir={tmp_path}",
+        f"run.name={name}",
+        "tracking.enabled=false",
+        "train.max_steps=60",
+        "train.log_every_n_steps=10",
+        "checkpoint.every_n_steps=30",
+    ]
+    return trainforge.tune(DEMO, DEMO_SPACE, [*ci_sized, *overrides], **options)
+
+
+def check_search(result: trainforge.TuneResult, trials: int) -> dict[str, Any]:
+    """What every search promises: the trial count, the best trial, plots, and a best.yaml that trains."""
+    summary = json.loads((result.search_dir / "tune_summary.json").read_text())
+    assert len(summary["trials"]) == trials
+    assert all(trial.keys() >= TRIAL_KEYS for trial in summary["trials"])
+    assert len({trial["trial_id"] for trial in summary["trials"]}) == trials
+    finals = [t["last_metric"] for t in summary["trials"] if t["last_metric"] is not None]
+    assert summary["best"]["last_metric"] == min(finals)
+    best_trial = next(t for t in summary["trials"] if t["trial_id"] == summary["best"]["trial_id"])
+    assert best_trial["last_metric"] == summary["best"]["last_metric"]
+    for plot in ("metric_vs_hyperparameters.png", "learning_curves.png"):
+        assert (result.search_dir / "plots" / plot).stat().st_size > 1000
+    for trial in summary["trials"]:
+        run = json.loads((Path(trial["run_dir"]) / "summary.json").read_text())
+        assert run["status"] in ("finished", "stopped")
+        assert run["global_step"] == trial["steps"]
+
+    # best.yaml is a complete config that trains as it is.
+    assert result.best_config == result.search_dir / "best.yaml"
+    trained = trainforge.fit(result.best_config)
+    assert trained.status == "finished"
+    assert trained.summary["config"]["optim"]["lr"] == pytest.approx(best_trial["config"]["optim.lr"])
+    assert "val/loss" in trained.metrics
+    return summary
+
+
+def all_resources_free() -> bool:
+    import ray
+
+    free, total = ray.available_resources(), ray.cluster_resources()
+    return all(abs(free.get(kind, 0.0) - total.get(kind, 0.0)) < 1e-6 for kind in ("CPU", "memory", "GPU"))
+
+
+def check_early_stopping(summary: dict[str, Any]) -> None:
+    stopped = [t for t in summary["trials"] if t["stopped_early"]]
+    assert stopped, "ASHA stopped no trial"
+    assert all(t["status"] == "stopped" and t["steps"] < t["budget_steps"] for t in stopped)
+    assert summary["compute"]["steps_run"] == sum(t["steps"] for t in summary["trials"])
+    assert summary["compute"]["saved_fraction"] > 0
+
+
+def test_random_search_with_asha_stops_trials_and_gives_their_resources_back(tmp_path: Path) -> None:
+    result = search(
+        tmp_path,
+        "random-asha",
+        "tune.scheduler_params.asha={grace_period: 20, reduction_factor: 2}",
+        "tracking.enabled=true",  # the local MLflow store under run.output_dir
+        trials=5,
+        scheduler="asha",
+    )
+    summary = check_search(result, trials=5)
+    check_early_stopping(summary)
+    assert summary["search"] == "random" and summary["scheduler"] == "asha"
+    # Every trial's worker group, early-stopped ones included, gave its CPUs back.
+    wait_until(all_resources_free, 60, "every CPU, GPU and byte of memory to be free after the search")
+    check_mlflow(f"sqlite:///{tmp_path / 'mlflow.db'}", summary)
+
+
+def check_mlflow(uri: str, summary: dict[str, Any]) -> None:
+    """One parent run for the search, a nested run per trial with its params, metric history,
+    final status and stopped-early flag."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    experiments = [e.experiment_id for e in client.search_experiments()]
+    (parent,) = client.search_runs(experiments, "tags.`trainforge.kind` = 'search'")
+    assert parent.info.run_name == summary["name"] and parent.info.status == "FINISHED"
+    assert parent.data.tags["best_trial"] == summary["best"]["trial_id"]
+    assert parent.data.metrics["best/val/loss"] == pytest.approx(summary["best"]["last_metric"])
+    children = client.search_runs(experiments, f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
+    by_name = {run.info.run_name: run for run in children}
+    assert set(by_name) == {t["trial_id"] for t in summary["trials"]}
+    for trial in summary["trials"]:
+        run = by_name[trial["trial_id"]]
+        assert float(run.data.params["optim.lr"]) == pytest.approx(trial["config"]["optim.lr"])
+        history = client.get_metric_history(run.info.run_id, "val/loss")
+        assert len(history) >= 2 and history[-1].value == pytest.approx(trial["last_metric"])
+        assert run.data.tags["trainforge.stopped_early"] == str(trial["stopped_early"]).lower()
+        assert run.data.metrics["tune/stopped_early"] == float(trial["stopped_early"])
+        assert run.info.status == ("KILLED" if trial["stopped_early"] else "FINISHED")
+
+
+def test_optuna_search_with_asha(tmp_path: Path) -> None:
+    result = search(
+        tmp_path,
+        "optuna-asha",
+        "tune.scheduler_params.asha={grace_period: 20, reduction_factor: 2}",
+        trials=5,
+        scheduler="asha",
+        search="optuna",
+    )
+    summary = check_search(result, trials=5)
+    check_early_stopping(summary)
+    assert summary["search"] == "optuna"
+
+
+def test_grid_search_runs_every_grid_point_once(tmp_path: Path) -> None:
+    result = search(tmp_path, "grid", trials=2, search="grid", scheduler="none")
+    summary = check_search(result, trials=2)
+    assert sorted(t["config"]["optim.name"] for t in summary["trials"]) == ["adamw", "sgd"]
+    assert all(t["status"] == "finished" and t["steps"] == 60 for t in summary["trials"])
+
+
+def test_pbt_exploit_continues_from_the_donor_with_its_own_mutated_lr(tmp_path: Path) -> None:
+    result = search(
+        tmp_path,
+        "pbt",
+        "schedule.name=constant",
+        "tune.scheduler_params.pbt={perturbation_interval: 30, quantile_fraction: 0.5, synch: true}",
+        trials=3,
+        scheduler="pbt",
+    )
+    summary = check_search(result, trials=3)
+    exploited = [Path(t["run_dir"]) for t in summary["trials"] if (Path(t["run_dir"]) / "adopted.json").is_file()]
+    assert exploited, "PBT exploited no trial"
+    for run_dir in exploited:
+        adoption = json.loads((run_dir / "adopted.json").read_text())[0]
+        donor_state = json.loads((Path(adoption["checkpoint"]) / "trainer_state.json").read_text())
+        assert donor_state["progress"]["global_step"] == adoption["donor_step"]
+        reports = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        resumed = next(
+            r
+            for r in reports
+            if any(e.startswith(f"resumed from {adoption['checkpoint']}") for e in r.get("events", []))
+        )
+        # The weights came from the donor: training continues at the donor's step.
+        assert resumed["step"] == adoption["donor_step"] + 1
+        # The lr in effect is the trial's own, mutated one, not the donor's.
+        own_lr = json.loads((run_dir / "summary.json").read_text())["config"]["optim"]["lr"]
+        assert resumed["train/lr"] == pytest.approx(own_lr)
+        assert own_lr != pytest.approx(donor_state["config"]["optim"]["lr"])

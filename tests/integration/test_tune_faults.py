@@ -1,0 +1,105 @@
+"""Faults during a search: a trial's worker killed (the trial resumes from its own checkpoint) and the
+search driver killed (running the command again continues the search)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+
+import trainforge
+from tests.helpers.faults import Fault, checkpoints, paced_run, signal_a_worker, wait_until
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+SPACE = {"optim.lr": {"loguniform": [1.0e-3, 1.0e-2]}}
+
+
+def trial_dirs(search_dir: Path) -> list[Path]:
+    return sorted(p for p in search_dir.glob("*_*") if p.is_dir() and not p.name.startswith("."))
+
+
+def resumes(run_dir: Path) -> list[str]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [e for line in lines for e in json.loads(line).get("events", []) if e.startswith("resumed from")]
+
+
+@pytest.mark.usefixtures("ray_local")
+def test_a_trial_whose_worker_dies_resumes_from_its_own_checkpoint(tmp_path: Path) -> None:
+    config = paced_run(tmp_path, run={"name": "faulty"}, tracking={"enabled": False})
+    search_dir = tmp_path / "faulty"
+
+    def two_checkpoints() -> bool:
+        return any(len(checkpoints(run_dir)) >= 2 for run_dir in trial_dirs(search_dir))
+
+    with Fault(two_checkpoints, lambda: signal_a_worker(signal.SIGKILL)) as fault:
+        result = trainforge.tune(config, SPACE, trials=1)
+        fault.join()
+
+    (trial,) = result.trials
+    assert trial["status"] == "finished" and trial["steps"] == 60
+    run_dir = Path(trial["run_dir"])
+    assert json.loads((run_dir / "summary.json").read_text())["restarts"] >= 1
+    assert resumes(run_dir) and all(e.startswith(f"resumed from {run_dir}/checkpoint_") for e in resumes(run_dir))
+
+
+def test_an_interrupted_search_continues_when_the_command_runs_again(tmp_path: Path) -> None:
+    config = paced_run(
+        tmp_path,
+        run={"name": "interrupted"},
+        model={"kwargs": {"delay_s": 0.1}},
+        tracking={"enabled": False},
+        tune={"num_trials": 2, "max_concurrent": 1},
+    )
+    (tmp_path / "search.yaml").write_text(yaml.safe_dump(config))
+    (tmp_path / "space.yaml").write_text(yaml.safe_dump(SPACE))
+    command = [
+        sys.executable,
+        "-m",
+        "trainforge",
+        "tune",
+        str(tmp_path / "search.yaml"),
+        "--space",
+        str(tmp_path / "space.yaml"),
+    ]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TERM": "dumb"}
+    search_dir = tmp_path / "interrupted"
+
+    driver = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until(
+            lambda: (
+                list(search_dir.glob("experiment_state-*.json")) and any(checkpoints(d) for d in trial_dirs(search_dir))
+            ),
+            300,
+            "the first trial's first checkpoint",
+        )
+        ray_processes = psutil.Process(driver.pid).children(recursive=True)
+        driver.send_signal(signal.SIGKILL)
+        driver.wait(timeout=30)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+    for leftover in ray_processes:  # the killed driver's local Ray, whatever did not die with it
+        with contextlib.suppress(psutil.Error):
+            leftover.kill()
+    assert not (search_dir / "tune_summary.json").exists()
+    interrupted = trial_dirs(search_dir)[0]
+
+    again = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900, check=False)
+
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "continuing 2 trial(s)" in again.stderr
+    summary = json.loads((search_dir / "tune_summary.json").read_text())
+    assert len(summary["trials"]) == 2
+    assert all(t["status"] == "finished" and t["steps"] == 60 for t in summary["trials"])
+    assert any(e.startswith(f"resumed from {interrupted}/checkpoint_") for e in resumes(interrupted))
