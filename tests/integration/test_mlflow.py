@@ -64,7 +64,7 @@ class MlflowServer:
         except OSError:
             return False
 
-    def wait_healthy(self, timeout_s: float = 240) -> None:
+    def wait_healthy(self, timeout_s: float = 360) -> None:
         wait_until(self.healthy, timeout_s, f"mlflow server at {self.url} (log: {self.root / 'server.log'})", 0.5)
 
     def kill(self) -> None:
@@ -156,7 +156,7 @@ def test_the_server_dying_mid_run_stops_nothing_and_what_was_buffered_arrives_wh
     config = paced_run(
         tmp_path,
         scaling={"num_workers": 2},
-        tracking={"uri": server.url, "experiment": "outage", "flush_timeout_s": 300},
+        tracking={"uri": server.url, "experiment": "outage", "flush_timeout_s": 400},
     )
     run_dir = tmp_path / "t"
 
