@@ -20,6 +20,7 @@ from trainforge.config import MetricsConfig, load_config
 from trainforge.errors import ConfigError
 from trainforge.metrics import names
 from trainforge.metrics.comm import CommTimer, union_length
+from trainforge.metrics.gpu import gpu_readings
 from trainforge.metrics.observer import failure_reason
 from trainforge.metrics.session import check_cluster_options, link, local_ray_options, write_targets
 
@@ -101,6 +102,25 @@ def test_a_timing_failure_never_breaks_the_all_reduce(gloo: None) -> None:
 )
 def test_union_length_counts_overlaps_once(spans: list[tuple[float, float]], length: float) -> None:
     assert union_length(spans) == pytest.approx(length)
+
+
+def test_nvml_readings_become_gauges_in_base_units() -> None:
+    sample = {  # the shape of tracking.system.Gpus.sample() on a two-GPU node
+        "gpu0_util_percent": 87.0,
+        "gpu0_memory_used_gb": 12.5,
+        "gpu0_temperature_c": 71.0,
+        "gpu0_power_w": 250.5,
+        "gpu1_util_percent": 3.0,
+        "gpu1_clock_mhz": 1410.0,  # a reading without a gauge
+    }
+    assert sorted(gpu_readings(sample)) == [
+        ("trainforge_gpu_memory_used_bytes", 12.5e9, "0"),
+        ("trainforge_gpu_power_watts", 250.5, "0"),
+        ("trainforge_gpu_temperature_celsius", 71.0, "0"),
+        ("trainforge_gpu_utilization_percent", 3.0, "1"),
+        ("trainforge_gpu_utilization_percent", 87.0, "0"),
+    ]
+    assert {name for name, _, _ in gpu_readings(sample)} == set(names.CONDITIONAL_NAMES["gpu"])
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,7 @@ driver) there are no GPUs and nothing is recorded.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 from trainforge.metrics.export import Gauges
 from trainforge.metrics.names import GPU
@@ -24,6 +24,15 @@ READINGS = {
 KEY = re.compile(r"gpu(\d+)_(.+)")
 
 
+def gpu_readings(sample: Mapping[str, float]) -> Iterator[tuple[str, float, str]]:
+    """(metric, value in the metric's unit, GPU index) for each reading of ``Gpus.sample()``."""
+    for key, value in sample.items():
+        match = KEY.fullmatch(key)
+        if match and match.group(2) in READINGS:
+            name, factor = READINGS[match.group(2)]
+            yield name, value * factor, match.group(1)
+
+
 class NodeGpus:
     """Records every GPU NVML sees on this node (all of them, not just this worker's)."""
 
@@ -34,11 +43,8 @@ class NodeGpus:
     def record(self) -> None:
         if self.gauges is None:
             return
-        for key, value in self.gpus.sample().items():
-            match = KEY.fullmatch(key)
-            if match and match.group(2) in READINGS:
-                name, factor = READINGS[match.group(2)]
-                self.gauges.set(name, value * factor, gpu=match.group(1))
+        for name, value, gpu in gpu_readings(self.gpus.sample()):
+            self.gauges.set(name, value, gpu=gpu)
 
     def close(self) -> None:
         self.gpus.close()
