@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from trainforge.config import Config, load_config
 from trainforge.tracking import SearchRun, make_tracker
 from trainforge.tracking.records import metric_points
-from trainforge.tracking.runs import tags_call
+from trainforge.tracking.runs import RESUME_FILE, end_call, tags_call
 
 if TYPE_CHECKING:
     from trainforge.tune.schedulers import SearchPlan
@@ -58,11 +58,16 @@ def start_search_run(config: Config, plan: SearchPlan, space: SearchSpace, base:
 
 
 def finish_trial_runs(outcomes: list[TrialOutcome]) -> None:
-    """Tag every trial's run with whether it stopped early; end the runs of stopped trials."""
+    """Tag every trial's run with whether it stopped early and give it its final status. A stopped
+    trial's actor ended before its tracker had sent everything: the reports MLflow lacks are sent
+    from the run's metrics.jsonl, then its summary and files, status KILLED."""
+    from trainforge.tune.summary import read_reports  # summary imports this module
+
     for outcome in outcomes:
         run_dir = Path(outcome.run_dir)
-        if not (run_dir / "tracking.json").is_file() or not (run_dir / "config.yaml").is_file():
-            continue  # the trial never opened a run (disabled, or never started)
+        remembered = run_dir / RESUME_FILE
+        if not remembered.is_file() or not (run_dir / "config.yaml").is_file():
+            continue  # the trial never opened a run (tracking off, or it never started)
         config = load_config(run_dir / "config.yaml")
         tracker = make_tracker(config, run_dir)
         if tracker is None:
@@ -70,12 +75,32 @@ def finish_trial_runs(outcomes: list[TrialOutcome]) -> None:
         flag = outcome.stopped_early
         tracker.outbox.add_call("stopped_early tag", tags_call({"trainforge.stopped_early": str(flag).lower()}))
         tracker.outbox.add_points(metric_points({"step": outcome.steps, "tune/stopped_early": float(flag)}))
-        tracker.outbox.start()
         summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").is_file() else {}
+        if flag:
+            sent = logged_up_to(tracker.uri, json.loads(remembered.read_text()).get("run_id"))
+            for report in read_reports(run_dir):
+                if int(report["step"]) > sent:
+                    tracker.outbox.add_points(metric_points(report))
+        tracker.outbox.start()
         if flag and summary:
             tracker.on_end(summary)  # files, status KILLED: what fit would have done had Tune let it
-        else:
-            tracker.outbox.close_and_say(config.tracking.flush_timeout_s, f"the run in {run_dir}")
+            continue
+        # Reopening a run sets it RUNNING again: put back the status the trial ended with.
+        tracker.outbox.add_call("final status", end_call(str(summary.get("status", "failed"))))
+        tracker.outbox.close_and_say(config.tracking.flush_timeout_s, f"the run in {run_dir}")
+
+
+def logged_up_to(uri: str, run_id: str | None) -> int:
+    """The last step of a run's ``train/loss`` history in MLflow (-1 when none or unreadable)."""
+    from mlflow import MlflowClient
+
+    if not run_id:
+        return -1
+    try:
+        history = MlflowClient(tracking_uri=uri).get_metric_history(run_id, "train/loss")
+    except Exception:  # the store is away: send everything, the outbox retries
+        return -1
+    return max((int(point.step) for point in history), default=-1)
 
 
 def finish_search_run(search: SearchRun, summary: dict[str, Any], outcomes: list[TrialOutcome], status: str) -> None:
