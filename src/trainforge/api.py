@@ -13,6 +13,7 @@ from rich.console import Console
 from trainforge.config import Config, load_config
 from trainforge.display import ProgressDisplay
 from trainforge.launch import raise_if_failed, run_training
+from trainforge.metrics.observer import metrics_observers
 from trainforge.observe import MetricsLog, Observer, WorkerLog
 from trainforge.report import ReportWriter
 from trainforge.tracking import make_tracker
@@ -65,6 +66,7 @@ def fit(
         ProgressDisplay(shown),
         MetricsLog(run_dir),
         WorkerLog(run_dir),
+        *metrics_observers(resolved),
         *observers,
         ReportWriter(run_dir),
         *([tracker] if tracker is not None else []),

@@ -32,7 +32,6 @@ import trainforge
 from tests.helpers.runs import tiny_run
 from trainforge.config import Config, load_config
 from trainforge.metrics import names
-from trainforge.metrics.observer import metrics_observers
 from trainforge.metrics.promql import deploy_expressions, unresolved_names
 from trainforge.metrics.session import DISCOVERY_FILE
 
@@ -159,7 +158,7 @@ def monitored(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Monitored]:
             session_dir = Path(ray._private.worker.global_worker.node.get_session_dir_path())
             prometheus = Prometheus(render_config(session_dir / DISCOVERY_FILE, tmp), tmp)
             try:
-                result = trainforge.fit(config, observers=metrics_observers(config))
+                result = trainforge.fit(config)  # fit adds the driver's metrics observer itself
                 monitored = Monitored(prometheus, config, result, ray.util.get_node_ip_address())
                 ranks = 'count by (rank) (last_over_time(trainforge_global_step{run="prom"}[10m]))'
                 wait_for(lambda: len(prometheus.query(ranks)) == 2, 60, "both ranks' metrics in Prometheus")
