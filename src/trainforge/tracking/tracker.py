@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 LOG_FILE = "tracking.log"  # MLflow's own log lines and HTTP retries of this run
 # Run-directory files uploaded at the end (those that exist), then the report folder.
-ARTIFACT_FILES = ("config.yaml", "summary.json", "metrics.jsonl", "model.safetensors", "error.log")
+ARTIFACT_FILES = ("config.yaml", "summary.json", "metrics.jsonl", "workers.log", "model.safetensors", "error.log")
 REPORT_DIR = "report"
 
 
