@@ -2,7 +2,8 @@
 
 Three measurements, each a real search through ``trainforge.tune`` on a local Ray of its own:
 
-* **overhead**: ``--trials`` trials of the demo config (digits, MLP) run ``--steps`` steps each.
+* **overhead**: ``--trials`` trials of the demo config (digits, MLP) run ``--steps`` steps each,
+  one at a time.
   A trial's overhead is its wall time as the search driver saw it (Tune starting the trial's
   actor to the trial's end) minus its training loop's time (first step to the final report, from
   ``metrics.jsonl``: ``time/unix`` less ``time/elapsed_s`` marks the loop's start). It holds the
@@ -76,6 +77,7 @@ def measure_overhead(workdir: Path, trials: int, steps: int, say: Callable[[str]
             f"train.log_every_n_steps={max(25, steps // 20)}",
             f"checkpoint.every_n_steps={max(25, steps // 4)}",
             f"tune.num_trials={trials}",
+            "tune.max_concurrent=1",  # one at a time: no trial's figure includes waiting for another's CPU
         ],
     )
     rows = []

@@ -3,7 +3,8 @@
 Each trial's numbers come from its own run directory (``metrics.jsonl``, ``summary.json``), which
 holds every report, including those after the last one Tune saw; Tune's results add the status
 (errors) and the sampled values. A trial a scheduler stopped never reaches the end of ``fit``
-(Tune ends its actor), so its ``summary.json`` is written here, with ``stopped_early: true``.
+(Tune ends its actor), so its ``summary.json`` is written here (``written_by: trainforge tune``),
+with ``stopped_early: true``; so is that of a trial stopped while it was finishing.
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ def outcome_of(result: Any, run_dir: Path, plan: SearchPlan, watch: TrialWatch, 
     error = None
     if result.error is not None:
         status, error = "failed", str(result.error).strip().splitlines()[-1][:500]
-    elif _read_json(run_dir / "summary.json").get("status") == "finished":
+    elif _read_json(run_dir / "summary.json").get("status") == "finished" or ended_training(reports):
         status = "finished"
     elif deadline is not None and (row is None or row.ended_at is None or row.ended_at >= deadline):
         status = "unfinished"
@@ -117,6 +118,11 @@ def outcome_of(result: Any, run_dir: Path, plan: SearchPlan, watch: TrialWatch, 
     )
 
 
+def ended_training(reports: list[dict[str, Any]]) -> bool:
+    """The run's final report is in: Tune may have stopped the trial while it wrote its summary."""
+    return bool(reports) and reports[-1].get("status") == "finished"
+
+
 def _finite(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
@@ -129,32 +135,40 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
-def write_stopped_summary(outcome: TrialOutcome) -> None:
-    """The run's summary.json for a trial a scheduler stopped (its actor ended before fit could)."""
+WRITTEN_BY = "trainforge tune"  # summary.json's ``written_by`` when the search driver wrote it
+
+
+def complete_run_dir(outcome: TrialOutcome) -> bool:
+    """Write the run's summary.json (and final weights) when Tune ended the trial's actor before
+    ``fit`` could: a trial a scheduler stopped, or one stopped while it was finishing. True if written."""
+    from trainforge.launch import export_final_weights
+
     run_dir = Path(outcome.run_dir)
     reports = read_reports(run_dir)
-    if not reports or (run_dir / "summary.json").is_file():
-        return
+    if not reports or (run_dir / "summary.json").is_file() or outcome.status not in ("stopped", "finished"):
+        return False
     last = reports[-1]
     checkpoint = next((r["checkpoint/path"] for r in reversed(reports) if r.get("checkpoint/path")), None)
     config_path = run_dir / "config.yaml"
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    write_json_atomic(
-        run_dir / "summary.json",
-        {
-            "status": "stopped",
-            "stopped_early": True,
-            "global_step": int(last["step"]),
-            "epoch": int(last.get("epoch", 0)),
-            "num_workers": int(last.get("world_size", 1)),
-            "restarts": sum(1 for line in lines if '"worker_error"' in line),
-            "final_metrics": {k: v for k, v in last.items() if "/" in k and _finite(v)},
-            "throughput_samples_per_s": float(last.get("perf/steady_samples_per_s", 0.0)),
-            "wall_time_s": outcome.wall_time_s,
-            "checkpoint": checkpoint,
-            "config": yaml.safe_load(config_path.read_text()) if config_path.is_file() else {},
-        },
-    )
+    summary = {
+        "status": outcome.status,
+        "stopped_early": outcome.stopped_early,
+        "written_by": WRITTEN_BY,
+        "global_step": int(last["step"]),
+        "epoch": int(last.get("epoch", 0)),
+        "num_workers": int(last.get("world_size", 1)),
+        "restarts": sum(1 for line in lines if '"worker_error"' in line),
+        "final_metrics": {k: v for k, v in last.items() if "/" in k and _finite(v)},
+        "throughput_samples_per_s": float(last.get("perf/steady_samples_per_s", 0.0)),
+        "wall_time_s": outcome.wall_time_s,
+        "checkpoint": checkpoint,
+        "config": yaml.safe_load(config_path.read_text()) if config_path.is_file() else {},
+    }
+    if checkpoint and not (run_dir / "model.safetensors").is_file():
+        summary["model_weights_step"] = export_final_weights(checkpoint, run_dir, summary["global_step"])
+    write_json_atomic(run_dir / "summary.json", summary)
+    return True
 
 
 def pick_best(outcomes: list[TrialOutcome], mode: str) -> TrialOutcome | None:
@@ -215,8 +229,7 @@ def write_outputs(
         outcomes.append(outcome_of(result, search_dir / trial_id, plan, watch, deadline))
     outcomes.sort(key=lambda o: o.trial_id)
     for outcome in outcomes:
-        if outcome.stopped_early:
-            write_stopped_summary(outcome)
+        complete_run_dir(outcome)
     best = pick_best(outcomes, plan.mode)
     best_yaml = write_best_yaml(config, setup, best, search_dir) if best else None
     plots = write_plots(search_dir, outcomes, space, plan.metric, best)

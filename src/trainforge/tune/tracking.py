@@ -2,11 +2,12 @@
 
 A trial is a ``trainforge.fit`` run, so its MLflow run is the ordinary training run (params, every
 report's metrics, artifacts, final status); the search only points it at the parent
-(``tracking.parent_run_id``) in the parent's store (``tracking.uri``). A trial a scheduler stopped
-never reaches the end of ``fit``: the driver ends its run afterwards (status KILLED, summary and
-files). Every trial's run gets the ``trainforge.stopped_early`` tag and ``tune/stopped_early``
-metric; the parent gets the search's settings, the best value after each trial, the best trial,
-``tune_summary.json``, ``best.yaml`` and the plots.
+(``tracking.parent_run_id``) in the parent's store (``tracking.uri``). A trial Tune stopped never
+reaches the end of ``fit``: the driver completes its run afterwards (the reports it had not sent,
+summary, files, status KILLED; FINISHED for one stopped while it was finishing). Every trial's run
+gets the ``trainforge.stopped_early`` tag and ``tune/stopped_early`` metric; the parent gets the
+search's settings, the best value after each trial, the best trial, ``tune_summary.json``,
+``best.yaml`` and the plots.
 
 A continued (restored) search opens a new parent run tagged ``trainforge.continues``; trials that
 resume keep their own runs.
@@ -61,7 +62,7 @@ def finish_trial_runs(outcomes: list[TrialOutcome]) -> None:
     """Tag every trial's run with whether it stopped early and give it its final status. A stopped
     trial's actor ended before its tracker had sent everything: the reports MLflow lacks are sent
     from the run's metrics.jsonl, then its summary and files, status KILLED."""
-    from trainforge.tune.summary import read_reports  # summary imports this module
+    from trainforge.tune.summary import WRITTEN_BY, read_reports  # summary imports this module
 
     for outcome in outcomes:
         run_dir = Path(outcome.run_dir)
@@ -76,14 +77,15 @@ def finish_trial_runs(outcomes: list[TrialOutcome]) -> None:
         tracker.outbox.add_call("stopped_early tag", tags_call({"trainforge.stopped_early": str(flag).lower()}))
         tracker.outbox.add_points(metric_points({"step": outcome.steps, "tune/stopped_early": float(flag)}))
         summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").is_file() else {}
-        if flag:
+        cut_short = summary.get("written_by") == WRITTEN_BY  # Tune ended the trial's actor
+        if cut_short:
             sent = logged_up_to(tracker.uri, json.loads(remembered.read_text()).get("run_id"))
             for report in read_reports(run_dir):
                 if int(report["step"]) > sent:
                     tracker.outbox.add_points(metric_points(report))
         tracker.outbox.start()
-        if flag and summary:
-            tracker.on_end(summary)  # files, status KILLED: what fit would have done had Tune let it
+        if cut_short:
+            tracker.on_end(summary)  # files and final status: what fit would have done had Tune let it
             continue
         # Reopening a run sets it RUNNING again: put back the status the trial ended with.
         tracker.outbox.add_call("final status", end_call(str(summary.get("status", "failed"))))
