@@ -99,6 +99,10 @@ def test_an_interrupted_search_continues_when_the_command_runs_again(tmp_path: P
 
     assert again.returncode == 0, again.stderr[-3000:]
     assert "continuing 2 trial(s)" in again.stderr
+    # Not a terminal: one line per trial event instead of the live table, and the final table.
+    assert f"trial {interrupted.name} started" in again.stderr
+    assert again.stderr.count("finished at step 60") >= 1
+    assert "steps run 120 of 120 without early stopping" in again.stderr
     summary = json.loads((search_dir / "tune_summary.json").read_text())
     assert len(summary["trials"]) == 2
     assert all(t["status"] == "finished" and t["steps"] == 60 for t in summary["trials"])

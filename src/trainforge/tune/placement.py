@@ -80,6 +80,8 @@ def release(ledger: Any, trial_ids: list[str] | None = None) -> int:
             removed += 1
         except Exception as err:  # already gone between the table read and now
             log.debug("placement group %s: %s", group_id, err)
+    if removed:
+        log.info("removed %d placement group(s) that ended trials left holding resources", removed)
     return removed
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
-import logging
 import math
 import os
 import time
@@ -35,8 +34,6 @@ from trainforge.tune.space import SearchSpace
 from trainforge.tune.table import TrialWatch
 from trainforge.tune.tracking import start_search_run
 from trainforge.tune.trial import TrialSetup, run_trial
-
-log = logging.getLogger("trainforge")
 
 TRIAL_CPU = 0.01  # the trial function's own share: it polls its run, the workers do the work
 TUNE_DIR_PREFIX = ".ray-"  # Tune's own trial folders (params, results, PBT checkpoints), beside the runs
