@@ -61,3 +61,15 @@ def test_a_missing_space_file_is_a_user_error(tmp_path: Path) -> None:
     command = tune_command(tmp_path, "")
     command[3] = str(tmp_path / "missing.yaml")
     assert_user_error(trainforge(*command), "space file")
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--measure", "speed"], "--measure 'speed': choose from overhead, asha, concurrency"),
+        (["--measure", "asha", "--asha-trials", "0"], "--asha-trials 0: must be >= 1"),
+        (["--output", "/nonexistent/dir/x.json"], "folder /nonexistent/dir does not exist"),
+    ],
+)
+def test_bench_tune_refuses_bad_flags_before_it_starts(args: list[str], expected: str) -> None:
+    assert_user_error(trainforge("bench", "tune", *args), expected)

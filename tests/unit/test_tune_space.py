@@ -182,3 +182,39 @@ def test_concurrency_follows_free_resources_per_trial() -> None:
     assert gpu["GPU"] == 2
     assert default_concurrency(gpu, {"CPU": 32.0, "GPU": 8.0}) == 4
     assert default_concurrency(gpu, {"CPU": 32.0}) == 1  # none fit: one at a time, waiting for resources
+
+
+@pytest.mark.parametrize(
+    ("scheduler", "kind"),
+    [
+        ("none", "FIFOScheduler"),
+        ("asha", "AsyncHyperBandScheduler"),
+        ("median", "MedianStoppingRule"),
+        ("pbt", "PopulationBasedTraining"),
+    ],
+)
+def test_every_scheduler_is_built_with_the_step_as_its_clock(scheduler: str, kind: str) -> None:
+    from trainforge.tune.schedulers import build_scheduler
+
+    space = parse_space(DEMO_SPACE, config())
+    built = build_scheduler(make_plan(config(scheduler=scheduler), space), space)
+    assert type(built).__name__ == kind
+    if scheduler != "none":
+        assert built._time_attr == "step"
+
+
+@pytest.mark.parametrize(("search", "kind"), [("random", "BasicVariantGenerator"), ("optuna", "ConcurrencyLimiter")])
+def test_searchers_cap_their_own_concurrency(search: str, kind: str) -> None:
+    from trainforge.tune.schedulers import build_search_alg
+
+    space = parse_space({"optim.lr": {"uniform": [0.01, 0.1]}}, config())
+    built = build_search_alg(make_plan(config(search=search), space), max_concurrent=3)
+    assert type(built).__name__ == kind
+    assert built.max_concurrent == 3
+
+
+def test_peak_overlap_counts_trials_running_together() -> None:
+    from trainforge.bench.tune import peak_overlap
+
+    assert peak_overlap([(0, 10), (1, 5), (2, 3), (6, 9)]) == 3
+    assert peak_overlap([(0, 1), (1, 2)]) == 1  # one ends as the next starts
