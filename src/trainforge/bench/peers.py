@@ -136,7 +136,7 @@ def progress_line(found: Measurement, repeats: int) -> str:
     """``  2 workers 1/2  (c) Ray Train            1496.1 samples/s   29 s  load 4.5``"""
     workers = f"{found.workers} worker" + ("s" if found.workers > 1 else "")
     return (
-        f"  {workers:<9} {found.repeat + 1}/{repeats}  {PEERS[found.peer]:<23}{found.samples_per_s:8.1f} samples/s"
+        f"  {workers:<9} {found.repeat + 1}/{repeats}  {PEERS[found.peer]:<27}{found.samples_per_s:8.1f} samples/s"
         f"  {found.wall_s:4.0f} s  load {found.load_1min:.1f}"
     )
 
