@@ -149,9 +149,9 @@ def bench_peers(
     _setup_logging(False)
     # The peers' runs live in a temporary folder: trainforge's "run report: PATH" lines would point nowhere.
     logging.getLogger("trainforge").setLevel(logging.WARNING)
-    # Five peers and three ratios need more than 80 columns; narrower, rich would elide the headers.
-    shown = Console(width=max(Console().width, 120))
-    run_peers(counts, steps=steps, batch_size=batch_size, repeats=repeats, peers=peers, output=output, console=shown)
+    run_peers(
+        counts, steps=steps, batch_size=batch_size, repeats=repeats, peers=peers, output=output, console=_wide_console()
+    )
 
 
 @bench_app.command("checkpoint")
