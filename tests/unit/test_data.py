@@ -18,6 +18,7 @@ from trainforge.config import DataConfig
 from trainforge.data import SOURCES, DataSpec, PairDataset, ResumableDistributedSampler, build_datasets, make_loader
 from trainforge.data.images import CIFAR_MEAN, CIFAR_STD
 from trainforge.data.sampler import seed_worker
+from trainforge.data.sources import digits_arrays
 from trainforge.errors import DataError
 
 # ---------------------------------------------------------------------------------------------
@@ -40,6 +41,15 @@ def test_digits_shapes_range_and_fixed_split(digits: tuple[PairDataset, PairData
     labels = torch.stack([train[i][1] for i in range(len(train))])
     assert images.min() >= 0.0 and images.max() == 1.0
     assert set(labels.tolist()) == set(range(10))
+
+
+def test_digits_read_from_the_package_file_equal_load_digits() -> None:
+    from sklearn.datasets import load_digits
+
+    images, targets = digits_arrays()
+    reference = load_digits()
+    assert np.array_equal(images, reference.images) and np.array_equal(targets, reference.target)
+    assert targets.dtype == np.int64
 
 
 def test_digits_split_ignores_seed_and_val_fraction(digits: tuple[PairDataset, PairDataset | None, DataSpec]) -> None:
