@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 import trainforge
+from trainforge.config import load_config
 from tests.helpers.faults import wait_until
 
 pytestmark = [pytest.mark.usefixtures("ray_local"), pytest.mark.slow]
@@ -34,7 +35,8 @@ def search(tmp_path: Path, name: str, *overrides: str, **options: Any) -> trainf
 
 
 def check_search(result: trainforge.TuneResult, trials: int) -> dict[str, Any]:
-    """What every search promises: the trial count, the best trial, plots, and a best.yaml that trains."""
+    """What every search promises: the trial count, the best trial, plots, and a best.yaml that is
+    the best trial's complete config and trains as it is."""
     summary = json.loads((result.search_dir / "tune_summary.json").read_text())
     assert len(summary["trials"]) == trials
     assert all(trial.keys() >= TRIAL_KEYS for trial in summary["trials"])
@@ -50,20 +52,38 @@ def check_search(result: trainforge.TuneResult, trials: int) -> dict[str, Any]:
         assert run["status"] in ("finished", "stopped")
         assert run["global_step"] == trial["steps"]
 
-    # best.yaml is a complete config that trains as it is.
     assert result.best_config == result.search_dir / "best.yaml"
+    best = load_config(result.best_config).to_dict()  # a complete config, valid as it is
+    for key, value in best_trial["config"].items():
+        section, name = key.split(".")
+        assert best[section][name] == (pytest.approx(value) if isinstance(value, float) else value), key
     trained = trainforge.fit(result.best_config)
     assert trained.status == "finished"
-    assert trained.summary["config"]["optim"]["lr"] == pytest.approx(best_trial["config"]["optim.lr"])
     assert "val/loss" in trained.metrics
     return summary
 
 
-def all_resources_free() -> bool:
+def busy_resources() -> dict[str, Any]:
+    """Each CPU/GPU/memory resource not all free, as (free, total), and the live placement groups."""
     import ray
 
     free, total = ray.available_resources(), ray.cluster_resources()
-    return all(abs(free.get(kind, 0.0) - total.get(kind, 0.0)) < 1e-6 for kind in ("CPU", "memory", "GPU"))
+    busy: dict[str, Any] = {
+        kind: (free.get(kind, 0.0), total.get(kind, 0.0))
+        for kind in ("CPU", "memory", "GPU")
+        if abs(free.get(kind, 0.0) - total.get(kind, 0.0)) > 1e-6
+    }
+    if busy:
+        groups = ray.util.placement_group_table().values()
+        busy["placement groups"] = [(g["placement_group_id"], g["state"]) for g in groups if g["state"] != "REMOVED"]
+    return busy
+
+
+def wait_all_resources_free(timeout_s: float) -> None:
+    try:
+        wait_until(lambda: not busy_resources(), timeout_s, "every CPU, GPU and byte of memory to be free")
+    except TimeoutError as err:
+        raise AssertionError(f"{err}; still held: {busy_resources()}") from None
 
 
 def check_early_stopping(summary: dict[str, Any]) -> None:
@@ -87,7 +107,7 @@ def test_random_search_with_asha_stops_trials_and_gives_their_resources_back(tmp
     check_early_stopping(summary)
     assert summary["search"] == "random" and summary["scheduler"] == "asha"
     # Every trial's worker group, early-stopped ones included, gave its CPUs back.
-    wait_until(all_resources_free, 60, "every CPU, GPU and byte of memory to be free after the search")
+    wait_all_resources_free(60)
     check_mlflow(f"sqlite:///{tmp_path / 'mlflow.db'}", summary)
 
 

@@ -8,9 +8,11 @@ controller's state through the dashboard's state API, which fails when the dashb
 when several Ray instances run on one machine; the group then holds its CPUs (and GPUs) until
 the search ends.
 
-So each trial's Ray Train run records the placement group of every worker group it starts (a
-controller-side callback, ``RecordPlacementGroups``) in a ledger actor owned by the search
-driver, and the driver removes a trial's groups once the trial's actor has ended.
+So each trial's Ray Train run records its controller and the placement group of every worker
+group it starts (a controller-side callback, ``RecordPlacementGroups``) in a ledger actor owned by
+the search driver. Once the trial's actor has ended, the driver kills the trial's controller
+first (a controller still shutting down would answer the removal of its group by starting a new
+one) and then removes the groups.
 """
 
 from __future__ import annotations
@@ -28,18 +30,22 @@ log = logging.getLogger("trainforge")
 
 @ray.remote(num_cpus=0)
 class PlacementGroupLedger:
-    """trial id -> hex ids of the placement groups its worker groups were given."""
+    """trial id -> its Ray Train controllers and the hex ids of its worker groups' placement groups."""
 
     def __init__(self) -> None:
         self.groups: dict[str, list[str]] = {}
+        self.controllers: dict[str, list[Any]] = {}
 
-    def add(self, trial_id: str, group_id: str) -> None:
+    def add(self, trial_id: str, group_id: str, controller: Any = None) -> None:
         self.groups.setdefault(trial_id, []).append(group_id)
+        if controller is not None:
+            self.controllers.setdefault(trial_id, []).append(controller)
 
-    def take(self, trial_ids: list[str] | None = None) -> list[str]:
-        """Forget and return the groups of these trials (all trials when None)."""
+    def take(self, trial_ids: list[str] | None = None) -> tuple[list[Any], list[str]]:
+        """Forget and return the controllers and groups of these trials (all trials when None)."""
         chosen = list(self.groups) if trial_ids is None else trial_ids
-        return [group for trial in chosen for group in self.groups.pop(trial, [])]
+        controllers = [actor for trial in chosen for actor in self.controllers.pop(trial, [])]
+        return controllers, [group for trial in chosen for group in self.groups.pop(trial, [])]
 
 
 def start_ledger() -> Any:
@@ -59,17 +65,24 @@ class RecordPlacementGroups(WorkerGroupCallback):
 
     def after_worker_group_start(self, worker_group: Any) -> None:
         group = worker_group.get_worker_group_state().placement_group_handle.placement_group
-        self.ledger.add.remote(self.trial_id, group.id.hex())
+        controller = ray.get_runtime_context().current_actor
+        self.ledger.add.remote(self.trial_id, group.id.hex(), controller)
 
 
 def release(ledger: Any, trial_ids: list[str] | None = None) -> int:
-    """Remove the recorded placement groups of trials whose actors have ended (all when None);
-    the number removed. Groups a finished run already removed are skipped."""
+    """Kill the Ray Train controllers of trials whose actors have ended (all when None) and remove
+    their recorded placement groups; the number of groups removed. Groups a finished run already
+    removed are skipped."""
     try:
-        group_ids = ray.get(ledger.take.remote(trial_ids), timeout=30)
+        controllers, group_ids = ray.get(ledger.take.remote(trial_ids), timeout=30)
     except (ray.exceptions.RayError, TimeoutError) as err:
         log.warning("could not read the placement group ledger: %s", err)
         return 0
+    for controller in controllers:
+        try:
+            ray.kill(controller, no_restart=True)
+        except Exception as err:  # already gone
+            log.debug("controller %s: %s", controller, err)
     table = ray.util.placement_group_table()
     removed = 0
     for group_id in group_ids:
