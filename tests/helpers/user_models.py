@@ -24,7 +24,8 @@ def failing(hidden: int = 16) -> nn.Module:
 
 
 class Paced(nn.Module):
-    """Wraps a model and sleeps in forward: a step slow enough for a test to act mid-run."""
+    """Wraps a model and sleeps in each training forward: a step slow enough for a test to act
+    mid-run (validation runs at full speed)."""
 
     def __init__(self, inner: nn.Module, delay_s: float) -> None:
         super().__init__()
@@ -32,7 +33,8 @@ class Paced(nn.Module):
         self.delay_s = delay_s
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        time.sleep(self.delay_s)
+        if self.training:
+            time.sleep(self.delay_s)
         return self.inner(x)
 
 
