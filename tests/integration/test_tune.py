@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 import trainforge
-from trainforge.config import load_config
 from tests.helpers.faults import wait_until
+from trainforge.config import load_config
 
 pytestmark = [pytest.mark.usefixtures("ray_local"), pytest.mark.slow]
 
