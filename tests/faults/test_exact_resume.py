@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -71,24 +72,36 @@ def kill_a_worker_after(marker: Path, timeout_s: float = 180) -> dict[str, Any]:
     return done
 
 
+TWO_WORKERS = {
+    "scaling": {"num_workers": 2},
+    "train": {"grad_accum_steps": 2},
+    "precision": "bf16",
+    "data": {"num_workers": 2},
+}
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, dict], trainforge.RunResult]:
+    """The uninterrupted run of a variant, trained once per module (two tests compare with it)."""
+    done: dict[str, trainforge.RunResult] = {}
+
+    def run(label: str, sections: dict) -> trainforge.RunResult:
+        if label not in done:
+            done[label] = trainforge.fit(paced_config(tmp_path_factory.mktemp(f"straight-{label}"), **sections))
+        return done[label]
+
+    return run
+
+
 @pytest.mark.usefixtures("ray_local")
 @pytest.mark.parametrize(
     ("label", "sections"),
-    [
-        ("1-worker", {"scaling": {"num_workers": 1}}),
-        (
-            "2-workers-accum-bf16-loader-workers",
-            {
-                "scaling": {"num_workers": 2},
-                "train": {"grad_accum_steps": 2},
-                "precision": "bf16",
-                "data": {"num_workers": 2},
-            },
-        ),
-    ],
+    [("1-worker", {"scaling": {"num_workers": 1}}), ("2-workers-accum-bf16-loader-workers", TWO_WORKERS)],
 )
-def test_worker_killed_mid_epoch_resumes_bit_identical(tmp_path: Path, label: str, sections: dict) -> None:
-    straight = trainforge.fit(paced_config(tmp_path / "straight", **sections))
+def test_worker_killed_mid_epoch_resumes_bit_identical(
+    tmp_path: Path, label: str, sections: dict, straight: Callable[[str, dict], trainforge.RunResult]
+) -> None:
+    reference = straight(label, sections)
     run_dir = tmp_path / "killed" / "t"
     killed = kill_a_worker_after(run_dir / "checkpoint_000000020")
     resumed = trainforge.fit(paced_config(tmp_path / "killed", **sections))
@@ -102,16 +115,19 @@ def test_worker_killed_mid_epoch_resumes_bit_identical(tmp_path: Path, label: st
     events = [e for line in lines for e in json.loads(line).get("events", [])]
     assert any(e.startswith("resumed from") and "checkpoint_0000000" in e for e in events), events
     # The epoch is 1438 / world / (batch x accum) steps long: step 20 is mid-epoch in every variant.
-    assert_bit_identical(final_state(straight.run_dir, 60), final_state(run_dir, 60))
+    assert_bit_identical(final_state(reference.run_dir, 60), final_state(run_dir, 60))
     assert torch.equal(
-        load_file(str(straight.model_path))["inner.4.weight"], load_file(str(resumed.model_path))["inner.4.weight"]
+        load_file(str(reference.model_path))["inner.4.weight"], load_file(str(resumed.model_path))["inner.4.weight"]
     )
 
 
 @pytest.mark.slow
-def test_driver_stopped_and_rerun_resumes_bit_identical(tmp_path: Path) -> None:
+@pytest.mark.usefixtures("ray_local")
+def test_driver_stopped_and_rerun_resumes_bit_identical(
+    tmp_path: Path, straight: Callable[[str, dict], trainforge.RunResult]
+) -> None:
     """SIGTERM to `trainforge train` checkpoints and stops; the same command then finishes the run."""
-    config = paced_config(tmp_path / "cli", scaling={"num_workers": 2})
+    config = paced_config(tmp_path / "cli", **TWO_WORKERS)
     path = tmp_path / "cli.yaml"
     path.write_text(yaml.safe_dump(config))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TERM": "dumb"}
@@ -135,5 +151,5 @@ def test_driver_stopped_and_rerun_resumes_bit_identical(tmp_path: Path) -> None:
     finished = json.loads((run_dir / "summary.json").read_text())
     assert finished["status"] == "finished" and finished["global_step"] == 60
 
-    straight = trainforge.fit(paced_config(tmp_path / "straight", scaling={"num_workers": 2}))
-    assert_bit_identical(final_state(straight.run_dir, 60), final_state(run_dir, 60))
+    reference = straight("2-workers-accum-bf16-loader-workers", TWO_WORKERS)
+    assert_bit_identical(final_state(reference.run_dir, 60), final_state(run_dir, 60))
