@@ -32,15 +32,16 @@ def bench(*args: str, cwd: Path, timeout: int = 1100) -> subprocess.CompletedPro
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1200)  # 3 to 5 minutes on a busy 2-core machine, most of it Ray start-up
+@pytest.mark.timeout(1200)  # 1 to 3 minutes on a busy 2-core machine, most of it Ray start-up
 def test_ci_sized_run_measures_every_peer_and_prints_the_table(tmp_path: Path) -> None:
+    """Two workers: every peer's distributed path (DDP processes, torchrun, Ray workers)."""
     out = tmp_path / "out.json"
-    result = bench("--workers", "1,2", "--steps", "20", "--repeats", "1", "--output", str(out), cwd=tmp_path)
+    result = bench("--workers", "2", "--steps", "20", "--repeats", "1", "--output", str(out), cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
 
     report = json.loads(out.read_text())
-    assert [row["workers"] for row in report["rows"]] == [1, 2]
-    assert len(report["measurements"]) == 2 * len(PEERS)
+    assert [row["workers"] for row in report["rows"]] == [2]
+    assert len(report["measurements"]) == len(PEERS)
     assert all(m["samples_per_s"] > 0 for m in report["measurements"])
     for row in report["rows"]:
         assert all(row[peer] > 0 for peer in PEERS)
@@ -64,9 +65,7 @@ def test_ci_sized_run_measures_every_peer_and_prints_the_table(tmp_path: Path) -
     assert "goal d/e >= 0.98:" in result.stdout
     assert "repeats: 1, so no spread" in result.stdout
     # Progress: a line per measurement while it runs.
-    assert len(re.findall(r"^  [12] workers?\s+1/1  \(\w\) .* samples/s .* load", result.stdout, re.M)) == 2 * len(
-        PEERS
-    )
+    assert len(re.findall(r"^  2 workers\s+1/1  \(\w\) .* samples/s .* load", result.stdout, re.M)) == len(PEERS)
     assert "run report" not in result.stderr, "the peers' temporary run folders are not worth a log line"
     assert not list(tmp_path.glob("runs")), "the benchmark must not leave run folders in the working directory"
 
