@@ -319,6 +319,23 @@ def test_search_run_nests_its_trials_in_its_own_experiment(tmp_path: Path) -> No
     assert client.get_run(keyed.outbox.opened.run_id).data.tags["mlflow.parentRunId"] == parent
 
 
+def test_a_continued_search_reopens_its_parent_run(tmp_path: Path) -> None:
+    cfg = config(tmp_path, experiment="search", flush_timeout_s=60)
+    first = SearchRun.start(cfg, "lr-search", {"trials": 2}, log_dir=tmp_path)
+    parent = first.run_id
+    assert parent is not None
+    first.end("stopped")  # the driver was interrupted
+    again = SearchRun.start(cfg, "lr-search", {"trials": 2}, log_dir=tmp_path)
+    assert again.run_id == parent
+    assert not again.end("finished")
+
+    client = client_for(tmp_path)
+    assert client.get_run(parent).info.status == "FINISHED"
+    experiment = client.get_experiment_by_name("search")
+    assert experiment is not None
+    assert len(client.search_runs([experiment.experiment_id])) == 1
+
+
 def test_a_disabled_search_run_accepts_everything_and_does_nothing(tmp_path: Path) -> None:
     search = SearchRun.start(config(tmp_path, enabled=False), "s")
     search.log_metrics({"a": 1.0})

@@ -15,7 +15,15 @@ from trainforge.tracking.records import (
     sanitize_key,
     version_tags,
 )
-from trainforge.tracking.runs import RunPlan, artifact_call, end_call, open_run, params_call, tags_call
+from trainforge.tracking.runs import (
+    RESUME_FILE,
+    RunPlan,
+    artifact_call,
+    end_call,
+    open_run,
+    params_call,
+    tags_call,
+)
 from trainforge.tracking.store import probe, resolve_uri
 
 if TYPE_CHECKING:
@@ -45,7 +53,8 @@ class SearchRun:
         ``base.`` prefix) plus ``params`` (the space, searcher, scheduler...), as given.
 
         With ``tracking.required`` an unreachable store raises TrackingError here.
-        ``log_dir``: where MLflow's own log lines go (``tracking.log``); default nowhere.
+        ``log_dir``: the search's folder: MLflow's own log lines go to its ``tracking.log``, and its
+        ``tracking.json`` remembers the run, so a continued search reopens it; default neither.
         """
         search = cls(config, name)
         if not search.settings.enabled:
@@ -58,6 +67,7 @@ class SearchRun:
             run_name=name,
             tags={"trainforge.kind": "search"},
             parent_run_id=search.settings.parent_run_id,
+            resume_file=log_dir / RESUME_FILE if log_dir is not None else None,
         )
         search.outbox = Outbox(
             search.uri,

@@ -9,8 +9,8 @@ gets the ``trainforge.stopped_early`` tag and ``tune/stopped_early`` metric; the
 search's settings, the best value after each trial, the best trial, ``tune_summary.json``,
 ``best.yaml`` and the plots.
 
-A continued (restored) search opens a new parent run tagged ``trainforge.continues``; trials that
-resume keep their own runs.
+A continued (restored) search reopens its parent run (``tracking.json`` in the search folder);
+trials that resume continue their own runs.
 """
 
 from __future__ import annotations
@@ -29,8 +29,6 @@ if TYPE_CHECKING:
     from trainforge.tune.space import SearchSpace
     from trainforge.tune.summary import TrialOutcome
 
-PARENT_FILE = "search_tracking.json"  # the parent run of each session of this search
-
 
 def start_search_run(config: Config, plan: SearchPlan, space: SearchSpace, base: dict[str, Any]) -> SearchRun:
     """Open the parent run and point the trials' config (``base``, changed in place) at it."""
@@ -48,11 +46,6 @@ def start_search_run(config: Config, plan: SearchPlan, space: SearchSpace, base:
     parent = search.run_id
     if parent is None:
         return search
-    earlier = search_dir / PARENT_FILE
-    sessions = json.loads(earlier.read_text()) if earlier.is_file() else []
-    if sessions:
-        search.set_tags({"trainforge.continues": sessions[-1]})
-    earlier.write_text(json.dumps([*sessions, parent]))
     base["tracking"]["uri"] = search.uri
     base["tracking"]["parent_run_id"] = parent
     return search
