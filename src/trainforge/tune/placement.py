@@ -36,10 +36,9 @@ class PlacementGroupLedger:
         self.groups: dict[str, list[str]] = {}
         self.controllers: dict[str, list[Any]] = {}
 
-    def add(self, trial_id: str, group_id: str, controller: Any = None) -> None:
+    def add(self, trial_id: str, group_id: str, controller: Any) -> None:
         self.groups.setdefault(trial_id, []).append(group_id)
-        if controller is not None:
-            self.controllers.setdefault(trial_id, []).append(controller)
+        self.controllers.setdefault(trial_id, []).append(controller)
 
     def take(self, trial_ids: list[str] | None = None) -> tuple[list[Any], list[str]]:
         """Forget and return the controllers and groups of these trials (all trials when None)."""
