@@ -221,8 +221,15 @@ def test_driver_exports_restarts_progress_and_the_run_s_end(monitored: Monitored
 
     reports = (monitored.result.run_dir / "metrics.jsonl").read_text().splitlines()
     last_report = json.loads(reports[-1])["time/unix"]
-    (reported,) = monitored.last('trainforge_run_last_report_timestamp_seconds{run="prom"}')
-    assert float(reported["value"][1]) == pytest.approx(last_report, abs=1e-3)
+    # The driver sets the gauge at the last report; Prometheus sees it at its next scrape of the
+    # driver, which may come after the run returned: wait for that scrape, not for luck.
+    last_seen = 'last_over_time(trainforge_run_last_report_timestamp_seconds{run="prom"}[10m])'
+
+    def exported_last_report() -> float | None:
+        samples = monitored.prometheus.query(last_seen)
+        return float(samples[0]["value"][1]) if len(samples) == 1 else None
+
+    wait_for(lambda: exported_last_report() == pytest.approx(last_report, abs=1e-3), 30, "the last report's scrape")
     (active,) = monitored.prometheus.query('max_over_time(trainforge_run_active{run="prom"}[10m])')
     assert float(active["value"][1]) == 1
     ended = 'last_over_time(trainforge_run_active{run="prom"}[10m]) == 0'

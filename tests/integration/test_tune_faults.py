@@ -9,14 +9,19 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
+import ray
 import yaml
+from ray.train.v2._internal.execution.callback import WorkerGroupCallback
 
 import trainforge
 from tests.helpers.faults import Fault, checkpoints, paced_run, signal_a_worker, wait_until
+from trainforge.tune.placement import RecordPlacementGroups, release, start_ledger
 
 pytestmark = pytest.mark.slow
 
@@ -107,3 +112,46 @@ def test_an_interrupted_search_continues_when_the_command_runs_again(tmp_path: P
     assert len(summary["trials"]) == 2
     assert all(t["status"] == "finished" and t["steps"] == 60 for t in summary["trials"])
     assert any(e.startswith(f"resumed from {interrupted}/checkpoint_") for e in resumes(interrupted))
+
+
+class HoldWorkerGroupStart(WorkerGroupCallback):
+    """Keeps a worker group's start open after its placement group was created, as a loaded
+    machine does while workers import torch: the window in which a stopped trial's controller
+    dies before it could record its group."""
+
+    def before_init_train_context(self, workers: list[Any]) -> dict[str, list[Any]]:
+        time.sleep(300)
+        return {}
+
+
+@ray.remote(num_cpus=0.01)
+class StandInTrial:
+    """What Tune runs for a trial: an actor that is the driver of a Ray Train run."""
+
+    def run(self, ledger: Any, storage: str) -> None:
+        from ray.train.v2.api.config import RunConfig, ScalingConfig
+        from ray.train.v2.torch.torch_trainer import TorchTrainer
+
+        callbacks = [RecordPlacementGroups(ledger, "stand-in"), HoldWorkerGroupStart()]
+        run_config = RunConfig(name="held", storage_path=storage, callbacks=callbacks)
+        TorchTrainer(lambda: None, scaling_config=ScalingConfig(num_workers=1), run_config=run_config).fit()
+
+
+@pytest.mark.usefixtures("ray_local")
+def test_a_trial_stopped_before_its_worker_group_started_gives_its_group_back(tmp_path: Path) -> None:
+    """The group was created but never recorded (the controller died first): release still finds
+    it, through the GCS's record of its dead creator, every time."""
+    ledger = start_ledger()
+    trial = StandInTrial.remote()  # type: ignore[attr-defined]
+    trial.run.remote(ledger, str(tmp_path))
+
+    def live_groups() -> list[str]:
+        return [g for g, info in ray.util.placement_group_table().items() if info["state"] != "REMOVED"]
+
+    (group,) = wait_until(live_groups, 120, "the trial's worker group to create its placement group")
+    ray.kill(trial)  # Tune stopping the trial: its controller dies with it, the group stays
+    release(ledger, ["stand-in"])
+    assert ray.util.placement_group_table()[group]["state"] == "REMOVED"
+    wait_until(
+        lambda: ray.available_resources().get("CPU") == ray.cluster_resources()["CPU"], 30, "every CPU to be free"
+    )
