@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,3 +30,38 @@ def ray_local() -> Iterator[None]:
     )
     yield
     ray.shutdown()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_process_outlives_its_module() -> Iterator[None]:
+    """Processes a module started (Ray nodes, servers, CLI runs) end with it: a straggler would load
+    the 2-core machine under the next module and turn its timing windows into failures. Those still
+    alive 15 s after the module's own teardown are killed and named in a warning."""
+    import warnings
+
+    import psutil
+
+    me = psutil.Process()
+    before = {p.pid for p in me.children(recursive=True)}
+    yield
+    new = [p for p in me.children(recursive=True) if p.pid not in before]
+    _, alive = psutil.wait_procs(new, timeout=15)
+    if not alive:
+        return
+    names = []
+    for proc in alive:
+        with contextlib.suppress(psutil.Error):
+            names.append(f"{proc.pid} {' '.join(proc.cmdline())[:80]}")
+            proc.kill()
+    psutil.wait_procs(alive, timeout=5)
+    warnings.warn(f"{len(alive)} process(es) outlived their test module and were killed: {names}", stacklevel=1)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Ray down before the interpreter exits: its core worker torn down by atexit, with other
+    threads still running, is what a segmentation fault at pytest's exit points at."""
+    import sys
+
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
