@@ -52,10 +52,13 @@ def fit(
     console: Console | None = None,
     observers: Iterable[Observer] = (),
     train_callbacks: Sequence[Any] = (),
+    lock_wait_s: float = 0.0,
 ) -> RunResult:
     """Train the run a config describes; raises TrainforgeError for user errors and failed runs.
 
     ``train_callbacks``: extra Ray Train callbacks for the run's controller (used by tune's trials).
+    ``lock_wait_s``: how long to wait for another run holding the run directory (runlock.py) to
+    end before giving up with RunLockedError; a restarted tune trial waits for its previous process.
     """
     resolved = load_config(config, overrides)
     shown = console or Console(stderr=True)
@@ -72,7 +75,9 @@ def fit(
         *([tracker] if tracker is not None else []),
     ]
     try:
-        summary = run_training(resolved, watchers, address=address, verbose=verbose, callbacks=train_callbacks)
+        summary = run_training(
+            resolved, watchers, address=address, verbose=verbose, callbacks=train_callbacks, lock_wait_s=lock_wait_s
+        )
     except BaseException:
         if tracker is not None:
             tracker.on_error()

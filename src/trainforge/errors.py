@@ -29,6 +29,10 @@ class CheckpointError(TrainforgeError):
     """A checkpoint is missing, corrupt or refused."""
 
 
+class RunLockedError(TrainforgeError):
+    """Another trainforge run holds the run directory or its checkpoint folder (runlock.py)."""
+
+
 class TrainingFailed(TrainforgeError):
     """Training stopped with an error after exhausting its retries."""
 

@@ -33,6 +33,7 @@ from trainforge.config import Config, to_yaml
 from trainforge.errors import CheckpointError, ClusterError, TrainforgeError, TrainingFailed
 from trainforge.metrics.session import check_cluster_options, local_ray_options, publish_local_targets
 from trainforge.observe import ForwardingCallback, Observer, Observers, Pump, start_mailbox
+from trainforge.runlock import run_locks
 from trainforge.worker.loop import train_loop_per_worker, worker_env
 
 log = logging.getLogger("trainforge")
@@ -186,12 +187,16 @@ def preflight(config: Config, *, local: bool) -> None:
         load_factory(config.model.factory)
 
 
-def check_resume(config: Config) -> None:
+def check_resume(config: Config, *, local: bool) -> None:
     """``--resume none`` or a path start a run: refuse one that already has checkpoints, whose
-    timeline they would otherwise mix with the new one."""
+    timeline they would otherwise mix with the new one. A path must be a checkpoint whose manifest
+    reads (the workers verify every byte); on a remote cluster, where paths are the cluster's, they
+    check it themselves."""
     mode = config.checkpoint.resume
     if mode == "auto":
         return
+    if mode != "none" and local:
+        check_resume_path(mode)
     try:
         store = CheckpointStore.from_uri(f"{config.storage_path.rstrip('/')}/{config.run.name}")
         existing = [entry.name for entry in store.entries()]
@@ -205,6 +210,26 @@ def check_resume(config: Config) -> None:
         )
 
 
+def check_resume_path(path: str) -> None:
+    """A checkpoint to start from: a directory whose manifest reads, or one line before Ray starts."""
+    given = Path(path).expanduser()
+    problem: str | None
+    if "://" not in path and not given.is_dir():
+        problem = "not a directory" if given.exists() else "no such directory"
+    else:
+        try:
+            store, name = CheckpointStore.for_checkpoint(path)
+            manifest, problem = store.read_manifest(name)
+        except (OSError, ValueError) as err:  # a URI pyarrow cannot open (pyarrow.ArrowInvalid is a ValueError)
+            manifest, problem = None, str(err)
+        if manifest is not None:
+            return
+    raise CheckpointError(
+        f"checkpoint.resume (--resume) {path} is not a checkpoint: {problem}; give a checkpoint_NNNNNNNNN "
+        "directory (trainforge ckpt list RUN_DIR), or --resume auto"
+    )
+
+
 def run_training(
     config: Config,
     observers: list[Observer],
@@ -212,13 +237,25 @@ def run_training(
     address: str | None,
     verbose: bool,
     callbacks: Sequence[Any] = (),
+    lock_wait_s: float = 0.0,
 ) -> dict[str, Any]:
-    """Train to completion (or failure) and return the summary that was written to summary.json."""
+    """Train to completion (or failure) and return the summary that was written to summary.json.
+
+    The run's directory (and checkpoint folder) is locked from before Ray starts until the summary
+    is written, whatever the outcome (runlock.py); ``lock_wait_s`` waits for a holder that is ending.
+    """
     address = resolve_address(config, address)
-    preflight(config, local=address is None)
-    check_resume(config)
+    local = address is None
+    preflight(config, local=local)
+    with run_locks(config, local=local, wait_s=lock_wait_s):
+        check_resume(config, local=local)
+        return _train(config, observers, address=address, verbose=verbose, callbacks=callbacks)
+
+
+def _train(
+    config: Config, observers: list[Observer], *, address: str | None, verbose: bool, callbacks: Sequence[Any]
+) -> dict[str, Any]:
     run_dir = config.run_dir
-    run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(to_yaml(config))
     os.environ.setdefault(POLL_ENV, str(config.cluster.report_poll_interval_s))
     # Ray Train's own barrier in report() waits at most this long too (Ray passes it to the workers).

@@ -37,6 +37,9 @@ log = logging.getLogger("trainforge")
 
 TRIAL_FILE = "trial.json"  # in a Tune checkpoint: which trial's trainforge checkpoint it holds
 ADOPTED_FILE = "adopted.json"  # in a run dir: the PBT exploits this trial went through
+# A trial Tune restarts (PBT's exploit, a restored search) runs in the run dir of its previous
+# actor, whose process may still be exiting: its run lock (runlock.py) is waited for, not refused.
+TRIAL_LOCK_WAIT_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -82,7 +85,13 @@ def run_trial(params: dict[str, Any], setup: TrialSetup) -> None:
     reporter = TuneReporter(setup.metric, trial_id, pbt_every=setup.pbt_every)
     recorder = [RecordPlacementGroups(setup.ledger, trial_id)] if setup.ledger is not None else []
     try:
-        fit(config, console=Console(quiet=True), observers=[reporter], train_callbacks=recorder)
+        fit(
+            config,
+            console=Console(quiet=True),
+            observers=[reporter],
+            train_callbacks=recorder,
+            lock_wait_s=TRIAL_LOCK_WAIT_S,
+        )
     finally:
         reporter.finish()
 

@@ -1,0 +1,180 @@
+"""The run lock (runlock.py): one driver per run directory, stale locks taken over, released however a run ends."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.helpers.runs import tiny_run
+from trainforge.config import Config, validate
+from trainforge.errors import ConfigError, RunLockedError
+from trainforge.runlock import LOCK_FILE, RunLock, acquire, check_writable, run_locks
+
+ROOT = Path(__file__).resolve().parents[2]
+ADVICE = "choose another run.name"
+
+# A process that takes the lock, says so, and waits to be killed.
+HOLDER = """
+import sys, time
+from pathlib import Path
+from trainforge.runlock import acquire
+lock = acquire(Path(sys.argv[1]), what="run directory", advice="wait")
+print("locked", flush=True)
+time.sleep(600)
+"""
+
+
+def take(directory: Path) -> RunLock:
+    return acquire(directory, what="run directory", advice=ADVICE)
+
+
+def record(directory: Path) -> dict:
+    return json.loads((directory / LOCK_FILE).read_text())
+
+
+def config_for(tmp_path: Path, name: str, output_dir: Path, storage: Path | str | None = None) -> Config:
+    raw = tiny_run(tmp_path, run={"name": name, "output_dir": str(output_dir)})
+    if storage is not None:
+        raw["checkpoint"] = {"storage_path": str(storage)}
+    return validate(raw)
+
+
+def test_acquire_records_the_holder_and_a_second_acquire_names_it(tmp_path: Path) -> None:
+    with take(tmp_path):
+        held = record(tmp_path)
+        assert (held["pid"], held["host"]) == (os.getpid(), socket.gethostname())
+        assert held["process_started"] == pytest.approx(psutil.Process().create_time())
+        with pytest.raises(RunLockedError) as refused:
+            take(tmp_path)
+    message = str(refused.value)
+    assert "\n" not in message
+    assert f"run directory {tmp_path} is in use by another trainforge run: PID {os.getpid()}" in message
+    assert f"on host {socket.gethostname()}, started {held['started_at']}" in message
+    assert message.endswith(ADVICE)
+
+
+def test_release_clears_the_record_and_the_next_run_takes_the_lock_silently(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    lock = take(tmp_path)
+    lock.release()
+    lock.release()  # idempotent
+    assert (tmp_path / LOCK_FILE).read_bytes() == b""
+    with caplog.at_level(logging.WARNING, logger="trainforge"), take(tmp_path):
+        pass
+    assert not caplog.records
+
+
+def test_a_sigkilled_holder_is_refused_while_alive_and_taken_over_after(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path)], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
+        with pytest.raises(RunLockedError, match=f"PID {holder.pid} on host {socket.gethostname()}"):
+            take(tmp_path)
+        os.kill(holder.pid, signal.SIGKILL)
+        holder.wait(timeout=30)
+    finally:
+        holder.kill()
+    assert record(tmp_path)["pid"] == holder.pid  # a killed holder cannot clear its record
+    with caplog.at_level(logging.WARNING, logger="trainforge"), take(tmp_path):
+        assert record(tmp_path)["pid"] == os.getpid()
+    assert any(
+        f"left by PID {holder.pid}" in r.getMessage() and "no longer running" in r.getMessage() for r in caplog.records
+    )
+
+
+def write_record(directory: Path, **fields: object) -> None:
+    me = {"host": socket.gethostname(), "pid": os.getpid(), "started_at": "2026-01-01T00:00:00Z", "command": "x"}
+    (directory / LOCK_FILE).write_text(json.dumps({**me, "process_started": 0.0, **fields}))
+
+
+def test_a_record_whose_pid_was_reused_is_taken_over(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # PID 1 is alive, but it started at another time than the holder the record names.
+    write_record(tmp_path, pid=1, process_started=psutil.Process(1).create_time() - 3600)
+    with caplog.at_level(logging.WARNING, logger="trainforge"), take(tmp_path):
+        pass
+    assert any("left by PID 1 " in r.getMessage() for r in caplog.records)
+
+
+def test_a_live_holder_on_this_host_is_refused_even_where_flock_does_not_stop_it(tmp_path: Path) -> None:
+    # What a file system without working flock looks like: the record names a running process.
+    write_record(tmp_path, pid=1, process_started=psutil.Process(1).create_time())
+    with pytest.raises(RunLockedError, match=r"PID 1 on host .*flock did not stop it"):
+        take(tmp_path)
+
+
+def test_a_record_from_another_host_is_taken_over_with_a_warning_about_shared_locks(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    write_record(tmp_path, host="elsewhere", pid=123)
+    with caplog.at_level(logging.WARNING, logger="trainforge"), take(tmp_path):
+        pass
+    assert any("host elsewhere" in r.getMessage() and "does not share locks" in r.getMessage() for r in caplog.records)
+
+
+def test_a_lock_held_for_another_host_says_so(tmp_path: Path) -> None:
+    write_record(tmp_path, host="elsewhere", pid=123)
+    other = os.open(tmp_path / LOCK_FILE, os.O_RDWR)
+    try:
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as an NFS server holds it for that host
+        with pytest.raises(RunLockedError, match=r"PID 123 on host elsewhere.*another host"):
+            take(tmp_path)
+    finally:
+        os.close(other)
+
+
+def test_run_locks_are_released_however_the_run_ends(tmp_path: Path) -> None:
+    config = config_for(tmp_path, "r", tmp_path)
+    for ending in (RuntimeError("failed"), KeyboardInterrupt()):
+        with pytest.raises(type(ending)), run_locks(config, local=True):
+            raise ending
+        with take(config.run_dir):
+            pass
+
+
+def test_the_checkpoint_folder_is_locked_when_storage_is_elsewhere(tmp_path: Path) -> None:
+    storage = tmp_path / "store"
+    first = config_for(tmp_path, "same", tmp_path / "a", storage)
+    with run_locks(first, local=True):
+        assert record(storage / "same")["pid"] == os.getpid()
+        # Another run directory, the same run.name and storage_path: the same checkpoint folder.
+        second = config_for(tmp_path, "same", tmp_path / "b", storage)
+        refused = f"checkpoint folder {storage / 'same'} is in use by another trainforge run: PID {os.getpid()}"
+        with pytest.raises(RunLockedError, match=re.escape(refused)), run_locks(second, local=True):
+            pass
+        assert not (tmp_path / "b" / "same" / LOCK_FILE).read_bytes()  # its run-dir lock was given back
+        # Another run.name under the same storage_path: checkpoints go to another folder.
+        with run_locks(config_for(tmp_path, "other", tmp_path / "a", storage), local=True):
+            pass
+
+
+def test_object_store_checkpoints_are_not_locked_and_the_log_says_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    config = config_for(tmp_path, "r", tmp_path, "s3://bucket/prefix")
+    with caplog.at_level(logging.INFO, logger="trainforge"), run_locks(config, local=True):
+        pass
+    assert any("cannot be locked" in r.getMessage() for r in caplog.records)
+
+
+def test_an_unwritable_output_dir_is_one_line_naming_the_key(tmp_path: Path) -> None:
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    with pytest.raises(ConfigError, match=f"run.output_dir {a_file} is not writable: Not a directory"):
+        check_writable(a_file / "run", "run.output_dir")
+    check_writable(tmp_path / "run", "run.output_dir")
+    assert [p.name for p in (tmp_path / "run").iterdir()] == []  # the probe file is gone
