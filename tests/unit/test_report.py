@@ -14,8 +14,10 @@ from typing import Any
 
 import pytest
 
+from trainforge.history import HISTORY_KEY
 from trainforge.report import ReportError, ReportWriter, load_run, write_report
-from trainforge.report.plots import pieces
+from trainforge.report.html import format_metric
+from trainforge.report.plots import pieces, xy
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 T0 = 1_790_000_000.0
@@ -218,11 +220,65 @@ def test_restart_markers_and_lost_steps(tmp_path: Path) -> None:
     assert [(m.kind, m.step) for m in data.markers] == [("failure", 120), ("resume", 100)]
     assert [len(segment) for segment in data.segments()] == [12, 11]
     parts = pieces(data)
-    assert [(p.lost, p.reports[0]["step"], p.reports[-1]["step"]) for p in parts] == [
+    assert [(p.lost, p.points[0]["step"], p.points[-1]["step"]) for p in parts] == [
         (False, 10, 100),
         (True, 100, 120),  # starts at the last kept report so the faded curve joins the kept one
         (False, 101, 200),
     ]
+
+
+def with_history(report: dict[str, Any], previous: int, every: int) -> dict[str, Any]:
+    """A report as the worker writes it now: one point per log interval since the previous report."""
+    points = []
+    for end in range(previous + every, report["step"] + 1, every):
+        point = metrics(end, report["total_steps"])
+        points.append(
+            {
+                "step": end,
+                "time/unix": point["time/unix"],
+                "train/loss": point["train/loss"],
+                "train/lr": point["train/lr"],
+                "perf/step_time_s": point["perf/step_time_s"],
+                "perf/data_wait_s": point["perf/data_wait_s"],
+                "perf/compute_s": point["perf/compute_s"],
+                "perf/optimizer_s": point["perf/optimizer_s"],
+            }
+        )
+    return {**report, HISTORY_KEY: points}
+
+
+def test_curves_have_a_point_per_log_interval_when_reports_carry_history(tmp_path: Path) -> None:
+    """Reports every 30 steps (stretched to report_min_interval_s), log intervals of 5 steps."""
+    steps = (30, 60, 90)
+    lines = [with_history(metrics(s, 90, val=s == 90), s - 30, 5) for s in steps]
+    run_dir = write_run(tmp_path / "history", lines, summary_for(lines[-1]))
+    data = load_run(run_dir)
+    assert len(data.reports) == 3  # metrics.jsonl stays one line per report
+    (piece,) = pieces(data)
+    assert xy(piece.points, "train/loss")[0] == list(range(5, 91, 5))  # 18 points, not 3
+    assert xy(piece.points, "val/loss")[0] == [90]  # validation stays at its report
+    # The report's own train/loss (its 30-step span) is not drawn twice at the report's step.
+    assert xy(piece.points, "perf/steady_samples_per_s")[0] == [30, 60, 90]
+    page = write_report(run_dir)
+    assert {"loss", "lr", "step_time"} <= set(pngs(page))
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "shown"),
+    [
+        ("system/10.0.0.1/net_recv_mb_s", 26.3, "26.3 MB/s"),
+        ("system/10.0.0.1/disk_read_mb_s", 0.0, "0 MB/s"),
+        ("system/10.0.0.1/net_sent_mb_s", 1234.5, "1,234.5 MB/s"),
+        ("perf/samples_per_s", 1950.0, "1,950.0 /s"),
+        ("perf/steady_samples_per_s", 12.5, "12.5 /s"),
+        ("samples/s", 300.0, "300.0 /s"),
+        ("perf/step_time_s", 0.025, "25 ms"),
+        ("checkpoint/stall_s", 3.0, "3.0 s"),
+        ("time/elapsed_s", 300.0, "5 min 0 s"),
+    ],
+)
+def test_rates_are_per_second_and_durations_are_seconds(key: str, value: float, shown: str) -> None:
+    assert format_metric(key, value) == shown
 
 
 def test_run_without_validation(reports: dict[str, Path]) -> None:

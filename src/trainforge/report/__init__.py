@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from trainforge.errors import TrainforgeError
+from trainforge.history import curve_points
 
 log = logging.getLogger("trainforge")
 
@@ -70,8 +71,12 @@ class RunData:
             parts[-1].append(report)
         return [part for part in parts if part]
 
+    def points(self) -> list[dict[str, Any]]:
+        """Every report's curve points: one per log interval, then the report's own (``curve_points``)."""
+        return [point for report in self.reports for point in curve_points(report)]
+
     def has(self, key: str) -> bool:
-        return any(finite(report.get(key)) is not None for report in self.reports)
+        return any(finite(point.get(key)) is not None for point in self.points())
 
 
 def finite(value: Any) -> float | None:

@@ -172,8 +172,9 @@ def format_metric(key: str, value: Any) -> str:
         return str(value)
     if key == "time/unix":
         return datetime.datetime.fromtimestamp(value).astimezone().strftime("%Y-%m-%d %H:%M:%S %Z")
-    if key.endswith("per_s"):
-        return f"{value:,.1f} /s"
+    rate = rate_unit(key)
+    if rate is not None:
+        return f"{value:,.1f} {rate}" if abs(value) >= 100 else f"{value:.3g} {rate}"
     if key.endswith("_s"):
         return _duration(float(value))
     if key.endswith("accuracy"):
@@ -181,6 +182,22 @@ def format_metric(key: str, value: Any) -> str:
     if isinstance(value, int) or (float(value).is_integer() and abs(value) >= 1):
         return f"{int(value):,}"
     return f"{value:.4g}"
+
+
+# What a trailing "_s" divides when it means "per second": ``samples_per_s``, ``net_recv_mb_s``.
+# After any other word it is a duration (``perf/step_time_s``, ``checkpoint/stall_s``).
+RATE_UNITS = {"per": "/s", "b": "B/s", "bytes": "B/s", "kb": "kB/s", "mb": "MB/s", "gb": "GB/s"}
+
+
+def rate_unit(key: str) -> str | None:
+    """The unit of a per-second metric (``/s``, ``MB/s``, ...), or None when ``key`` is not a rate."""
+    name = key.rsplit("/", 1)[-1].lower()
+    if key.lower().endswith("/s"):  # "samples/s"
+        return "/s"
+    words = name.split("_")
+    if len(words) >= 2 and words[-1] == "s":
+        return RATE_UNITS.get(words[-2])
+    return None
 
 
 def plots_section(data: RunData, plots: list[Plot]) -> str:

@@ -3,9 +3,11 @@
 Figures are built with matplotlib's object API on the Agg canvas (no pyplot), so writing a report
 never changes the backend or global state of a program that called ``trainforge.fit``.
 
-After a restart the run replays the steps between its last checkpoint and the failure. Curves are
-split at every resume so they restart at the resumed step instead of folding back; the steps that
-were run and then lost are drawn faded.
+Curves have one point per log interval (``train.log_every_n_steps``): a report carries the
+intervals since the previous one in its ``history`` (``trainforge.history``); older run directories
+without it give one point per report. After a restart the run replays the steps between its last
+checkpoint and the failure. Curves are split at every resume so they restart at the resumed step
+instead of folding back; the steps that were run and then lost are drawn faded.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.ticker import EngFormatter, FuncFormatter, LogLocator, MaxNLocator, NullFormatter, PercentFormatter
 
+from trainforge.history import curve_points
 from trainforge.report import Marker, RunData, finite, is_resume, resume_point, step_of
 
 TRAIN_COLOR, VAL_COLOR = "#1f77b4", "#d62728"
@@ -30,12 +33,12 @@ PHASES = (
     ("perf/optimizer_s", "optimizer", "#fd8d3c"),
 )
 LOG_SCALE_RATIO = 30.0  # a curve spanning more than this factor is drawn on a log axis
-MARKERS_UP_TO = 40  # points per curve below which every report is drawn as a dot
+MARKERS_UP_TO = 40  # points per curve below which every point is drawn as a dot
 LOST_ALPHA = 0.35
 WIDTH_IN, HEIGHT_IN, DPI = 9.0, 3.4, 110
 MARGINS_IN = (0.95, 0.2, 0.42, 0.55)  # left (tick labels + axis label), right, top (title, legend), bottom
 
-Report = dict[str, Any]
+Point = dict[str, Any]  # one log interval's figures, or a report's own (``curve_points``)
 PLAIN = FuncFormatter(lambda value, _: f"{value:g}")
 
 
@@ -50,39 +53,45 @@ class Plot:
 
 @dataclass(frozen=True)
 class Piece:
-    """Consecutive reports of one attempt; ``lost`` when a later restart replayed those steps."""
+    """Consecutive points of one attempt; ``lost`` when a later restart replayed those steps."""
 
-    reports: list[Report]
+    points: list[Point]
     lost: bool
+    start: int = 0  # the step the piece's first interval starts from (0, or the resumed step)
 
 
 def pieces(data: RunData) -> list[Piece]:
-    """Each attempt's reports, cut where the next attempt resumed: kept steps, then lost steps."""
+    """Each attempt's points, cut where the next attempt resumed: kept steps, then lost steps."""
     segments = data.segments()
     out: list[Piece] = []
     for index, segment in enumerate(segments):
+        start = resume_point(segment[0]) if is_resume(segment[0]) else 0
+        points = [point for report in segment for point in curve_points(report)]
         if index + 1 == len(segments):
-            out.append(Piece(segment, lost=False))
+            out.append(Piece(points, lost=False, start=start))
             continue
         resumed_at = resume_point(segments[index + 1][0])
-        kept = [r for r in segment if step_of(r, 0) <= resumed_at]
-        lost = [r for r in segment if step_of(r, 0) > resumed_at]
+        kept = [p for p in points if step_of(p, 0) <= resumed_at]
+        lost = [p for p in points if step_of(p, 0) > resumed_at]
         if kept:
-            out.append(Piece(kept, lost=False))
+            out.append(Piece(kept, lost=False, start=start))
         if lost:
-            # Start the faded line at the last kept point so the curve stays continuous.
-            out.append(Piece(kept[-1:] + lost, lost=True))
+            # Start the faded line at the last kept step (all its points: an interval's and its
+            # report's) so that every curve stays continuous.
+            last = step_of(kept[-1], 0) if kept else start
+            bridge = [p for p in kept if step_of(p, 0) == last]
+            out.append(Piece(bridge + lost, lost=True, start=last))
     return out
 
 
-def xy(reports: list[Report], key: str) -> tuple[list[int], list[float]]:
-    """Steps and finite values of ``key`` (reports without it, or with NaN, are left out)."""
+def xy(points: list[Point], key: str) -> tuple[list[int], list[float]]:
+    """Steps and finite values of ``key`` (points without it, or with NaN, are left out)."""
     xs: list[int] = []
     ys: list[float] = []
-    for report in reports:
-        value = finite(report.get(key))
-        if value is not None and finite(report.get("step")) is not None:
-            xs.append(int(report["step"]))
+    for point in points:
+        value = finite(point.get(key))
+        if value is not None and finite(point.get("step")) is not None:
+            xs.append(int(point["step"]))
             ys.append(value)
     return xs, ys
 
@@ -109,7 +118,7 @@ def new_figure(title: str, ylabel: str) -> tuple[Figure, Axes]:
 
 def draw_series(ax: Axes, data: RunData, key: str, label: str, color: str, *, linestyle: str = "-") -> bool:
     """One metric over all attempts in one color; returns False when the run never reported it."""
-    parts = [(piece, *xy(piece.reports, key)) for piece in pieces(data)]
+    parts = [(piece, *xy(piece.points, key)) for piece in pieces(data)]
     total = sum(len(xs) for _, xs, _ in parts)
     if total == 0:
         return False
@@ -134,7 +143,7 @@ def draw_series(ax: Axes, data: RunData, key: str, label: str, color: str, *, li
 
 
 def values(data: RunData, *keys: str) -> list[float]:
-    return [v for report in data.reports for key in keys if (v := finite(report.get(key))) is not None]
+    return [v for point in data.points() for key in keys if (v := finite(point.get(key))) is not None]
 
 
 def maybe_log_scale(ax: Axes, numbers: list[float]) -> bool:
@@ -227,7 +236,7 @@ def plot_loss(data: RunData, out: Path) -> Plot | None:
     path = out / "loss.png"
     finish(fig, ax, data, path)
     scale = " (log scale)" if log else ""
-    return Plot("Loss", path, f"Training loss per report interval and validation loss after each pass{scale}.")
+    return Plot("Loss", path, f"Training loss per log interval and validation loss after each pass{scale}.")
 
 
 def plot_perplexity(data: RunData, out: Path) -> Plot | None:
@@ -254,13 +263,13 @@ def plot_accuracy(data: RunData, out: Path) -> Plot | None:
     ax.set_ylim(max(0.0, min(numbers) - 0.05), min(1.0, max(numbers) + 0.02) + 0.005)
     path = out / "accuracy.png"
     finish(fig, ax, data, path)
-    return Plot("Accuracy", path, "Share of correct predictions: training per report interval, validation per pass.")
+    return Plot("Accuracy", path, "Share of correct predictions: training per log interval, validation per pass.")
 
 
 def plot_throughput(data: RunData, out: Path) -> Plot | None:
     fig, ax = new_figure("Throughput", "samples / s (all workers)")
     ax.yaxis.set_major_formatter(EngFormatter(sep=""))
-    interval = draw_series(ax, data, "perf/samples_per_s", "per report interval", "#2ca02c")
+    interval = draw_series(ax, data, "perf/samples_per_s", "per log interval", "#2ca02c")
     steady = draw_series(ax, data, "perf/steady_samples_per_s", "steady (since warm-up)", "#555555", linestyle="--")
     if not (interval or steady):
         return None
@@ -275,7 +284,7 @@ def plot_throughput(data: RunData, out: Path) -> Plot | None:
 
 
 def plot_step_time(data: RunData, out: Path) -> Plot | None:
-    """Stacked bars, one per report, as wide as the steps it covers: where a step's time went."""
+    """Stacked bars, one per log interval, as wide as the steps it covers: where a step's time went."""
     if not any(data.has(key) for key, _, _ in PHASES):
         return None
     slowest = max(values(data, "perf/step_time_s", *(key for key, _, _ in PHASES)))
@@ -292,7 +301,7 @@ def plot_step_time(data: RunData, out: Path) -> Plot | None:
     return Plot(
         "Step time",
         path,
-        "Mean time per step in each report interval: waiting for data, forward and backward, optimizer step. "
+        "Mean time per step in each log interval: waiting for data, forward and backward, optimizer step. "
         "Reports, checkpoint stalls and validation are not in these bars; steps lost to a restart are left out.",
     )
 
@@ -301,17 +310,15 @@ def _draw_phase_bars(ax: Axes, piece: Piece, scale: float) -> None:
     lefts: list[float] = []
     widths: list[float] = []
     stacks: list[list[float]] = [[] for _ in PHASES]
-    previous: int | None = None
-    for report in piece.reports:
-        step = step_of(report, -1)
-        if step < 0:
-            continue
-        if previous is None:
-            previous = resume_point(report) if is_resume(report) else 0
+    previous = piece.start
+    for point in piece.points:
+        step = step_of(point, -1)
+        if step < 0 or not any(key in point for key, _, _ in PHASES):
+            continue  # a report's own point after its history: the intervals already have the bars
         lefts.append(previous)
         widths.append(max(step - previous, 1))
         for column, (key, _, _) in enumerate(PHASES):
-            stacks[column].append((finite(report.get(key)) or 0.0) * scale)
+            stacks[column].append((finite(point.get(key)) or 0.0) * scale)
         previous = step
     bottom = [0.0] * len(lefts)
     for column, (_, _, color) in enumerate(PHASES):
@@ -335,7 +342,7 @@ def plot_lr(data: RunData, out: Path) -> Plot | None:
     ax.set_ylim(bottom=0)
     path = out / "lr.png"
     finish(fig, ax, data, path)
-    return Plot("Learning rate", path, "Learning rate at each report, after warm-up and schedule.")
+    return Plot("Learning rate", path, "Learning rate at the end of each log interval, after warm-up and schedule.")
 
 
 PLOTTERS: list[Callable[[RunData, Path], Plot | None]] = [

@@ -16,6 +16,8 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from trainforge.history import COORDINATES, curve_points
+
 # MLflow's own limits (mlflow.utils.validation); a longer value is refused by the server.
 MAX_KEY_LENGTH = 250
 MAX_PARAM_VALUE_LENGTH = 6000
@@ -27,9 +29,6 @@ _BAD_CHARS = re.compile(r"[^/\w.\- :]")
 
 # (key, value, timestamp in ms, step): one metric point, in the shape MLflow's Metric takes.
 Point = tuple[str, float, int, int]
-
-# Report keys that are the point's coordinates rather than measurements.
-COORDINATES = {"step", "time/unix"}
 
 
 def flatten(tree: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
@@ -71,15 +70,18 @@ def sanitize_key(name: str) -> str:
 
 
 def metric_points(report: Mapping[str, Any]) -> list[Point]:
-    """Every numeric key of a report, at ``step = report["step"]`` and the report's own time."""
-    step = int(report.get("step", 0))
-    unix = report.get("time/unix")
-    stamp = int(float(unix if isinstance(unix, (int, float)) else time.time()) * 1000)
+    """Every numeric key of a report as MLflow points: one per log interval from the report's
+    ``history`` (each at its own step and time), the rest at ``step = report["step"]`` and the
+    report's time (``trainforge.history.curve_points``)."""
     points = []
-    for key, value in report.items():
-        if key in COORDINATES or isinstance(value, bool) or not isinstance(value, (int, float)):
-            continue
-        points.append((sanitize_key(key), float(value), stamp, step))
+    for record in curve_points(report):
+        step = int(record.get("step", 0))
+        unix = record.get("time/unix")
+        stamp = int(float(unix if isinstance(unix, (int, float)) else time.time()) * 1000)
+        for key, value in record.items():
+            if key in COORDINATES or isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue
+            points.append((sanitize_key(key), float(value), stamp, step))
     return points
 
 

@@ -25,7 +25,7 @@ from trainforge.worker import parallel
 from trainforge.worker.build import WorkerRun, build, evaluate, pin_memory
 from trainforge.worker.hooks import Hooks, build_hooks
 from trainforge.worker.logs import shipped_logs
-from trainforge.worker.metrics import Throughput, local_times, reduce_metrics
+from trainforge.worker.metrics import IntervalHistory, Throughput, reduce_metrics
 from trainforge.worker.saving import Checkpointing, Restored, restore, run_store
 from trainforge.worker.step import MetricSums
 
@@ -82,6 +82,7 @@ class Session:
     control: Any = None
     hooks: Hooks = field(default_factory=lambda: Hooks([]))
     sums: MetricSums = field(init=False)
+    history: IntervalHistory = field(init=False)
     meter: Throughput = field(init=False)
     events: list[str] = field(default_factory=list)
     val_metrics: dict[str, float] = field(default_factory=dict)
@@ -92,6 +93,7 @@ class Session:
         cfg = self.run.config
         self.per_step = cfg.train.batch_size * cfg.train.grad_accum_steps
         self.sums = MetricSums(self.run.device)
+        self.history = IntervalHistory()
         self.meter = Throughput(self.per_step * self.run.world)
         self.progress = self.restored.progress
         self.first_step = self.progress.global_step
@@ -149,6 +151,9 @@ class Session:
             self.meter.step_done()
             for name in ("data_s", "compute_s", "optim_s"):
                 self.sums.add(name, getattr(times, name))
+            if progress.global_step % cfg.train.log_every_n_steps == 0:
+                # A point for the curves; it is reduced with the others at the next report.
+                self.history.close(self.sums, progress.global_step, run.runner.optimizer.param_groups[0]["lr"])
             if cfg.train.eval_every_n_steps and progress.global_step % cfg.train.eval_every_n_steps == 0:
                 self.val_metrics = self.timed_evaluate()
             if progress.global_step >= run.total_steps:
@@ -180,8 +185,8 @@ class Session:
         cfg = self.run.config
         now = time.perf_counter()
         self.gather_control_signals(final=final)
-        local = local_times(self.sums)
-        metrics, totals = reduce_metrics(self.run, self.sums, now - self.last_report, self.progress, self.meter)
+        reduced = reduce_metrics(self.run, self.sums, self.history, now - self.last_report, self.progress, self.meter)
+        metrics = reduced.metrics
         metrics.update(self.val_metrics)
         metrics["time/elapsed_s"] = now - self.started
         metrics["checkpoint/save_failures"] = self.save_failures
@@ -193,11 +198,11 @@ class Session:
         self.events.clear()
         self.val_metrics = {}
         self.last_report = now
-        self.next_report = self.progress.global_step + report_stride(cfg, metrics["perf/step_time_s"])
-        self.hooks.on_report(metrics, local)
+        self.next_report = next_report_step(cfg, self.progress.global_step, metrics["perf/step_time_s"])
+        self.hooks.on_report(metrics, reduced.local)
         if not final:
             ray.train.report(metrics)
-        return metrics, self.decide(totals)
+        return metrics, self.decide(reduced.totals)
 
     def gather_control_signals(self, *, final: bool) -> None:
         """Rank 0's view (save outcomes, stop flag, time since the last save) enters the all-reduce."""
@@ -313,6 +318,15 @@ def report_stride(cfg: Config, step_time_s: float) -> int:
     the same on every rank, and so is the stride."""
     by_time = math.ceil(cfg.train.report_min_interval_s / step_time_s) if step_time_s > 0 else 1
     return max(cfg.train.log_every_n_steps, by_time)
+
+
+def next_report_step(cfg: Config, step: int, step_time_s: float) -> int:
+    """The step of the next report: at least ``report_stride`` steps on, rounded up to the end of a
+    log interval, so that a report cuts no interval short and each point of the report's history
+    covers ``train.log_every_n_steps`` steps (save for the reports a restore, a checkpoint or the
+    end of training asks for)."""
+    every = cfg.train.log_every_n_steps
+    return math.ceil((step + report_stride(cfg, step_time_s)) / every) * every
 
 
 def worker_env() -> dict[str, str]:

@@ -1,12 +1,14 @@
-"""Turning a report interval's device-side sums into metrics that are identical on every rank."""
+"""Turning the device-side sums of a report's log intervals into metrics that are identical on every rank."""
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from trainforge.history import HISTORY_KEY
 from trainforge.worker import parallel
 from trainforge.worker.step import MetricSums
 
@@ -56,46 +58,92 @@ class Throughput:
 
 
 STEP_PARTS = ("data_s", "compute_s", "optim_s")
+CONTROL_PREFIX = "ctrl/"  # rank 0's control signals: report-level, never part of an interval
+MAX_HISTORY = 128  # points per report; beyond it, neighbouring intervals are merged pairwise
 
 
-def local_times(sums: MetricSums) -> dict[str, float]:
-    """This rank's own per-step times over the interval, before the all-reduce averages them away
+@dataclass
+class Interval:
+    """One closed log interval: its sums (device tensors, not yet reduced) and what the host
+    knew when it closed."""
+
+    step: int
+    unix: float
+    lr: float
+    seconds: float
+    sums: dict[str, torch.Tensor]
+
+
+class IntervalHistory:
+    """The log intervals since the last report, kept apart so that the report can carry one point
+    per interval (``trainforge.history``) while reducing them all in its single all-reduce.
+
+    Closing an interval moves the sums' tensors here: no device work, no host sync. Interval ends
+    depend only on the step count, so every rank holds the same number of intervals with the
+    same keys, which the stacked all-reduce requires.
+    """
+
+    def __init__(self, capacity: int = MAX_HISTORY) -> None:
+        self.capacity = max(capacity, 2)
+        self.intervals: list[Interval] = []
+        self.opened = time.perf_counter()
+
+    def close(self, sums: MetricSums, step: int, lr: float) -> None:
+        """End the current interval at ``step``; an interval without steps is not one."""
+        now = time.perf_counter()
+        measured = {k: v for k, v in sums.values.items() if not k.startswith(CONTROL_PREFIX)}
+        if "steps" in measured:
+            self.intervals.append(Interval(step, time.time(), lr, now - self.opened, measured))
+            sums.values = {k: v for k, v in sums.values.items() if k.startswith(CONTROL_PREFIX)}
+        self.opened = now
+        if len(self.intervals) > self.capacity:
+            self._merge_pairs()
+
+    def take(self) -> list[Interval]:
+        taken, self.intervals = self.intervals, []
+        return taken
+
+    def _merge_pairs(self) -> None:
+        # Very short steps with a small log interval: halve the resolution rather than grow the
+        # report without bound. Rank-consistent, since the count of intervals is.
+        merged = []
+        for first, second in zip(self.intervals[0::2], self.intervals[1::2], strict=False):
+            sums = dict(first.sums)
+            for key, value in second.sums.items():
+                sums[key] = sums[key] + value if key in sums else value
+            merged.append(Interval(second.step, second.unix, second.lr, first.seconds + second.seconds, sums))
+        if len(self.intervals) % 2:
+            merged.append(self.intervals[-1])
+        self.intervals = merged
+
+
+@dataclass
+class Reduced:
+    """What one report's all-reduce gives a rank."""
+
+    metrics: dict[str, Any]  # the report: figures over its whole span, plus its history points
+    totals: dict[str, float]  # sums over all ranks and the span; ``ctrl/*`` carries rank 0's signals
+    local: dict[str, float]  # this rank's own step times over the span (``local_times``)
+
+
+def local_times(totals: dict[str, float]) -> dict[str, float]:
+    """This rank's own per-step times over the span, before the all-reduce averages them away
     (the figures that tell a straggler apart)."""
-    steps = float(sums.values["steps"]) if "steps" in sums.values else 0.0
-    local = {name: float(sums.values[name]) / steps if steps else 0.0 for name in STEP_PARTS if name in sums.values}
+    steps = totals.get("steps", 0.0)
+    local = {name: totals[name] / steps if steps else 0.0 for name in STEP_PARTS if name in totals}
     local["step_s"] = sum(local.values())
     local["steps"] = steps
     return local
 
 
-def reduce_metrics(
-    run: WorkerRun, sums: MetricSums, interval_s: float, progress: Progress, meter: Throughput
-) -> tuple[dict[str, Any], dict[str, float]]:
-    """One all-reduce of the interval's sums; every rank gets the same numbers.
-
-    Returns the metrics to report and the raw totals, whose ``ctrl/*`` entries carry rank 0's
-    control signals (save outcomes, stop requests) to every rank in the same collective.
-    """
-    names = sorted(sums.values)
-    vector = torch.stack([sums.values[n] for n in names]) if names else torch.zeros(0, dtype=torch.float64)
-    totals = dict(zip(names, parallel.all_reduce_sum(vector, run.device).tolist(), strict=True))
-    sums.reset()
+def interval_figures(run: WorkerRun, totals: dict[str, float], seconds: float, global_batch: int) -> dict[str, float]:
+    """Training and speed figures of one stretch of steps from its all-reduced sums."""
     steps = max(totals.get("steps", 0.0) / run.world, 1.0)
     per_step = {k: totals.get(k, 0.0) / run.world / steps for k in STEP_PARTS}
-    metrics: dict[str, Any] = {
-        "step": progress.global_step,
-        "epoch": progress.epoch,
-        "samples_seen": progress.samples_seen,
-        "total_steps": run.total_steps,
-        "world_size": run.world,
-        "time/unix": time.time(),
-        "train/lr": run.runner.optimizer.param_groups[0]["lr"],
+    figures = {
         "train/grad_norm": totals.get("grad_norm_sum", 0.0) / run.world / steps,
         "train/skipped_steps": totals.get("skipped_steps", 0.0) / run.world,
-        "perf/samples_per_s": totals.get("steps", 0.0) / run.world * meter.global_batch / interval_s
-        if interval_s > 0
-        else 0.0,
-        "perf/steady_samples_per_s": meter.samples_per_s,
+        "perf/samples_per_s": totals.get("steps", 0.0) / run.world * global_batch / seconds if seconds > 0 else 0.0,
         "perf/step_time_s": sum(per_step.values()),
         "perf/data_wait_s": per_step["data_s"],
         "perf/compute_s": per_step["compute_s"],
@@ -103,5 +151,64 @@ def reduce_metrics(
     }
     if totals.get("count"):
         for name, value in run.task.finalize(totals).items():
-            metrics[f"train/{name}"] = value
-    return metrics, totals
+            figures[f"train/{name}"] = value
+    return figures
+
+
+def reduce_metrics(
+    run: WorkerRun,
+    sums: MetricSums,
+    history: IntervalHistory,
+    interval_s: float,
+    progress: Progress,
+    meter: Throughput,
+) -> Reduced:
+    """One all-reduce for the whole report: every interval's sums stacked ``[intervals, metrics]``
+    plus the control signals; every rank gets the same numbers.
+
+    The report's top-level figures come from the column totals (the span since the last report),
+    its ``history`` from each row.
+    """
+    lr = float(run.runner.optimizer.param_groups[0]["lr"])
+    history.close(sums, progress.global_step, lr)  # the part-interval up to this report
+    intervals = history.take()
+    control = {k: v for k, v in sums.values.items() if k.startswith(CONTROL_PREFIX)}
+    sums.reset()
+    names = sorted({key for interval in intervals for key in interval.sums})
+    control_names = sorted(control)
+    zero = torch.zeros((), dtype=torch.float64, device=run.device)
+    pieces = [torch.stack([interval.sums.get(n, zero) for n in names]) for interval in intervals if names]
+    matrix = torch.stack(pieces) if pieces else torch.zeros((0, len(names)), dtype=torch.float64, device=run.device)
+    signals = torch.stack([control[n] for n in control_names]) if control_names else matrix.new_zeros(0)
+    mine = matrix.sum(0)  # this rank's own column totals, before the collective
+    reduced = parallel.all_reduce_sum(torch.cat([matrix.flatten(), signals]), run.device)
+    flat = torch.cat([reduced, mine]).tolist()  # one device-to-host copy
+
+    width, rows = len(names), len(intervals)
+    row_totals = [dict(zip(names, flat[r * width : (r + 1) * width], strict=True)) for r in range(rows)]
+    end = rows * width
+    totals = {n: sum(row[n] for row in row_totals) for n in names}
+    totals.update(zip(control_names, flat[end : end + len(control_names)], strict=True))
+    local = local_times(dict(zip(names, flat[end + len(control_names) :], strict=True)))
+
+    metrics: dict[str, Any] = {
+        "step": progress.global_step,
+        "epoch": progress.epoch,
+        "samples_seen": progress.samples_seen,
+        "total_steps": run.total_steps,
+        "world_size": run.world,
+        "time/unix": time.time(),
+        "train/lr": lr,
+        **interval_figures(run, totals, interval_s, meter.global_batch),
+        "perf/steady_samples_per_s": meter.samples_per_s,
+    }
+    metrics[HISTORY_KEY] = [
+        {
+            "step": interval.step,
+            "time/unix": interval.unix,
+            "train/lr": interval.lr,
+            **interval_figures(run, row, interval.seconds, meter.global_batch),
+        }
+        for interval, row in zip(intervals, row_totals, strict=True)
+    ]
+    return Reduced(metrics, totals, local)

@@ -1,0 +1,46 @@
+"""A report's ``history``: one point per ``train.log_every_n_steps`` interval, and how a report
+turns into curve points.
+
+Each ``ray.train.report`` is a barrier across ranks served by the Ray Train controller, so reports
+are stretched to ``train.report_min_interval_s`` apart; a curve with one point per report would
+have a handful of points. A report therefore carries the log intervals it spans::
+
+    {"step": 60, "train/loss": 0.41, ..., "history": [
+        {"step": 40, "time/unix": ..., "train/loss": 0.45, "train/lr": ..., "perf/samples_per_s": ...},
+        {"step": 50, ...}, {"step": 60, ...}]}
+
+in step order, the last at the report's own step. The report's top-level figures stay the
+aggregate over its whole span (what summary.json's ``final_metrics`` holds). Pure Python, so the
+worker that builds the points and the driver-side writers (MLflow, the run report) share it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+HISTORY_KEY = "history"
+# Keys that place a point rather than measure something.
+COORDINATES = frozenset({"step", "time/unix"})
+
+
+def curve_points(report: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The report as points for curves, in step order: its history points, then the report itself
+    without the keys that its history already covers (validation, checkpoint and run figures stay,
+    at the report's step). A report without history is one point: itself.
+
+    Reports read back from metrics.jsonl are not trusted: history entries that are not mappings
+    with a numeric ``step`` are left out.
+    """
+    history = report.get(HISTORY_KEY)
+    own = {key: value for key, value in report.items() if key != HISTORY_KEY}
+    if not isinstance(history, list):
+        return [own]
+    points = [dict(point) for point in history if isinstance(point, Mapping) and _is_step(point.get("step"))]
+    covered = {key for point in points for key in point} - COORDINATES
+    return [*points, {key: value for key, value in own.items() if key not in covered}]
+
+
+def _is_step(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
