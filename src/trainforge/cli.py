@@ -30,6 +30,40 @@ app.add_typer(ckpt_app, name="ckpt")
 
 err_console = Console(stderr=True)
 
+
+def version_line() -> str:
+    """``trainforge 0.1.0 (torch 2.5.1, ray 2.60.0)`` from package metadata: nothing heavy is imported."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from trainforge import __version__
+
+    parts = []
+    for package in ("torch", "ray"):
+        try:
+            parts.append(f"{package} {version(package)}")
+        except PackageNotFoundError:
+            parts.append(f"{package} not installed")
+    return f"trainforge {__version__} ({', '.join(parts)})"
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(version_line())
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", callback=_print_version, is_eager=True, help="Print the versions of trainforge, torch and Ray."
+        ),
+    ] = False,
+) -> None:
+    """Distributed PyTorch training on Ray Train: one command from a laptop to a GPU cluster."""
+
+
 ConfigArg = Annotated[str, typer.Argument(help="A run config YAML, or the name of a bundled one (e.g. quickstart).")]
 SetOpt = Annotated[
     list[str] | None, typer.Option("--set", "-s", help="Override a key: --set train.batch_size=64 (repeatable).")
@@ -301,11 +335,16 @@ def _setup_logging(verbose: bool) -> None:
     logging.getLogger("trainforge").setLevel(logging.INFO)
 
 
-def main() -> None:
-    """Console entry point: user errors become one line on stderr and exit code 2."""
+def main(argv: list[str] | None = None) -> None:
+    """Console entry point: user errors become one line on stderr and exit code 2.
+
+    Usage errors (an unknown command or option, a missing argument) print click's short usage
+    message and exit 2. Typer vendors click (``typer._click``), so ``import click`` would name a
+    different exception class; ``typer.TyperException`` is the public base of the vendored ones.
+    """
     try:
         # standalone_mode=False: click returns typer.Exit's code instead of exiting; pass it on.
-        code = app(standalone_mode=False)
+        code = app(args=argv, prog_name="trainforge", standalone_mode=False)
         if isinstance(code, int) and code:
             sys.exit(code)
     except TrainforgeError as err:
@@ -317,13 +356,13 @@ def main() -> None:
     except typer.Abort:
         err_console.print("aborted")
         sys.exit(130)
-    except Exception as err:  # click usage errors and the like
-        import click
-
-        if isinstance(err, click.ClickException):
-            err.show()
-            sys.exit(2)
-        raise
+    except typer.TyperException as err:
+        show = getattr(err, "show", None)
+        if callable(show):
+            show()
+        else:
+            err_console.print(f"error: {escape(err.format_message())}", highlight=False, soft_wrap=True)
+        sys.exit(getattr(err, "exit_code", 2))
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ Layers, later ones win: the YAML file (or a dict), then ``--set key=value`` over
 from __future__ import annotations
 
 import difflib
+import math
 import os
 import re
 from collections.abc import Iterable, Mapping
@@ -14,21 +15,70 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from trainforge.errors import ConfigError
+from trainforge.safeyaml import MAX_DEPTH, MAX_TEXT_CHARS, YamlRefused, load_yaml, read_yaml_file
 
 ENV_PREFIX = "TRAINFORGE_"
+
+# Upper bounds that no real run comes near; they keep a typo (1e26, an extra zero) from reaching
+# torch or Ray as a size, a loop bound or an allocation. docs/configuration.md lists them.
+MAX_STEPS = 10**10
+MAX_EPOCHS = 10**6
+MAX_BATCH = 1 << 24
+MAX_WORKERS = 10_000
+MAX_SAMPLES = 1 << 40
+MAX_DIM = 1 << 24  # one entry of input_shape, seq_len, vocab_size, num_classes, image_size
+MAX_COUNT = 10**6  # small counts: grad accumulation, keep_last, threads, loader workers, failures, trials
+MAX_SECONDS = 7 * 24 * 3600.0  # a week: intervals and timeouts
+MAX_STR = 4096  # characters of any string value (PATH_MAX on Linux)
 
 PositiveInt = Annotated[int, Field(ge=1)]
 NonNegInt = Annotated[int, Field(ge=0)]
 PositiveFloat = Annotated[float, Field(gt=0)]
+Steps = Annotated[int, Field(ge=1, le=MAX_STEPS)]
+Count = Annotated[int, Field(ge=1, le=MAX_COUNT)]
+Workers = Annotated[int, Field(ge=1, le=MAX_WORKERS)]
+Dim = Annotated[int, Field(ge=1, le=MAX_DIM)]
+Seconds = Annotated[float, Field(gt=0, le=MAX_SECONDS)]
+
+
+def _plain(value: Any, key: str = "", depth: int = 0) -> None:
+    """Free-form values (model.kwargs, tune.scheduler_params) hold only what YAML and JSON share."""
+    where = key or "value"
+    if depth > MAX_DEPTH:
+        raise ValueError(f"nested deeper than {MAX_DEPTH} levels")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{where} = {value}: numbers must be finite")
+    if isinstance(value, dict):
+        for name, item in value.items():
+            if not isinstance(name, str):
+                raise ValueError(f"{where}: keys must be strings, got {name!r}")
+            _plain(item, f"{key}.{name}" if key else name, depth + 1)
+    elif isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            _plain(item, f"{where}[{index}]", depth + 1)
+    elif value is not None and not isinstance(value, (str, int, float)):
+        raise ValueError(f"{where}: {type(value).__name__} is not allowed; use strings, numbers, booleans, lists, maps")
+
+
+def _check_plain(value: dict[str, Any]) -> dict[str, Any]:
+    _plain(value)
+    return value
+
+
+PlainDict = Annotated[dict[str, Any], AfterValidator(_check_plain)]
 
 
 class Section(BaseModel):
-    """Base for every config section: unknown keys are errors, assignments are validated."""
+    """Base for every config section: unknown keys are errors, assignments are validated.
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    Every float is finite (``allow_inf_nan``: .inf and .nan are refused wherever a number goes)
+    and every string at most MAX_STR characters.
+    """
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False, str_max_length=MAX_STR)
 
 
 class RunConfig(Section):
@@ -46,7 +96,7 @@ class RunConfig(Section):
 class ModelConfig(Section):
     name: str | None = None
     factory: str | None = None
-    kwargs: dict[str, Any] = Field(default_factory=dict)
+    kwargs: PlainDict = Field(default_factory=dict)
     task: Literal["classification", "causal_lm"] | None = None
 
     @model_validator(mode="after")
@@ -62,29 +112,29 @@ class DataConfig(Section):
     name: str = "digits"
     path: str | None = None
     kind: Literal["image", "tokens"] = "image"
-    input_shape: list[PositiveInt] = Field(default_factory=lambda: [3, 32, 32])
-    num_classes: Annotated[int, Field(ge=2)] = 10
-    num_samples: PositiveInt = 1024
-    seq_len: Annotated[int, Field(ge=2)] = 64
-    vocab_size: Annotated[int, Field(ge=2)] = 1000
+    input_shape: Annotated[list[Dim], Field(min_length=1, max_length=8)] = Field(default_factory=lambda: [3, 32, 32])
+    num_classes: Annotated[int, Field(ge=2, le=MAX_DIM)] = 10
+    num_samples: Annotated[int, Field(ge=1, le=MAX_SAMPLES)] = 1024
+    seq_len: Annotated[int, Field(ge=2, le=MAX_DIM)] = 64
+    vocab_size: Annotated[int, Field(ge=2, le=MAX_DIM)] = 1000
     val_fraction: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.2
-    image_size: PositiveInt | None = None
-    num_workers: NonNegInt = 0
+    image_size: Dim | None = None
+    num_workers: Annotated[int, Field(ge=0, le=1024)] = 0
     pin_memory: bool | None = None
     shuffle: bool = True
 
 
 class TrainConfig(Section):
-    max_steps: PositiveInt | None = None
-    epochs: PositiveInt | None = None
-    batch_size: PositiveInt = 32
-    grad_accum_steps: PositiveInt = 1
+    max_steps: Steps | None = None
+    epochs: Annotated[int, Field(ge=1, le=MAX_EPOCHS)] | None = None
+    batch_size: Annotated[int, Field(ge=1, le=MAX_BATCH)] = 32
+    grad_accum_steps: Count = 1
     grad_clip_norm: PositiveFloat | None = None
-    log_every_n_steps: PositiveInt = 10
-    report_min_interval_s: Annotated[float, Field(ge=0.0)] = 1.0
-    eval_every_n_steps: PositiveInt | None = None
+    log_every_n_steps: Steps = 10
+    report_min_interval_s: Annotated[float, Field(ge=0.0, le=MAX_SECONDS)] = 1.0
+    eval_every_n_steps: Steps | None = None
     sync_batchnorm: bool = False
-    threads_per_worker: PositiveInt = 1
+    threads_per_worker: Annotated[int, Field(ge=1, le=1024)] = 1
 
     @model_validator(mode="after")
     def _has_length(self) -> TrainConfig:
@@ -95,26 +145,26 @@ class TrainConfig(Section):
 
 class OptimConfig(Section):
     name: Literal["sgd", "adam", "adamw"] = "adamw"
-    lr: PositiveFloat = 1e-3
-    weight_decay: Annotated[float, Field(ge=0.0)] = 0.0
+    lr: Annotated[float, Field(gt=0, le=1e3)] = 1e-3
+    weight_decay: Annotated[float, Field(ge=0.0, le=1e3)] = 0.0
     momentum: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.9
     nesterov: bool = False
     betas: tuple[Annotated[float, Field(ge=0.0, lt=1.0)], Annotated[float, Field(ge=0.0, lt=1.0)]] = (0.9, 0.999)
-    eps: PositiveFloat = 1e-8
+    eps: Annotated[float, Field(gt=0, le=1.0)] = 1e-8
     lr_scaling: Literal["none", "linear"] = "none"
-    base_batch_size: PositiveInt = 256
+    base_batch_size: Annotated[int, Field(ge=1, le=MAX_BATCH)] = 256
 
 
 class ScheduleConfig(Section):
     name: Literal["constant", "step", "cosine", "linear"] = "constant"
-    warmup_steps: NonNegInt = 0
-    step_size: PositiveInt = 1000
-    gamma: PositiveFloat = 0.1
+    warmup_steps: Annotated[int, Field(ge=0, le=MAX_STEPS)] = 0
+    step_size: Steps = 1000
+    gamma: Annotated[float, Field(gt=0, le=1e3)] = 0.1
     min_lr_ratio: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
 
 
 class ScalingConfig(Section):
-    num_workers: PositiveInt | tuple[PositiveInt, PositiveInt] = 1
+    num_workers: Workers | tuple[Workers, Workers] = 1
     use_gpu: bool = False
     resources_per_worker: dict[str, Annotated[float, Field(ge=0.0)]] | None = None
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
@@ -132,10 +182,10 @@ class ScalingConfig(Section):
 
 
 class CheckpointConfig(Section):
-    every_n_steps: PositiveInt | None = None
-    every_n_minutes: PositiveFloat | None = None
+    every_n_steps: Steps | None = None
+    every_n_minutes: Annotated[float, Field(gt=0, le=MAX_SECONDS / 60)] | None = None
     at_epoch_end: bool = False
-    keep_last: PositiveInt = 3
+    keep_last: Count = 3
     keep_best_metric: str | None = None
     keep_best_mode: Literal["min", "max"] = "min"
     storage_path: str | None = None
@@ -151,14 +201,17 @@ class CheckpointConfig(Section):
 
 
 class FailureConfig(Section):
-    max_failures: Annotated[int, Field(ge=-1)] = 3
-    collective_timeout_s: Annotated[float, Field(ge=1.0)] = 300.0  # whole seconds reach gloo/NCCL: >= 1
+    max_failures: Annotated[int, Field(ge=-1, le=MAX_COUNT)] = 3
+    collective_timeout_s: Annotated[float, Field(ge=1.0, le=MAX_SECONDS)] = 300.0  # whole seconds reach gloo/NCCL: >= 1
 
 
 class ClusterConfig(Section):
     address: str | None = None
-    num_cpus: PositiveInt | None = None
-    report_poll_interval_s: PositiveFloat = 0.2
+    # Where a local Ray (no address) listens: 127.0.0.1 keeps GCS, raylet, object manager, workers
+    # and the metrics agent on loopback; 0.0.0.0 is Ray's own default (every interface).
+    bind_address: Literal["127.0.0.1", "0.0.0.0"] = "127.0.0.1"
+    num_cpus: Annotated[int, Field(ge=1, le=1 << 20)] | None = None
+    report_poll_interval_s: Annotated[float, Field(gt=0, le=60.0)] = 0.2
 
 
 class TrackingConfig(Section):
@@ -170,8 +223,12 @@ class TrackingConfig(Section):
     required: bool = False  # True: unreachable at the start fails the run; an incomplete record fails it at the end
     system_metrics: bool = True  # per-node CPU, memory, network, disk (psutil) and GPU (NVML)
     parent_run_id: str | None = None  # nest this run under another MLflow run (a search's trials)
-    flush_timeout_s: Annotated[float, Field(ge=0.0)] = 30.0  # at the end, wait at most this long for MLflow
-    max_buffered_points: PositiveInt = 100_000  # metric points kept while the server is away; oldest dropped
+    flush_timeout_s: Annotated[float, Field(ge=0.0, le=MAX_SECONDS)] = (
+        30.0  # at the end, wait at most this long for MLflow
+    )
+    max_buffered_points: Annotated[int, Field(ge=1, le=10**8)] = (
+        100_000  # metric points kept while the server is away; oldest dropped
+    )
 
 
 class MetricsConfig(Section):
@@ -181,7 +238,7 @@ class MetricsConfig(Section):
     # How often every process of a local Ray pushes its metrics to the node's agent (Ray's
     # metrics_report_interval_ms; Ray floors it at 1 s). None: Ray's default, 10 s. A cluster sets
     # it at `ray start` (RAY_metrics_report_interval_ms); setting it for one is refused at connect.
-    export_interval_s: Annotated[float, Field(ge=1.0)] | None = None
+    export_interval_s: Annotated[float, Field(ge=1.0, le=3600.0)] | None = None
     # Time DDP's gradient all-reduce through a Python communication hook (metrics/comm.py); false
     # keeps DDP's built-in C++ all-reduce and exports no communication metrics.
     comm_timing: bool = True
@@ -197,13 +254,13 @@ class TuneConfig(Section):
 
     metric: str | None = None  # None: val/loss where there is validation data, else train/loss
     mode: Literal["min", "max"] = "min"
-    num_trials: PositiveInt | None = None  # None: 8, or every grid point once for search grid
-    max_concurrent: PositiveInt | None = None  # None: what the cluster's free resources allow
-    workers_per_trial: PositiveInt = 1
+    num_trials: Count | None = None  # None: 8, or every grid point once for search grid
+    max_concurrent: Workers | None = None  # None: what the cluster's free resources allow
+    workers_per_trial: Workers = 1
     search: Literal["random", "grid", "optuna"] = "random"
     scheduler: Literal["none", "asha", "pbt", "median"] = "none"
-    scheduler_params: dict[str, Any] = Field(default_factory=dict)  # a section per scheduler: {asha: {...}}
-    time_budget_s: PositiveFloat | None = None
+    scheduler_params: PlainDict = Field(default_factory=dict)  # a section per scheduler: {asha: {...}}
+    time_budget_s: Annotated[float, Field(gt=0, le=366 * 24 * 3600.0)] | None = None
 
 
 class Config(Section):
@@ -223,7 +280,7 @@ class Config(Section):
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     tune: TuneConfig = Field(default_factory=TuneConfig)
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-    seed: NonNegInt = 0
+    seed: Annotated[int, Field(ge=0, le=2**32 - 1)] = 0
     deterministic: bool = False
 
     @model_validator(mode="after")
@@ -275,14 +332,8 @@ def load_config(
 
 
 def read_yaml(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark is not None else ""
-        raise ConfigError(f"config file {path} is not valid YAML{where}: {getattr(err, 'problem', err)}") from None
+    """A config file's sections, read within safeyaml's bounds (size, depth, aliases, duplicate keys)."""
+    data = read_yaml_file(path, "config file")
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -296,11 +347,7 @@ def parse_override(item: str) -> tuple[str, Any]:
     key = key.strip()
     if not sep or not re.fullmatch(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*", key):
         raise ConfigError(f"--set {item!r}: expected key=value with a dotted key, e.g. train.batch_size=64")
-    try:
-        value = yaml.safe_load(text) if text.strip() else ""
-    except yaml.YAMLError:
-        value = text
-    return key, value
+    return key, parse_value(text, f"--set {key}")
 
 
 def env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
@@ -310,11 +357,25 @@ def env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
         if not name.startswith(ENV_PREFIX) or "__" not in name:
             continue
         key = name[len(ENV_PREFIX) :].lower().replace("__", ".")
-        try:
-            found[key] = yaml.safe_load(text) if text.strip() else ""
-        except yaml.YAMLError:
-            found[key] = text
+        found[key] = parse_value(text, f"environment {name}")
     return found
+
+
+def parse_value(text: str, origin: str) -> Any:
+    """An override's value as YAML (``64``, ``true``, ``[1, 2]``); text that is not YAML stays a string.
+
+    The file's limits hold here too: depth, alias expansion and duplicate keys are errors, not strings.
+    """
+    if len(text) > MAX_TEXT_CHARS:
+        raise ConfigError(f"{origin}: the value is longer than {MAX_TEXT_CHARS} characters")
+    if not text.strip():
+        return ""
+    try:
+        return load_yaml(text, origin)
+    except YamlRefused:
+        raise
+    except ConfigError:
+        return text
 
 
 def set_dotted(raw: dict[str, Any], key: str, value: Any, origin: str) -> None:
@@ -339,13 +400,40 @@ def validate(raw: Mapping[str, Any]) -> Config:
 
 def describe_validation_error(err: ValidationError) -> str:
     """Turn pydantic's report into one line per problem that names the key and what is allowed."""
-    lines = [_describe_one(e) for e in err.errors()]
+    errors = err.errors()
+    # A union (scaling.num_workers: N or [min, max]) reports one error per member; when a bound
+    # was broken, "should be a valid tuple" only adds noise.
+    bounded = {_key(e) for e in errors if not str(e["type"]).endswith("_type")}
+    kept = [e for e in errors if not (str(e["type"]).endswith("_type") and _key(e) in bounded)]
+    lines = [_describe_one(e) for e in kept]
     return "; ".join(dict.fromkeys(lines))
 
 
+def _loc(error: Mapping[str, Any]) -> list[str]:
+    """The error's key path without pydantic's union-member tags (``int``, ``tuple[int,int]``).
+
+    Tags only follow a value's field, never a section's key: a user's key named ``str`` stays.
+    """
+    parts: list[str] = []
+    model: type[BaseModel] | None = Config
+    for part in error["loc"]:
+        if model is None and _is_union_tag(part):
+            continue
+        parts.append(str(part))
+        field = model.model_fields.get(str(part)) if model is not None else None
+        annotation = field.annotation if field else None
+        model = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+    return parts
+
+
+def _key(error: Mapping[str, Any]) -> str:
+    """The dotted key, printable and short: a key is user input too (a newline, 100k characters)."""
+    return _clip(".".join(p if p.isprintable() else repr(p) for p in _loc(error))) or "config"
+
+
 def _describe_one(error: Mapping[str, Any]) -> str:
-    loc = [str(p) for p in error["loc"] if not _is_union_tag(p)]
-    key = ".".join(loc) or "config"
+    loc = _loc(error)
+    key = _key(error)
     kind = error["type"]
     if kind == "extra_forbidden":
         hint = _suggest(loc)
@@ -354,8 +442,12 @@ def _describe_one(error: Mapping[str, Any]) -> str:
         return f"missing key {key}"
     given = error.get("input")
     msg = str(error["msg"]).removeprefix("Value error, ")
-    shown = "" if isinstance(given, dict) else f" = {given!r}"
+    shown = "" if isinstance(given, (dict, list)) else f" = {_clip(repr(given))}"
     return f"{key}{shown}: {msg}"
+
+
+def _clip(text: str, limit: int = 80) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _is_union_tag(part: Any) -> bool:
@@ -367,6 +459,8 @@ def _is_union_tag(part: Any) -> bool:
 
 def _suggest(loc: list[str]) -> str | None:
     """The closest valid key at the same level as an unknown one."""
+    if not loc:
+        return None
     model: type[BaseModel] = Config
     for part in loc[:-1]:
         field = model.model_fields.get(part)
@@ -378,8 +472,10 @@ def _suggest(loc: list[str]) -> str | None:
     return ".".join([*loc[:-1], match[0]]) if match else None
 
 
-def _deep_copy(data: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: _deep_copy(v) if isinstance(v, Mapping) else v for k, v in data.items()}
+def _deep_copy(data: Mapping[str, Any], depth: int = 0) -> dict[str, Any]:
+    if depth > MAX_DEPTH:
+        raise ConfigError(f"config: mappings nested deeper than {MAX_DEPTH} levels")
+    return {k: _deep_copy(v, depth + 1) if isinstance(v, Mapping) else v for k, v in data.items()}
 
 
 def to_yaml(config: Config) -> str:

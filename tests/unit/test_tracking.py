@@ -31,7 +31,14 @@ from trainforge.tracking.records import (
     sanitize_key,
     scaling_tags,
 )
-from trainforge.tracking.runs import RESUME_FILE, RunPlan, open_run
+from trainforge.tracking.runs import (
+    EXPERIMENT_KIND_TAG,
+    RESUME_FILE,
+    TRAINING_KIND,
+    RunPlan,
+    ensure_experiment,
+    open_run,
+)
 from trainforge.tracking.store import local_store_uri, resolve_uri, run_link
 from trainforge.tracking.system import Gpus, SystemMetrics
 
@@ -94,6 +101,23 @@ def test_long_names_are_cut_and_stay_distinct() -> None:
 def test_metric_points_take_every_number_at_the_reports_step_and_time() -> None:
     points = metric_points(REPORT)
     assert sorted(points) == [("epoch", 1.0, 1_790_000_000_500, 10), ("train/loss", 0.5, 1_790_000_000_500, 10)]
+
+
+def test_metric_points_take_one_point_per_log_interval_from_the_history() -> None:
+    history = [
+        {"step": 10, "time/unix": 1_790_000_000.1, "train/loss": 0.7},
+        {"step": 20, "time/unix": 1_790_000_000.2, "train/loss": 0.6},
+        {"step": 30, "time/unix": 1_790_000_000.5, "train/loss": 0.55},
+    ]
+    points = metric_points({**REPORT, "step": 30, "val/loss": 0.9, "history": history})
+    # Each interval at its own step and time; the report's own train/loss (its whole span) is not
+    # logged a second time at step 30.
+    assert [(step, value, stamp) for key, value, stamp, step in points if key == "train/loss"] == [
+        (10, 0.7, 1_790_000_000_100),
+        (20, 0.6, 1_790_000_000_200),
+        (30, 0.55, 1_790_000_000_500),
+    ]
+    assert sorted((key, step) for key, _, _, step in points if key != "train/loss") == [("epoch", 30), ("val/loss", 30)]
 
 
 def test_scaling_and_cluster_tags() -> None:
@@ -252,6 +276,35 @@ def test_a_run_in_the_local_store_and_its_resume(tmp_path: Path, caplog: pytest.
     ]
     assert "summary.json" in {a.path for a in client.list_artifacts(run_id)}
     assert (cfg.run_dir / "tracking.log").is_file()
+
+
+def test_a_training_run_has_a_point_per_log_interval_in_a_model_training_experiment(tmp_path: Path) -> None:
+    cfg = config(tmp_path, flush_timeout_s=60)
+    tracker = make_tracker(cfg, cfg.run_dir)
+    assert tracker is not None
+    reports = [
+        {**REPORT, "step": end, "history": [{"step": s, "train/loss": 1.0 / s} for s in range(end - 25, end + 1, 5)]}
+        for end in (30, 60)
+    ]
+    drive(tracker, reports)
+    assert not tracker.leftover and tracker.outbox.opened is not None
+    client = client_for(tmp_path)
+    curve = client.get_metric_history(tracker.outbox.opened.run_id, "train/loss")
+    assert [(m.step, m.value) for m in curve] == [(s, 1.0 / s) for s in range(5, 61, 5)]
+    # MLflow's UI shows it as model training (runs and charts), not GenAI development.
+    experiment = client.get_experiment_by_name("trainforge")
+    assert experiment.tags[EXPERIMENT_KIND_TAG] == TRAINING_KIND == "custom_model_development"
+
+
+def test_an_existing_experiment_gets_the_training_kind_unless_it_has_one(tmp_path: Path) -> None:
+    client = client_for(tmp_path)
+    uri = local_store_uri(tmp_path)
+    untagged = client.create_experiment("older")
+    chosen = client.create_experiment("chosen", tags={EXPERIMENT_KIND_TAG: "genai_development"})
+    assert ensure_experiment(client, "older", uri) == untagged
+    assert ensure_experiment(client, "chosen", uri) == chosen
+    assert client.get_experiment(untagged).tags[EXPERIMENT_KIND_TAG] == TRAINING_KIND
+    assert client.get_experiment(chosen).tags[EXPERIMENT_KIND_TAG] == "genai_development"  # someone chose it
 
 
 def test_a_run_that_raised_before_its_end_is_marked_failed(tmp_path: Path) -> None:

@@ -27,6 +27,10 @@ PER_REQUEST = 100  # MLflow's limit on params (and tags) per log_batch request
 RESUME_FILE = "tracking.json"
 STATUS = {"finished": "FINISHED", "failed": "FAILED", "stopped": "KILLED", "aborted": "KILLED"}
 PARENT_TAG = "mlflow.parentRunId"
+# MLflow 3's UI guesses the kind of an experiment without this tag and may open it in its GenAI
+# view (traces, prompts); custom_model_development is its kind for model training (runs, charts).
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+TRAINING_KIND = "custom_model_development"
 
 
 @dataclass(frozen=True)
@@ -59,13 +63,18 @@ def open_run(client: MlflowClient, plan: RunPlan) -> OpenedRun:
 
 
 def ensure_experiment(client: MlflowClient, name: str, uri: str) -> str:
-    """The id of experiment ``name``, created (artifacts next to a local store) if missing."""
+    """The id of experiment ``name``, created (artifacts next to a local store) if missing, and
+    marked as a model-training experiment unless someone already chose its kind."""
     from mlflow.exceptions import MlflowException
 
     found = client.get_experiment_by_name(name)
     if found is None:
         try:
-            return str(client.create_experiment(name, artifact_location=artifact_location(uri)))
+            return str(
+                client.create_experiment(
+                    name, artifact_location=artifact_location(uri), tags={EXPERIMENT_KIND_TAG: TRAINING_KIND}
+                )
+            )
         except MlflowException:
             found = client.get_experiment_by_name(name)  # another run created it meanwhile
             if found is None:
@@ -75,6 +84,8 @@ def ensure_experiment(client: MlflowClient, name: str, uri: str) -> str:
             f"MLflow experiment {name!r} is deleted; restore it (mlflow experiments restore) "
             "or choose another tracking.experiment"
         )
+    if EXPERIMENT_KIND_TAG not in found.tags:  # made by an older trainforge, or by hand
+        client.set_experiment_tag(found.experiment_id, EXPERIMENT_KIND_TAG, TRAINING_KIND)
     return str(found.experiment_id)
 
 
