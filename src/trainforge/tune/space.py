@@ -28,6 +28,7 @@ from pydantic import BaseModel, ValidationError
 
 from trainforge.config import Config, describe_validation_error, set_dotted
 from trainforge.errors import ConfigError
+from trainforge.safeyaml import read_yaml_file
 
 # kind -> (number of arguments, what they are); "list" takes any non-empty list.
 RANGES = {
@@ -155,12 +156,7 @@ def apply_params(raw: Mapping[str, Any], params: Mapping[str, Any]) -> dict[str,
 def load_space(path: str | Path, base: Config) -> SearchSpace:
     """Read and check a space file against the run config it will be applied to."""
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"space file {path} does not exist")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as err:
-        raise ConfigError(f"space file {path} is not valid YAML: {getattr(err, 'problem', err)}") from None
+    data = read_yaml_file(path, "space file")  # bounded: size, depth, aliases, duplicate keys
     return parse_space(data, base, source=str(path))
 
 
