@@ -50,7 +50,8 @@ def test_auto_continues_none_refuses_and_a_path_starts_from_it(tmp_path: Path) -
     assert branched.summary["global_step"] == 8
     assert any("checkpoint_000000005 at step 5" in e for e in events(branched.run_dir))
 
-    with pytest.raises(CheckpointError, match=r"is not valid: manifest\.json is missing"):
+    # Checked on the driver, before Ray starts (launch.check_resume_path).
+    with pytest.raises(CheckpointError, match=r"nowhere is not a checkpoint: no such directory"):
         trainforge.fit(tiny_run(tmp_path, run={"name": "bad"}, checkpoint={"resume": str(tmp_path / "nowhere")}))
 
 
