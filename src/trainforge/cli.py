@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from trainforge.errors import TrainforgeError
+from trainforge.redact import redact_text, redacting
 
 app = typer.Typer(
     name="trainforge",
@@ -332,6 +333,8 @@ def _setup_logging(verbose: bool) -> None:
         level=logging.INFO if verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    for handler in logging.getLogger().handlers:  # Ray's, MLflow's and ours on the console
+        redacting(handler)
     logging.getLogger("trainforge").setLevel(logging.INFO)
 
 
@@ -349,7 +352,7 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(code)
     except TrainforgeError as err:
         # escape: messages quote values such as [lo, hi], which rich would take for markup.
-        err_console.print(f"[red]error:[/] {escape(str(err))}", highlight=False, soft_wrap=True)
+        err_console.print(f"[red]error:[/] {escape(redact_text(str(err)))}", highlight=False, soft_wrap=True)
         sys.exit(err.exit_code)
     except typer.Exit as exit_:
         sys.exit(exit_.exit_code)

@@ -18,6 +18,7 @@ import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from trainforge.errors import ConfigError
+from trainforge.redact import redact_config
 from trainforge.safeyaml import MAX_DEPTH, MAX_TEXT_CHARS, YamlRefused, load_yaml, read_yaml_file
 
 ENV_PREFIX = "TRAINFORGE_"
@@ -207,6 +208,9 @@ class FailureConfig(Section):
 
 class ClusterConfig(Section):
     address: str | None = None
+    # Where a local Ray (no address) listens: 127.0.0.1 keeps GCS, raylet, object manager, workers
+    # and the metrics agent on loopback; 0.0.0.0 is Ray's own default (every interface).
+    bind_address: Literal["127.0.0.1", "0.0.0.0"] = "127.0.0.1"
     # Where a local Ray (no address) listens: 127.0.0.1 keeps GCS, raylet, object manager, workers
     # and the metrics agent on loopback; 0.0.0.0 is Ray's own default (every interface).
     bind_address: Literal["127.0.0.1", "0.0.0.0"] = "127.0.0.1"
@@ -479,4 +483,6 @@ def _deep_copy(data: Mapping[str, Any], depth: int = 0) -> dict[str, Any]:
 
 
 def to_yaml(config: Config) -> str:
-    return yaml.safe_dump(config.to_dict(), sort_keys=False)
+    """The resolved config as YAML, credentials in URIs and secret-named values masked
+    (``trainforge.redact``): what config.yaml holds and ``config show`` prints."""
+    return yaml.safe_dump(redact_config(config.to_dict()), sort_keys=False)

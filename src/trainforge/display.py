@@ -10,6 +10,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from trainforge.redact import redact_text
+
 
 def describe(metrics: dict[str, Any]) -> str:
     """The few numbers a user watches, in one short line."""
@@ -59,7 +61,7 @@ class ProgressDisplay:
     def on_report(self, metrics: dict[str, Any]) -> None:
         for event in metrics.get("events", []):
             colour = "red" if "failed" in event else "yellow" if "skipped" in event else "cyan"
-            self.console.print(f"[{colour}]{escape(event)}[/]", highlight=False, soft_wrap=True)
+            self.console.print(f"[{colour}]{escape(redact_text(event))}[/]", highlight=False, soft_wrap=True)
         step, total = metrics.get("step", 0), metrics.get("total_steps")
         if self.progress is not None:
             self.progress.update(self.task_id, completed=step, total=total, description=describe(metrics))
@@ -68,14 +70,15 @@ class ProgressDisplay:
 
     def on_worker_error(self, errors: dict[int, str]) -> None:
         for rank, error in sorted(errors.items()):
-            self.console.print(f"[yellow]worker {rank} failed:[/] {escape(error)}", highlight=False, soft_wrap=True)
+            text = escape(redact_text(error))
+            self.console.print(f"[yellow]worker {rank} failed:[/] {text}", highlight=False, soft_wrap=True)
 
     def on_log(self, lines: list[dict[str, Any]]) -> None:
         """Warnings and errors from any worker; the rest is in workers.log."""
         for line in lines:
             if line["level"] >= logging.WARNING:
                 colour = "red" if line["level"] >= logging.ERROR else "yellow"
-                self.console.print(f"[{colour}]{escape(line['text'])}[/]", highlight=False, soft_wrap=True)
+                self.console.print(f"[{colour}]{escape(redact_text(line['text']))}[/]", highlight=False, soft_wrap=True)
 
     def on_end(self, summary: dict[str, Any]) -> None:
         if self.progress is not None:

@@ -33,10 +33,12 @@ from trainforge.config import Config, to_yaml
 from trainforge.errors import CheckpointError, ClusterError, TrainforgeError, TrainingFailed
 from trainforge.metrics.session import check_cluster_options, local_ray_options, publish_local_targets
 from trainforge.observe import ForwardingCallback, Observer, Observers, Pump, start_mailbox
+from trainforge.redact import install_on_logger, redact_config, redact_text, redacting
 from trainforge.runlock import run_locks
 from trainforge.worker.loop import train_loop_per_worker, worker_env
 
 log = logging.getLogger("trainforge")
+install_on_logger()  # every driver-side line of the "trainforge" logger, on every handler, redacted
 
 # The controller polls workers at this interval and each report waits for that poll; Ray's
 # default (2 s) would make every report cost up to 2 s of training time.
@@ -81,7 +83,7 @@ def check_reachable(address: str, timeout_s: float = 5.0) -> None:
 def ray_logs_to(path: Path, *, verbose: bool) -> Iterator[None]:
     """Ray's driver-side log lines go to ``path``; on the terminal too only when verbose."""
     ray_logger = logging.getLogger("ray")
-    handler = logging.FileHandler(path)
+    handler = redacting(logging.FileHandler(path))
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     # Ray installs its own stderr handler on import; park it unless the user asked for Ray's logs.
     parked = [] if verbose else list(ray_logger.handlers)
@@ -120,14 +122,49 @@ def ray_session(config: Config, address: str | None, *, verbose: bool) -> Iterat
         # address="local": always a new cluster, never one some other `ray start` left on this machine.
         # No dashboard (11 more processes, ~0.9 GB); metrics export works without it (metrics/session.py).
         options = local_ray_options(config.metrics)
-        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **options, **quiet)  # type: ignore[arg-type]
-        where = f"a local Ray ({num_cpus} logical CPUs)"
+        with bound_to(config.cluster.bind_address):
+            ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **options, **quiet)  # type: ignore[arg-type]
+        where = f"a local Ray ({num_cpus} logical CPUs, listening on {config.cluster.bind_address})"
     try:
         # Prometheus finds a local Ray's metrics agent through the file Ray's dashboard would write.
         with contextlib.nullcontext() if address else publish_local_targets(config.metrics):
             yield where
     finally:
         ray.shutdown()
+
+
+LOOPBACK = "127.0.0.1"
+# Ray reads this at import; False makes its node-address lookup answer 127.0.0.1 (as on macOS).
+CLUSTER_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+@contextlib.contextmanager
+def bound_to(bind_address: str) -> Iterator[None]:
+    """While a local Ray starts: make it take 127.0.0.1 as its node address, when asked to.
+
+    Ray 2.60 on Linux replaces a loopback ``_node_ip_address`` by the machine's routable address
+    (services.resolve_ip_for_localhost) and its servers listen on every interface. Its one path to
+    a loopback node is the macOS/Windows one, ``ray_constants.ENABLE_RAY_CLUSTER`` false: then the
+    node address is 127.0.0.1 and GCS, raylet, object manager, workers and the metrics agent listen
+    on 127.0.0.1 only (tests/integration/test_loopback.py checks every listening socket). The
+    environment variable carries the same choice to the processes ``ray.init`` spawns.
+    """
+    if bind_address != LOOPBACK:
+        yield
+        return
+    from ray._private import ray_constants
+
+    saved_flag, saved_env = ray_constants.ENABLE_RAY_CLUSTER, os.environ.get(CLUSTER_ENV)
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    os.environ[CLUSTER_ENV] = "0"
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved_flag
+        if saved_env is None:
+            os.environ.pop(CLUSTER_ENV, None)
+        else:
+            os.environ[CLUSTER_ENV] = saved_env
 
 
 def build_trainer(config: Config, mailbox: Any, callbacks: Sequence[Any] = ()) -> TorchTrainer:
@@ -278,7 +315,7 @@ def _train(
     write_json_atomic(run_dir / "summary.json", summary)
     fanout.on_end(summary)
     if outcome.status == "failed":
-        (run_dir / "error.log").write_text(outcome.error or "")
+        (run_dir / "error.log").write_text(redact_text(outcome.error or ""))
     return summary
 
 
@@ -394,9 +431,9 @@ def make_summary(config: Config, outcome: Outcome, pump: Pump) -> dict[str, Any]
         "final_metrics": {k: v for k, v in final.items() if "/" in k and isinstance(v, (int, float))},
         "throughput_samples_per_s": float(final.get("perf/steady_samples_per_s", 0.0)),
         "wall_time_s": round(outcome.wall_time_s, 3),
-        "checkpoint": outcome.checkpoint,
-        "config": config.to_dict(),
-        **({"error": outcome.error.strip().splitlines()[-1]} if outcome.error else {}),
+        "checkpoint": redact_text(outcome.checkpoint) if outcome.checkpoint else None,
+        "config": redact_config(config.to_dict()),
+        **({"error": redact_text(outcome.error.strip().splitlines()[-1])} if outcome.error else {}),
     }
 
 

@@ -17,62 +17,19 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import boto3
 import pytest
 import ray
 import yaml
-from moto.server import ThreadedMotoServer
 from safetensors.torch import load_file
 
 import trainforge
 from tests.helpers.faults import Fault, events, free_port, paced_run, reports, signal_a_worker, wait_until
+from tests.helpers.s3 import BUCKET, S3Server
 from trainforge.checkpoint.storage import CheckpointStore
 
 ROOT = Path(__file__).resolve().parents[2]
-BUCKET = "trainforge-test"
 
 pytestmark = pytest.mark.slow
-
-
-class S3Server:
-    """moto's S3 on 127.0.0.1:port; ``stop`` closes the socket (clients get connection refused),
-    ``start`` serves the same buckets again."""
-
-    def __init__(self, port: int) -> None:
-        self.port = port
-        self.endpoint = f"http://127.0.0.1:{port}"
-        self._server: ThreadedMotoServer | None = None
-
-    def start(self) -> None:
-        self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
-        self._server.start()
-
-    def stop(self) -> None:
-        if self._server is None:
-            return
-        self._server.stop()
-        # ThreadedMotoServer.stop leaves the listening socket open: requests would hang, not fail.
-        self._server._server.server_close()  # type: ignore[union-attr]
-        self._server = None
-
-    @property
-    def running(self) -> bool:
-        return self._server is not None
-
-    def client(self) -> Any:
-        return boto3.client("s3", endpoint_url=self.endpoint, region_name="us-east-1")
-
-    def keys(self, prefix: str) -> dict[str, int]:
-        """Object key -> size under ``prefix``."""
-        pages = self.client().get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix)
-        return {obj["Key"]: obj["Size"] for page in pages for obj in page.get("Contents", [])}
-
-    def committed(self, prefix: str) -> list[str]:
-        """Checkpoint names under ``prefix`` whose manifest was uploaded (the last file of a save)."""
-        if not self.running:
-            return []
-        names = {k.split("/")[-2] for k in self.keys(prefix) if k.endswith("/manifest.json")}
-        return sorted(n for n in names if n.startswith("checkpoint_"))
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ from typing import Any
 
 from trainforge.errors import TrainforgeError
 from trainforge.history import curve_points
+from trainforge.redact import redact_config, redact_text
 
 log = logging.getLogger("trainforge")
 
@@ -122,11 +123,11 @@ def load_run(run_dir: str | Path, summary: dict[str, Any] | None = None) -> RunD
         data.summary = loaded if isinstance(loaded, dict) else {}
     config_path = path / "config.yaml"
     if config_path.is_file():
-        data.config_text = config_path.read_text(errors="replace")
+        data.config_text = redact_text(config_path.read_text(errors="replace"))  # also runs from before redaction
     elif isinstance(data.summary.get("config"), dict):
         import yaml
 
-        data.config_text = yaml.safe_dump(data.summary["config"], sort_keys=False)
+        data.config_text = yaml.safe_dump(redact_config(data.summary["config"]), sort_keys=False)
     return data
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import json
+import os
 import re
 import subprocess
 import time
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from trainforge.history import COORDINATES, curve_points
+from trainforge.redact import redact_config
 
 # MLflow's own limits (mlflow.utils.validation); a longer value is refused by the server.
 MAX_KEY_LENGTH = 250
@@ -29,6 +31,7 @@ _BAD_CHARS = re.compile(r"[^/\w.\- :]")
 
 # (key, value, timestamp in ms, step): one metric point, in the shape MLflow's Metric takes.
 Point = tuple[str, float, int, int]
+
 
 
 def flatten(tree: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
@@ -53,8 +56,9 @@ def clip(text: str, limit: int) -> str:
 
 
 def config_params(config: Mapping[str, Any]) -> dict[str, str]:
-    """The flattened resolved config (``optim.lr``, ``scaling.num_workers``, ...) as MLflow params."""
-    return {sanitize_key(key): param_value(value) for key, value in flatten(config)}
+    """The flattened resolved config (``optim.lr``, ``scaling.num_workers``, ...) as MLflow params,
+    credentials masked (``trainforge.redact``)."""
+    return {sanitize_key(key): param_value(value) for key, value in flatten(redact_config(config))}
 
 
 def sanitize_key(name: str) -> str:
@@ -86,18 +90,56 @@ def metric_points(report: Mapping[str, Any]) -> list[Point]:
 
 
 def git_tags(cwd: Path) -> dict[str, str]:
-    """The commit of the working directory's git checkout and whether it has uncommitted changes."""
+    """The commit of the working directory's git checkout and whether it has uncommitted changes.
+
+    The working directory is not trusted: its ``.git/config`` can name programs for git to run
+    (``core.fsmonitor``, clean filters, hooks). ``_git`` neutralises every one that ``rev-parse``
+    and ``status`` could start; a repository git refuses (another user's, without
+    ``safe.directory``) gives no tags.
+    """
     try:
         commit = _git(cwd, "rev-parse", "HEAD")
-        dirty = _git(cwd, "status", "--porcelain", "--untracked-files=no")
+        dirty = _git(cwd, *_no_filters(cwd), "status", "--porcelain", "--untracked-files=no")
     except (OSError, subprocess.SubprocessError):
         return {}
     return {"mlflow.source.git.commit": commit, "trainforge.git_dirty": "true" if dirty else "false"}
 
 
+# Settings that make rev-parse or status run a program, overridden on the command line (which
+# wins over every config file). --no-optional-locks: status does not rewrite the index, so no
+# post-index-change hook either.
+_GIT_SAFE = (
+    "--no-optional-locks",
+    *("-c", "core.fsmonitor=false"),
+    *("-c", "core.hooksPath=/dev/null"),
+    *("-c", "core.pager=cat"),
+    *("-c", "core.untrackedCache=false"),
+)
+_GIT_ENV = {"GIT_TERMINAL_PROMPT": "0", "GIT_OPTIONAL_LOCKS": "0", "GIT_PAGER": "cat"}
+_FILTER_KEY = re.compile(r"^filter\.(.+)\.(clean|smudge|process)$")
+
+
 def _git(cwd: Path, *args: str) -> str:
-    done = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=10, check=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")} | _GIT_ENV
+    done = subprocess.run(
+        ["git", *_GIT_SAFE, *args], cwd=cwd, capture_output=True, text=True, timeout=10, check=True, env=env
+    )
     return done.stdout.strip()
+
+
+def _no_filters(cwd: Path) -> list[str]:
+    """``-c filter.NAME.clean=`` (empty: no filter) for every filter driver the configs define:
+    status runs a file's clean filter to compare it with the index."""
+    try:
+        listed = _git(cwd, "config", "--name-only", "--get-regexp", r"^filter\.")
+    except subprocess.CalledProcessError:  # exit 1: no filter configured
+        return []
+    overrides = []
+    for key in listed.splitlines():
+        match = _FILTER_KEY.match(key.strip())
+        if match:
+            overrides += ["-c", f"filter.{match.group(1)}.{match.group(2)}="]
+    return overrides
 
 
 def version_tags() -> dict[str, str]:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from urllib.parse import unquote, urlparse
 
 from trainforge.errors import ConfigError, TrainforgeError
+from trainforge.redact import redacting
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
@@ -118,7 +119,7 @@ class _MlflowLogs:
                 self.handler = logging.NullHandler()
             else:
                 path.parent.mkdir(parents=True, exist_ok=True)
-                handler = logging.FileHandler(path)
+                handler = redacting(logging.FileHandler(path))
                 handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
                 self.handler = handler
             quiet_mlflow()

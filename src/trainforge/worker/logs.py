@@ -23,6 +23,8 @@ import warnings
 from collections.abc import Iterator
 from typing import Any, TextIO
 
+from trainforge.redact import redacting
+
 BATCH_LINES = 200
 BATCH_SECONDS = 1.0
 MAX_LINE_CHARS = 4000
@@ -127,6 +129,7 @@ def shipped_logs(mailbox: Any, rank: int, node: str) -> Iterator[ShippingHandler
     for each in (handler, local):
         each.setFormatter(formatter)
         each.addFilter(KeepLevel())
+        redacting(each)  # credentials in a URI a line quotes stay on the worker
     saved_level = root.level
     saved_stdout = sys.stdout
     # Our loggers propagate to the root, where both handlers sit; INFO must get that far.

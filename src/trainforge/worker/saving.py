@@ -31,6 +31,7 @@ from trainforge.checkpoint.state import (
 )
 from trainforge.checkpoint.storage import CheckpointStore
 from trainforge.config import CheckpointConfig
+from trainforge.redact import redact_config
 from trainforge.errors import CheckpointError
 from trainforge.worker import parallel
 from trainforge.worker.optim import apply_hyperparameters, effective_lr, hyperparameters_differ
@@ -103,7 +104,7 @@ class Checkpointing:
                 scaler=runner.scaler.state_dict(),
                 rng=[dict(r) for r in rng],  # type: ignore[call-overload]
                 metrics={k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))},
-                config=self.run.config.to_dict(),
+                config=redact_config(self.run.config.to_dict()),  # a record: no credentials
                 versions=library_versions(),
             ),
         )

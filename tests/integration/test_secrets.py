@@ -1,0 +1,85 @@
+"""Credentials in URIs reach no file and no line of output of a real run (docs/security.md, table 5).
+
+One real ``trainforge train`` (the CLI, its own local Ray, one worker) whose checkpoints go to an
+S3 server on loopback (moto) through ``s3://KEY:SECRET@bucket/prefix?endpoint_override=...``: the
+workers really use that URI. Its MLflow server is ``http://alice:SECRET2@127.0.0.1:<closed port>``,
+so the tracker's warnings and MLflow's retries quote it. Afterwards every byte the run left behind
+is searched: the run directory, every object in the bucket (checkpoints' trainer_state.json
+included), the CLI's stdout and stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.faults import free_port
+from tests.helpers.s3 import BUCKET, S3Server
+
+pytestmark = pytest.mark.slow
+
+SECRET = "StorageSecret0x5EC7"
+SECRET2 = "TrackingSecret0x7A1F"
+
+
+def test_a_real_run_writes_and_prints_no_credential(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    server_env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+    for name, value in server_env.items():
+        monkeypatch.setenv(name, value)
+    server = S3Server(free_port())
+    server.start()
+    try:
+        server.client().create_bucket(Bucket=BUCKET)
+        storage = f"s3://ACCESSKEY:{SECRET}@{BUCKET}/secrets?endpoint_override=127.0.0.1:{server.port}&scheme=http"
+        tracking = f"http://alice:{SECRET2}@127.0.0.1:{free_port()}"
+        overrides = {
+            "run.output_dir": str(tmp_path / "runs"),
+            "run.name": "leak",
+            "train.max_steps": "20",
+            "scaling.num_workers": "1",
+            "checkpoint.every_n_steps": "10",
+            "checkpoint.storage_path": storage,
+            "tracking.uri": tracking,
+            "tracking.flush_timeout_s": "1",
+        }
+        command = [sys.executable, "-m", "trainforge", "train", "quickstart"]
+        for key, value in overrides.items():
+            command += ["--set", f"{key}={value}"]
+        # The driver copies the final weights out of the bucket by the checkpoint's redacted URI
+        # (s3://bucket/key): it finds the server through the environment, like any S3 client.
+        env = {**os.environ, "AWS_ENDPOINT_URL": server.endpoint, "OMP_NUM_THREADS": "1"}
+        done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+
+        run_dir = tmp_path / "runs" / "leak"
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert summary["status"] == "finished" and summary["global_step"] == 20
+        # The secret went through the whole run: Ray Train wrote the checkpoints with it.
+        objects = server.keys("secrets/")
+        states = [key for key in objects if key.endswith("/trainer_state.json")]
+        assert states, sorted(objects)
+        recorded = json.loads(server.client().get_object(Bucket=BUCKET, Key=states[-1])["Body"].read())
+        assert recorded["config"]["checkpoint"]["storage_path"] == storage.replace(SECRET, "***")
+        assert summary["config"]["tracking"]["uri"] == tracking.replace(SECRET2, "***")
+
+        leaks = []
+        for secret in (SECRET, SECRET2):
+            leaks += [f"stdout has {secret}"] if secret in done.stdout else []
+            leaks += [f"stderr has {secret}"] if secret in done.stderr else []
+            leaks += [str(p) for p in tmp_path.rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]
+            for key in objects:
+                body = server.client().get_object(Bucket=BUCKET, Key=key)["Body"].read()
+                leaks += [f"s3://{BUCKET}/{key}"] if secret.encode() in body else []
+        written = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file())
+        assert "runs/leak/config.yaml" in written and "runs/leak/ray.log" in written, written
+        assert not leaks, leaks
+        # The probes were live: the console did quote the tracking URI (redacted), the report the config.
+        assert "alice:***@127.0.0.1" in done.stderr, done.stderr[-3000:]
+        assert "ACCESSKEY:***@" in (run_dir / "report" / "report.html").read_text()
+    finally:
+        server.stop()
