@@ -211,9 +211,6 @@ class ClusterConfig(Section):
     # Where a local Ray (no address) listens: 127.0.0.1 keeps GCS, raylet, object manager, workers
     # and the metrics agent on loopback; 0.0.0.0 is Ray's own default (every interface).
     bind_address: Literal["127.0.0.1", "0.0.0.0"] = "127.0.0.1"
-    # Where a local Ray (no address) listens: 127.0.0.1 keeps GCS, raylet, object manager, workers
-    # and the metrics agent on loopback; 0.0.0.0 is Ray's own default (every interface).
-    bind_address: Literal["127.0.0.1", "0.0.0.0"] = "127.0.0.1"
     num_cpus: Annotated[int, Field(ge=1, le=1 << 20)] | None = None
     report_poll_interval_s: Annotated[float, Field(gt=0, le=60.0)] = 0.2
 
