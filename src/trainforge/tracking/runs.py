@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from trainforge.redact import redact_text
 from trainforge.tracking.outbox import Call, OpenedRun
 from trainforge.tracking.records import MAX_TAG_VALUE_LENGTH, clip, sanitize_key
 from trainforge.tracking.store import artifact_location
@@ -94,7 +95,7 @@ def reopen(client: MlflowClient, plan: RunPlan) -> OpenedRun | None:
     from mlflow.exceptions import MlflowException
 
     remembered = read_resume_file(plan.resume_file)
-    if remembered is None or remembered.get("uri") != plan.uri:
+    if remembered is None or remembered.get("uri") != redact_text(plan.uri):
         return None
     try:
         run = client.get_run(str(remembered["run_id"]))
@@ -123,7 +124,9 @@ def read_resume_file(path: Path | None) -> dict[str, Any] | None:
 def remember(path: Path, uri: str, opened: OpenedRun) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"uri": uri, "run_id": opened.run_id, "experiment_id": opened.experiment_id}))
+        path.write_text(
+            json.dumps({"uri": redact_text(uri), "run_id": opened.run_id, "experiment_id": opened.experiment_id})
+        )
     except OSError as err:  # the run is tracked; only a later resume would start a new MLflow run
         log.warning("could not write %s: %s", path, err)
 
