@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -71,6 +73,81 @@ def test_bad_input_is_one_line_and_exit_code_2(tmp_path: Path, args: list[str], 
 
 def test_missing_config_file(tmp_path: Path) -> None:
     assert_user_error(trainforge("train", str(tmp_path / "absent.yaml")), "does not exist")
+
+
+def entry_point(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """The installed console script (main() as users run it), or ``python -m trainforge`` without one."""
+    script = Path(sys.executable).parent / "trainforge"
+    command = [str(script)] if script.is_file() else [sys.executable, "-m", "trainforge"]
+    full_env = {**os.environ, "PYTHONPATH": str(ROOT), "TERM": "dumb", "COLUMNS": "200", **(env or {})}
+    return subprocess.run(
+        [*command, *args], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=30, check=False
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["plan"], "Error: No such command 'plan'."),
+        (["train", "quickstart", "--sett", "x=1"], "Error: No such option: --sett"),
+        (["ckpt", "verify"], "Error: Missing argument 'path'."),
+    ],
+)
+def test_usage_errors_print_click_usage_and_exit_2(tmp_path: Path, args: list[str], expected: str) -> None:
+    result = entry_point(*args, cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+    lines = result.stderr.strip().splitlines()
+    assert lines[0].startswith("Usage: trainforge") and lines[-1].startswith(expected), result.stderr
+    assert len(lines) <= 4, result.stderr
+
+
+def test_version_names_trainforge_torch_and_ray(tmp_path: Path) -> None:
+    from importlib.metadata import version
+
+    from trainforge import __version__
+
+    result = entry_point("--version", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    expected = f"trainforge {__version__} (torch {version('torch')}, ray {version('ray')})"
+    assert result.stdout.strip() == expected
+    assert re.fullmatch(r"trainforge [\d.]+ \(torch \S+, ray \S+\)", expected)
+
+
+HOSTILE = {
+    "binary": (b"\xff\xfe\x00\x01", "is not UTF-8 text"),
+    "deep": (b"[" * 100_000, "nested deeper than 64 levels"),
+    "alias-bomb": (
+        b"a: &a [x,x,x,x,x,x,x,x,x]\nb: &b [*a,*a,*a,*a,*a,*a,*a,*a,*a]\nc: &c [*b,*b,*b,*b,*b,*b,*b,*b,*b]\n"
+        b"d: &d [*c,*c,*c,*c,*c,*c,*c,*c,*c]\ne: &e [*d,*d,*d,*d,*d,*d,*d,*d,*d]\nf: [*e,*e,*e,*e,*e,*e,*e,*e,*e]\n",
+        "once aliases are expanded",
+    ),
+    "duplicate": (b"model: {name: mlp}\ntrain: {max_steps: 1}\ntrain: {max_steps: 2}\n", "duplicate key 'train'"),
+    "infinite-lr": (b"model: {name: mlp}\ntrain: {max_steps: 1}\noptim: {lr: .inf}\n", "optim.lr = inf"),
+    "directory": (None, "is a directory"),
+}
+
+
+@pytest.mark.parametrize("case", list(HOSTILE))
+def test_hostile_config_is_one_line_before_ray_starts(tmp_path: Path, case: str) -> None:
+    content, expected = HOSTILE[case]
+    path = tmp_path / "configs"
+    if content is None:
+        path.mkdir()
+    else:
+        path.write_bytes(content)
+    start = time.monotonic()
+    # An unreachable RAY_ADDRESS: had the command got as far as Ray, the error would say so instead.
+    result = entry_point(
+        "train", str(path), "--set", "run.output_dir=runs", cwd=tmp_path, env={"RAY_ADDRESS": "127.0.0.1:9"}
+    )
+    elapsed = time.monotonic() - start
+    assert result.returncode == 2, result.stderr
+    assert result.stdout == "" and "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], result.stderr
+    assert not (tmp_path / "runs").exists()  # no run directory, no ray.log: Ray never started
+    assert elapsed < 15, f"{elapsed:.1f} s (the loader's own time is held to 1 s in tests/unit/test_config_hostile.py)"
 
 
 @pytest.mark.slow
