@@ -23,7 +23,6 @@ import fcntl
 import json
 import logging
 import os
-import re
 import shlex
 import socket
 import sys
@@ -38,13 +37,13 @@ import psutil
 
 from trainforge.config import Config
 from trainforge.errors import ConfigError, RunLockedError
+from trainforge.redact import MASK, is_secret_key, redact_text
 
 log = logging.getLogger("trainforge")
 
 LOCK_FILE = ".lock"
 _RECORD_MAX = 4096  # the record is read back from a shared directory: bounded
 _START_SLACK_S = 1.0  # psutil's start times of one process agree to the clock tick; a reused PID differs by more
-_USERINFO = re.compile(r"(\w+://)[^/@\s]+@")
 
 
 @dataclass(frozen=True)
@@ -59,13 +58,12 @@ class Holder:
 
     @classmethod
     def me(cls) -> Holder:
-        command = _USERINFO.sub(r"\1***@", shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]]))
         return cls(
             host=socket.gethostname(),
             pid=os.getpid(),
             started_at=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
             process_started=psutil.Process().create_time(),
-            command=command[:300],
+            command=_command(),
         )
 
     def describe(self) -> str:
@@ -85,6 +83,13 @@ class Holder:
             return False
         except psutil.AccessDenied:
             return True  # it exists; we cannot look closer, so it may be the holder
+
+
+def _command() -> str:
+    """This process's command line, fit for a file others read: credentials masked (redact.py)."""
+    words = [Path(sys.argv[0]).name, *sys.argv[1:]]
+    shown = [f"{w.partition('=')[0]}={MASK}" if is_secret_key(w.partition("=")[0]) else w for w in words]
+    return redact_text(shlex.join(shown))[:300]
 
 
 class RunLock:

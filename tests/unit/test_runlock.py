@@ -64,6 +64,15 @@ def test_acquire_records_the_holder_and_a_second_acquire_names_it(tmp_path: Path
     assert message.endswith(ADVICE)
 
 
+def test_the_recorded_command_has_no_credentials(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    argv = ["/venv/bin/trainforge", "train", "--set", "checkpoint.storage_path=s3://AKIA:hunter2@b/p", "db.password=pw"]
+    monkeypatch.setattr(sys, "argv", argv)
+    with take(tmp_path):
+        command = record(tmp_path)["command"]
+    assert command.startswith("trainforge train --set")
+    assert "hunter2" not in command and "pw" not in command.split("password")[-1]
+
+
 def test_release_clears_the_record_and_the_next_run_takes_the_lock_silently(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
