@@ -27,6 +27,7 @@ from trainforge.checkpoint.format import write_json_atomic
 from trainforge.config import Config
 from trainforge.errors import ConfigError
 from trainforge.launch import preflight, ray_logs_to, ray_session, resolve_address
+from trainforge.redact import redact_config
 from trainforge.tune.placement import Releaser, release, start_ledger
 from trainforge.tune.relay import relayed
 from trainforge.tune.schedulers import SearchPlan, build_scheduler, build_search_alg, make_plan
@@ -99,7 +100,7 @@ def default_concurrency(demand: dict[str, float], available: dict[str, float]) -
 
 def search_identity(base: dict[str, Any], space: SearchSpace, plan: SearchPlan) -> dict[str, Any]:
     return {
-        "config": base,
+        "config": redact_config(base),  # written to search.json: no credentials
         "space": {d.key: {d.kind: list(d.args)} for d in space.domains},
         "plan": {k: v for k, v in vars(plan).items()},
     }

@@ -22,6 +22,7 @@ from rich.table import Table
 from trainforge.checkpoint.format import write_json_atomic
 from trainforge.config import Config
 from trainforge.errors import TrainingFailed
+from trainforge.redact import redact_config
 from trainforge.tune.schedulers import SearchPlan
 from trainforge.tune.space import SearchSpace
 from trainforge.tune.table import TrialWatch, fmt_value, short_names
@@ -199,7 +200,8 @@ def write_best_yaml(config: Config, setup: TrialSetup, best: TrialOutcome, searc
     raw["tracking"] = config.to_dict()["tracking"]  # a run of its own, not a trial of the search
     path = search_dir / BEST_FILE
     header = f"# best trial {best.trial_id} of search {config.run.name}: {json.dumps(best.config)}\n"
-    path.write_text(header + yaml.safe_dump(raw, sort_keys=False))
+    # Credentials in URIs are masked: a user re-supplies them (--set, TRAINFORGE_ environment).
+    path.write_text(header + yaml.safe_dump(redact_config(raw), sort_keys=False))
     return path
 
 
