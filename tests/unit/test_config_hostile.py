@@ -301,6 +301,32 @@ def test_fuzz_structured_configs(tmp_path: Path, sections: dict[Any, Any]) -> No
     load_or_refuse(write(tmp_path, yaml.safe_dump(sections, allow_unicode=True), "fuzz.yaml"))
 
 
+SCHEMA_SHAPED = st.fixed_dictionaries(
+    {
+        "model": st.fixed_dictionaries({"name": st.just("mlp")}, optional={"kwargs": VALUES}),
+        "train": st.fixed_dictionaries(
+            {"max_steps": st.integers(-5, 10**12)},
+            optional={"batch_size": SCALARS, "grad_clip_norm": SCALARS, "epochs": VALUES},
+        ),
+    },
+    optional={
+        "optim": st.dictionaries(st.sampled_from(["lr", "eps", "betas", "name", "momentum"]), VALUES, max_size=3),
+        "scaling": st.dictionaries(st.sampled_from(["num_workers", "resources_per_worker"]), VALUES, max_size=2),
+        "tune": st.dictionaries(st.sampled_from(["scheduler_params", "num_trials"]), VALUES, max_size=2),
+        "data": st.dictionaries(st.sampled_from(["input_shape", "num_samples", "val_fraction"]), VALUES, max_size=3),
+        "seed": SCALARS,
+        "precision": SCALARS,
+    },
+)
+
+
+@FUZZ
+@given(sections=SCHEMA_SHAPED)
+def test_fuzz_schema_shaped_configs(tmp_path: Path, sections: dict[str, Any]) -> None:
+    """Known keys with any values: the validators' paths, not just the parser's."""
+    load_or_refuse(write(tmp_path, yaml.safe_dump(sections, allow_unicode=True), "fuzz.yaml"))
+
+
 @FUZZ
 @given(
     item=st.text(max_size=200)
