@@ -9,7 +9,8 @@ have a handful of points. A report therefore carries the log intervals it spans:
         {"step": 40, "time/unix": ..., "train/loss": 0.45, "train/lr": ..., "perf/samples_per_s": ...},
         {"step": 50, ...}, {"step": 60, ...}]}
 
-in step order, the last at the report's own step. The report's top-level figures stay the
+in step order, the last at the report's own step, together with a point per validation pass
+since the previous report (``val/*`` at the step it ran). The report's top-level figures stay the
 aggregate over its whole span (what summary.json's ``final_metrics`` holds). Pure Python, so the
 worker that builds the points and the driver-side writers (MLflow, the run report) share it.
 """
@@ -40,6 +41,16 @@ def curve_points(report: Mapping[str, Any]) -> list[dict[str, Any]]:
     points = [dict(point) for point in history if isinstance(point, Mapping) and _is_step(point.get("step"))]
     covered = {key for point in points for key in point} - COORDINATES
     return [*points, {key: value for key, value in own.items() if key not in covered}]
+
+
+def merge_points(*series: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Several series of points (log intervals, validation passes) as one list in step order;
+    points at the same step become one."""
+    by_step: dict[Any, dict[str, Any]] = {}
+    for points in series:
+        for point in points:
+            by_step.setdefault(point["step"], {}).update(point)
+    return [by_step[step] for step in sorted(by_step)]
 
 
 def _is_step(value: Any) -> bool:

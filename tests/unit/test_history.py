@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from trainforge.checkpoint.state import Progress
-from trainforge.history import HISTORY_KEY, curve_points
+from trainforge.history import HISTORY_KEY, curve_points, merge_points
 from trainforge.models.tasks import ClassificationTask
 from trainforge.worker.metrics import IntervalHistory, Throughput, reduce_metrics
 from trainforge.worker.step import MetricSums
@@ -145,6 +145,21 @@ def test_two_ranks_reduce_every_interval_in_one_collective_and_agree(tmp_path: P
         assert point["step"] == 10 * (index + 1)
         assert math.isclose(point["train/loss"], mean_of_ranks, rel_tol=1e-9)
     assert results[0]["totals"]["ctrl/save_failures"] == results[1]["totals"]["ctrl/save_failures"] == 1.0
+
+
+def test_validation_passes_join_the_history_at_their_steps() -> None:
+    """The loop merges each validation pass since the last report into the history (worker/loop.py)."""
+    intervals = [{"step": 10, "train/loss": 1.0}, {"step": 20, "train/loss": 0.9}]
+    passes = [{"step": 15, "val/loss": 1.2}, {"step": 20, "val/loss": 1.1}]
+    history = merge_points(intervals, passes)
+    assert history == [
+        {"step": 10, "train/loss": 1.0},
+        {"step": 15, "val/loss": 1.2},
+        {"step": 20, "train/loss": 0.9, "val/loss": 1.1},
+    ]
+    # The report's own val/loss is the last pass: drawn once, from the history.
+    points = curve_points({"step": 20, "train/loss": 0.95, "val/loss": 1.1, "epoch": 1, HISTORY_KEY: history})
+    assert points[-1] == {"step": 20, "epoch": 1}
 
 
 def test_curve_points_unfold_the_history_and_leave_the_report_its_own_figures() -> None:

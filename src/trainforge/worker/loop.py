@@ -21,6 +21,7 @@ import ray.train
 from trainforge.config import Config
 from trainforge.data import make_loader
 from trainforge.errors import TrainforgeError
+from trainforge.history import HISTORY_KEY, merge_points
 from trainforge.worker import parallel
 from trainforge.worker.build import WorkerRun, build, evaluate, pin_memory
 from trainforge.worker.hooks import Hooks, build_hooks
@@ -86,6 +87,7 @@ class Session:
     meter: Throughput = field(init=False)
     events: list[str] = field(default_factory=list)
     val_metrics: dict[str, float] = field(default_factory=dict)
+    val_points: list[dict[str, Any]] = field(default_factory=list)  # every pass since the last report
     save_failures: int = 0
     last_checkpoint: str | None = None
 
@@ -187,7 +189,8 @@ class Session:
         self.gather_control_signals(final=final)
         reduced = reduce_metrics(self.run, self.sums, self.history, now - self.last_report, self.progress, self.meter)
         metrics = reduced.metrics
-        metrics.update(self.val_metrics)
+        metrics.update(self.val_metrics)  # the last pass; the history has each of them
+        metrics[HISTORY_KEY] = merge_points(metrics[HISTORY_KEY], self.val_points)
         metrics["time/elapsed_s"] = now - self.started
         metrics["checkpoint/save_failures"] = self.save_failures
         metrics["checkpoint/stall_s"] = self.checkpointing.stall_s
@@ -197,6 +200,7 @@ class Session:
             metrics["events"] = list(self.events)
         self.events.clear()
         self.val_metrics = {}
+        self.val_points = []
         self.last_report = now
         self.next_report = next_report_step(cfg, self.progress.global_step, metrics["perf/step_time_s"])
         self.hooks.on_report(metrics, reduced.local)
@@ -268,6 +272,7 @@ class Session:
         started = time.perf_counter()
         metrics = evaluate(self.run)
         self.meter.exclude(time.perf_counter() - started)
+        self.val_points.append({"step": self.progress.global_step, "time/unix": time.time(), **metrics})
         return metrics
 
     def finish(self, status: str) -> dict[str, Any]:
