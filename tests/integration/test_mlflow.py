@@ -21,6 +21,7 @@ from mlflow import MlflowClient
 import trainforge
 from tests.helpers.faults import Fault, free_port, paced_run, reports, wait_until
 from tests.helpers.runs import tiny_run
+from trainforge.history import curve_points
 from trainforge.tracking.runs import RESUME_FILE
 
 pytestmark = [pytest.mark.usefixtures("ray_local"), pytest.mark.slow]
@@ -97,8 +98,10 @@ def steps(client: MlflowClient, run_id: str, key: str = "train/loss") -> list[in
 
 
 def reported_steps(run_dir: Path) -> list[int]:
-    """Steps of every report in metrics.jsonl (both runs of a resumed run directory)."""
-    return sorted(r["step"] for r in reports(run_dir) if "step" in r)
+    """Steps of every train/loss point in metrics.jsonl: one per log interval, from the reports'
+    history (both runs of a resumed run directory)."""
+    points = (point for report in reports(run_dir) if "step" in report for point in curve_points(report))
+    return sorted(point["step"] for point in points if "train/loss" in point)
 
 
 def test_two_workers_make_one_run_and_a_resume_continues_it(tmp_path: Path, server: MlflowServer) -> None:
