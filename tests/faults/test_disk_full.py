@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 
 import trainforge
 from tests.helpers.faults import Fault, checkpoints, events, paced_run, reports
-from trainforge.checkpoint.format import verify
+from trainforge.checkpoint.storage import CheckpointStore
 from trainforge.errors import TrainingFailed
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_local")]
@@ -80,7 +80,7 @@ def test_disk_full_fails_saves_but_training_goes_on(small_disk: Path, tmp_path: 
     on_disk = sorted(p.name for p in (small_disk / "t").iterdir() if p.name.startswith(("checkpoint_", ".tmp-")))
     assert on_disk == before, on_disk
     for name in before:
-        assert verify(small_disk / "t" / name).ok
+        assert CheckpointStore.from_uri(str(small_disk / "t")).verify(name).ok
     assert summary["checkpoint"] == str(small_disk / "t" / before[-1])
 
     exported = load_file(str(result.model_path))

@@ -152,11 +152,12 @@ def test_resume_walks_back_past_a_corrupt_newest_checkpoint(trained: Path, tmp_p
     assert skipped == ["skipped checkpoint checkpoint_000000020: model.safetensors fails its SHA-256 check (corrupted)"]
     resumed = [e for e in seen if e.startswith("resumed from ")]
     assert resumed == [f"resumed from {run_dir / checkpoint_name(15)} at step 15"]
-    # The half-written save was neither restored nor touched; the corrupt one was set aside when
-    # step 20 was saved again, and everything the new run wrote verifies.
-    assert half_written.is_dir()
+    # The half-written save was not restored, and the first save of the new run removed it (it
+    # predates the run); the corrupt one was set aside when step 20 was saved again, and
+    # everything the new run wrote verifies.
+    assert not half_written.exists()
     rows = {row.name: row for row in list_checkpoints(str(run_dir))}
-    assert rows[half_written.name].kind == "incomplete"
+    assert not [row for row in rows.values() if row.kind == "incomplete"]
     [retired] = [row for row in rows.values() if row.kind == "retired"]
     assert retired.name.startswith(".invalid-checkpoint_000000020-")
     valid = sorted({*before, 20, 25, 30})

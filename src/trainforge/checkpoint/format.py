@@ -1,7 +1,7 @@
-"""The on-disk checkpoint format: files plus ``manifest.json`` (size and SHA-256 of each), written last.
+"""Writing the on-disk checkpoint format: files plus ``manifest.json`` (size and SHA-256 of each), last.
 
-A directory without a manifest that verifies is not a checkpoint. Verification reads every byte,
-so it is done once per restore candidate, not on every listing.
+A directory without a manifest that verifies is not a checkpoint; ``checkpoint/verify.py`` is the
+one place that decides whether it does.
 """
 
 from __future__ import annotations
@@ -9,12 +9,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-MANIFEST = "manifest.json"
-FORMAT_VERSION = 1
+from trainforge.checkpoint.schema import FORMAT_VERSION, MANIFEST
+
+__all__ = ["FORMAT_VERSION", "MANIFEST", "sha256_file", "write_json_atomic", "write_manifest"]
+
 _CHUNK = 8 << 20
 
 
@@ -50,54 +51,3 @@ def write_manifest(directory: Path, meta: dict[str, Any]) -> dict[str, Any]:
     manifest = {"format_version": FORMAT_VERSION, "files": files, **meta}
     write_json_atomic(directory / MANIFEST, manifest)
     return manifest
-
-
-@dataclass(frozen=True)
-class Verification:
-    """The outcome of checking one checkpoint directory against its manifest."""
-
-    path: Path
-    problems: tuple[str, ...]
-    manifest: dict[str, Any] | None
-
-    @property
-    def ok(self) -> bool:
-        return not self.problems
-
-
-def read_manifest(directory: Path) -> tuple[dict[str, Any] | None, str | None]:
-    path = directory / MANIFEST
-    if not path.is_file():
-        return None, "manifest.json is missing (incomplete or interrupted save)"
-    try:
-        manifest = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        return None, f"manifest.json is malformed: {err}"
-    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
-        return None, "manifest.json is malformed: no 'files' table"
-    return manifest, None
-
-
-def verify(directory: str | os.PathLike[str]) -> Verification:
-    """Check that every file the manifest lists exists with its size and hash."""
-    root = Path(directory)
-    if not root.is_dir():
-        return Verification(root, (f"{root} is not a directory",), None)
-    manifest, problem = read_manifest(root)
-    if manifest is None:
-        return Verification(root, (problem or "manifest unreadable",), None)
-    problems = []
-    for rel, entry in manifest["files"].items():
-        if not isinstance(entry, dict):
-            problems.append(f"manifest.json is malformed: the entry for {rel} is not a table")
-            continue
-        path = root / rel
-        if not path.is_file():
-            problems.append(f"{rel} is missing")
-            continue
-        size = path.stat().st_size
-        if size != entry.get("size"):
-            problems.append(f"{rel} has {size} bytes, manifest says {entry.get('size')} (truncated or overwritten)")
-        elif sha256_file(path) != entry.get("sha256"):
-            problems.append(f"{rel} fails its SHA-256 check (corrupted)")
-    return Verification(root, tuple(problems), manifest)

@@ -12,30 +12,32 @@ import json
 import math
 import re
 import struct
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import pyarrow.fs as pafs
 from rich.console import Group, RenderableType
 from rich.table import Table
 
-from trainforge.checkpoint.format import MANIFEST, Verification
-from trainforge.checkpoint.storage import CHECKPOINT_RE, TEMP_PREFIX, CheckpointStore
+from trainforge.checkpoint.schema import (
+    MANIFEST,
+    MAX_STATE_BYTES,
+    MODEL_FILE,
+    OPTIMIZER_FILE,
+    STATE_FILE,
+    parse_trainer_state,
+    printable,
+)
+from trainforge.checkpoint.storage import CHECKPOINT_RE, RETIRED_PREFIX, TEMP_PREFIX, CheckpointStore
+from trainforge.checkpoint.verify import Verification, list_tree, open_file, read_capped
 from trainforge.errors import CheckpointError
 
-# The names state.py writes, repeated here so that ``trainforge ckpt`` does not import torch (the
-# unit tests check that they agree).
-MODEL_FILE = "model.safetensors"
-OPTIMIZER_FILE = "optimizer.pt"
-STATE_FILE = "trainer_state.json"
+__all__ = ["MODEL_FILE", "OPTIMIZER_FILE", "STATE_FILE"]
 LISTED_METRICS = ("val/loss", "val/accuracy", "train/loss")
 CONFIG_SECTIONS = ("model", "data", "train", "optim", "schedule", "scaling", "checkpoint")
 CONFIG_SCALARS = ("precision", "seed", "deterministic")
-RETIRED_PREFIX = ".invalid-"
 INCOMPLETE = "incomplete save"  # a .tmp- staging dir of a save that never committed
 RETIRED = "retired invalid"  # restore skipped it as invalid; a later save of its step set it aside
 _HIDDEN_STEP_RE = re.compile(r"checkpoint_(\d+)")
@@ -80,53 +82,10 @@ def _file_type(store: CheckpointStore, path: str) -> pafs.FileType:
 
 
 def verify_checkpoint(path: str) -> Verification:
-    """Check one checkpoint directory as restore does: its manifest (reads every byte), then that it
-    loads without unpickling anything but tensors."""
+    """Check one checkpoint directory as restore does (``CheckpointStore.verify``: the one
+    verification, reading every byte and ending with the safe-load check)."""
     store, name = open_checkpoint(path)
-    return verify_in(store, name)
-
-
-def verify_in(store: CheckpointStore, name: str) -> Verification:
-    """``store.verify`` plus restore's safe-load check; a malformed manifest entry or an I/O error
-    becomes a listed problem instead of an exception."""
-    manifest, problem = store.read_manifest(name)
-    if manifest is not None:
-        problem = manifest_shape_problem(manifest)
-    if problem is not None:
-        return Verification(_display_path(store, name), (problem,), None)
-    try:
-        check = store.verify(name)
-        refusal = load_refusal(store, name) if check.ok else None
-    except OSError as err:
-        return Verification(_display_path(store, name), (f"unreadable: {err}",), manifest)
-    return Verification(check.path, (refusal,), check.manifest) if refusal else check
-
-
-def load_refusal(store: CheckpointStore, name: str) -> str | None:
-    """Why restore would refuse a checkpoint whose manifest verifies (a hostile ``optimizer.pt``)."""
-    from trainforge.checkpoint.state import check_loadable  # torch: imported only once something verified
-
-    with tempfile.TemporaryDirectory(prefix="trainforge-ckpt-") as scratch:
-        # CheckpointStore.fetch from an object store does not create the local folder itself
-        # (pyarrow's copy_files writes the files only): make it first.
-        (Path(scratch) / name).mkdir()
-        return check_loadable(store.fetch(name, Path(scratch)))
-
-
-def manifest_shape_problem(manifest: dict[str, Any]) -> str | None:
-    """Why a manifest that parsed as JSON still cannot be checked, or None."""
-    for rel, entry in manifest["files"].items():
-        if not isinstance(entry, dict):
-            return f"manifest.json is malformed: the entry for {rel} is not a table"
-        if not isinstance(entry.get("size"), int) or not isinstance(entry.get("sha256"), str):
-            return f"manifest.json is malformed: the entry for {rel} lacks an integer size or a sha256"
-        if rel.startswith("/") or ".." in rel.split("/"):
-            return f"manifest.json is malformed: {rel} points outside the checkpoint"
-    return None
-
-
-def _display_path(store: CheckpointStore, name: str) -> Path:
-    return Path(store.path(name))
+    return store.verify(name)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -219,8 +178,8 @@ def _list_run(store: CheckpointStore, prefix: str) -> list[Listed]:
 
 
 def _listed_checkpoint(store: CheckpointStore, name: str, step: int, prefix: str = "") -> Listed:
-    check = verify_in(store, name)
-    manifest = check.manifest or store.read_manifest(name)[0] or {}
+    check = store.verify(name)
+    manifest = check.manifest or {}
     found = manifest.get("metrics")
     metrics: dict[str, Any] = found if isinstance(found, dict) else {}
     return Listed(
@@ -237,13 +196,14 @@ def _listed_checkpoint(store: CheckpointStore, name: str, step: int, prefix: str
 
 
 def _child_dirs(store: CheckpointStore) -> list[str]:
-    selector = pafs.FileSelector(store.root, recursive=False, allow_not_found=True)
-    return sorted(i.base_name for i in store.fs.get_file_info(selector) if i.type == pafs.FileType.Directory)
+    return sorted(child.name for child in store.children())
 
 
 def _tree_size(store: CheckpointStore, name: str) -> int:
-    selector = pafs.FileSelector(store.path(name), recursive=True, allow_not_found=True)
-    return sum(i.size or 0 for i in store.fs.get_file_info(selector) if i.type == pafs.FileType.File)
+    try:
+        return sum(list_tree(store.fs, store.path(name), store.is_local).files.values())
+    except OSError:
+        return 0
 
 
 def _as_int(value: Any, default: int | None) -> int | None:
@@ -257,22 +217,25 @@ def _as_int(value: Any, default: int | None) -> int | None:
 def inspect_checkpoint(path: str) -> dict[str, Any]:
     """Everything worth knowing about one checkpoint without loading a tensor; JSON-ready.
 
-    Sizes are compared with the manifest (cheap); ``verify`` is the full SHA-256 check.
+    Sizes are compared with the manifest (cheap); ``verify`` is the full SHA-256 check. Files are
+    read as verification reads them: regular files only, bounded, schema-checked.
     """
     store, name = open_checkpoint(path)
-    files = _files(store, name)
+    try:
+        tree = list_tree(store.fs, store.path(name), store.is_local)
+    except OSError as err:
+        raise CheckpointError(f"cannot read {path}: {printable(str(err))}") from None
+    files = {printable(rel): size for rel, size in tree.files.items()}
     if not {MANIFEST, STATE_FILE, MODEL_FILE} & files.keys():
         raise CheckpointError(f"{path} is not a checkpoint: it holds none of {MANIFEST}, {STATE_FILE}, {MODEL_FILE}")
-    problems: list[str] = []
+    problems: list[str] = list(tree.problems)
+    problems.extend(f"{printable(rel)} is {kind}, not a regular file" for rel, kind in sorted(tree.others.items()))
     manifest, manifest_problem = store.read_manifest(name)
-    if manifest is not None:
-        manifest_problem = manifest_shape_problem(manifest)
     if manifest_problem:
         problems.append(manifest_problem)
-        manifest = None
     if manifest is not None:
         problems.extend(_size_problems(manifest, files))
-    state = _read_json(store, name, STATE_FILE, problems)
+    state = _read_state(store, name, tree.files, problems)
     report: dict[str, Any] = {
         "path": store.uri(name),
         "manifest": _manifest_summary(manifest) if manifest is not None else None,
@@ -285,23 +248,13 @@ def inspect_checkpoint(path: str) -> dict[str, Any]:
         "scheduler": state.get("scheduler", {}),
         "scaler": state.get("scaler", {}),
         "rng_ranks": len(state.get("rng", [])),
-        "model": _model_summary(store, name, files, problems),
+        "model": _model_summary(store, name, tree.files, problems),
         "optimizer": {"file": OPTIMIZER_FILE, "size_bytes": files[OPTIMIZER_FILE]} if OPTIMIZER_FILE in files else None,
         "problems": problems,
     }
     if OPTIMIZER_FILE not in files:
         problems.append(f"{OPTIMIZER_FILE} is missing")
     return report
-
-
-def _files(store: CheckpointStore, name: str) -> dict[str, int]:
-    root = store.path(name)
-    selector = pafs.FileSelector(root, recursive=True)
-    return {
-        info.path[len(root) + 1 :]: int(info.size or 0)
-        for info in store.fs.get_file_info(selector)
-        if info.type == pafs.FileType.File
-    }
 
 
 def _size_problems(manifest: dict[str, Any], files: dict[str, int]) -> list[str]:
@@ -319,18 +272,20 @@ def _manifest_summary(manifest: dict[str, Any]) -> dict[str, Any]:
     return {**{k: manifest.get(k) for k in keys}, "files": manifest["files"]}
 
 
-def _read_json(store: CheckpointStore, name: str, rel: str, problems: list[str]) -> dict[str, Any]:
+def _read_state(store: CheckpointStore, name: str, files: dict[str, int], problems: list[str]) -> dict[str, Any]:
+    """``trainer_state.json`` if it is a regular file that matches its schema; {} and a problem if not."""
+    if STATE_FILE not in files:
+        problems.append(f"{STATE_FILE} is missing or not a regular file")
+        return {}
     try:
-        with store.fs.open_input_stream(f"{store.path(name)}/{rel}") as stream:
-            data = json.loads(stream.read())
-    except FileNotFoundError:
-        problems.append(f"{rel} is missing")
+        _, data = parse_trainer_state(
+            read_capped(store.fs, f"{store.path(name)}/{STATE_FILE}", store.is_local, MAX_STATE_BYTES)
+        )
+    except CheckpointError as err:
+        problems.append(str(err))
         return {}
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        problems.append(f"{rel} is unreadable: {err}")
-        return {}
-    if not isinstance(data, dict):
-        problems.append(f"{rel} is malformed: not a JSON object")
+    except OSError as err:
+        problems.append(f"{STATE_FILE} is unreadable: {printable(str(err))}")
         return {}
     return data
 
@@ -347,9 +302,9 @@ def _model_summary(store: CheckpointStore, name: str, files: dict[str, int], pro
         return {"file": MODEL_FILE, "size_bytes": None}
     summary: dict[str, Any] = {"file": MODEL_FILE, "size_bytes": files[MODEL_FILE]}
     try:
-        with store.fs.open_input_stream(f"{store.path(name)}/{MODEL_FILE}") as stream:
+        with open_file(store.fs, f"{store.path(name)}/{MODEL_FILE}", store.is_local) as stream:
             summary.update(safetensors_summary(read_safetensors_header(stream)))
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError, TypeError, CheckpointError) as err:
         problems.append(f"{MODEL_FILE} header is unreadable: {err}")
     return summary
 
@@ -367,7 +322,7 @@ def read_safetensors_header(stream: Any) -> dict[str, Any]:
         raise ValueError(f"header is cut short ({len(raw)} of {length} bytes)")
     try:
         header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+    except (ValueError, RecursionError) as err:  # not UTF-8, not JSON, nested too deeply
         raise ValueError(f"header is not JSON: {err}") from None
     if not isinstance(header, dict):
         raise ValueError("header is not a JSON object")

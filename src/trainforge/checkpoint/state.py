@@ -24,9 +24,16 @@ from safetensors import safe_open
 from safetensors.torch import _remove_duplicate_names, load_model, save_file
 from torch import nn
 
-MODEL_FILE = "model.safetensors"
-OPTIMIZER_FILE = "optimizer.pt"
-STATE_FILE = "trainer_state.json"
+from trainforge.checkpoint.schema import (
+    MAX_STATE_BYTES,
+    MODEL_FILE,
+    OPTIMIZER_FILE,
+    STATE_FILE,
+    open_regular,
+    parse_trainer_state,
+)
+
+__all__ = ["MODEL_FILE", "OPTIMIZER_FILE", "STATE_FILE", "Progress", "TrainerState"]
 
 
 @dataclass
@@ -152,8 +159,19 @@ _UMASK = _current_umask()
 
 
 def read_trainer_state(directory: Path) -> TrainerState:
-    raw = json.loads((directory / STATE_FILE).read_text())
-    return TrainerState(progress=Progress(**raw.pop("progress")), **raw)
+    """``trainer_state.json``, bounded and schema-checked; CheckpointError when it is not loadable."""
+    with open_regular(directory / STATE_FILE, STATE_FILE) as handle:
+        raw = handle.read(MAX_STATE_BYTES + 1)
+    schema, data = parse_trainer_state(raw)
+    return TrainerState(
+        progress=Progress(**schema.progress.model_dump()),
+        scheduler=data["scheduler"],
+        scaler=data["scaler"],
+        rng=data["rng"],
+        metrics={k: float(v) for k, v in schema.metrics.items()},
+        config=schema.config,
+        versions=dict(schema.versions),
+    )
 
 
 def load_weights(directory: Path, model: nn.Module) -> None:
@@ -171,9 +189,9 @@ def check_loadable(directory: Path) -> str | None:
 
     A manifest proves the files are the ones written, not that whoever wrote them was benign:
     ``optimizer.pt`` must unpickle under ``weights_only`` (tensors and plain containers only).
+    (``trainer_state.json`` is checked against its schema by the verification itself.)
     """
     try:
-        json.loads((directory / STATE_FILE).read_text())
         with safe_open(str(directory / MODEL_FILE), framework="pt") as handle:
             handle.keys()
         if (directory / OPTIMIZER_FILE).exists():
@@ -183,7 +201,7 @@ def check_loadable(directory: Path) -> str | None:
             f"refused to load: {OPTIMIZER_FILE} holds pickled objects other than tensors and plain "
             "containers (it could run code); it was not unpickled"
         )
-    except Exception as err:  # JSON or safetensors header errors
+    except Exception as err:  # safetensors header errors, torch's unpickler errors
         first = str(err).strip().splitlines()[0] if str(err).strip() else ""
         return f"refused to load: {type(err).__name__}: {first[:300]}"
     return None

@@ -8,8 +8,7 @@ file, and a directory without a valid manifest is not a checkpoint.
 
 from __future__ import annotations
 
-import hashlib
-import json
+import logging
 import os
 import re
 import shutil
@@ -21,11 +20,15 @@ from typing import Any
 
 import pyarrow.fs as pafs
 
-from trainforge.checkpoint.format import MANIFEST, Verification
+from trainforge.checkpoint import verify as verify_module
+from trainforge.checkpoint.schema import MANIFEST
+from trainforge.checkpoint.verify import Verification
+from trainforge.errors import CheckpointError
 
 CHECKPOINT_RE = re.compile(r"^checkpoint_(\d+)$")
 TEMP_PREFIX = ".tmp-"
-_CHUNK = 8 << 20
+RETIRED_PREFIX = ".invalid-"
+log = logging.getLogger("trainforge.checkpoint")
 
 
 def checkpoint_name(step: int) -> str:
@@ -39,6 +42,15 @@ class Entry:
     name: str
     step: int
     path: str
+
+
+@dataclass(frozen=True)
+class Child:
+    """One directory directly under a store's root."""
+
+    name: str
+    path: str
+    mtime_ns: int | None
 
 
 class CheckpointStore:
@@ -75,63 +87,51 @@ class CheckpointStore:
             return self.path(name)
         return f"{self.fs.type_name}://{self.path(name)}"
 
-    def _children(self) -> list[pafs.FileInfo]:
-        selector = pafs.FileSelector(self.root, recursive=False, allow_not_found=True)
-        return [info for info in self.fs.get_file_info(selector) if info.type == pafs.FileType.Directory]
+    def children(self) -> list[Child]:
+        """The directories directly under the root; on a local file system without following links
+        (a linked directory is not a checkpoint to restore or rotate) and without names that are
+        not text (which no checkpoint has, and which pyarrow's listing cannot decode)."""
+        if not self.is_local:
+            selector = pafs.FileSelector(self.root, recursive=False, allow_not_found=True)
+            return [
+                Child(info.base_name, info.path, info.mtime_ns)
+                for info in self.fs.get_file_info(selector)
+                if info.type == pafs.FileType.Directory
+            ]
+        try:
+            listing = list(os.scandir(self.root))
+        except FileNotFoundError:
+            return []
+        found = []
+        for item in listing:
+            if item.is_dir(follow_symlinks=False) and item.name.isprintable() and _is_text(item.name):
+                found.append(Child(item.name, self.path(item.name), item.stat(follow_symlinks=False).st_mtime_ns))
+        return found
 
     def entries(self) -> list[Entry]:
         """Checkpoint directories, oldest first (complete or not: verification says which)."""
         entries = []
-        for info in self._children():
-            match = CHECKPOINT_RE.match(info.base_name)
+        for child in self.children():
+            match = CHECKPOINT_RE.match(child.name)
             if match:
-                entries.append(Entry(info.base_name, int(match.group(1)), info.path))
+                entries.append(Entry(child.name, int(match.group(1)), child.path))
         return sorted(entries, key=lambda e: e.step)
 
     def leftovers(self) -> list[str]:
         """Hidden temp directories of saves that never completed."""
-        return sorted(i.base_name for i in self._children() if i.base_name.startswith(TEMP_PREFIX))
+        return sorted(c.name for c in self.children() if c.name.startswith(TEMP_PREFIX))
 
     def read_manifest(self, name: str) -> tuple[dict[str, Any] | None, str | None]:
+        """The manifest's JSON (bounded, schema-checked), or None and why not."""
         try:
-            with self.fs.open_input_stream(f"{self.path(name)}/{MANIFEST}") as stream:
-                raw = stream.read()
-        except (FileNotFoundError, OSError):
-            return None, "manifest.json is missing (incomplete or interrupted save)"
-        try:
-            manifest = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as err:
-            return None, f"manifest.json is malformed: {err}"
-        if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
-            return None, "manifest.json is malformed: no 'files' table"
-        return manifest, None
+            return verify_module.read_manifest(self.fs, self.path(name), self.is_local)[1], None
+        except CheckpointError as err:
+            return None, str(err)
 
-    def verify(self, name: str) -> Verification:
-        """Every file the manifest lists is there with its size and SHA-256 (reads every byte)."""
-        where = Path(self.path(name))
-        manifest, problem = self.read_manifest(name)
-        if manifest is None:
-            return Verification(where, (problem or "manifest unreadable",), None)
-        problems = []
-        for rel, entry in manifest["files"].items():
-            if not isinstance(entry, dict):
-                problems.append(f"manifest.json is malformed: the entry for {rel} is not a table")
-                continue
-            info = self.fs.get_file_info(f"{self.path(name)}/{rel}")
-            if info.type != pafs.FileType.File:
-                problems.append(f"{rel} is missing")
-            elif info.size != entry.get("size"):
-                problems.append(f"{rel} has {info.size} bytes, manifest says {entry.get('size')} (truncated?)")
-            elif self._sha256(f"{self.path(name)}/{rel}") != entry.get("sha256"):
-                problems.append(f"{rel} fails its SHA-256 check (corrupted)")
-        return Verification(where, tuple(problems), manifest)
-
-    def _sha256(self, path: str) -> str:
-        digest = hashlib.sha256()
-        with self.fs.open_input_stream(path) as stream:
-            while chunk := stream.read(_CHUNK):
-                digest.update(chunk)
-        return digest.hexdigest()
+    def verify(self, name: str, *, safe_load: bool = True) -> Verification:
+        """The one verification (``checkpoint/verify.py``): exactly the listed regular files, sizes,
+        SHA-256 of every byte, schemas, and with ``safe_load`` the weights-only load check."""
+        return verify_module.verify_tree(self.fs, self.path(name), self.is_local, safe_load=safe_load)
 
     def staging_dir(self, name: str, local_scratch: Path) -> Path:
         """Where a new checkpoint is written before ``commit``: beside its final place on a local
@@ -142,14 +142,32 @@ class CheckpointStore:
         return staging
 
     def commit(self, staging: Path, name: str) -> str:
-        """Make a fully written staging directory (manifest included) visible as ``name``."""
+        """Make a fully written staging directory (manifest included) visible as ``name``.
+
+        A checkpoint already there under that name is replaced only if it does not verify (it is
+        set aside then, for ``ckpt list`` to show). One that verifies is never touched, and the save
+        fails instead: keeping the old one and reporting success would let the run believe this
+        step's state is saved when the directory holds another timeline's (or another model's).
+        """
         final = self.path(name)
+        existing = self.fs.get_file_info(final).type
+        if existing != pafs.FileType.NotFound:
+            check = self.verify(name, safe_load=False)
+            if check.ok:
+                raise CheckpointError(
+                    f"{self.uri(name)} already exists and verifies; it was not replaced (another timeline of "
+                    "this run wrote it: move it away to save this step)"
+                )
+            log.warning("setting aside invalid %s before saving it again: %s", name, "; ".join(check.problems))
+            self._retire_invalid(name)
         if self.is_local:
-            target = Path(final)
-            if target.exists():
-                self._retire_invalid(name)
-            staging.rename(target)
-            fsync_path(target.parent)  # the rename itself survives a crash
+            # Every file was fsynced before the manifest named it; the directory entries too, so
+            # that the rename cannot expose a directory whose files a crash forgets.
+            for directory in sorted((p for p in staging.rglob("*") if p.is_dir()), reverse=True):
+                fsync_path(directory)
+            fsync_path(staging)
+            staging.rename(final)
+            fsync_path(Path(final).parent)  # the rename itself survives a crash
             return final
         files = sorted(p for p in staging.rglob("*") if p.is_file())
         for path in sorted(files, key=lambda p: p.name == MANIFEST):  # manifest last
@@ -159,8 +177,23 @@ class CheckpointStore:
         return final
 
     def _retire_invalid(self, name: str) -> None:
-        """A checkpoint dir that restore skipped as invalid, about to be re-saved: keep it aside, hidden."""
-        self.fs.move(self.path(name), self.path(f".invalid-{name}-{int(time.time())}"))
+        """Set an invalid checkpoint dir aside under a hidden name unique to this call (two in the
+        same second must not collide), or delete it on object stores, where a move is a copy."""
+        if not self.is_local:
+            self.fs.delete_dir(self.path(name))
+            return
+        self.fs.move(self.path(name), self.path(f"{RETIRED_PREFIX}{name}-{time.time_ns()}-{uuid.uuid4().hex[:8]}"))
+
+    def clean_leftovers(self, older_than: float) -> list[str]:
+        """Remove staging directories of saves that crashed: those last changed before
+        ``older_than`` (a time), so that a save still in flight elsewhere is left alone."""
+        removed = []
+        for child in self.children():
+            stale = child.mtime_ns is not None and child.mtime_ns / 1e9 < older_than
+            if child.name.startswith(TEMP_PREFIX) and stale:
+                self.fs.delete_dir(child.path)
+                removed.append(child.name)
+        return removed
 
     def fetch(self, name: str, scratch: Path) -> Path:
         """A local directory holding the checkpoint: the directory itself on local storage."""
@@ -190,3 +223,11 @@ def fsync_path(path: Path) -> None:
         os.fsync(descriptor)
     finally:
         os.close(descriptor)
+
+
+def _is_text(name: str) -> bool:
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:  # undecodable bytes, kept by os as lone surrogates
+        return False
+    return True

@@ -8,20 +8,21 @@ from __future__ import annotations
 
 import importlib.metadata
 import logging
+import pickle
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import ray.train
+from safetensors import SafetensorError
 
 from trainforge.checkpoint.manager import CheckpointManager, RotationPolicy, SaveOutcome, Snapshot
 from trainforge.checkpoint.state import (
     Progress,
     TrainerState,
     capture_rng,
-    check_loadable,
     load_optimizer,
     load_weights,
     model_snapshot,
@@ -31,8 +32,8 @@ from trainforge.checkpoint.state import (
 )
 from trainforge.checkpoint.storage import CheckpointStore
 from trainforge.config import CheckpointConfig
-from trainforge.redact import redact_config
 from trainforge.errors import CheckpointError
+from trainforge.redact import redact_config
 from trainforge.worker import parallel
 from trainforge.worker.optim import apply_hyperparameters, effective_lr, hyperparameters_differ
 
@@ -131,38 +132,54 @@ class Checkpointing:
 # Restore
 
 
-def choose_checkpoint(store: CheckpointStore, resume: str) -> tuple[tuple[CheckpointStore, str] | None, list[str]]:
-    """Rank 0: the checkpoint to start from (None: from scratch), and why newer ones were skipped.
+@dataclass
+class Candidates:
+    """Rank 0's walk over restore candidates, newest first, each verified before it is proposed.
 
     ``none`` and a path decide only the run's first start (the driver has checked that the run
     holds no checkpoints yet); once the run has checkpoints of its own, a worker-group restart
     continues from them, as ``auto`` does.
     """
-    own = store.entries()
-    if resume not in ("auto", "none") and not own:
-        explicit, name = CheckpointStore.for_checkpoint(resume)
-        problems = problems_with(explicit, name)
-        if problems:
-            raise CheckpointError(f"checkpoint {resume} is not valid: {'; '.join(problems)}")
-        return (explicit, name), []
-    skipped: list[str] = []
-    for entry in reversed(own):
-        problems = problems_with(store, entry.name)
-        if not problems:
-            return (store, entry.name), skipped
-        log.warning("skipping checkpoint %s: %s", entry.name, "; ".join(problems))
-        skipped.append(f"{entry.name}: {'; '.join(problems)}")
-    return None, skipped
 
+    store: CheckpointStore
+    resume: str
+    skipped: list[str] = field(default_factory=list)
+    unloadable: list[str] = field(default_factory=list)
+    _queue: list[str] = field(default_factory=list)
+    explicit: bool = False
 
-def problems_with(store: CheckpointStore, name: str) -> list[str]:
-    """Why a checkpoint cannot be restored: manifest verification, then a safe-load check."""
-    check = store.verify(name)
-    if not check.ok:
-        return list(check.problems)
-    with tempfile.TemporaryDirectory(prefix="trainforge-check-") as scratch:
-        refusal = check_loadable(store.fetch(name, Path(scratch)))
-    return [refusal] if refusal else []
+    def __post_init__(self) -> None:
+        own = self.store.entries()
+        self.explicit = self.resume not in ("auto", "none") and not own
+        self._queue = [e.name for e in reversed(own)]
+
+    def propose(self) -> tuple[Any, ...]:
+        """The next proposal to broadcast: ("try", uri, explicit), ("none",) or ("error", message)."""
+        if self.explicit:
+            if self.unloadable:
+                return ("error", f"checkpoint {self.resume} does not load into this run: {self.unloadable[0]}")
+            store, name = CheckpointStore.for_checkpoint(self.resume)
+            check = store.verify(name)
+            if not check.ok:
+                return ("error", f"checkpoint {self.resume} is not valid: {'; '.join(check.problems)}")
+            return ("try", store.uri(name), True)
+        while self._queue:
+            name = self._queue.pop(0)
+            check = self.store.verify(name)
+            if check.ok:
+                return ("try", self.store.uri(name), False)
+            self.skip(name, "; ".join(check.problems))
+        if self.unloadable:
+            return (
+                "error",
+                f"no checkpoint of this run loads into the model as configured ({self.unloadable[0]}); "
+                "go back to the config that wrote them, or start afresh under another run.name",
+            )
+        return ("none",)
+
+    def skip(self, name: str, reason: str) -> None:
+        log.warning("skipping checkpoint %s: %s", name, reason)
+        self.skipped.append(f"{name}: {reason}")
 
 
 @dataclass
@@ -177,29 +194,74 @@ class Restored:
 
 
 def restore(run: WorkerRun, store: CheckpointStore) -> Restored:
-    """All ranks: agree (rank 0 decides) on a checkpoint and load it; a fresh Progress if none."""
-    choice: Any = None
-    if run.rank == 0:
-        try:
-            picked, skipped = choose_checkpoint(store, run.config.checkpoint.resume)
-            choice = ("ok", picked[0].uri(picked[1]), skipped) if picked else ("none", skipped)
-        except CheckpointError as err:
-            choice = ("error", str(err))
-    choice = parallel.broadcast_object(choice)
-    if choice[0] == "error":
-        raise CheckpointError(choice[1])
-    if choice[0] == "none":
-        return Restored(Progress(world_size=run.world), None, choice[1])
-    _, uri, skipped = choice
-    name = uri.rstrip("/").rsplit("/", 1)[-1]
-    # The run's own store keeps its file system settings (endpoint, credentials); others are parsed.
-    source = store if uri == store.uri(name) else CheckpointStore.for_checkpoint(uri)[0]
-    notes: list[str] = []
-    with tempfile.TemporaryDirectory(prefix="trainforge-restore-") as scratch:
-        progress, written_by = load_into(run, source.fetch(name, Path(scratch)), notes)
-    if run.rank == 0:
-        log.info("resumed from %s at step %d (epoch %d)", uri, progress.global_step, progress.epoch)
-    return Restored(progress, uri, skipped, None if written_by == run.world else written_by, notes)
+    """All ranks: agree on the newest checkpoint that verifies and loads, and load it; a fresh
+    Progress when none verifies. CheckpointError (the same on every rank) when some verified but
+    none loads, or when an explicitly named checkpoint does not.
+
+    Rank 0 verifies and proposes one candidate at a time; every rank tries to load it, and every
+    rank learns every rank's outcome (an all-gather), so that all move on to the next candidate,
+    or all stop, together. A failed load leaves the model half-written: the next candidate's
+    strict load overwrites all of it, and if none loads the run stops rather than train on it.
+    """
+    candidates = Candidates(store, run.config.checkpoint.resume) if run.rank == 0 else None
+    while True:
+        mine = (candidates.propose(), list(candidates.skipped)) if candidates is not None else None
+        proposal, skipped = cast(tuple[tuple[Any, ...], list[str]], parallel.broadcast_object(mine))
+        if proposal[0] == "error":
+            raise CheckpointError(proposal[1])
+        if proposal[0] == "none":
+            return Restored(Progress(world_size=run.world), None, skipped)
+        _, uri, explicit = proposal
+        name = uri.rstrip("/").rsplit("/", 1)[-1]
+        # The run's own store keeps its file system settings (endpoint, credentials); others are parsed.
+        source = store if uri == store.uri(name) else CheckpointStore.for_checkpoint(uri)[0]
+        notes: list[str] = []
+        loaded, failure = try_load(run, source, name, notes)
+        failures = [f for f in parallel.all_gather_objects(failure) if f]
+        if not failures and loaded is not None:
+            progress, written_by = loaded
+            if run.rank == 0:
+                log.info("resumed from %s at step %d (epoch %d)", uri, progress.global_step, progress.epoch)
+            return Restored(progress, uri, skipped, None if written_by == run.world else written_by, notes)
+        if candidates is not None:
+            reason = f"does not load into this run's model: {failures[0]}"
+            candidates.unloadable.append(f"{name} {reason}")
+            if not explicit:
+                candidates.skip(name, reason)
+
+
+_LOAD_ERRORS = (
+    CheckpointError,
+    RuntimeError,
+    ValueError,
+    KeyError,
+    TypeError,
+    IndexError,
+    OSError,
+    SafetensorError,
+    pickle.UnpicklingError,
+)
+
+
+def try_load(
+    run: WorkerRun, source: CheckpointStore, name: str, notes: list[str]
+) -> tuple[tuple[Progress, int] | None, str | None]:
+    """This rank's load of a verified checkpoint: (progress, writers) or (None, why not, one line).
+
+    A checkpoint that verifies can still fail to load into this run: another model shape (strict
+    weights), another parameter layout (optimizer groups), state a schema cannot see.
+    """
+    try:
+        with tempfile.TemporaryDirectory(prefix="trainforge-restore-") as scratch:
+            return load_into(run, source.fetch(name, Path(scratch)), notes), None
+    except _LOAD_ERRORS as err:
+        return None, one_line(err)
+
+
+def one_line(err: BaseException) -> str:
+    """An exception as one line of at most 300 characters (torch's load errors span several)."""
+    text = " ".join(str(err).split()) or type(err).__name__
+    return text if len(text) <= 300 else text[:297] + "..."
 
 
 def load_into(run: WorkerRun, directory: Path, notes: list[str] | None = None) -> tuple[Progress, int]:

@@ -1,0 +1,263 @@
+"""Schemas of a checkpoint's JSON files (``manifest.json``, ``trainer_state.json``) and their parsers.
+
+Checkpoints are read back from storage, so they are untrusted input: every byte string gets either
+a parsed, typed value or a :class:`CheckpointError` with a one-line reason, never another exception.
+The schemas are what makes "verifies" mean "loads": a ``trainer_state.json`` whose progress, RNG
+states or schedule have the wrong JSON types is refused here, not by a TypeError deep in restore.
+No torch here: ``trainforge ckpt`` uses these without importing it.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import errno
+import json
+import os
+import re
+import stat
+from typing import Annotated, Any, BinaryIO, TypeVar
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from trainforge.errors import CheckpointError
+
+MANIFEST = "manifest.json"
+MODEL_FILE = "model.safetensors"
+OPTIMIZER_FILE = "optimizer.pt"
+STATE_FILE = "trainer_state.json"
+FORMAT_VERSION = 1
+# The files every checkpoint of this format holds; a manifest may list more (never fewer).
+REQUIRED_FILES = frozenset({MODEL_FILE, OPTIMIZER_FILE, STATE_FILE})
+# Read caps: a manifest lists a few files per rank; trainer_state.json holds the config and about
+# 30 kB of RNG state per rank, so 64 MB covers thousands of ranks. Anything bigger is refused.
+MAX_MANIFEST_BYTES = 8 << 20
+MAX_STATE_BYTES = 64 << 20
+
+_OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+_MODEL_NAME = re.compile(r" or instance of \w+")  # pydantic's class names mean nothing to a user
+_SAFE_PART = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,254}")
+
+NonNegative = Annotated[StrictInt, Field(ge=0)]
+Positive = Annotated[StrictInt, Field(ge=1)]
+Number = StrictInt | StrictFloat
+UInt32 = Annotated[StrictInt, Field(ge=0, lt=2**32)]
+
+
+_M = TypeVar("_M", bound=BaseModel)
+
+
+def is_safe_name(rel: str) -> bool:
+    """A plain relative path inside the checkpoint: no ``..``, no absolute path, no hidden or odd
+    characters (backslashes, control characters, undecodable bytes), at most 8 levels deep."""
+    parts = rel.split("/")
+    return 0 < len(parts) <= 8 and all(_SAFE_PART.fullmatch(part) for part in parts)
+
+
+class _Schema(BaseModel):
+    # Keys a newer writer adds are ignored, so the readers of format 1 stay forward compatible.
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+
+class FileEntry(_Schema):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    size: NonNegative
+    sha256: Annotated[StrictStr, Field(pattern=r"^[0-9a-f]{64}$")]
+
+
+class Manifest(_Schema):
+    """``manifest.json``: every file's size and SHA-256, plus what rotation and listings show."""
+
+    format_version: StrictInt
+    files: dict[str, FileEntry]
+    global_step: NonNegative | None = None
+    epoch: NonNegative | None = None
+    metrics: dict[str, Any] = Field(default_factory=dict)
+    created_at: Number | None = None
+    world_size: Positive | None = None
+
+    @field_validator("format_version")
+    @classmethod
+    def _known_version(cls, value: int) -> int:
+        if value != FORMAT_VERSION:
+            raise ValueError(f"format_version {value} is not one this trainforge reads ({FORMAT_VERSION})")
+        return value
+
+    @field_validator("files")
+    @classmethod
+    def _plain_names(cls, files: dict[str, FileEntry]) -> dict[str, FileEntry]:
+        for rel in files:
+            if not is_safe_name(rel) or rel == MANIFEST:
+                raise ValueError(f"{printable(rel)} is not a plain relative file name inside the checkpoint")
+        missing = sorted(REQUIRED_FILES - files.keys())
+        if missing:
+            raise ValueError(f"does not list {', '.join(missing)}")
+        return files
+
+
+class Progress(_Schema):
+    epoch: NonNegative
+    global_step: NonNegative
+    samples_seen: NonNegative
+    epoch_position: NonNegative
+    world_size: Positive
+
+
+class RngState(_Schema):
+    """One rank's generators, as ``state.capture_rng`` writes them."""
+
+    python: tuple[
+        Annotated[StrictInt, Field(ge=0)],
+        Annotated[list[UInt32], Field(min_length=625, max_length=625)],
+        StrictFloat | None,
+    ]
+    numpy: tuple[
+        StrictStr, Annotated[list[UInt32], Field(min_length=624, max_length=624)], NonNegative, StrictInt, Number
+    ]
+    torch: StrictStr
+    cuda: list[StrictStr] | None = None
+
+    @field_validator("torch")
+    @classmethod
+    def _base64(cls, value: str) -> str:
+        try:
+            base64.b64decode(value, validate=True)
+        except (binascii.Error, ValueError):
+            raise ValueError("is not base64") from None
+        return value
+
+
+class Scheduler(_Schema):
+    """The LR schedule's state dict: the keys torch's schedulers read back, with their types."""
+
+    model_config = ConfigDict(extra="allow", frozen=True, populate_by_name=True)
+
+    last_epoch: StrictInt | None = None
+    base_lrs: list[Number] | None = None
+    step_count: StrictInt | None = Field(None, alias="_step_count")
+    last_lr: list[Number] | None = Field(None, alias="_last_lr")
+
+
+class Scaler(_Schema):
+    """The grad scaler's state dict (empty when the scaler is off)."""
+
+    scale: Number | None = None
+    growth_factor: Number | None = None
+    backoff_factor: Number | None = None
+    growth_interval: StrictInt | None = None
+    growth_tracker: StrictInt | None = Field(None, alias="_growth_tracker")
+
+
+class TrainerStateFile(_Schema):
+    """``trainer_state.json``."""
+
+    progress: Progress
+    scheduler: Scheduler
+    scaler: Scaler
+    rng: list[RngState]
+    metrics: dict[str, Number] = Field(default_factory=dict)
+    config: dict[str, Any] = Field(default_factory=dict)
+    versions: dict[str, StrictStr] = Field(default_factory=dict)
+
+    @field_validator("config")
+    @classmethod
+    def _sections_are_tables(cls, config: dict[str, Any]) -> dict[str, Any]:
+        # Restore reads config["optim"]["name"] and compares the optim and schedule sections.
+        for section in ("optim", "schedule"):
+            if section in config and not isinstance(config[section], dict):
+                raise ValueError(f"config.{section} is not a table")
+        return config
+
+    @model_validator(mode="after")
+    def _one_rng_state_per_rank(self) -> TrainerStateFile:
+        if len(self.rng) != self.progress.world_size:
+            raise ValueError(f"holds {len(self.rng)} RNG states for {self.progress.world_size} ranks")
+        return self
+
+
+def parse_manifest(raw: bytes) -> tuple[Manifest, dict[str, Any]]:
+    """A manifest from its bytes: the validated schema and the raw JSON object; CheckpointError
+    saying what is wrong otherwise."""
+    return _validated(raw, MANIFEST, MAX_MANIFEST_BYTES, Manifest)
+
+
+def parse_trainer_state(raw: bytes) -> tuple[TrainerStateFile, dict[str, Any]]:
+    """``trainer_state.json`` from its bytes, as :func:`parse_manifest`."""
+    return _validated(raw, STATE_FILE, MAX_STATE_BYTES, TrainerStateFile)
+
+
+def _validated(raw: bytes, what: str, cap: int, schema: type[_M]) -> tuple[_M, dict[str, Any]]:
+    if len(raw) > cap:
+        raise CheckpointError(f"{what} is larger than {cap >> 20} MB: not a file trainforge wrote")
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError) as err:  # JSONDecodeError, UnicodeDecodeError, digit limits
+        raise CheckpointError(f"{what} is malformed: {_first_line(err)}") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{what} is malformed: not a JSON object")
+    try:
+        return schema.model_validate(data), data
+    except ValidationError as err:
+        raise CheckpointError(f"{what} is malformed: {describe(err)}") from None
+    except RecursionError:
+        raise CheckpointError(f"{what} is malformed: nested too deeply") from None
+
+
+def describe(err: ValidationError) -> str:
+    """A pydantic error on one line: the first few fields and what is wrong with each."""
+    parts = []
+    for item in err.errors()[:3]:
+        where = ".".join(str(p) for p in item["loc"]) or "top level"
+        parts.append(f"{printable(where)}: {_MODEL_NAME.sub('', item['msg'])}")
+    more = err.error_count() - len(parts)
+    return "; ".join(parts) + (f" (and {more} more)" if more > 0 else "")
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0][:200] if text else type(err).__name__
+
+
+def printable(name: str) -> str:
+    """A name safe to print on one line: undecodable bytes and control characters escaped."""
+    text = name.encode("utf-8", "backslashreplace").decode("utf-8")
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)[:200]
+
+
+def open_regular(path: str | os.PathLike[str], name: str) -> BinaryIO:
+    """A local regular file opened for reading; a link is never followed and a FIFO never blocks."""
+    try:
+        descriptor = os.open(path, _OPEN_FLAGS)
+    except OSError as err:
+        if err.errno == errno.ELOOP:  # O_NOFOLLOW: the last component is a symbolic link
+            raise CheckpointError(f"{name} is a symbolic link, not a regular file") from None
+        raise
+    mode = os.fstat(descriptor).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(descriptor)
+        raise CheckpointError(f"{name} is {kind_of(mode)}, not a regular file")
+    return os.fdopen(descriptor, "rb")
+
+
+def kind_of(mode: int) -> str:
+    """What a file of this ``st_mode`` is, for a message."""
+    if stat.S_ISLNK(mode):
+        return "a symbolic link"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    return "not a regular file"

@@ -1,0 +1,231 @@
+"""The one verification of a checkpoint, used by restore, rotation and ``trainforge ckpt``.
+
+A checkpoint directory is valid when, in this order (cheap checks first, nothing hashed or parsed
+before the checks that bound its cost):
+1. it holds regular files only: no symbolic links, FIFOs, devices or sockets (``lstat``, and
+   ``O_NOFOLLOW | O_NONBLOCK`` when opening, so a FIFO cannot block and a link is never followed);
+2. ``manifest.json`` is at most ``MAX_MANIFEST_BYTES`` and matches its schema: plain relative
+   names, including every file a checkpoint needs;
+3. the files on storage are exactly the files the manifest lists, each with its declared size;
+4. every file's SHA-256 matches (reading no more than the declared size);
+5. ``trainer_state.json`` (bounded) matches its schema, so that what verifies also loads;
+6. optionally, the safe-load check: the safetensors header parses and ``optimizer.pt`` unpickles
+   under ``weights_only`` (this step needs torch).
+It works over a pyarrow file system: the local one (where links and FIFOs exist) and object stores.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow.fs as pafs
+
+from trainforge.checkpoint.schema import (
+    MANIFEST,
+    MAX_MANIFEST_BYTES,
+    MAX_STATE_BYTES,
+    STATE_FILE,
+    Manifest,
+    is_safe_name,
+    kind_of,
+    open_regular,
+    parse_manifest,
+    parse_trainer_state,
+    printable,
+)
+from trainforge.errors import CheckpointError
+
+_CHUNK = 8 << 20
+_MAX_ENTRIES = 10_000  # a checkpoint holds a few files per rank; a bigger tree is not one of ours
+
+
+@dataclass(frozen=True)
+class Verification:
+    """The outcome of checking one checkpoint directory; ``manifest`` is the raw JSON when it parsed."""
+
+    path: Path
+    problems: tuple[str, ...]
+    manifest: dict[str, Any] | None
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+@dataclass
+class Tree:
+    """What a checkpoint directory holds: regular files by relative name and size, and the rest."""
+
+    files: dict[str, int] = field(default_factory=dict)
+    dirs: set[str] = field(default_factory=set)
+    others: dict[str, str] = field(default_factory=dict)  # relative name -> what it is ("a FIFO")
+    problems: list[str] = field(default_factory=list)
+
+
+def list_tree(fs: pafs.FileSystem, root: str, local: bool) -> Tree:
+    """Everything under ``root`` without following links; names that are not plain are problems."""
+    tree = _list_local(root) if local else _list_remote(fs, root)
+    for rel in [*tree.files, *tree.dirs, *tree.others]:
+        if not is_safe_name(rel):
+            tree.problems.append(f"{printable(rel)} has a name that is not a plain file name (unexpected file)")
+    return tree
+
+
+def _list_local(root: str) -> Tree:
+    tree = Tree()
+    pending = [""]
+    count = 0
+    while pending:
+        prefix = pending.pop()
+        with os.scandir(os.path.join(root, prefix) if prefix else root) as listing:
+            for item in listing:
+                count += 1
+                if count > _MAX_ENTRIES:
+                    tree.problems.append(f"holds more than {_MAX_ENTRIES} entries: not a checkpoint")
+                    return tree
+                rel = f"{prefix}/{item.name}" if prefix else item.name
+                mode = item.stat(follow_symlinks=False).st_mode
+                if stat.S_ISREG(mode):
+                    tree.files[rel] = item.stat(follow_symlinks=False).st_size
+                elif stat.S_ISDIR(mode):
+                    tree.dirs.add(rel)
+                    if rel.count("/") < 8:
+                        pending.append(rel)
+                else:
+                    tree.others[rel] = kind_of(mode)
+    return tree
+
+
+def _list_remote(fs: pafs.FileSystem, root: str) -> Tree:
+    tree = Tree()
+    infos = fs.get_file_info(pafs.FileSelector(root, recursive=True))
+    for info in infos[: _MAX_ENTRIES + 1]:
+        rel = info.path[len(root) + 1 :]
+        if info.type == pafs.FileType.File:
+            tree.files[rel] = int(info.size or 0)
+        elif info.type == pafs.FileType.Directory:
+            tree.dirs.add(rel)
+        else:
+            tree.others[rel] = "not a regular file"
+    if len(infos) > _MAX_ENTRIES:
+        tree.problems.append(f"holds more than {_MAX_ENTRIES} entries: not a checkpoint")
+    return tree
+
+
+def read_capped(fs: pafs.FileSystem, path: str, local: bool, cap: int) -> bytes:
+    """At most ``cap + 1`` bytes of a regular file (so that a caller sees it is too big); a link,
+    FIFO or device is a CheckpointError, and never blocks or is followed."""
+    with open_file(fs, path, local) as stream:
+        return bytes(stream.read(cap + 1))
+
+
+def open_file(fs: pafs.FileSystem, path: str, local: bool) -> Any:
+    """A file of a checkpoint opened for reading: locally, a regular file only (see ``open_regular``)."""
+    if local:
+        return open_regular(path, printable(path.rsplit("/", 1)[-1]))
+    return fs.open_input_stream(path)
+
+
+def sha256_of(fs: pafs.FileSystem, path: str, local: bool, size: int) -> tuple[str, bool]:
+    """The SHA-256 of a file's first ``size`` bytes, and whether it holds exactly that many."""
+    digest = hashlib.sha256()
+    left = size
+    with open_file(fs, path, local) as stream:
+        while left > 0:
+            chunk = stream.read(min(_CHUNK, left))
+            if not chunk:
+                return digest.hexdigest(), False
+            digest.update(chunk)
+            left -= len(chunk)
+        exact = not stream.read(1)
+    return digest.hexdigest(), exact
+
+
+def read_manifest(fs: pafs.FileSystem, root: str, local: bool) -> tuple[Manifest, dict[str, Any]]:
+    """The manifest of the checkpoint at ``root``, bounded and validated; CheckpointError if none."""
+    try:
+        raw = read_capped(fs, f"{root}/{MANIFEST}", local, MAX_MANIFEST_BYTES)
+    except FileNotFoundError:
+        raise CheckpointError(f"{MANIFEST} is missing (incomplete or interrupted save)") from None
+    except OSError as err:
+        raise CheckpointError(f"{MANIFEST} is unreadable: {err}") from None
+    return parse_manifest(raw)
+
+
+def verify_tree(fs: pafs.FileSystem, root: str, local: bool, *, safe_load: bool = True) -> Verification:
+    """Check the checkpoint directory at ``root`` (see the module docstring); never raises for
+    anything the checkpoint holds, only lists problems."""
+    where = Path(root)
+    manifest: dict[str, Any] | None = None
+    try:
+        kind = fs.get_file_info(root).type
+        if kind != pafs.FileType.Directory:
+            missing = kind == pafs.FileType.NotFound
+            return Verification(where, (f"{root} {'does not exist' if missing else 'is not a directory'}",), None)
+        tree = list_tree(fs, root, local)
+        schema, manifest = read_manifest(fs, root, local)
+        problems = tree.problems + _file_set_problems(schema, tree)
+        if not problems:
+            problems = _hash_problems(fs, root, local, schema)
+        if not problems:
+            parse_trainer_state(read_capped(fs, f"{root}/{STATE_FILE}", local, MAX_STATE_BYTES))
+            if safe_load:
+                refusal = _load_refusal(fs, root, local)
+                problems = [refusal] if refusal else []
+    except CheckpointError as err:
+        return Verification(where, (str(err),), manifest)
+    except OSError as err:  # storage unreachable, permission denied, the directory vanished
+        return Verification(where, (f"unreadable: {printable(str(err))}",), manifest)
+    return Verification(where, tuple(problems), manifest)
+
+
+def _file_set_problems(manifest: Manifest, tree: Tree) -> list[str]:
+    """Exactly the listed files, each a regular file of its declared size; checked before hashing."""
+    problems = []
+    for rel, entry in sorted(manifest.files.items()):
+        if rel in tree.others:
+            problems.append(f"{rel} is {tree.others[rel]}, not a regular file")
+        elif rel not in tree.files:
+            problems.append(f"{rel} is missing")
+        elif tree.files[rel] != entry.size:
+            problems.append(f"{rel} has {tree.files[rel]} bytes, manifest says {entry.size} (truncated or overwritten)")
+    listed = set(manifest.files) | {MANIFEST}
+    parents = {rel.rsplit("/", 1)[0] for rel in manifest.files if "/" in rel}
+    parents |= {p.rsplit("/", i)[0] for p in parents for i in range(1, p.count("/") + 1)}
+    for rel in sorted({*tree.files, *tree.others} - listed):
+        if is_safe_name(rel):
+            problems.append(f"{rel} is not listed in the manifest (unexpected file)")
+    for rel in sorted(tree.dirs - parents):
+        if is_safe_name(rel):
+            problems.append(f"{rel}/ is not listed in the manifest (unexpected directory)")
+    return problems
+
+
+def _hash_problems(fs: pafs.FileSystem, root: str, local: bool, manifest: Manifest) -> list[str]:
+    problems = []
+    for rel, entry in sorted(manifest.files.items()):
+        digest, exact = sha256_of(fs, f"{root}/{rel}", local, entry.size)
+        if not exact:
+            problems.append(f"{rel} changed size while it was read (truncated or overwritten)")
+        elif digest != entry.sha256:
+            problems.append(f"{rel} fails its SHA-256 check (corrupted)")
+    return problems
+
+
+def _load_refusal(fs: pafs.FileSystem, root: str, local: bool) -> str | None:
+    """Why a checkpoint whose files verify still must not be loaded (a hostile ``optimizer.pt``)."""
+    from trainforge.checkpoint.state import check_loadable  # torch: only once the files verified
+
+    if local:
+        return check_loadable(Path(root))
+    with tempfile.TemporaryDirectory(prefix="trainforge-check-") as scratch:
+        local_copy = Path(scratch) / "checkpoint"
+        local_copy.mkdir()
+        pafs.copy_files(root, str(local_copy), fs, pafs.LocalFileSystem())
+        return check_loadable(local_copy)

@@ -1,0 +1,392 @@
+"""Hostile and damaged checkpoints (issue 9, sections 2 and 3): the one verification refuses them
+quickly and in one line, restore walks past what verifies but does not load, rotation counts only
+verified checkpoints, commits never set aside a valid one.
+
+Real files throughout: symbolic links, FIFOs, sparse files, undecodable names, real models.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from rich.console import Console
+from torch import nn
+
+from tests.unit.test_checkpoint import (
+    flip_byte,
+    names,
+    save_all,
+    small_model,
+    snapshot,
+    trained,
+    trainer_state,
+    write_checkpoint,
+)
+from trainforge.checkpoint import inspect as ckpt_inspect
+from trainforge.checkpoint.format import MANIFEST, sha256_file, write_manifest
+from trainforge.checkpoint.manager import CheckpointManager, RotationPolicy
+from trainforge.checkpoint.state import (
+    MODEL_FILE,
+    OPTIMIZER_FILE,
+    STATE_FILE,
+    model_snapshot,
+    read_trainer_state,
+    snapshot_tensors,
+    write_state,
+)
+from trainforge.checkpoint.storage import CheckpointStore, checkpoint_name
+from trainforge.checkpoint.verify import Verification
+from trainforge.config import Config
+from trainforge.errors import CheckpointError
+from trainforge.worker.build import WorkerRun
+from trainforge.worker.optim import build_scheduler
+from trainforge.worker.saving import restore
+from trainforge.worker.step import StepRunner
+
+
+def check(directory: Path) -> Verification:
+    """What restore, rotation and ``ckpt verify`` all use."""
+    store, name = CheckpointStore.for_checkpoint(str(directory))
+    return store.verify(name)
+
+
+def edit_manifest(directory: Path, change: Any) -> None:
+    manifest = json.loads((directory / MANIFEST).read_text())
+    change(manifest)
+    (directory / MANIFEST).write_text(json.dumps(manifest))
+
+
+@pytest.fixture
+def ckpt(tmp_path: Path) -> Path:
+    directory = tmp_path / "run" / checkpoint_name(7)
+    write_checkpoint(directory)
+    return directory
+
+
+# ---------------------------------------------------------------------------------------------
+# Section 2: verification
+
+
+def test_a_manifest_listing_no_files_does_not_verify(ckpt: Path) -> None:
+    edit_manifest(ckpt, lambda m: m.update(files={}))
+    [problem] = check(ckpt).problems
+    assert problem == (
+        "manifest.json is malformed: files: Value error, does not list model.safetensors, optimizer.pt, "
+        "trainer_state.json"
+    )
+
+
+def test_files_the_manifest_does_not_list_or_that_are_missing_do_not_verify(ckpt: Path) -> None:
+    (ckpt / "extra.bin").write_bytes(b"x")
+    assert check(ckpt).problems == ("extra.bin is not listed in the manifest (unexpected file)",)
+    (ckpt / "extra.bin").unlink()
+    (ckpt / OPTIMIZER_FILE).unlink()
+    edit_manifest(ckpt, lambda m: m["files"].pop(OPTIMIZER_FILE))
+    assert "does not list optimizer.pt" in check(ckpt).problems[0]
+
+
+def test_a_symbolic_link_out_of_the_checkpoint_is_refused(ckpt: Path, tmp_path: Path) -> None:
+    outside = tmp_path / "elsewhere.pt"
+    (ckpt / OPTIMIZER_FILE).rename(outside)  # same bytes: the hash would match through the link
+    (ckpt / OPTIMIZER_FILE).symlink_to(outside)
+    assert check(ckpt).problems == ("optimizer.pt is a symbolic link, not a regular file",)
+    assert "optimizer.pt is a symbolic link" in " ".join(ckpt_inspect.inspect_checkpoint(str(ckpt))["problems"])
+
+
+@pytest.mark.parametrize("name", ["../outside.pt", "/etc/hostname", "sub/../../outside.pt", "a\\..\\b", ".hidden"])
+def test_manifest_names_outside_the_checkpoint_are_refused_before_anything_is_read(
+    ckpt: Path, tmp_path: Path, name: str
+) -> None:
+    outside = tmp_path / "run" / "outside.pt"
+    outside.write_bytes(b"secret")
+    entry = {"size": 6, "sha256": sha256_file(outside)}
+    edit_manifest(ckpt, lambda m: m["files"].update({name: entry}))
+    [problem] = check(ckpt).problems
+    assert problem.startswith("manifest.json is malformed: files: Value error, ")
+    assert "is not a plain relative file name inside the checkpoint" in problem
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("name", [STATE_FILE, MANIFEST, MODEL_FILE])
+def test_a_fifo_in_place_of_a_file_is_refused_without_blocking(ckpt: Path, name: str) -> None:
+    (ckpt / name).unlink()
+    os.mkfifo(ckpt / name)
+    [problem] = check(ckpt).problems
+    assert f"{name} is a FIFO, not a regular file" in problem
+    report = ckpt_inspect.inspect_checkpoint(str(ckpt))
+    assert any(f"{name} is a FIFO" in p for p in report["problems"])
+    assert not ckpt_inspect.list_checkpoints(str(ckpt.parent))[0].valid
+
+
+@pytest.mark.timeout(30)
+def test_a_manifest_linked_to_dev_zero_is_a_problem_not_a_memory_error(ckpt: Path) -> None:
+    (ckpt / MANIFEST).unlink()
+    (ckpt / MANIFEST).symlink_to("/dev/zero")
+    assert check(ckpt).problems == ("manifest.json is a symbolic link, not a regular file",)
+    store, name = CheckpointStore.for_checkpoint(str(ckpt))
+    assert store.read_manifest(name) == (None, "manifest.json is a symbolic link, not a regular file")
+
+
+@pytest.mark.timeout(30)
+def test_an_oversized_manifest_is_refused_unread(ckpt: Path) -> None:
+    with (ckpt / MANIFEST).open("r+b") as handle:
+        handle.truncate(1 << 40)  # 1 TB, sparse
+    started = time.perf_counter()
+    assert check(ckpt).problems == ("manifest.json is larger than 8 MB: not a file trainforge wrote",)
+    assert time.perf_counter() - started < 5
+
+
+@pytest.mark.timeout(30)
+def test_a_huge_file_declared_small_is_never_hashed(ckpt: Path) -> None:
+    edit_manifest(ckpt, lambda m: m["files"][OPTIMIZER_FILE].update(size=0))
+    with (ckpt / OPTIMIZER_FILE).open("r+b") as handle:
+        handle.truncate(1 << 40)  # 1 TB, sparse: hashing it would take hours
+    started = time.perf_counter()
+    assert check(ckpt).problems == (f"optimizer.pt has {1 << 40} bytes, manifest says 0 (truncated or overwritten)",)
+    assert time.perf_counter() - started < 5
+
+
+WRONG_TYPES = {
+    "progress as a list": (STATE_FILE, lambda s: s.update(progress=[1, 2]), "progress: Input should be a valid"),
+    "rng as a number": (STATE_FILE, lambda s: s.update(rng=7), "rng: Input should be a valid list"),
+    "step as a string": (STATE_FILE, lambda s: s["progress"].update(global_step="7"), "progress.global_step"),
+    "rng of another rank count": (STATE_FILE, lambda s: s["rng"].append(s["rng"][0]), "holds 2 RNG states for 1"),
+    "python rng cut short": (STATE_FILE, lambda s: s["rng"][0]["python"][1].pop(), "rng.0.python.1"),
+    "optim config not a table": (STATE_FILE, lambda s: s["config"].update(optim="adam"), "config.optim"),
+    "date as a string": (MANIFEST, lambda m: m.update(created_at="2026-11-23"), "created_at"),
+    "unknown format": (MANIFEST, lambda m: m.update(format_version=2), "format_version 2 is not one"),
+}
+
+
+@pytest.mark.parametrize("case", list(WRONG_TYPES))
+def test_json_metadata_of_the_wrong_types_does_not_verify(ckpt: Path, case: str) -> None:
+    rel, change, expected = WRONG_TYPES[case]
+    data = json.loads((ckpt / rel).read_text())
+    change(data)
+    (ckpt / rel).write_text(json.dumps(data))
+    if rel != MANIFEST:
+        write_manifest(ckpt, {"global_step": 7})  # hashes that match: only the schema can tell
+    [problem] = check(ckpt).problems
+    assert problem.startswith(f"{rel} is malformed: ") and expected in problem, problem
+    if rel == STATE_FILE:
+        with pytest.raises(CheckpointError, match=r"trainer_state\.json is malformed"):
+            read_trainer_state(ckpt)
+
+
+def test_an_undecodable_file_name_is_a_problem_not_a_traceback(ckpt: Path) -> None:
+    odd = os.fsencode(ckpt) + b"/\xff\xfe.bin"
+    with open(odd, "wb") as handle:
+        handle.write(b"x")
+    [problem] = check(ckpt).problems
+    assert problem == "\\udcff\\udcfe.bin has a name that is not a plain file name (unexpected file)"
+    report = ckpt_inspect.inspect_checkpoint(str(ckpt))
+    json.dumps(report)
+    Console(file=io.StringIO(), width=200).print(ckpt_inspect.inspection_view(report))
+    assert problem in report["problems"]
+    with open(os.fsencode(ckpt.parent) + b"/\xff-run", "wb"):
+        pass
+    assert [row.name for row in ckpt_inspect.list_checkpoints(str(ckpt.parent))] == [ckpt.name]
+
+
+def test_old_checkpoints_of_format_1_still_verify(ckpt: Path) -> None:
+    # Written by write_manifest with only the keys format 1 always had: files and format_version.
+    write_manifest(ckpt, {})
+    assert check(ckpt).ok
+
+
+# ---------------------------------------------------------------------------------------------
+# Section 2: restore falls back past a checkpoint that verifies but does not load
+
+
+def write_wide_checkpoint(directory: Path, step: int) -> None:
+    """A valid checkpoint of another model shape (hidden width 32 instead of 16)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 32), nn.ReLU(), nn.Linear(32, 3))
+    optimizer = trained(model)
+    write_state(directory, model_snapshot(model), snapshot_tensors(optimizer.state_dict()), trainer_state(step))
+    write_manifest(directory, {"global_step": step, "epoch": 0, "metrics": {}, "created_at": time.time()})
+
+
+def worker_run(tmp_path: Path, resume: str = "auto") -> WorkerRun:
+    """A world-size-1 worker run of ``small_model`` built without Ray (restore needs no collective)."""
+    config = Config.model_validate(
+        {
+            "run": {"name": "t", "output_dir": str(tmp_path)},
+            "model": {"name": "mlp"},
+            "data": {"name": "synthetic"},
+            "optim": {"name": "adam", "lr": 0.01},
+            "train": {"max_steps": 100, "batch_size": 8},
+            "checkpoint": {"resume": resume},
+        }
+    )
+    model = small_model(seed=9)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    scheduler = build_scheduler(config.schedule, optimizer, 100)
+    runner = StepRunner(
+        model, None, optimizer, scheduler, device=torch.device("cpu"), precision="fp32", grad_clip_norm=None
+    )  # type: ignore[arg-type]
+    return WorkerRun(config, 0, 1, torch.device("cpu"), model, None, runner, None, None, None, 100, 10)  # type: ignore[arg-type]
+
+
+def test_restore_walks_past_a_checkpoint_that_verifies_but_does_not_load(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    write_checkpoint(run_dir / checkpoint_name(5), step=5)
+    write_wide_checkpoint(run_dir / checkpoint_name(10), step=10)
+    store = CheckpointStore.from_uri(str(run_dir))
+    assert store.verify(checkpoint_name(10)).ok  # valid: it is only the model that differs
+
+    run = worker_run(tmp_path)
+    restored = restore(run, store)
+
+    assert restored.source == str(run_dir / checkpoint_name(5)) and restored.progress.global_step == 5
+    [skipped] = restored.skipped
+    assert skipped.startswith("checkpoint_000000010: does not load into this run's model: ")
+    assert "size mismatch" in skipped and "\n" not in skipped
+    expected = small_model()
+    trained(expected)
+    for key, value in expected.state_dict().items():  # fully the older checkpoint's weights
+        assert torch.equal(run.model.state_dict()[key], value), key
+
+
+def test_restore_with_no_loadable_checkpoint_stops_in_one_line(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    write_wide_checkpoint(run_dir / checkpoint_name(10), step=10)
+    write_checkpoint(run_dir / checkpoint_name(5), step=5)
+    flip_byte(run_dir / checkpoint_name(5))  # the only one of the right shape does not verify
+    with pytest.raises(CheckpointError) as caught:
+        restore(worker_run(tmp_path), CheckpointStore.from_uri(str(run_dir)))
+    message = str(caught.value)
+    assert message.startswith("no checkpoint of this run loads into the model as configured (checkpoint_000000010")
+    assert "\n" not in message and "another run.name" in message
+
+
+def test_an_explicit_resume_that_does_not_load_is_a_one_line_error(tmp_path: Path) -> None:
+    other = tmp_path / "other" / checkpoint_name(10)
+    write_wide_checkpoint(other, step=10)
+    with pytest.raises(CheckpointError) as caught:
+        restore(worker_run(tmp_path, resume=str(other)), CheckpointStore.from_uri(str(tmp_path / "run")))
+    assert str(caught.value).startswith(f"checkpoint {other} does not load into this run: checkpoint_000000010 ")
+    assert "\n" not in str(caught.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# Section 3: rotation, staging, commit
+
+
+def manager(tmp_path: Path, store: CheckpointStore, **policy: Any) -> CheckpointManager:
+    return CheckpointManager(store, RotationPolicy(**{"keep_last": 2, **policy}), scratch=tmp_path / "scratch")
+
+
+def test_rotation_counts_only_verified_checkpoints(tmp_path: Path) -> None:
+    # A walk-back: 20 is corrupt, the run resumed from 10 and now saves 15.
+    run_dir = tmp_path / "run"
+    write_checkpoint(run_dir / checkpoint_name(10), step=10)
+    write_checkpoint(run_dir / checkpoint_name(20), step=20)
+    flip_byte(run_dir / checkpoint_name(20))
+    store = CheckpointStore.from_uri(str(run_dir))
+    model = small_model()
+    [outcome] = save_all(manager(tmp_path, store), [snapshot(model, trained(model), 15)])
+    assert outcome.error is None
+    # Two valid copies kept; the corrupt one is not deleted (evidence) but does not count.
+    assert names(store) == [checkpoint_name(10), checkpoint_name(15), checkpoint_name(20)]
+
+
+@pytest.mark.parametrize("odd", [math.nan, "not a number", True])
+def test_a_best_metric_that_is_not_a_finite_number_never_wins(tmp_path: Path, odd: Any) -> None:
+    run_dir = tmp_path / "run"
+    write_checkpoint(run_dir / checkpoint_name(10), step=10, **{"val/loss": odd})
+    write_checkpoint(run_dir / checkpoint_name(20), step=20, **{"val/loss": 0.1})
+    write_checkpoint(run_dir / checkpoint_name(30), step=30, **{"val/loss": 0.5})
+    store = CheckpointStore.from_uri(str(run_dir))
+    model = small_model()
+    saves = [snapshot(model, trained(model), step, **{"val/loss": 0.9}) for step in (40, 50)]
+    outcomes = save_all(manager(tmp_path, store, keep_last=1, metric="val/loss", mode="min"), saves)
+    assert [o.error for o in outcomes] == [None, None]
+    assert names(store) == [checkpoint_name(20), checkpoint_name(50)]
+
+
+def test_a_rotation_failure_does_not_fail_the_committed_save(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = CheckpointStore.from_uri(str(tmp_path / "run"))
+    write_checkpoint(tmp_path / "run" / checkpoint_name(1), step=1)
+
+    def refuse(name: str) -> None:
+        raise PermissionError(f"cannot delete {name}")
+
+    monkeypatch.setattr(store, "delete", refuse)
+    model = small_model()
+    [outcome] = save_all(manager(tmp_path, store, keep_last=1), [snapshot(model, trained(model), 5)])
+    assert outcome.error is None and outcome.uri == store.uri(checkpoint_name(5))
+    assert store.verify(checkpoint_name(5)).ok
+
+
+def test_staging_dirs_of_crashed_saves_are_removed_but_not_one_in_flight(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    crashed = run_dir / ".tmp-checkpoint_000000003-deadbeef"
+    crashed.mkdir(parents=True)
+    (crashed / MODEL_FILE).write_bytes(b"\x00" * 100)
+    os.utime(crashed, (time.time() - 600, time.time() - 600))
+    store = CheckpointStore.from_uri(str(run_dir))
+    saver = manager(tmp_path, store)
+    in_flight = run_dir / ".tmp-checkpoint_000000004-0badf00d"  # another process, started after us
+    in_flight.mkdir()
+    model = small_model()
+    save_all(saver, [snapshot(model, trained(model), 5)])
+    assert store.leftovers() == [in_flight.name]
+
+
+def test_commit_fsyncs_the_staging_directory_before_the_rename(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    events: list[tuple[str, str]] = []
+    real_fsync, real_rename = os.fsync, os.rename
+
+    def fsync(descriptor: int) -> None:
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{descriptor}")))
+        real_fsync(descriptor)
+
+    def rename(source: Any, target: Any) -> None:
+        events.append(("rename", str(source)))
+        real_rename(source, target)
+
+    store = CheckpointStore.from_uri(str(tmp_path / "run"))
+    staging = store.staging_dir(checkpoint_name(5), tmp_path / "scratch")
+    write_checkpoint(staging, step=5)
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "rename", rename)
+    store.commit(staging, checkpoint_name(5))
+    assert events.index(("fsync", str(staging))) < events.index(("rename", str(staging)))
+    assert events[-1] == ("fsync", store.root)
+
+
+def test_commit_never_sets_aside_a_checkpoint_that_verifies(tmp_path: Path) -> None:
+    store = CheckpointStore.from_uri(str(tmp_path / "run"))
+    name = checkpoint_name(5)
+    write_checkpoint(Path(store.path(name)), step=5)
+    before = sha256_file(Path(store.path(name)) / MODEL_FILE)
+    staging = store.staging_dir(name, tmp_path / "scratch")
+    write_checkpoint(staging, step=5)
+    with pytest.raises(CheckpointError, match="already exists and verifies; it was not replaced"):
+        store.commit(staging, name)
+    assert sha256_file(Path(store.path(name)) / MODEL_FILE) == before and store.verify(name).ok
+    assert not [p for p in Path(store.root).iterdir() if p.name.startswith(".invalid-")]
+
+
+def test_invalid_checkpoints_set_aside_in_the_same_second_do_not_collide(tmp_path: Path) -> None:
+    store = CheckpointStore.from_uri(str(tmp_path / "run"))
+    name = checkpoint_name(5)
+    for _ in range(3):
+        write_checkpoint(Path(store.path(name)), step=5)
+        flip_byte(Path(store.path(name)))
+        staging = store.staging_dir(name, tmp_path / "scratch")
+        write_checkpoint(staging, step=5)
+        store.commit(staging, name)
+        assert store.verify(name).ok
+        store.delete(name)
+    retired = [p.name for p in Path(store.root).iterdir() if p.name.startswith(".invalid-checkpoint_000000005-")]
+    assert len(retired) == 3
