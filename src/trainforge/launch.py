@@ -87,6 +87,8 @@ def ray_logs_to(path: Path, *, verbose: bool) -> Iterator[None]:
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     # Ray installs its own stderr handler on import; park it unless the user asked for Ray's logs.
     parked = [] if verbose else list(ray_logger.handlers)
+    for kept in ray_logger.handlers if verbose else []:
+        redacting(kept)
     for old in parked:
         ray_logger.removeHandler(old)
     ray_logger.addHandler(handler)

@@ -14,7 +14,7 @@ import pytest
 from trainforge.config import ConfigError, load_config
 from trainforge.tracking.records import git_tags
 
-pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+needs_git = pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
 
 QUICK = {"model": {"name": "mlp"}, "train": {"max_steps": 1}}
 
@@ -50,6 +50,7 @@ def hostile_repo(tmp_path: Path) -> tuple[Path, Path]:
     return repo, marker
 
 
+@needs_git
 def test_git_tags_of_a_hostile_repository_run_none_of_its_programs(tmp_path: Path) -> None:
     repo, marker = hostile_repo(tmp_path)
     tags = git_tags(repo)
@@ -58,6 +59,7 @@ def test_git_tags_of_a_hostile_repository_run_none_of_its_programs(tmp_path: Pat
     assert tags["trainforge.git_dirty"] == "true"
 
 
+@needs_git
 def test_the_hostile_repository_does_run_its_programs_under_plain_git(tmp_path: Path) -> None:
     """The probe is live: the same repository, under the plain ``git status`` trainforge used to
     run, executes the repository's program."""
@@ -66,6 +68,7 @@ def test_the_hostile_repository_does_run_its_programs_under_plain_git(tmp_path: 
     assert marker.exists()
 
 
+@needs_git
 def test_git_tags_of_a_clean_checkout_and_of_no_checkout(tmp_path: Path) -> None:
     repo = tmp_path / "clean"
     repo.mkdir()
@@ -77,6 +80,24 @@ def test_git_tags_of_a_clean_checkout_and_of_no_checkout(tmp_path: Path) -> None
     outside = tmp_path / "plain"
     outside.mkdir()
     assert git_tags(outside) == {} or "mlflow.source.git.commit" in git_tags(outside)  # a parent may be a repo
+
+
+def test_bound_to_loopback_switches_rays_node_address_lookup_only_while_ray_starts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from ray._private import ray_constants, services
+
+    from trainforge.launch import CLUSTER_ENV, bound_to
+
+    monkeypatch.delenv(CLUSTER_ENV, raising=False)
+    before = ray_constants.ENABLE_RAY_CLUSTER
+    with bound_to("127.0.0.1"):
+        assert os.environ[CLUSTER_ENV] == "0"  # for the processes ray.init spawns
+        assert services.get_node_ip_address() == "127.0.0.1"
+        assert services.resolve_ip_for_localhost("127.0.0.1") == "127.0.0.1"
+    assert before == ray_constants.ENABLE_RAY_CLUSTER and CLUSTER_ENV not in os.environ
+    with bound_to("0.0.0.0"):
+        assert before == ray_constants.ENABLE_RAY_CLUSTER and CLUSTER_ENV not in os.environ
 
 
 def test_cluster_bind_address_defaults_to_loopback_and_takes_only_two_values() -> None:
