@@ -246,12 +246,15 @@ def local_ray() -> Iterator[None]:
     """
     import ray
 
+    from trainforge.launch import LOOPBACK, bound_to
+
     saved = {name: os.environ.get(name) for name in (POLL_ENV, "PYTHONPATH")}
     os.environ[POLL_ENV] = POLL_INTERVAL_S
     os.environ["PYTHONPATH"] = _python_path()  # Ray's worker processes inherit it
     # address="local": always a fresh instance, never a cluster someone else started on this machine.
     try:
-        ray.init(address="local", num_cpus=RAY_CPUS, include_dashboard=False, log_to_driver=False)
+        with bound_to(LOOPBACK):  # on loopback, as every trainforge run's local Ray (docs/security.md)
+            ray.init(address="local", num_cpus=RAY_CPUS, include_dashboard=False, log_to_driver=False)
     except Exception as err:  # Ray raises bare Exceptions, e.g. when its node times out on a busy machine
         _restore_env(saved)
         raise PeerFailed(f"could not start a local Ray for peers (c) and (d): {err}") from err

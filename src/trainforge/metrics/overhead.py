@@ -94,8 +94,11 @@ def main() -> None:
 
     import ray
 
+    from trainforge.launch import LOOPBACK, bound_to
+
     torch.set_num_threads(1)
-    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    with bound_to(LOOPBACK):
+        ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False, configure_logging=False)
     try:
         per_report = report_cost(args.reports)
     finally:
