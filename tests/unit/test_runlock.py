@@ -187,3 +187,18 @@ def test_an_unwritable_output_dir_is_one_line_naming_the_key(tmp_path: Path) -> 
         check_writable(a_file / "run", "run.output_dir")
     check_writable(tmp_path / "run", "run.output_dir")
     assert [p.name for p in (tmp_path / "run").iterdir()] == []  # the probe file is gone
+
+
+def test_a_second_search_in_one_search_directory_is_refused_before_ray_starts(tmp_path: Path) -> None:
+    import trainforge
+
+    config = {
+        "run": {"name": "search", "output_dir": str(tmp_path)},
+        "model": {"name": "mlp"},
+        "data": {"name": "digits"},
+        "train": {"max_steps": 10},
+    }
+    (tmp_path / "search").mkdir()
+    with take(tmp_path / "search"), pytest.raises(RunLockedError, match=rf"search directory .* PID {os.getpid()}\b"):
+        trainforge.tune(config, {"optim.lr": {"loguniform": [1e-3, 1e-2]}}, trials=1)
+    assert sorted(p.name for p in (tmp_path / "search").iterdir()) == [LOCK_FILE]  # nothing written

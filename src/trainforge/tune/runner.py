@@ -28,6 +28,7 @@ from trainforge.config import Config
 from trainforge.errors import ConfigError
 from trainforge.launch import preflight, ray_logs_to, ray_session, resolve_address
 from trainforge.redact import redact_config
+from trainforge.runlock import acquire, check_writable
 from trainforge.tune.placement import Releaser, release, start_ledger
 from trainforge.tune.relay import relayed
 from trainforge.tune.schedulers import SearchPlan, build_scheduler, build_search_alg, make_plan
@@ -148,17 +149,28 @@ def run_search(
     console: Console | None = None,
 ) -> dict[str, Any]:
     """Run (or continue) the search; write tune_summary.json, best.yaml and plots; the summary."""
-    from trainforge.tune.summary import write_outputs
-
     shown = console or Console(stderr=True)
     plan = make_plan(config, space)
     address = resolve_address(config, address)
     preflight(config, local=address is None)
     search_dir = config.run_dir
+    check_writable(search_dir, "run.output_dir")
+    # One search driver per search directory, as one training driver per run directory: two would
+    # rewrite each other's search.json and Tune state. Held until the outputs are written.
+    advice = "wait for it to end, or choose another run.name or run.output_dir"
+    with acquire(search_dir, what="search directory", advice=advice):
+        return _search(config, space, plan, shown, address=address, verbose=verbose)
+
+
+def _search(
+    config: Config, space: SearchSpace, plan: SearchPlan, shown: Console, *, address: str | None, verbose: bool
+) -> dict[str, Any]:
+    from trainforge.tune.summary import write_outputs
+
+    search_dir = config.run_dir
     base = search_base(config, plan)
     identity = search_identity(base, space, plan)
     again = resuming(search_dir, identity)
-    search_dir.mkdir(parents=True, exist_ok=True)
     write_json_atomic(search_dir / SEARCH_FILE, identity)
     watch = TrialWatch(shown, plan.metric, plan.mode, space.keys)
     started_at = time.time()
