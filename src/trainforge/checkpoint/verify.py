@@ -200,7 +200,8 @@ def _file_set_problems(manifest: Manifest, tree: Tree) -> list[str]:
     parents |= {p.rsplit("/", i)[0] for p in parents for i in range(1, p.count("/") + 1)}
     for rel in sorted({*tree.files, *tree.others} - listed):
         if is_safe_name(rel):
-            problems.append(f"{rel} is not listed in the manifest (unexpected file)")
+            what = f" ({tree.others[rel]})" if rel in tree.others else ""
+            problems.append(f"{rel} is not listed in the manifest (unexpected file){what}")
     for rel in sorted(tree.dirs - parents):
         if is_safe_name(rel):
             problems.append(f"{rel}/ is not listed in the manifest (unexpected directory)")
