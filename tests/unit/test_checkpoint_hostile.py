@@ -11,6 +11,8 @@ import io
 import json
 import math
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -390,3 +392,55 @@ def test_invalid_checkpoints_set_aside_in_the_same_second_do_not_collide(tmp_pat
         store.delete(name)
     retired = [p.name for p in Path(store.root).iterdir() if p.name.startswith(".invalid-checkpoint_000000005-")]
     assert len(retired) == 3
+
+
+TWO_RANKS = """
+import json, sys
+from pathlib import Path
+import torch.distributed as dist
+from torch import nn
+import tests.unit.test_checkpoint_hostile as h
+from trainforge.checkpoint.storage import CheckpointStore
+from trainforge.errors import CheckpointError
+from trainforge.worker.saving import restore
+
+rank, tmp = int(sys.argv[1]), Path(sys.argv[2])
+dist.init_process_group("gloo", store=dist.FileStore(str(tmp / "store"), 2), rank=rank, world_size=2)
+run = h.worker_run(tmp)
+run.rank, run.world = rank, 2
+if rank == 1:  # this rank's model has the other shape: it loads what rank 0 cannot, and not what rank 0 can
+    run.model = nn.Sequential(nn.Linear(6, 32), nn.ReLU(), nn.Linear(32, 3))
+    run.runner.optimizer = h.torch.optim.Adam(run.model.parameters(), lr=0.01)
+    run.runner.scheduler = h.build_scheduler(run.config.schedule, run.runner.optimizer, 100)
+try:
+    restored = restore(run, CheckpointStore.from_uri(str(tmp / "run")))
+    print(json.dumps({"source": restored.source}))
+except CheckpointError as err:
+    print(json.dumps({"error": str(err)}))
+dist.destroy_process_group()
+"""
+
+
+def test_ranks_that_disagree_on_loadability_move_on_and_stop_together(tmp_path: Path) -> None:
+    """Two gloo ranks in two processes: each candidate fails on one of them, so both skip both and
+    both stop with the same one-line error (no rank trains on a checkpoint another refused)."""
+    root = Path(__file__).resolve().parents[2]
+    write_wide_checkpoint(tmp_path / "run" / checkpoint_name(5), step=5)
+    write_checkpoint(tmp_path / "run" / checkpoint_name(10), step=10)
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", TWO_RANKS, str(rank), str(tmp_path)],
+            cwd=root,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    outputs = [rank.communicate(timeout=240) for rank in ranks]
+    assert [rank.returncode for rank in ranks] == [0, 0], [err[-2000:] for _, err in outputs]
+    results = [json.loads(out.strip().splitlines()[-1]) for out, _ in outputs]
+    assert results[0] == results[1], results
+    assert results[0]["error"].startswith("no checkpoint of this run loads into the model as configured")
