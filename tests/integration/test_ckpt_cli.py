@@ -23,6 +23,7 @@ from tests.helpers.runs import tiny_run
 from tests.unit.test_checkpoint import CORRUPTIONS, flip_byte
 from trainforge.checkpoint.inspect import list_checkpoints
 from trainforge.checkpoint.storage import CheckpointStore, checkpoint_name
+from trainforge.errors import CheckpointError
 
 ROOT = Path(__file__).resolve().parents[2]
 EVERY = 5
@@ -162,6 +163,26 @@ def test_resume_walks_back_past_a_corrupt_newest_checkpoint(trained: Path, tmp_p
     assert retired.name.startswith(".invalid-checkpoint_000000020-")
     valid = sorted({*before, 20, 25, 30})
     assert [name for name, row in rows.items() if row.valid] == [checkpoint_name(s) for s in valid]
+
+
+@pytest.mark.slow
+def test_a_run_whose_checkpoints_do_not_load_into_its_model_stops_once_in_one_line(
+    trained: Path, tmp_path: Path
+) -> None:
+    """Every checkpoint verifies but holds another model shape: exit 2 at the first restore, not a
+    Ray restart loop of failure.max_failures attempts."""
+    run_dir = tmp_path / trained.name
+    shutil.copytree(trained, run_dir)
+    config = run_config(tmp_path, 30)
+    config["model"] = {"name": "mlp", "kwargs": {"hidden_sizes": [8]}}
+    config["failure"] = {"max_failures": 3}
+    with pytest.raises(CheckpointError) as caught:
+        trainforge.fit(config, console=Console(file=io.StringIO()))
+    message = str(caught.value)
+    assert message.startswith(f"no checkpoint of this run loads into the model as configured ({checkpoint_name(20)}")
+    assert "size mismatch" in message and "\n" not in message
+    summary = run_dir / "summary.json"
+    assert not summary.exists() or json.loads(summary.read_text())["restarts"] == 0
 
 
 @pytest.mark.slow
