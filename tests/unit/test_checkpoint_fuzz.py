@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from trainforge.checkpoint.schema import Manifest, TrainerStateFile, parse_manifest, parse_trainer_state
 from trainforge.errors import CheckpointError
 
-FUZZ = settings(max_examples=200, deadline=1000, suppress_health_check=[HealthCheck.too_slow])
+FUZZ = settings(max_examples=200, deadline=1000, database=None, suppress_health_check=[HealthCheck.too_slow])
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
