@@ -237,7 +237,7 @@ def check_resume(config: Config, *, local: bool) -> None:
     if mode != "none" and local:
         check_resume_path(mode)
     try:
-        store = CheckpointStore.from_uri(f"{config.storage_path.rstrip('/')}/{config.run.name}")
+        store = CheckpointStore.for_run(config.storage_path, config.run.name)
         existing = [entry.name for entry in store.entries()]
     except OSError as err:  # storage the driver cannot see: the workers will find out
         log.warning("could not list the run's checkpoints from the driver: %s", err)
@@ -313,7 +313,8 @@ def _train(
         outcome = _fit(build_trainer(config, mailbox, callbacks), pump, started)
     summary = make_summary(config, outcome, pump)
     if outcome.checkpoint:
-        summary["model_weights_step"] = export_final_weights(outcome.checkpoint, run_dir, summary["global_step"])
+        store = CheckpointStore.for_run(config.storage_path, config.run.name)
+        summary["model_weights_step"] = export_final_weights(store, outcome.checkpoint, run_dir, summary["global_step"])
     write_json_atomic(run_dir / "summary.json", summary)
     fanout.on_end(summary)
     if outcome.status == "failed":
@@ -406,10 +407,12 @@ def _user_error(err: Exception) -> TrainforgeError | None:
     return None
 
 
-def export_final_weights(checkpoint_uri: str, run_dir: Path, final_step: int) -> int | None:
-    """Copy model.safetensors out of the last valid checkpoint (local or object store); the step
-    it holds, which is older than the final step when the final save failed (said in the log)."""
-    store, name = CheckpointStore.for_checkpoint(checkpoint_uri)
+def export_final_weights(store: CheckpointStore, checkpoint_uri: str, run_dir: Path, final_step: int) -> int | None:
+    """Copy model.safetensors out of the run's last valid checkpoint (local or object store); the
+    step it holds, which is older than the final step when the final save failed (said in the log).
+    The run's own store is opened from the config: the checkpoint's URI as the workers report it
+    names bucket and key only, not the credentials or endpoint the storage path may carry."""
+    name = checkpoint_uri.rstrip("/").rpartition("/")[2]
     step = int(name.rsplit("_", 1)[-1]) if name.rsplit("_", 1)[-1].isdigit() else None
     try:
         pafs.copy_files(f"{store.path(name)}/{MODEL_FILE}", str(run_dir / MODEL_FILE), store.fs, pafs.LocalFileSystem())

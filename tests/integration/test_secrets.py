@@ -50,15 +50,16 @@ def test_a_real_run_writes_and_prints_no_credential(tmp_path: Path, monkeypatch:
         command = [sys.executable, "-m", "trainforge", "train", "quickstart"]
         for key, value in overrides.items():
             command += ["--set", f"{key}={value}"]
-        # The driver copies the final weights out of the bucket by the checkpoint's redacted URI
-        # (s3://bucket/key): it finds the server through the environment, like any S3 client.
-        env = {**os.environ, "AWS_ENDPOINT_URL": server.endpoint, "OMP_NUM_THREADS": "1"}
+        # The server's endpoint and credentials are only in the URI: the run must use them there
+        # (workers' saves, the driver's copy of the final weights) while writing them nowhere.
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
         done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stderr[-3000:]
 
         run_dir = tmp_path / "runs" / "leak"
         summary = json.loads((run_dir / "summary.json").read_text())
         assert summary["status"] == "finished" and summary["global_step"] == 20
+        assert summary["model_weights_step"] == 20 and (run_dir / "model.safetensors").stat().st_size > 0
         # The secret went through the whole run: Ray Train wrote the checkpoints with it.
         objects = server.keys("secrets/")
         states = [key for key in objects if key.endswith("/trainer_state.json")]

@@ -551,3 +551,13 @@ def test_save_to_a_read_only_or_full_file_system(tmpfs: Path, tmp_path: Path, fa
     assert names(store) == ["checkpoint_000000005"] and store.verify("checkpoint_000000005").ok
     if failure == "full":
         assert store.leftovers() == []
+
+
+def test_run_and_checkpoint_uris_keep_the_query_that_carries_endpoint_and_credentials() -> None:
+    from trainforge.checkpoint.storage import join_uri
+
+    base = "s3://k:s@bucket/runs?endpoint_override=127.0.0.1:9000&scheme=http"
+    assert join_uri(base, "demo") == "s3://k:s@bucket/runs/demo?endpoint_override=127.0.0.1:9000&scheme=http"
+    assert join_uri("/data/runs/", "demo", "checkpoint_000000010") == "/data/runs/demo/checkpoint_000000010"
+    store, name = CheckpointStore.for_checkpoint("s3://bucket/runs/demo/checkpoint_000000010?region=us-east-1")
+    assert name == "checkpoint_000000010" and store.root == "bucket/runs/demo"

@@ -69,10 +69,16 @@ class CheckpointStore:
         return cls(fs, path)
 
     @classmethod
+    def for_run(cls, storage_path: str, run_name: str) -> CheckpointStore:
+        """The store of one run's checkpoints: ``<storage_path>/<run_name>``, as Ray Train lays it out."""
+        return cls.from_uri(join_uri(storage_path, run_name))
+
+    @classmethod
     def for_checkpoint(cls, uri: str) -> tuple[CheckpointStore, str]:
         """The store holding the checkpoint at ``uri`` (a path or URI), and the checkpoint's name."""
-        parent, _, name = uri.rstrip("/").rpartition("/")
-        return cls.from_uri(parent or "."), name
+        path, mark, query = uri.partition("?")
+        parent, _, name = path.rstrip("/").rpartition("/")
+        return cls.from_uri(f"{parent or '.'}{mark}{query}"), name
 
     @property
     def is_local(self) -> bool:
@@ -214,6 +220,13 @@ class CheckpointStore:
             manifest, _ = self.read_manifest(name)
             if manifest is None and self.fs.get_file_info(self.path(name)).type == pafs.FileType.Directory:
                 self.fs.delete_dir(self.path(name))
+
+
+def join_uri(base: str, *parts: str) -> str:
+    """``base`` with path segments appended: before a URI's query (``s3://k:s@bucket/p?endpoint_override=...``
+    keeps its credentials and options), or to a plain path."""
+    path, mark, query = base.partition("?") if "://" in base else (base, "", "")
+    return "/".join([path.rstrip("/"), *parts]) + mark + query
 
 
 def fsync_path(path: Path) -> None:

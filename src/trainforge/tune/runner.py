@@ -24,6 +24,7 @@ import ray
 from rich.console import Console
 
 from trainforge.checkpoint.format import write_json_atomic
+from trainforge.checkpoint.storage import join_uri
 from trainforge.config import Config
 from trainforge.errors import ConfigError
 from trainforge.launch import preflight, ray_logs_to, ray_session, resolve_address
@@ -64,7 +65,7 @@ def search_base(config: Config, plan: SearchPlan) -> dict[str, Any]:
     raw["scaling"]["num_workers"] = config.tune.workers_per_trial
     storage = config.checkpoint.storage_path
     if storage:
-        raw["checkpoint"]["storage_path"] = f"{config.storage_path.rstrip('/')}/{config.run.name}"
+        raw["checkpoint"]["storage_path"] = join_uri(config.storage_path, config.run.name)
     return raw
 
 

@@ -142,6 +142,7 @@ WRITTEN_BY = "trainforge tune"  # summary.json's ``written_by`` when the search 
 def complete_run_dir(outcome: TrialOutcome) -> bool:
     """Write the run's summary.json (and final weights) when Tune ended the trial's actor before
     ``fit`` could: a trial a scheduler stopped, or one stopped while it was finishing. True if written."""
+    from trainforge.checkpoint.storage import CheckpointStore
     from trainforge.launch import export_final_weights
 
     run_dir = Path(outcome.run_dir)
@@ -167,7 +168,9 @@ def complete_run_dir(outcome: TrialOutcome) -> bool:
         "config": yaml.safe_load(config_path.read_text()) if config_path.is_file() else {},
     }
     if checkpoint and not (run_dir / "model.safetensors").is_file():
-        summary["model_weights_step"] = export_final_weights(checkpoint, run_dir, summary["global_step"])
+        # The run's config.yaml is redacted: the checkpoint's own URI (credentials from the environment) it is.
+        store = CheckpointStore.for_checkpoint(checkpoint)[0]
+        summary["model_weights_step"] = export_final_weights(store, checkpoint, run_dir, summary["global_step"])
     write_json_atomic(run_dir / "summary.json", summary)
     return True
 

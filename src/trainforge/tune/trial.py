@@ -228,7 +228,7 @@ def adopt(config: Config, tune_checkpoint: Any, trial_id: str) -> str | None:
     records = json.loads(record_path.read_text()) if record_path.is_file() else []
     if records and records[-1]["tune_checkpoint"] == str(where):
         return None  # adopted already; the run continues from what it saved since
-    store = CheckpointStore.from_uri(f"{config.storage_path.rstrip('/')}/{config.run.name}")
+    store = CheckpointStore.for_run(config.storage_path, config.run.name)
     abandoned = [entry.name for entry in store.entries()]
     for name in abandoned:
         store.delete(name)
