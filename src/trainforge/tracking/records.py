@@ -33,7 +33,6 @@ _BAD_CHARS = re.compile(r"[^/\w.\- :]")
 Point = tuple[str, float, int, int]
 
 
-
 def flatten(tree: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
     """``{"optim": {"lr": 0.1}}`` -> ``("optim.lr", 0.1)``; an empty mapping stays one entry."""
     for key, value in tree.items():
