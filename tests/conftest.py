@@ -6,6 +6,7 @@ import contextlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -44,7 +45,7 @@ def no_process_outlives_its_module() -> Iterator[None]:
     me = psutil.Process()
     before = {p.pid for p in me.children(recursive=True)}
     yield
-    new = [p for p in me.children(recursive=True) if p.pid not in before]
+    new = [p for p in me.children(recursive=True) if p.pid not in before and not _serves_the_whole_session(p)]
     _, alive = psutil.wait_procs(new, timeout=15)
     if not alive:
         return
@@ -55,6 +56,18 @@ def no_process_outlives_its_module() -> Iterator[None]:
             proc.kill()
     psutil.wait_procs(alive, timeout=5)
     warnings.warn(f"{len(alive)} process(es) outlived their test module and were killed: {names}", stacklevel=1)
+
+
+def _serves_the_whole_session(process: Any) -> bool:
+    """multiprocessing's resource tracker and forkserver (started by loader workers) live as long
+    as pytest by design, and are reused by later modules."""
+    import psutil
+
+    try:
+        command = " ".join(process.cmdline())
+    except psutil.Error:
+        return False
+    return "multiprocessing.resource_tracker" in command or "multiprocessing.forkserver" in command
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

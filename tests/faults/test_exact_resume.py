@@ -93,6 +93,7 @@ def straight(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, dict], 
     return run
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("ray_local")
 @pytest.mark.parametrize(
     ("label", "sections"),

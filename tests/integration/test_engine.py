@@ -72,6 +72,7 @@ def test_two_workers_train_digits_and_write_the_contract(tmp_path: Path) -> None
     assert steps == sorted(steps) and steps[-1] == summary["global_step"]
 
 
+@pytest.mark.slow
 def test_two_workers_with_batch_b_equal_one_worker_with_batch_2b(tmp_path: Path) -> None:
     common = {"optim": {"name": "sgd", "lr": 0.1, "momentum": 0.9}, "data": {"name": "digits"}}
     two = trainforge.fit(
@@ -88,6 +89,7 @@ def test_two_workers_with_batch_b_equal_one_worker_with_batch_2b(tmp_path: Path)
         assert not torch.allclose(value, initial[name]), f"{name} did not change: the comparison would be empty"
 
 
+@pytest.mark.slow
 def test_accumulation_of_k_micro_batches_equals_one_batch_of_k_b(tmp_path: Path) -> None:
     common = {"optim": {"name": "adamw", "lr": 0.01}}
     accumulated = trainforge.fit(
@@ -99,6 +101,7 @@ def test_accumulation_of_k_micro_batches_equals_one_batch_of_k_b(tmp_path: Path)
     assert accumulated.summary["global_step"] == whole.summary["global_step"] == 3
 
 
+@pytest.mark.slow
 def test_bf16_autocast_trains(tmp_path: Path) -> None:
     result = trainforge.fit(
         tiny_run(
@@ -130,6 +133,7 @@ def test_user_factory_same_accuracy_with_one_and_two_workers(tmp_path: Path) -> 
     assert abs(one - two) <= 0.01
 
 
+@pytest.mark.slow
 def test_worker_log_lines_carry_rank_and_node_and_warnings_reach_the_console(tmp_path: Path) -> None:
     import io
 

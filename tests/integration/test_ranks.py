@@ -15,7 +15,7 @@ from tests.helpers.runs import tiny_run
 from trainforge.config import load_config
 from trainforge.data import build_datasets
 
-pytestmark = pytest.mark.usefixtures("ray_local")
+pytestmark = [pytest.mark.usefixtures("ray_local"), pytest.mark.slow]
 
 
 def _param_digest(model: torch.nn.Module) -> str:

@@ -11,7 +11,7 @@ import trainforge
 from tests.helpers.runs import tiny_run
 from trainforge.errors import CheckpointError
 
-pytestmark = pytest.mark.usefixtures("ray_local")
+pytestmark = [pytest.mark.usefixtures("ray_local"), pytest.mark.slow]
 
 
 def events(run_dir: Path) -> list[str]:
