@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import errno
 import json
-import shutil
-import subprocess
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +19,7 @@ from safetensors.torch import load_file
 
 import trainforge
 from tests.helpers.faults import Fault, checkpoints, events, paced_run, reports
+from tests.helpers.mounts import tmpfs
 from trainforge.checkpoint.storage import CheckpointStore
 from trainforge.errors import TrainingFailed
 
@@ -31,18 +30,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_local")]
 def small_disk() -> Iterator[Path]:
     """A 2 MiB tmpfs; skipped where mounting is not permitted (not root, no CAP_SYS_ADMIN)."""
     mount_point = Path(tempfile.mkdtemp(prefix="tf-small-disk-"))
-    if shutil.which("mount") is None:
-        pytest.skip("no mount command")
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount_point)], capture_output=True, text=True
-    )
-    if mounted.returncode != 0:
-        mount_point.rmdir()
-        pytest.skip(f"cannot mount a small tmpfs here: {mounted.stderr.strip() or mounted.returncode}")
     try:
-        yield mount_point
+        with tmpfs(mount_point, "size=2m"):
+            yield mount_point
     finally:
-        subprocess.run(["umount", "-l", str(mount_point)], check=False)
         mount_point.rmdir()
 
 

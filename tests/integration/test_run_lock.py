@@ -4,7 +4,6 @@ an output directory it cannot write and a --resume path that is not a checkpoint
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -14,6 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.helpers.mounts import tmpfs
 from tests.helpers.runs import tiny_run
 from trainforge.runlock import acquire
 
@@ -75,19 +75,8 @@ def test_a_second_run_in_a_held_run_directory_exits_2_naming_the_holder(tmp_path
 
 @pytest.fixture
 def read_only_dir(tmp_path: Path) -> Iterator[Path]:
-    target = tmp_path / "ro"
-    target.mkdir()
-    if shutil.which("mount") is None:
-        pytest.skip("no mount command")
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "ro", "tmpfs", str(target)], capture_output=True, check=False
-    )
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a read-only tmpfs here: {mounted.stderr.decode().strip()}")
-    try:
+    with tmpfs(tmp_path / "ro", "ro") as target:
         yield target
-    finally:
-        subprocess.run(["umount", str(target)], check=False)
 
 
 def test_an_output_dir_on_a_read_only_file_system_exits_2(read_only_dir: Path, config: Path) -> None:

@@ -11,7 +11,6 @@ import json
 import os
 import pickle
 import random
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -25,6 +24,7 @@ import pytest
 import torch
 from torch import nn
 
+from tests.helpers.mounts import tmpfs
 from trainforge.checkpoint import inspect as ckpt_inspect
 from trainforge.checkpoint.format import MANIFEST, write_manifest
 from trainforge.checkpoint.manager import CheckpointManager, RotationPolicy, SaveOutcome, Snapshot
@@ -513,33 +513,22 @@ def test_a_failed_write_is_reported_and_leaves_the_previous_checkpoint_valid(tmp
 
 
 @pytest.fixture
-def tmpfs(tmp_path: Path) -> Iterator[Path]:
+def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
     """A 1 MB tmpfs, where this test may mount one (root with CAP_SYS_ADMIN); skipped otherwise."""
-    if shutil.which("mount") is None or shutil.which("umount") is None:
-        pytest.skip("no mount command here")
-    mount_point = tmp_path / "tmpfs"
-    mount_point.mkdir()
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount_point)], capture_output=True, check=False
-    )
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
-    try:
+    with tmpfs(tmp_path / "tmpfs", "size=1m") as mount_point:
         yield mount_point
-    finally:
-        subprocess.run(["umount", "-l", str(mount_point)], capture_output=True, check=False)
 
 
 @pytest.mark.parametrize("failure", ["read-only", "full"])
-def test_save_to_a_read_only_or_full_file_system(tmpfs: Path, tmp_path: Path, failure: str) -> None:
-    store = CheckpointStore.from_uri(str(tmpfs / "run"))
+def test_save_to_a_read_only_or_full_file_system(small_tmpfs: Path, tmp_path: Path, failure: str) -> None:
+    store = CheckpointStore.from_uri(str(small_tmpfs / "run"))
     manager = CheckpointManager(store, RotationPolicy(keep_last=1), scratch=tmp_path / "scratch")
     model = small_model()
     optimizer = trained(model)
     [first] = save_all(manager, [snapshot(model, optimizer, 5)])
     assert first.error is None
     if failure == "read-only":
-        subprocess.run(["mount", "-o", "remount,ro", str(tmpfs)], check=True)
+        subprocess.run(["mount", "-o", "remount,ro", str(small_tmpfs)], check=True)
         following = snapshot(model, optimizer, 10)
         expected = "Read-only file system"
     else:
