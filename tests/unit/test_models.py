@@ -34,7 +34,11 @@ CASES: dict[str, tuple[DataSpec, int]] = {
     "gpt2_base": (TOKENS, 2),
     "bert_small": (TOKENS, 2),
     "bert_base": (TOKENS, 2),
+    "llama_tiny": (TOKENS, 2),
+    "llama_10m": (TOKENS, 2),
 }
+# too big to build for real in a unit test; their shapes are checked on the meta device below
+META_ONLY = {"llama_125m", "llama_1b", "llama_7b", "llama_10b"}
 
 
 def batch(spec: DataSpec, size: int) -> torch.Tensor:
@@ -60,7 +64,7 @@ def _seed() -> None:
 
 
 def test_builtin_names() -> None:
-    assert set(BUILTIN_MODELS) == set(CASES)
+    assert set(BUILTIN_MODELS) == set(CASES) | META_ONLY
 
 
 @pytest.fixture(scope="module", params=list(CASES))
@@ -325,3 +329,57 @@ def test_build_task_follows_data_kind_unless_set() -> None:
     assert build_task(ModelConfig(name="gpt2_small", task="classification"), TOKENS).name == "classification"
     with pytest.raises(ModelError, match=r"model\.task causal_lm needs token data"):
         build_task(ModelConfig(name="mlp", task="causal_lm"), DIGITS)
+
+
+# ---------------------------------------------------------------------------------------------
+# Llama sizes: parameter counts on the meta device, where even 10B parameters take no memory
+
+
+@pytest.mark.parametrize(
+    ("name", "vocab", "params"),
+    [
+        ("llama_tiny", 1000, 1_043_584),
+        ("llama_10m", 32000, 10_160_256),
+        ("llama_125m", 32000, 124_668_672),
+        ("llama_1b", 32000, 1_104_218_112),
+        ("llama_7b", 32000, 6_738_415_616),
+        ("llama_10b", 32000, 10_237_096_960),
+    ],
+)
+def test_llama_sizes_on_meta(name: str, vocab: int, params: int) -> None:
+    spec = DataSpec(kind="tokens", input_shape=(2048,), vocab_size=vocab, seq_len=2048)
+    with torch.device("meta"):
+        model = build(name, spec)
+    assert all(p.is_meta for p in model.parameters())
+    assert sum(p.numel() for p in model.parameters()) == params
+    config = model.model.config
+    assert (config.tie_word_embeddings, config._attn_implementation) == (False, "sdpa")
+    assert config.num_key_value_heads <= config.num_attention_heads
+    assert config.max_position_embeddings >= 2048
+
+
+def test_llama_is_causal_with_grouped_query_attention() -> None:
+    model = build("llama_tiny", TOKENS, num_hidden_layers=2).eval()
+    attention = model.model.model.layers[0].self_attn
+    assert attention.k_proj.out_features == attention.q_proj.out_features // 2
+    x = batch(TOKENS, 1)
+    changed = x.clone()
+    changed[0, 10] = (changed[0, 10] + 1) % 97
+    with torch.no_grad():
+        before, after = model(x), model(changed)
+    torch.testing.assert_close(before[:, :10], after[:, :10])
+    assert not torch.allclose(before[:, 10:], after[:, 10:])
+
+
+def test_llama_overrides_and_positions() -> None:
+    model = build("llama_tiny", TOKENS, num_hidden_layers=1, rms_norm_eps=1e-5, tie_word_embeddings=True)
+    config = model.model.config
+    assert (config.num_hidden_layers, config.rms_norm_eps, config.vocab_size) == (1, 1e-5, 97)
+    assert model.model.lm_head.weight is model.model.model.embed_tokens.weight
+    long = DataSpec(kind="tokens", input_shape=(4096,), vocab_size=97, seq_len=4096)
+    assert build("llama_tiny", long).model.config.max_position_embeddings == 4096
+    too_short = "max_position_embeddings=8 for 'llama_tiny' is shorter than data.seq_len=16"
+    with pytest.raises(ModelError, match=re.escape(too_short)):
+        build("llama_tiny", TOKENS, max_position_embeddings=8)
+    with pytest.raises(ModelError, match=r"\['n_layer'\] are not LlamaConfig fields"):
+        build("llama_tiny", TOKENS, n_layer=2)

@@ -1,7 +1,9 @@
 """Built-in causal language models: ``(B, T)`` token ids -> ``(B, T, vocab)`` next-token logits.
 
-GPT-2 and BERT come from transformers' model classes with random init; BERT runs as a decoder
+GPT-2, BERT and Llama come from transformers' model classes with random init; BERT runs as a decoder
 (``is_decoder=True``) so each position only attends to earlier ones and it trains like GPT-2.
+The Llama sizes run from a CPU test model (``llama_tiny``) to shapes only the memory planner builds,
+on the meta device (``llama_7b``, ``llama_10b``).
 """
 
 from __future__ import annotations
@@ -84,3 +86,71 @@ def bert_base(spec: DataSpec, **overrides: Any) -> nn.Module:
     """BERT-base (12 layers, 768 wide, 12 heads) trained as a causal LM; ``overrides`` are BertConfig fields."""
     arch = {"num_hidden_layers": 12, "hidden_size": 768, "num_attention_heads": 12, "intermediate_size": 3072}
     return hf_bert("bert_base", spec, arch, overrides)
+
+
+def hf_llama(name: str, spec: DataSpec, arch: dict[str, Any], overrides: dict[str, Any]) -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    vocab_size, seq_len = require_tokens(spec, name)
+    # no bos/eos/pad ids: the data decides its own special tokens, and none of them is tied to the model
+    defaults = {
+        **arch,
+        "max_position_embeddings": max(2048, seq_len),
+        "tie_word_embeddings": False,
+        "bos_token_id": None,
+        "eos_token_id": None,
+    }
+    fixed = {"vocab_size": vocab_size, "attn_implementation": "sdpa"}
+    config = hf_config(name, LlamaConfig, defaults, fixed, overrides)
+    check_positions(name, "max_position_embeddings", config, seq_len)
+    return HFLogits(LlamaForCausalLM(config), use_cache=False)
+
+
+def llama_arch(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int) -> dict[str, Any]:
+    return {
+        "hidden_size": hidden,
+        "intermediate_size": intermediate,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+    }
+
+
+# Parameter counts below are at vocab 32000 (untied input and output embeddings); every size keeps
+# grouped-query attention except llama_7b, which is Llama-2 7B as published.
+
+
+@register("llama_tiny")
+def llama_tiny(spec: DataSpec, **overrides: Any) -> nn.Module:
+    """4 layers, 128 wide, 4 heads, 2 KV heads, MLP 384: 1.04M parameters at vocab 1000, for CPU tests."""
+    return hf_llama("llama_tiny", spec, llama_arch(128, 384, 4, 4, 2), overrides)
+
+
+@register("llama_10m")
+def llama_10m(spec: DataSpec, **overrides: Any) -> nn.Module:
+    """8 layers, 128 wide, 4 heads, 2 KV heads, MLP 512: 10.2M parameters (8.2M of them embeddings)."""
+    return hf_llama("llama_10m", spec, llama_arch(128, 512, 8, 4, 2), overrides)
+
+
+@register("llama_125m")
+def llama_125m(spec: DataSpec, **overrides: Any) -> nn.Module:
+    """12 layers, 768 wide, 12 heads, 4 KV heads, MLP 2048: 124.7M parameters, GPT-2-base sized."""
+    return hf_llama("llama_125m", spec, llama_arch(768, 2048, 12, 12, 4), overrides)
+
+
+@register("llama_1b")
+def llama_1b(spec: DataSpec, **overrides: Any) -> nn.Module:
+    """Llama-3.2-1B's shape (16 layers, 2048 wide, 32 heads, 8 KV heads, MLP 8192): 1.10B parameters."""
+    return hf_llama("llama_1b", spec, llama_arch(2048, 8192, 16, 32, 8), overrides)
+
+
+@register("llama_7b")
+def llama_7b(spec: DataSpec, **overrides: Any) -> nn.Module:
+    """Llama-2-7B's shape (32 layers, 4096 wide, 32 heads, 32 KV heads, MLP 11008): 6.74B parameters."""
+    return hf_llama("llama_7b", spec, llama_arch(4096, 11008, 32, 32, 32), overrides)
+
+
+@register("llama_10b")
+def llama_10b(spec: DataSpec, **overrides: Any) -> nn.Module:
+    """Llama-2-13B's width (5120, 40 heads, MLP 13824) with 8 KV heads and 36 layers: 10.24B parameters."""
+    return hf_llama("llama_10b", spec, llama_arch(5120, 13824, 36, 40, 8), overrides)
