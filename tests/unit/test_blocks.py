@@ -4,6 +4,7 @@ channels-last) on real built-in models, in one process."""
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 from typing import Any
 
@@ -274,3 +275,33 @@ def test_compile_keeps_names_and_outputs() -> None:
     net = UserNet()
     assert compile_blocks([], net) == 1
     torch.testing.assert_close(net(torch.ones(2, 8)), UserNet.forward(net, torch.ones(2, 8)))
+
+
+# ---------------------------------------------------------------------------------------------
+# bench switches (one subprocess per configuration)
+
+
+def test_bench_measures_a_case_in_process() -> None:
+    from trainforge.bench.switches import Case, measure
+
+    threads = torch.get_num_threads()
+    try:
+        off, on = (measure(Case("activation_checkpointing", flag, "llama_tiny", 2, 128, 97, 0, 1)) for flag in (False, True))
+    finally:
+        torch.set_num_threads(threads)
+    assert 0 < on.peak_mb < off.peak_mb
+    assert off.step_s > 0 and off.first_step_s > 0
+
+
+@pytest.mark.slow
+def test_bench_switches_sees_checkpointing_save_memory(capsys: pytest.CaptureFixture[str]) -> None:
+    from trainforge.bench import switches
+
+    argv = ["--switch", "activation_checkpointing", "--seq-len", "256", "--batch", "2", "--steps", "2", "--json"]
+    report = switches.main(argv)
+    assert report is not None
+    assert json.loads(capsys.readouterr().out) == json.loads(json.dumps(report))
+    off, on = report["results"]
+    assert (off["on"], on["on"], off["model"]) == (False, True, "llama_tiny")
+    assert on["peak_mb"] < off["peak_mb"] / 2
+    assert all(row["step_s"] > 0 for row in report["results"])
