@@ -4,6 +4,7 @@ channels-last) on real built-in models, in one process."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -286,7 +287,8 @@ def test_bench_measures_a_case_in_process() -> None:
 
     threads = torch.get_num_threads()
     try:
-        off, on = (measure(Case("activation_checkpointing", flag, "llama_tiny", 2, 128, 97, 0, 1)) for flag in (False, True))
+        case = Case("activation_checkpointing", False, "llama_tiny", batch=2, seq_len=128, vocab=97, steps=1)
+        off, on = measure(case), measure(dataclasses.replace(case, on=True))
     finally:
         torch.set_num_threads(threads)
     assert 0 < on.peak_mb < off.peak_mb
