@@ -150,7 +150,7 @@ def test_resume_walks_back_past_a_corrupt_newest_checkpoint(trained: Path, tmp_p
     assert result.summary["global_step"] == 30
     seen = events(run_dir)
     skipped = [e for e in seen if e.startswith("skipped checkpoint ")]
-    assert skipped == ["skipped checkpoint checkpoint_000000020: model.safetensors fails its SHA-256 check (corrupted)"]
+    assert skipped == ["skipped checkpoint checkpoint_000000020: model.safetensors fails its BLAKE3 check (corrupted)"]
     resumed = [e for e in seen if e.startswith("resumed from ")]
     assert resumed == [f"resumed from {run_dir / checkpoint_name(15)} at step 15"]
     # The half-written save was not restored, and the first save of the new run removed it (it

@@ -6,7 +6,6 @@ limit, and, where the test may mount, a full or read-only tmpfs), hostile files 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import pickle
@@ -19,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import blake3
 import numpy as np
 import pytest
 import torch
@@ -139,9 +139,9 @@ def test_manifest_round_trip(checkpoint: Path) -> None:
     assert set(manifest["files"]) == {MODEL_FILE, OPTIMIZER_FILE, STATE_FILE}
     for rel, entry in manifest["files"].items():
         data = (checkpoint / rel).read_bytes()
-        assert entry == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        assert entry == {"size": len(data), "digest": blake3.blake3(data).hexdigest()}
     assert manifest["global_step"] == 7 and manifest["metrics"] == {"train/loss": 0.5}
-    assert manifest["format_version"] == 1
+    assert (manifest["format_version"], manifest["hash"], manifest["layout"]) == (2, "blake3", "full")
     store, name = CheckpointStore.for_checkpoint(str(checkpoint))
     assert store.read_manifest(name) == (manifest, None)
     assert verify(checkpoint).ok and store.verify(name).ok
@@ -178,7 +178,7 @@ def malform_manifest(directory: Path) -> None:
 
 CORRUPTIONS = {
     "truncated": (truncate, "optimizer.pt has"),
-    "flipped byte": (flip_byte, "model.safetensors fails its SHA-256 check"),
+    "flipped byte": (flip_byte, "model.safetensors fails its BLAKE3 check"),
     "missing file": (remove_optimizer, "optimizer.pt is missing"),
     "missing manifest": (remove_manifest, "manifest.json is missing"),
     "malformed manifest": (malform_manifest, "manifest.json is malformed"),
@@ -255,7 +255,7 @@ def test_list_checkpoints_shows_each_with_its_status(tmp_path: Path) -> None:
         (".tmp-checkpoint_000000015-0123abcd", False),
     ]
     assert rows[0].metrics == {"val/loss": 0.25} and rows[0].size_bytes > 0 and rows[0].status == "valid"
-    assert "fails its SHA-256 check" in rows[1].status and rows[2].status == "incomplete save"
+    assert "fails its BLAKE3 check" in rows[1].status and rows[2].status == "incomplete save"
     # A storage folder holding runs lists every run's checkpoints.
     assert ckpt_inspect.list_checkpoints(str(tmp_path))[0].name == "run/checkpoint_000000005"
 

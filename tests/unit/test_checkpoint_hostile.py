@@ -81,7 +81,7 @@ def test_a_manifest_listing_no_files_does_not_verify(ckpt: Path) -> None:
     edit_manifest(ckpt, lambda m: m.update(files={}))
     [problem] = check(ckpt).problems
     assert problem == (
-        "manifest.json is malformed: files: Value error, does not list model.safetensors, optimizer.pt, "
+        "manifest.json is malformed: top level: Value error, does not list model.safetensors, optimizer.pt, "
         "trainer_state.json"
     )
 
@@ -164,7 +164,7 @@ WRONG_TYPES = {
     "python rng cut short": (STATE_FILE, lambda s: s["rng"][0]["python"][1].pop(), "rng.0.python.1"),
     "optim config not a table": (STATE_FILE, lambda s: s["config"].update(optim="adam"), "config.optim"),
     "date as a string": (MANIFEST, lambda m: m.update(created_at="2026-11-23"), "created_at"),
-    "unknown format": (MANIFEST, lambda m: m.update(format_version=2), "format_version 2 is not one"),
+    "unknown format": (MANIFEST, lambda m: m.update(format_version=3), "format_version 3 is not one"),
 }
 
 
@@ -198,10 +198,37 @@ def test_an_undecodable_file_name_is_a_problem_not_a_traceback(ckpt: Path) -> No
     assert [row.name for row in ckpt_inspect.list_checkpoints(str(ckpt.parent))] == [ckpt.name]
 
 
+def write_format_1_manifest(directory: Path, meta: dict[str, Any]) -> None:
+    """The manifest as trainforge wrote it before format 2: files read back, {size, sha256} each."""
+    files = {}
+    for path in sorted(p for p in directory.rglob("*") if p.is_file()):
+        rel = path.relative_to(directory).as_posix()
+        if rel != MANIFEST and not path.name.startswith("."):
+            files[rel] = {"size": path.stat().st_size, "sha256": sha256_file(path)}
+    (directory / MANIFEST).write_text(json.dumps({"format_version": 1, "files": files, **meta}, indent=1))
+
+
 def test_old_checkpoints_of_format_1_still_verify(ckpt: Path) -> None:
-    # Written by write_manifest with only the keys format 1 always had: files and format_version.
-    write_manifest(ckpt, {})
+    # Only the keys format 1 always had: files and format_version.
+    write_format_1_manifest(ckpt, {})
     assert check(ckpt).ok
+    write_format_1_manifest(ckpt, {"global_step": 7, "epoch": 0, "metrics": {}, "created_at": 1.0, "world_size": 1})
+    assert check(ckpt).ok
+    flip = bytearray((ckpt / MODEL_FILE).read_bytes())
+    flip[-1] ^= 1
+    (ckpt / MODEL_FILE).write_bytes(bytes(flip))
+    assert check(ckpt).problems == ("model.safetensors fails its SHA-256 check (corrupted)",)
+
+
+def test_format_1_keys_in_a_format_2_manifest_and_the_reverse_do_not_verify(ckpt: Path) -> None:
+    write_format_1_manifest(ckpt, {"hash": "blake3"})
+    assert "format 1 has no hash or layout keys" in check(ckpt).problems[0]
+    write_manifest(ckpt, {})
+    edit_manifest(ckpt, lambda m: m.update(format_version=1))
+    assert "format 1 has no hash or layout keys" in check(ckpt).problems[0]
+    write_manifest(ckpt, {})
+    edit_manifest(ckpt, lambda m: m["files"][MODEL_FILE].update(sha256=m["files"][MODEL_FILE].pop("digest")))
+    assert "format 2 gives each file a digest" in check(ckpt).problems[0]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -4,8 +4,9 @@ A stack of ``Linear(1024, 1024)`` layers of the requested size is trained with A
 moments double the bytes), and each repeat measures, on the disk of ``--dir``:
 
 * raw disk: one file as large as the checkpoint, 16 MiB buffered writes, then ``fsync``;
-* sync save: ``model_snapshot`` + ``snapshot_tensors`` + ``write_state`` + ``write_manifest`` +
-  ``CheckpointStore.commit``, each phase timed; then the ``fsync`` the save itself does not do;
+* sync save: ``model_snapshot`` + ``snapshot_tensors`` + ``write_state`` (every file hashed while
+  written, the files in parallel, each fsynced) + ``write_manifest_of`` + ``CheckpointStore.commit``,
+  each phase timed; then one more ``fsync`` of every file, which should find nothing left to flush;
 * load: ``CheckpointStore.verify`` + ``read_trainer_state`` + ``load_weights`` + ``load_optimizer``
   into a second model and optimizer, from a cold page cache (the files' pages are evicted first);
 * async save: a training loop keeps stepping; the stall is what the snapshot and
@@ -39,7 +40,8 @@ from torch import nn
 
 import trainforge
 from trainforge.bench import cpu_model
-from trainforge.checkpoint.format import write_manifest
+from trainforge.checkpoint.format import write_manifest_of
+from trainforge.checkpoint.hashing import DEFAULT_HASH
 from trainforge.checkpoint.manager import CheckpointManager, RotationPolicy, Snapshot
 from trainforge.checkpoint.state import (
     Progress,
@@ -183,13 +185,15 @@ def run_checkpoint_bench(
     repeats: int = 3,
     output: Path | None = None,
     console: Console | None = None,
+    hash_algorithm: str = DEFAULT_HASH,
 ) -> dict[str, Any]:
-    """Measure ``repeats`` times, print the tables, return (and optionally write) the report."""
+    """Measure ``repeats`` times, print the tables, return (and optionally write) the report.
+    ``hash_algorithm``: the manifest hash of the sync save (``blake3``, the default, or ``sha256``)."""
     shown = console or Console()
     threads_before = torch.get_num_threads()
     torch.set_num_threads(worker_threads())
     try:
-        return _run(size_mb, directory, repeats, output, shown)
+        return _run(size_mb, directory, repeats, output, shown, hash_algorithm)
     finally:
         torch.set_num_threads(threads_before)
 
@@ -201,7 +205,9 @@ def worker_threads() -> int:
     return int(TrainConfig.model_fields["threads_per_worker"].default)
 
 
-def _run(size_mb: float, directory: Path | None, repeats: int, output: Path | None, shown: Console) -> dict[str, Any]:
+def _run(
+    size_mb: float, directory: Path | None, repeats: int, output: Path | None, shown: Console, algorithm: str
+) -> dict[str, Any]:
     workload = Workload.of_size(size_mb)
     model_bytes = workload.model_bytes
     check_memory(model_bytes)
@@ -210,14 +216,14 @@ def _run(size_mb: float, directory: Path | None, repeats: int, output: Path | No
         shown.print(
             f"bench checkpoint: {workload.layers} x Linear({WIDTH}, {WIDTH}) = {model_bytes / MB:.0f} MB of fp32 "
             f"weights, Adam state {2 * model_bytes / MB:.0f} MB; disk {describe_disk(where)}; "
-            f"{torch.get_num_threads()} torch thread(s); {repeats} repeat(s)",
+            f"{torch.get_num_threads()} torch thread(s); {repeats} repeat(s); hash {algorithm}",
             highlight=False,
         )
         target = Workload.of_size(size_mb, seed=1)  # what loads receive
         workload.step()  # Adam's moments exist from the first step on
         found: list[Repeat] = []
         for index in range(repeats):
-            figures = measure_once(workload, target, where / f"r{index}")
+            figures = measure_once(workload, target, where / f"r{index}", algorithm)
             found.append(figures)
             d = figures.derived()
             shown.print(
@@ -238,6 +244,7 @@ def _run(size_mb: float, directory: Path | None, repeats: int, output: Path | No
             "files": found[0].files,
             "repeats": repeats,
             "directory": str(directory) if directory else tempfile.gettempdir(),
+            "hash": algorithm,
         },
         "goals": {key: {"what": what, "op": op, "goal": goal} for key, (what, op, goal) in GOALS.items()},
         "median": medians,
@@ -249,12 +256,12 @@ def _run(size_mb: float, directory: Path | None, repeats: int, output: Path | No
     return report
 
 
-def measure_once(workload: Workload, target: Workload, where: Path) -> Repeat:
+def measure_once(workload: Workload, target: Workload, where: Path, algorithm: str = DEFAULT_HASH) -> Repeat:
     """One repeat: raw disk, sync save, cold load, async save while training; removes its files."""
     where.mkdir(parents=True)
     figures = Repeat()
     try:
-        sync_save(workload, CheckpointStore.from_uri(str(where / "sync")), where / "scratch", figures)
+        sync_save(workload, CheckpointStore.from_uri(str(where / "sync")), where / "scratch", figures, algorithm)
         figures.raw_write_s = raw_write(where / "raw.bin", figures.checkpoint_bytes)  # exactly the same size
         load(target, CheckpointStore.from_uri(str(where / "sync")), checkpoint_name(workload.step_count), figures)
         shutil.rmtree(where / "sync")
@@ -281,7 +288,9 @@ def raw_write(path: Path, size: int) -> float:
     return elapsed
 
 
-def sync_save(workload: Workload, store: CheckpointStore, scratch: Path, figures: Repeat) -> None:
+def sync_save(
+    workload: Workload, store: CheckpointStore, scratch: Path, figures: Repeat, algorithm: str = DEFAULT_HASH
+) -> None:
     """The save path of ``CheckpointManager._save``, on the calling thread, phase by phase."""
     name = checkpoint_name(workload.step_count)
     started = time.perf_counter()
@@ -290,12 +299,12 @@ def sync_save(workload: Workload, store: CheckpointStore, scratch: Path, figures
 
     started = time.perf_counter()
     staging = store.staging_dir(name, scratch)
-    write_state(staging, snap.model_state, snap.optimizer_state, snap.trainer_state)
+    written = write_state(staging, snap.model_state, snap.optimizer_state, snap.trainer_state, algorithm=algorithm)
     figures.write_state_s = time.perf_counter() - started
 
     started = time.perf_counter()
     meta = {"global_step": snap.step, "epoch": 0, "metrics": {}, "created_at": time.time(), "world_size": 1}
-    manifest = write_manifest(staging, meta)
+    manifest = write_manifest_of(staging, written, meta, algorithm=algorithm)
     figures.manifest_s = time.perf_counter() - started
 
     started = time.perf_counter()
@@ -487,11 +496,11 @@ def phases_table(found: Sequence[Repeat], repeats: int) -> Table:
     table.add_column("MB/s", justify="right")
     phases = [
         ("snapshot (model_snapshot + snapshot_tensors)", "snapshot_s"),
-        ("write_state (safetensors + torch.save + json)", "write_state_s"),
-        ("write_manifest (read back + SHA-256)", "manifest_s"),
+        ("write_state (safetensors + torch.save + json, hashed + fsynced)", "write_state_s"),
+        ("write_manifest_of (the recorded digests, nothing read back)", "manifest_s"),
         ("commit (rename)", "commit_s"),
-        ("fsync of the files (not done by the save)", "flush_s"),
-        ("verify (read + SHA-256, cold)", "verify_s"),
+        ("fsync of the files again (the save already did)", "flush_s"),
+        ("verify (read + hash, cold)", "verify_s"),
         ("load_weights + read_trainer_state", "load_weights_s"),
         ("load_optimizer (torch.load weights_only)", "load_optimizer_s"),
         ("raw write of the same size", "raw_write_s"),

@@ -1,7 +1,9 @@
-"""Writing the on-disk checkpoint format: files plus ``manifest.json`` (size and SHA-256 of each), last.
+"""Writing the on-disk checkpoint format: files plus ``manifest.json`` (size and digest of each), last.
 
 A directory without a manifest that verifies is not a checkpoint; ``checkpoint/verify.py`` is the
-one place that decides whether it does.
+one place that decides whether it does. The writers hash every file as they write it
+(``checkpoint/hashing.py``) and ``fsync`` it before the manifest names it, so the manifest only
+ever vouches for bytes that are on disk, and nothing is read back.
 """
 
 from __future__ import annotations
@@ -12,9 +14,19 @@ import os
 from pathlib import Path
 from typing import Any
 
-from trainforge.checkpoint.schema import FORMAT_VERSION, MANIFEST
+from trainforge.checkpoint.hashing import DEFAULT_HASH, FileRecord, hash_file, open_hashing
+from trainforge.checkpoint.schema import FORMAT_VERSION, FULL, MANIFEST
 
-__all__ = ["FORMAT_VERSION", "MANIFEST", "sha256_file", "write_json_atomic", "write_manifest"]
+__all__ = [
+    "FORMAT_VERSION",
+    "MANIFEST",
+    "manifest_of",
+    "sha256_file",
+    "write_json_atomic",
+    "write_json_hashed",
+    "write_manifest",
+    "write_manifest_of",
+]
 
 _CHUNK = 8 << 20
 
@@ -37,8 +49,48 @@ def write_json_atomic(path: Path, data: Any) -> None:
     tmp.replace(path)
 
 
-def write_manifest(directory: Path, meta: dict[str, Any]) -> dict[str, Any]:
-    """Hash every file under ``directory`` and write the manifest last; returns it."""
+def write_json_hashed(path: Path, data: Any, algorithm: str = DEFAULT_HASH) -> FileRecord:
+    """Write a checkpoint's JSON file, hashed as it is written and fsynced; its record."""
+    writer = open_hashing(path, algorithm)
+    try:
+        writer.write(json.dumps(data, indent=1).encode())
+    except BaseException:
+        writer.close()
+        raise
+    return writer.finish()
+
+
+def manifest_of(
+    files: dict[str, FileRecord], meta: dict[str, Any], *, algorithm: str = DEFAULT_HASH, layout: str = FULL
+) -> dict[str, Any]:
+    """The manifest (format 2) of files already hashed: ``{rel name: FileRecord}`` plus ``meta``."""
+    return {
+        **meta,
+        "format_version": FORMAT_VERSION,
+        "hash": algorithm,
+        "layout": layout,
+        "files": {rel: files[rel].to_json() for rel in sorted(files)},
+    }
+
+
+def write_manifest_of(
+    directory: Path,
+    files: dict[str, FileRecord],
+    meta: dict[str, Any],
+    *,
+    algorithm: str = DEFAULT_HASH,
+    layout: str = FULL,
+) -> dict[str, Any]:
+    """Write the manifest of files that were hashed (and fsynced) while written, last; returns it."""
+    manifest = manifest_of(files, meta, algorithm=algorithm, layout=layout)
+    write_json_atomic(directory / MANIFEST, manifest)
+    return manifest
+
+
+def write_manifest(directory: Path, meta: dict[str, Any], *, algorithm: str = DEFAULT_HASH) -> dict[str, Any]:
+    """Hash every (non-hidden) file under ``directory`` by reading it back and write the manifest
+    last; returns it. For files written by code that could not hash them on the way (and tests);
+    the savers use :func:`write_manifest_of`."""
     files = {}
     for path in sorted(p for p in directory.rglob("*") if p.is_file()):
         rel = path.relative_to(directory).as_posix()
@@ -47,7 +99,5 @@ def write_manifest(directory: Path, meta: dict[str, Any]) -> dict[str, Any]:
         # Durable before the manifest vouches for it: rotation may delete older checkpoints next.
         with path.open("rb") as handle:
             os.fsync(handle.fileno())
-        files[rel] = {"size": path.stat().st_size, "sha256": sha256_file(path)}
-    manifest = {"format_version": FORMAT_VERSION, "files": files, **meta}
-    write_json_atomic(directory / MANIFEST, manifest)
-    return manifest
+        files[rel] = hash_file(path, algorithm)
+    return write_manifest_of(directory, files, meta, algorithm=algorithm)

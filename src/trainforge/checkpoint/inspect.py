@@ -10,24 +10,28 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import struct
 from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow.fs as pafs
 
+from trainforge.checkpoint.names import RETIRED_PREFIX, TEMP_PREFIX, parse_checkpoint_name, step_of_hidden
 from trainforge.checkpoint.render import LISTED_METRICS, human_bytes, human_time, inspection_view, list_table
 from trainforge.checkpoint.schema import (
+    FULL,
     MANIFEST,
     MAX_STATE_BYTES,
     MODEL_FILE,
     OPTIMIZER_FILE,
+    SHARDED,
+    SHARDED_METADATA,
     STATE_FILE,
     parse_trainer_state,
     printable,
+    shard_rank,
 )
-from trainforge.checkpoint.storage import CHECKPOINT_RE, RETIRED_PREFIX, TEMP_PREFIX, CheckpointStore
+from trainforge.checkpoint.storage import CheckpointStore
 from trainforge.checkpoint.verify import Verification, list_tree, open_file, read_capped
 from trainforge.errors import CheckpointError
 
@@ -37,7 +41,6 @@ CONFIG_SECTIONS = ("model", "data", "train", "optim", "schedule", "scaling", "ch
 CONFIG_SCALARS = ("precision", "seed", "deterministic")
 INCOMPLETE = "incomplete save"  # a .tmp- staging dir of a save that never committed
 RETIRED = "retired invalid"  # restore skipped it as invalid; a later save of its step set it aside
-_HIDDEN_STEP_RE = re.compile(r"checkpoint_(\d+)")
 _MAX_HEADER_BYTES = 100 << 20  # safetensors refuses headers above 100 MB too
 
 
@@ -138,10 +141,10 @@ def list_checkpoints(location: str) -> list[Listed]:
     as ``run/checkpoint_...``) or one checkpoint directory. CheckpointError when there are none.
     """
     store = open_location(location)
-    match = CHECKPOINT_RE.match(store.root.rsplit("/", 1)[-1])
-    if match and not store.entries():
+    step = parse_checkpoint_name(store.root.rsplit("/", 1)[-1])
+    if step is not None and not store.entries():
         parent, _, name = store.root.rpartition("/")
-        return [_listed_checkpoint(CheckpointStore(store.fs, parent), name, int(match.group(1)))]
+        return [_listed_checkpoint(CheckpointStore(store.fs, parent), name, step)]
     found = _list_run(store, prefix="")
     if not found:
         for child in _child_dirs(store):
@@ -161,13 +164,12 @@ def _list_run(store: CheckpointStore, prefix: str) -> list[Listed]:
             kind = "retired"
         else:
             continue
-        step_match = _HIDDEN_STEP_RE.search(hidden)
         rows.append(
             Listed(
                 name=prefix + hidden,
                 uri=store.uri(hidden),
                 kind=kind,
-                step=int(step_match.group(1)) if step_match else None,
+                step=step_of_hidden(hidden),
                 size_bytes=_tree_size(store, hidden),
             )
         )
@@ -233,6 +235,8 @@ def inspect_checkpoint(path: str) -> dict[str, Any]:
     if manifest is not None:
         problems.extend(_size_problems(manifest, files))
     state = _read_state(store, name, tree.files, problems)
+    sharding = _sharding(manifest, files)
+    full = sharding["layout"] == FULL
     report: dict[str, Any] = {
         "path": store.uri(name),
         "manifest": _manifest_summary(manifest) if manifest is not None else None,
@@ -245,13 +249,32 @@ def inspect_checkpoint(path: str) -> dict[str, Any]:
         "scheduler": state.get("scheduler", {}),
         "scaler": state.get("scaler", {}),
         "rng_ranks": len(state.get("rng", [])),
-        "model": _model_summary(store, name, tree.files, problems),
+        "sharding": sharding,
+        "model": _model_summary(store, name, tree.files, problems, required=full),
         "optimizer": {"file": OPTIMIZER_FILE, "size_bytes": files[OPTIMIZER_FILE]} if OPTIMIZER_FILE in files else None,
         "problems": problems,
     }
-    if OPTIMIZER_FILE not in files:
+    if OPTIMIZER_FILE not in files and full:
         problems.append(f"{OPTIMIZER_FILE} is missing")
     return report
+
+
+def _sharding(manifest: dict[str, Any] | None, files: dict[str, int]) -> dict[str, Any]:
+    """The layout; for a sharded checkpoint also its world size and each rank's shard files and bytes."""
+    layout = (manifest or {}).get("layout", FULL)
+    found: dict[str, Any] = {"layout": layout, "world_size": (manifest or {}).get("world_size")}
+    if layout != SHARDED:
+        return found
+    ranks: dict[str, dict[str, int]] = {}
+    for rel, size in sorted(files.items()):
+        rank = shard_rank(rel)
+        if rank is not None:
+            slot = ranks.setdefault(str(rank), {"files": 0, "bytes": 0})
+            slot["files"] += 1
+            slot["bytes"] += size
+    found["ranks"] = dict(sorted(ranks.items(), key=lambda item: int(item[0])))
+    found["metadata_bytes"] = files.get(SHARDED_METADATA)
+    return found
 
 
 def _size_problems(manifest: dict[str, Any], files: dict[str, int]) -> list[str]:
@@ -293,9 +316,12 @@ def _config_sections(config: dict[str, Any]) -> dict[str, Any]:
     return picked
 
 
-def _model_summary(store: CheckpointStore, name: str, files: dict[str, int], problems: list[str]) -> dict[str, Any]:
+def _model_summary(
+    store: CheckpointStore, name: str, files: dict[str, int], problems: list[str], *, required: bool = True
+) -> dict[str, Any]:
     if MODEL_FILE not in files:
-        problems.append(f"{MODEL_FILE} is missing")
+        if required:  # a sharded checkpoint holds the full weights only at the end of a run
+            problems.append(f"{MODEL_FILE} is missing")
         return {"file": MODEL_FILE, "size_bytes": None}
     summary: dict[str, Any] = {"file": MODEL_FILE, "size_bytes": files[MODEL_FILE]}
     try:

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from trainforge.checkpoint.format import MANIFEST, write_manifest
+from trainforge.checkpoint.format import MANIFEST, write_manifest_of
 from trainforge.checkpoint.state import TrainerState, write_state
 from trainforge.checkpoint.storage import CheckpointStore, Entry, checkpoint_name
 
@@ -112,6 +112,30 @@ class CheckpointManager:
             done, self._done = self._done, []
         return done
 
+    def record(self, outcome: SaveOutcome) -> None:
+        """A save written by the ranks themselves (a sharded checkpoint, committed by rank 0 on the
+        training thread): reported at the next ``collect``; if it succeeded, it counts as verified
+        and rotation runs in the background, as after a save of this manager's own."""
+        self.wait()
+        if outcome.error is not None:
+            with self._lock:
+                self._done.append(outcome)
+            return
+        self._thread = threading.Thread(
+            target=self._after_commit, args=(outcome,), name="trainforge-rotate", daemon=True
+        )
+        self._thread.start()
+
+    def _after_commit(self, outcome: SaveOutcome) -> None:
+        self._clean_leftovers()
+        try:
+            self._remember_verified(outcome.name)
+            self.rotate(keep_also=outcome.name)
+        except Exception as err:  # storage errors while listing or deleting
+            log.warning("rotation after saving %s failed (older checkpoints kept): %s", outcome.name, err)
+        with self._lock:
+            self._done.append(outcome)
+
     def _save(self, snapshot: Snapshot) -> None:
         name = checkpoint_name(snapshot.step)
         started = time.perf_counter()
@@ -119,7 +143,8 @@ class CheckpointManager:
         self._clean_leftovers()
         try:
             staging = self.store.staging_dir(name, self.scratch)
-            write_state(staging, snapshot.model_state, snapshot.optimizer_state, snapshot.trainer_state)
+            # Every file is hashed while written and fsynced: the manifest vouches for durable bytes.
+            files = write_state(staging, snapshot.model_state, snapshot.optimizer_state, snapshot.trainer_state)
             meta = {
                 "global_step": snapshot.step,
                 "epoch": snapshot.epoch,
@@ -127,7 +152,7 @@ class CheckpointManager:
                 "created_at": time.time(),
                 "world_size": snapshot.trainer_state.progress.world_size,
             }
-            manifest = write_manifest(staging, meta)
+            manifest = write_manifest_of(staging, files, meta)
             self.store.commit(staging, name)
             size = sum(int(f["size"]) for f in manifest["files"].values())
             outcome = SaveOutcome(snapshot.step, name, self.store.uri(name), None, time.perf_counter() - started, size)

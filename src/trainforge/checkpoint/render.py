@@ -67,6 +67,12 @@ def inspection_view(report: dict[str, Any]) -> RenderableType:
             f"written {human_time(manifest.get('created_at'))}; {integrity} "
             "(run `trainforge ckpt verify` for the SHA-256 check)"
         )
+    sharding = report.get("sharding") or {}
+    if sharding.get("layout") == "sharded":
+        ranks = "; ".join(
+            f"rank {rank}: {v['files']} file(s), {human_bytes(v['bytes'])}" for rank, v in sharding["ranks"].items()
+        )
+        parts.append(f"sharding: sharded over {sharding['world_size']} rank(s) (torch.distributed.checkpoint); {ranks}")
     parts.append(_pairs("progress", report["progress"]))
     parts.append(_pairs("versions", report["versions"]))
     shown = {k: _short(v) for k, v in sorted(report["metrics"].items()) if k.startswith(("train/", "val/"))}

@@ -16,7 +16,7 @@ import json
 import os
 import re
 import stat
-from typing import Annotated, Any, BinaryIO, TypeVar
+from typing import Annotated, Any, BinaryIO, Literal, TypeVar
 
 from pydantic import (
     BaseModel,
@@ -36,9 +36,18 @@ MANIFEST = "manifest.json"
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
 STATE_FILE = "trainer_state.json"
-FORMAT_VERSION = 1
-# The files every checkpoint of this format holds; a manifest may list more (never fewer).
+SHARDED_DIR = "sharded"
+SHARDED_METADATA = f"{SHARDED_DIR}/.metadata"  # torch.distributed.checkpoint's metadata (rank 0)
+# Format 1: {size, sha256} per file, the full layout only. Format 2 names its hash ("hash") and its
+# layout ("layout": "full" or "sharded"), with {size, digest} per file. Both are read.
+FORMAT_VERSION = 2
+READ_FORMATS = (1, 2)
+FULL = "full"
+SHARDED = "sharded"
+HASHES = ("sha256", "blake3")
+# The files every checkpoint of a layout holds; a full manifest may list more (never fewer).
 REQUIRED_FILES = frozenset({MODEL_FILE, OPTIMIZER_FILE, STATE_FILE})
+REQUIRED_SHARDED = frozenset({STATE_FILE, SHARDED_METADATA})
 # Read caps: a manifest lists a few files per rank; trainer_state.json holds the config and about
 # 30 kB of RNG state per rank, so 64 MB covers thousands of ranks. Anything bigger is refused.
 MAX_MANIFEST_BYTES = 8 << 20
@@ -47,6 +56,8 @@ MAX_STATE_BYTES = 64 << 20
 _OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
 _MODEL_NAME = re.compile(r" or instance of \w+")  # pydantic's class names mean nothing to a user
 _SAFE_PART = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,254}")
+_SHARD_FILE = re.compile(rf"{SHARDED_DIR}/__\d{{1,9}}_\d{{1,9}}\.distcp")
+Hex64 = Annotated[StrictStr, Field(pattern=r"^[0-9a-f]{64}$")]
 
 NonNegative = Annotated[StrictInt, Field(ge=0)]
 Positive = Annotated[StrictInt, Field(ge=1)]
@@ -64,23 +75,57 @@ def is_safe_name(rel: str) -> bool:
     return 0 < len(parts) <= 8 and all(_SAFE_PART.fullmatch(part) for part in parts)
 
 
+def is_checkpoint_name(rel: str) -> bool:
+    """A name a checkpoint may hold: a plain relative path, or the sharded layout's DCP metadata
+    (the one hidden name, which torch.distributed.checkpoint chooses)."""
+    return is_safe_name(rel) or rel == SHARDED_METADATA
+
+
+def is_sharded_name(rel: str) -> bool:
+    """A file the sharded layout holds: trainer_state.json, sharded/.metadata,
+    sharded/__<rank>_<n>.distcp, and (a run's final checkpoint) the full weights, model.safetensors."""
+    return rel in (STATE_FILE, SHARDED_METADATA, MODEL_FILE) or _SHARD_FILE.fullmatch(rel) is not None
+
+
+def shard_rank(rel: str) -> int | None:
+    """The rank that wrote ``sharded/__<rank>_<n>.distcp``; None for any other name."""
+    if _SHARD_FILE.fullmatch(rel) is None:
+        return None
+    return int(rel.split("__", 1)[1].split("_", 1)[0])
+
+
 class _Schema(BaseModel):
     # Keys a newer writer adds are ignored, so the readers of format 1 stay forward compatible.
     model_config = ConfigDict(extra="ignore", frozen=True)
 
 
 class FileEntry(_Schema):
+    """One file's size and digest: ``sha256`` in format 1, ``digest`` (of the manifest's hash) in 2."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     size: NonNegative
-    sha256: Annotated[StrictStr, Field(pattern=r"^[0-9a-f]{64}$")]
+    sha256: Hex64 | None = None
+    digest: Hex64 | None = None
+
+    @model_validator(mode="after")
+    def _one_digest(self) -> FileEntry:
+        if (self.sha256 is None) == (self.digest is None):
+            raise ValueError("needs exactly one of sha256 (format 1) and digest (format 2)")
+        return self
+
+    @property
+    def hexdigest(self) -> str:
+        return self.digest or self.sha256 or ""
 
 
 class Manifest(_Schema):
-    """``manifest.json``: every file's size and SHA-256, plus what rotation and listings show."""
+    """``manifest.json``: every file's size and digest, plus what rotation and listings show."""
 
     format_version: StrictInt
     files: dict[str, FileEntry]
+    hash: Literal["sha256", "blake3"] = "sha256"
+    layout: Literal["full", "sharded"] = "full"
     global_step: NonNegative | None = None
     epoch: NonNegative | None = None
     metrics: dict[str, Any] = Field(default_factory=dict)
@@ -90,20 +135,42 @@ class Manifest(_Schema):
     @field_validator("format_version")
     @classmethod
     def _known_version(cls, value: int) -> int:
-        if value != FORMAT_VERSION:
-            raise ValueError(f"format_version {value} is not one this trainforge reads ({FORMAT_VERSION})")
+        if value not in READ_FORMATS:
+            readable = " and ".join(str(v) for v in READ_FORMATS)
+            raise ValueError(f"format_version {value} is not one this trainforge reads ({readable})")
         return value
 
     @field_validator("files")
     @classmethod
     def _plain_names(cls, files: dict[str, FileEntry]) -> dict[str, FileEntry]:
         for rel in files:
-            if not is_safe_name(rel) or rel == MANIFEST:
+            if not is_checkpoint_name(rel) or rel == MANIFEST:
                 raise ValueError(f"{printable(rel)} is not a plain relative file name inside the checkpoint")
-        missing = sorted(REQUIRED_FILES - files.keys())
+        return files
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Manifest:
+        key = "sha256" if self.format_version == 1 else "digest"
+        if self.format_version == 1 and ({"hash", "layout"} & self.model_fields_set):
+            raise ValueError("format 1 has no hash or layout keys (SHA-256 and the full layout only)")
+        for rel, entry in self.files.items():
+            if getattr(entry, key) is None:
+                raise ValueError(f"files.{printable(rel)}: format {self.format_version} gives each file a {key}")
+        if self.layout == SHARDED:
+            odd = sorted(rel for rel in self.files if not is_sharded_name(rel))
+            if odd:
+                raise ValueError(f"{printable(odd[0])} is not a file of the sharded layout")
+            if self.world_size is None:
+                raise ValueError("a sharded checkpoint needs its world_size")
+        else:
+            strays = sorted(rel for rel in self.files if not is_safe_name(rel))
+            if strays:
+                raise ValueError(f"{printable(strays[0])} is not a plain relative file name inside the checkpoint")
+        required = REQUIRED_SHARDED if self.layout == SHARDED else REQUIRED_FILES
+        missing = sorted(required - self.files.keys())
         if missing:
             raise ValueError(f"does not list {', '.join(missing)}")
-        return files
+        return self
 
 
 class Progress(_Schema):

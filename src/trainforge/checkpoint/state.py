@@ -9,21 +9,23 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
-import os
 import pickle
 import random
+import struct
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, cast
 
 import numpy as np
 import torch
 import torch.utils.serialization as torch_serialization
 from safetensors import safe_open
-from safetensors.torch import _remove_duplicate_names, load_model, save_file
+from safetensors.torch import _TYPES, _remove_duplicate_names, load_model
 from torch import nn
 
+from trainforge.checkpoint.format import write_json_hashed
+from trainforge.checkpoint.hashing import DEFAULT_HASH, FileRecord, in_parallel, open_hashing
 from trainforge.checkpoint.schema import (
     MAX_STATE_BYTES,
     MODEL_FILE,
@@ -34,6 +36,7 @@ from trainforge.checkpoint.schema import (
 )
 
 __all__ = ["MODEL_FILE", "OPTIMIZER_FILE", "STATE_FILE", "Progress", "TrainerState"]
+_SAFETENSORS_DTYPES = {dtype: name for name, dtype in _TYPES.items()}
 
 
 @dataclass
@@ -126,16 +129,70 @@ def write_state(
     model_state: dict[str, torch.Tensor],
     optimizer_state: dict[str, Any] | None,
     state: TrainerState,
-) -> None:
-    """Write model, optimizer and trainer state files (not the manifest) into ``directory``."""
+    *,
+    algorithm: str = DEFAULT_HASH,
+) -> dict[str, FileRecord]:
+    """Write model, optimizer and trainer state files (not the manifest) into ``directory``, each
+    hashed as it is written and fsynced, the two large ones in parallel; ``{file name: record}``."""
     directory.mkdir(parents=True, exist_ok=True)
-    save_file(model_state, str(directory / MODEL_FILE))
-    os.chmod(directory / MODEL_FILE, 0o666 & ~_UMASK)  # safetensors creates 0600; honour the umask
+    jobs = {MODEL_FILE: lambda: write_safetensors(directory / MODEL_FILE, model_state, algorithm)}
     if optimizer_state is not None:
-        # The manifest's SHA-256 covers the file; torch's own CRC32 pass would only double the cost.
+        jobs[OPTIMIZER_FILE] = lambda: write_torch(directory / OPTIMIZER_FILE, optimizer_state, algorithm)
+    jobs[STATE_FILE] = lambda: write_trainer_state(directory, state, algorithm)
+    return dict(zip(jobs, in_parallel(jobs.values()), strict=True))
+
+
+def write_trainer_state(directory: Path, state: TrainerState, algorithm: str = DEFAULT_HASH) -> FileRecord:
+    """``trainer_state.json``, hashed while written and fsynced."""
+    return write_json_hashed(directory / STATE_FILE, _state_to_json(state), algorithm)
+
+
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], algorithm: str = DEFAULT_HASH) -> FileRecord:
+    """A safetensors file (8-byte header length, JSON header, then the tensors' bytes), written
+    straight from the tensors' memory through a hashing writer: no copy of the whole file in memory
+    and no read-back. Tensors sharing storage must be deduplicated first (``model_snapshot`` does)."""
+    header: dict[str, Any] = {}
+    payloads = []
+    offset = 0
+    for name in sorted(tensors):
+        tensor = tensors[name].detach()
+        if tensor.dtype not in _SAFETENSORS_DTYPES:
+            raise ValueError(f"{name}: safetensors cannot store {tensor.dtype}")
+        data = tensor.to("cpu").contiguous()
+        size = data.numel() * data.element_size()
+        header[name] = {
+            "dtype": _SAFETENSORS_DTYPES[data.dtype],
+            "shape": list(data.shape),
+            "data_offsets": [offset, offset + size],
+        }
+        payloads.append(data)
+        offset += size
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-(8 + len(encoded)) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    writer = open_hashing(path, algorithm)
+    try:
+        writer.write(struct.pack("<Q", len(encoded)))
+        writer.write(encoded)
+        for data in payloads:
+            if data.numel():
+                writer.write(data.reshape(-1).view(torch.uint8).numpy())
+    except BaseException:
+        writer.close()
+        raise
+    return writer.finish()
+
+
+def write_torch(path: Path, obj: Any, algorithm: str = DEFAULT_HASH) -> FileRecord:
+    """``torch.save`` of ``obj`` through a hashing writer (readable with ``weights_only=True``)."""
+    writer = open_hashing(path, algorithm)
+    try:
+        # The manifest's digest covers the file; torch's own CRC32 pass would only add its cost.
         with _torch_save_crc32(False):
-            torch.save(optimizer_state, directory / OPTIMIZER_FILE)
-    (directory / STATE_FILE).write_text(json.dumps(_state_to_json(state), indent=1))
+            torch.save(obj, cast(IO[bytes], writer))
+    except BaseException:
+        writer.close()
+        raise
+    return writer.finish()
 
 
 @contextlib.contextmanager
@@ -147,15 +204,6 @@ def _torch_save_crc32(enabled: bool) -> Iterator[None]:
         yield
     finally:
         config.compute_crc32 = before
-
-
-def _current_umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-_UMASK = _current_umask()
 
 
 def read_trainer_state(directory: Path) -> TrainerState:

@@ -1,19 +1,17 @@
 """Where checkpoints live: one run's directory on a pyarrow file system (local, NFS or S3).
 
-Layout: ``<root>/checkpoint_<step:09d>/`` with ``manifest.json`` written last. A checkpoint becomes
-visible only when complete: on file systems it is written under a hidden ``.tmp-`` name and
-renamed; on object stores, where there is no rename, the manifest is uploaded after every other
-file, and a directory without a valid manifest is not a checkpoint.
+Layout: ``<root>/checkpoint_<step:09d>/`` (names: ``checkpoint/names.py``) with ``manifest.json``
+written last. A checkpoint becomes visible only when complete: on file systems it is written
+under a hidden ``.tmp-`` name and renamed; on object stores, where there is no rename, the
+manifest is uploaded after every other file, and a directory without a valid manifest is not a
+checkpoint.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import re
 import shutil
-import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,18 +19,30 @@ from typing import Any
 import pyarrow.fs as pafs
 
 from trainforge.checkpoint import verify as verify_module
+from trainforge.checkpoint.names import (
+    RETIRED_PREFIX,
+    TEMP_PREFIX,
+    checkpoint_name,
+    parse_checkpoint_name,
+    retired_name,
+    staging_name,
+)
 from trainforge.checkpoint.schema import MANIFEST
 from trainforge.checkpoint.verify import Verification
 from trainforge.errors import CheckpointError
 
-CHECKPOINT_RE = re.compile(r"^checkpoint_(\d+)$")
-TEMP_PREFIX = ".tmp-"
-RETIRED_PREFIX = ".invalid-"
+__all__ = [
+    "RETIRED_PREFIX",
+    "TEMP_PREFIX",
+    "CheckpointStore",
+    "Child",
+    "Entry",
+    "checkpoint_name",
+    "fsync_path",
+    "join_uri",
+    "parse_checkpoint_name",
+]
 log = logging.getLogger("trainforge.checkpoint")
-
-
-def checkpoint_name(step: int) -> str:
-    return f"checkpoint_{step:09d}"
 
 
 @dataclass(frozen=True)
@@ -118,9 +128,9 @@ class CheckpointStore:
         """Checkpoint directories, oldest first (complete or not: verification says which)."""
         entries = []
         for child in self.children():
-            match = CHECKPOINT_RE.match(child.name)
-            if match:
-                entries.append(Entry(child.name, int(match.group(1)), child.path))
+            step = parse_checkpoint_name(child.name)
+            if step is not None:
+                entries.append(Entry(child.name, step, child.path))
         return sorted(entries, key=lambda e: e.step)
 
     def leftovers(self) -> list[str]:
@@ -143,7 +153,7 @@ class CheckpointStore:
         """Where a new checkpoint is written before ``commit``: beside its final place on a local
         file system (so committing is a rename), a local scratch directory otherwise."""
         base = Path(self.root) if self.is_local else local_scratch
-        staging = base / f"{TEMP_PREFIX}{name}-{uuid.uuid4().hex[:8]}"
+        staging = base / staging_name(name)
         staging.mkdir(parents=True, exist_ok=False)
         return staging
 
@@ -156,16 +166,7 @@ class CheckpointStore:
         step's state is saved when the directory holds another timeline's (or another model's).
         """
         final = self.path(name)
-        existing = self.fs.get_file_info(final).type
-        if existing != pafs.FileType.NotFound:
-            check = self.verify(name, safe_load=False)
-            if check.ok:
-                raise CheckpointError(
-                    f"{self.uri(name)} already exists and verifies; it was not replaced (another timeline of "
-                    "this run wrote it: move it away to save this step)"
-                )
-            log.warning("setting aside invalid %s before saving it again: %s", name, "; ".join(check.problems))
-            self._retire_invalid(name)
+        self.make_room(name)
         if self.is_local:
             # Every file was fsynced before the manifest named it; the directory entries too, so
             # that the rename cannot expose a directory whose files a crash forgets.
@@ -176,11 +177,48 @@ class CheckpointStore:
             fsync_path(Path(final).parent)  # the rename itself survives a crash
             return final
         files = sorted(p for p in staging.rglob("*") if p.is_file())
-        for path in sorted(files, key=lambda p: p.name == MANIFEST):  # manifest last
-            rel = path.relative_to(staging).as_posix()
-            pafs.copy_files(str(path), f"{final}/{rel}", pafs.LocalFileSystem(), self.fs)
+        for path in sorted(files, key=lambda p: p.relative_to(staging).as_posix() == MANIFEST):  # manifest last
+            self.upload(path, name, path.relative_to(staging).as_posix())
         shutil.rmtree(staging, ignore_errors=True)  # the local copy has served its purpose
         return final
+
+    def make_room(self, name: str) -> None:
+        """Before a checkpoint is written under ``name``: an existing directory of that name that
+        does not verify is set aside (deleted on object stores); one that verifies is an error."""
+        if self.fs.get_file_info(self.path(name)).type == pafs.FileType.NotFound:
+            return
+        check = self.verify(name, safe_load=False)
+        if check.ok:
+            raise CheckpointError(
+                f"{self.uri(name)} already exists and verifies; it was not replaced (another timeline of "
+                "this run wrote it: move it away to save this step)"
+            )
+        log.warning("setting aside invalid %s before saving it again: %s", name, "; ".join(check.problems))
+        self._retire_invalid(name)
+
+    def promote(self, staging: str, name: str) -> None:
+        """Object stores: copy the staging prefix ``staging`` (complete, manifest included) to the
+        checkpoint ``name``, server-side, the manifest last; then delete the staging prefix."""
+        self.make_room(name)
+        source = self.path(staging)
+        infos = self.fs.get_file_info(pafs.FileSelector(source, recursive=True))
+        files = sorted(info.path[len(source) + 1 :] for info in infos if info.type == pafs.FileType.File)
+        for rel in sorted(files, key=lambda rel: rel == MANIFEST):  # manifest last: then it exists
+            target = f"{self.path(name)}/{rel}"
+            self.fs.create_dir(target.rpartition("/")[0], recursive=True)  # object stores: at most an empty marker
+            self.fs.copy_file(f"{source}/{rel}", target)
+        self.fs.delete_dir(source)
+
+    def discard_staging(self, staging: str) -> None:
+        """Remove a staging directory (or prefix) of this store that a failed save left."""
+        if self.fs.get_file_info(self.path(staging)).type == pafs.FileType.Directory:
+            self.fs.delete_dir(self.path(staging))
+
+    def upload(self, local: Path, name: str, rel: str) -> None:
+        """Copy one local file to ``<checkpoint name>/<rel>`` on this store (object stores)."""
+        target = f"{self.path(name)}/{rel}"
+        self.fs.create_dir(target.rpartition("/")[0], recursive=True)  # object stores: at most an empty marker
+        pafs.copy_files(str(local), target, pafs.LocalFileSystem(), self.fs)
 
     def _retire_invalid(self, name: str) -> None:
         """Set an invalid checkpoint dir aside under a hidden name unique to this call (two in the
@@ -188,7 +226,7 @@ class CheckpointStore:
         if not self.is_local:
             self.fs.delete_dir(self.path(name))
             return
-        self.fs.move(self.path(name), self.path(f"{RETIRED_PREFIX}{name}-{time.time_ns()}-{uuid.uuid4().hex[:8]}"))
+        self.fs.move(self.path(name), self.path(retired_name(name)))
 
     def clean_leftovers(self, older_than: float) -> list[str]:
         """Remove staging directories of saves that crashed: those last changed before
@@ -202,7 +240,8 @@ class CheckpointStore:
         return removed
 
     def fetch(self, name: str, scratch: Path) -> Path:
-        """A local directory holding the checkpoint: the directory itself on local storage."""
+        """A local directory holding the checkpoint (with its subdirectories, such as a sharded
+        checkpoint's ``sharded/``): the directory itself on local storage."""
         if self.is_local:
             return Path(self.path(name))
         local = scratch / name

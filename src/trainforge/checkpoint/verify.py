@@ -4,19 +4,21 @@ A checkpoint directory is valid when, in this order (cheap checks first, nothing
 before the checks that bound its cost):
 1. it holds regular files only: no symbolic links, FIFOs, devices or sockets (``lstat``, and
    ``O_NOFOLLOW | O_NONBLOCK`` when opening, so a FIFO cannot block and a link is never followed);
-2. ``manifest.json`` is at most ``MAX_MANIFEST_BYTES`` and matches its schema: plain relative
-   names, including every file a checkpoint needs;
-3. the files on storage are exactly the files the manifest lists, each with its declared size;
-4. every file's SHA-256 matches (reading no more than the declared size);
+2. ``manifest.json`` is at most ``MAX_MANIFEST_BYTES`` and matches its schema (format 1: SHA-256;
+   format 2: the hash it names, SHA-256 or BLAKE3, and its layout, full or sharded): plain
+   relative names, including every file a checkpoint of that layout needs;
+3. the files on storage are exactly the files the manifest lists, each with its declared size, and
+   the only directory is a sharded checkpoint's real ``sharded/`` (not a link);
+4. every file's digest matches (reading no more than the declared size);
 5. ``trainer_state.json`` (bounded) matches its schema, so that what verifies also loads;
-6. optionally, the safe-load check: the safetensors header parses and ``optimizer.pt`` unpickles
-   under ``weights_only`` (this step needs torch).
+6. optionally, the safe-load check: full layout, the safetensors header parses and
+   ``optimizer.pt`` unpickles under ``weights_only``; sharded layout, DCP's ``.metadata``
+   unpickles under an allow-list and points only inside the listed shards (this step needs torch).
 It works over a pyarrow file system: the local one (where links and FIFOs exist) and object stores.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 import stat
 import tempfile
@@ -26,13 +28,16 @@ from typing import Any
 
 import pyarrow.fs as pafs
 
+from trainforge.checkpoint.hashing import LABELS, new_digest
 from trainforge.checkpoint.schema import (
     MANIFEST,
     MAX_MANIFEST_BYTES,
     MAX_STATE_BYTES,
+    SHARDED,
+    SHARDED_METADATA,
     STATE_FILE,
     Manifest,
-    is_safe_name,
+    is_checkpoint_name,
     kind_of,
     open_regular,
     parse_manifest,
@@ -72,7 +77,7 @@ def list_tree(fs: pafs.FileSystem, root: str, local: bool) -> Tree:
     """Everything under ``root`` without following links; names that are not plain are problems."""
     tree = _list_local(root) if local else _list_remote(fs, root)
     for rel in [*tree.files, *tree.dirs, *tree.others]:
-        if not is_safe_name(rel):
+        if not is_checkpoint_name(rel):
             tree.problems.append(f"{printable(rel)} has a name that is not a plain file name (unexpected file)")
     return tree
 
@@ -134,7 +139,13 @@ def open_file(fs: pafs.FileSystem, path: str, local: bool) -> Any:
 
 def sha256_of(fs: pafs.FileSystem, path: str, local: bool, size: int) -> tuple[str, bool]:
     """The SHA-256 of a file's first ``size`` bytes, and whether it holds exactly that many."""
-    digest = hashlib.sha256()
+    return digest_of(fs, path, local, size, "sha256")
+
+
+def digest_of(fs: pafs.FileSystem, path: str, local: bool, size: int, algorithm: str) -> tuple[str, bool]:
+    """The digest (``sha256`` or ``blake3``) of a file's first ``size`` bytes, and whether it holds
+    exactly that many."""
+    digest = new_digest(algorithm)
     left = size
     with open_file(fs, path, local) as stream:
         while left > 0:
@@ -176,7 +187,7 @@ def verify_tree(fs: pafs.FileSystem, root: str, local: bool, *, safe_load: bool 
         if not problems:
             parse_trainer_state(read_capped(fs, f"{root}/{STATE_FILE}", local, MAX_STATE_BYTES))
             if safe_load:
-                refusal = _load_refusal(fs, root, local)
+                refusal = _load_refusal(fs, root, local, schema)
                 problems = [refusal] if refusal else []
     except CheckpointError as err:
         return Verification(where, (str(err),), manifest)
@@ -198,12 +209,15 @@ def _file_set_problems(manifest: Manifest, tree: Tree) -> list[str]:
     listed = set(manifest.files) | {MANIFEST}
     parents = {rel.rsplit("/", 1)[0] for rel in manifest.files if "/" in rel}
     parents |= {p.rsplit("/", i)[0] for p in parents for i in range(1, p.count("/") + 1)}
-    for rel in sorted({*tree.files, *tree.others} - listed):
-        if is_safe_name(rel):
+    for rel in sorted(parents & tree.others.keys()):
+        # sharded/ as a link would let a checkpoint's shards live anywhere: it must be a directory.
+        problems.append(f"{rel}/ is {tree.others[rel]}, not a directory")
+    for rel in sorted({*tree.files, *tree.others} - listed - parents):
+        if is_checkpoint_name(rel):
             what = f" ({tree.others[rel]})" if rel in tree.others else ""
             problems.append(f"{rel} is not listed in the manifest (unexpected file){what}")
     for rel in sorted(tree.dirs - parents):
-        if is_safe_name(rel):
+        if is_checkpoint_name(rel):
             problems.append(f"{rel}/ is not listed in the manifest (unexpected directory)")
     return problems
 
@@ -211,16 +225,22 @@ def _file_set_problems(manifest: Manifest, tree: Tree) -> list[str]:
 def _hash_problems(fs: pafs.FileSystem, root: str, local: bool, manifest: Manifest) -> list[str]:
     problems = []
     for rel, entry in sorted(manifest.files.items()):
-        digest, exact = sha256_of(fs, f"{root}/{rel}", local, entry.size)
+        digest, exact = digest_of(fs, f"{root}/{rel}", local, entry.size, manifest.hash)
         if not exact:
             problems.append(f"{rel} changed size while it was read (truncated or overwritten)")
-        elif digest != entry.sha256:
-            problems.append(f"{rel} fails its SHA-256 check (corrupted)")
+        elif digest != entry.hexdigest:
+            problems.append(f"{rel} fails its {LABELS[manifest.hash]} check (corrupted)")
     return problems
 
 
-def _load_refusal(fs: pafs.FileSystem, root: str, local: bool) -> str | None:
-    """Why a checkpoint whose files verify still must not be loaded (a hostile ``optimizer.pt``)."""
+def _load_refusal(fs: pafs.FileSystem, root: str, local: bool, manifest: Manifest) -> str | None:
+    """Why a checkpoint whose files verify still must not be loaded (a hostile ``optimizer.pt``, or
+    a sharded checkpoint's metadata that would unpickle objects or read outside its shards)."""
+    if manifest.layout == SHARDED:
+        from trainforge.checkpoint.sharded import MAX_METADATA_BYTES, metadata_refusal  # torch
+
+        raw = read_capped(fs, f"{root}/{SHARDED_METADATA}", local, MAX_METADATA_BYTES)
+        return metadata_refusal(raw, {rel: entry.size for rel, entry in manifest.files.items()})
     from trainforge.checkpoint.state import check_loadable  # torch: only once the files verified
 
     if local:

@@ -1,0 +1,241 @@
+"""Sharded checkpoints (checkpoint/sharded.py): written by every rank with torch.distributed.checkpoint,
+hashed while written, verified by the one verification, loaded (and resharded) without unpickling
+arbitrary objects. Real gloo process groups on 127.0.0.1, no Ray."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import blake3
+import pyarrow.fs as pafs
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.multiprocessing as mp
+
+from trainforge.checkpoint import inspect as ckpt_inspect
+from trainforge.checkpoint.names import checkpoint_name, staging_name
+from trainforge.checkpoint.schema import MANIFEST, SHARDED_METADATA, STATE_FILE
+from trainforge.checkpoint.sharded import ShardedSave, load_sharded, merge_files
+from trainforge.checkpoint.state import Progress, TrainerState, capture_rng
+from trainforge.checkpoint.storage import CheckpointStore
+
+STEP = 100
+NAME = checkpoint_name(STEP)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def trainer_state(world: int) -> TrainerState:
+    return TrainerState(Progress(global_step=STEP, world_size=world), {}, {}, [capture_rng()] * world)
+
+
+def full_state() -> dict[str, Any]:
+    generator = torch.Generator().manual_seed(0)
+    return {
+        "model": {"w": torch.randn(8, 4, generator=generator), "b": torch.arange(4.0)},
+        "optim": {"step": torch.tensor(3.0), "lr": 0.125, "names": ["a", "b"]},
+    }
+
+
+def zeros_like(state: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "model": {k: torch.zeros_like(v) for k, v in state["model"].items()},
+        "optim": {"step": torch.tensor(0.0), "lr": 0.0, "names": []},
+    }
+
+
+def save_world_1(store: CheckpointStore, state: dict[str, Any]) -> str:
+    """Every step a rank takes, as the worker takes them, at world size 1."""
+    staging = staging_name(NAME)
+    save = ShardedSave(store, STEP, staging, rank=0, world=1)
+    dcp.save(state, storage_writer=save.storage_writer())
+    return save.commit(merge_files([save.rank_files()]), trainer_state(1))
+
+
+@pytest.fixture
+def group(tmp_path: Path) -> Iterator[None]:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture
+def sharded(tmp_path: Path, group: None) -> Path:
+    store = CheckpointStore.from_uri(str(tmp_path / "run"))
+    return Path(save_world_1(store, full_state()))
+
+
+def check(directory: Path) -> tuple[str, ...]:
+    store, name = CheckpointStore.for_checkpoint(str(directory))
+    return store.verify(name).problems
+
+
+def rewrite_manifest(directory: Path) -> None:
+    """Hashes that match again (an attacker's rewrite): only the safe-load check can tell."""
+    manifest = json.loads((directory / MANIFEST).read_text())
+    for rel in manifest["files"]:
+        data = (directory / rel).read_bytes()
+        manifest["files"][rel] = {"size": len(data), "digest": blake3.blake3(data).hexdigest()}
+    (directory / MANIFEST).write_text(json.dumps(manifest))
+
+
+def test_a_world_1_sharded_checkpoint_round_trips(sharded: Path) -> None:
+    assert sharded.name == NAME and not check(sharded)
+    manifest = json.loads((sharded / MANIFEST).read_text())
+    assert (manifest["format_version"], manifest["layout"], manifest["hash"]) == (2, "sharded", "blake3")
+    assert manifest["world_size"] == 1 and manifest["global_step"] == STEP
+    assert set(manifest["files"]) == {STATE_FILE, SHARDED_METADATA, "sharded/__0_0.distcp"}
+    for rel, entry in manifest["files"].items():  # the digests taken while writing are the files'
+        assert entry["digest"] == blake3.blake3((sharded / rel).read_bytes()).hexdigest()
+    state = zeros_like(full_state())
+    load_sharded(sharded, state)
+    expected = full_state()
+    assert all(torch.equal(state["model"][k], expected["model"][k]) for k in expected["model"])
+    assert torch.equal(state["optim"]["step"], torch.tensor(3.0)) and state["optim"]["lr"] == 0.125
+    assert state["optim"]["names"] == ["a", "b"]
+    assert not list(sharded.parent.glob(".tmp-*")), "the staging directory was renamed, not left"
+
+
+def test_inspect_and_list_show_the_sharding(sharded: Path) -> None:
+    report = ckpt_inspect.inspect_checkpoint(str(sharded))
+    assert report["sharding"]["layout"] == "sharded" and report["sharding"]["world_size"] == 1
+    assert report["sharding"]["ranks"] == {
+        "0": {"files": 1, "bytes": (sharded / "sharded/__0_0.distcp").stat().st_size}
+    }
+    assert report["problems"] == []
+    [row] = ckpt_inspect.list_checkpoints(str(sharded.parent))
+    assert row.valid and row.step == STEP
+
+
+@pytest.mark.parametrize(
+    ("spoil", "problem"),
+    [
+        (lambda d: (d / "sharded/extra.bin").write_bytes(b"x"), "sharded/extra.bin is not listed in the manifest"),
+        (lambda d: (d / "sharded/sub").mkdir(), "sharded/sub/ is not listed in the manifest (unexpected directory)"),
+        (lambda d: (d / "other").mkdir(), "other/ is not listed in the manifest (unexpected directory)"),
+        (lambda d: (d / "sharded/__0_0.distcp").unlink(), "sharded/__0_0.distcp is missing"),
+    ],
+    ids=["extra file", "subdirectory in sharded", "other directory", "missing shard"],
+)
+def test_a_sharded_checkpoint_holds_exactly_its_files(sharded: Path, spoil: Any, problem: str) -> None:
+    spoil(sharded)
+    assert any(p.startswith(problem) for p in check(sharded)), check(sharded)
+
+
+def test_a_symbolic_link_for_sharded_or_a_shard_is_refused(sharded: Path, tmp_path: Path) -> None:
+    shard = sharded / "sharded/__0_0.distcp"
+    outside = tmp_path / "elsewhere.distcp"
+    shard.rename(outside)
+    shard.symlink_to(outside)  # same bytes: the digest would match through the link
+    assert "sharded/__0_0.distcp is a symbolic link, not a regular file" in check(sharded)
+    shard.unlink()
+    outside.rename(shard)
+    (sharded / "sharded").rename(tmp_path / "shards")
+    (sharded / "sharded").symlink_to(tmp_path / "shards", target_is_directory=True)
+    assert "sharded/ is a symbolic link, not a directory" in check(sharded)
+
+
+def test_sharded_manifests_name_only_the_layouts_files(sharded: Path) -> None:
+    manifest = json.loads((sharded / MANIFEST).read_text())
+    for change, message in [
+        (lambda m: m["files"].update({"../x": {"size": 0, "digest": "0" * 64}}), "not a plain relative file name"),
+        (lambda m: m["files"].update({"sharded/x.bin": {"size": 0, "digest": "0" * 64}}), "not a file of the sharded"),
+        (lambda m: m["files"].pop(SHARDED_METADATA), "does not list sharded/.metadata"),
+        (lambda m: m.pop("world_size"), "needs its world_size"),
+        (lambda m: m.update(world_size=0), "world_size"),
+        (lambda m: m.update(layout="diagonal"), "layout"),
+    ]:
+        edited = json.loads(json.dumps(manifest))
+        change(edited)
+        (sharded / MANIFEST).write_text(json.dumps(edited))
+        [problem] = check(sharded)
+        assert problem.startswith("manifest.json is malformed") and message in problem, problem
+
+
+def test_metadata_that_would_unpickle_code_is_refused(sharded: Path) -> None:
+    class Payload:
+        def __reduce__(self) -> tuple[Any, ...]:
+            return (os.system, ("echo pwned",))
+
+    (sharded / SHARDED_METADATA).write_bytes(pickle.dumps(Payload()))
+    rewrite_manifest(sharded)
+    [problem] = check(sharded)
+    assert problem.startswith("refused to load: sharded/.metadata holds pickled objects"), problem
+    assert "posix.system" in problem or "os.system" in problem
+
+
+def test_a_sharded_checkpoint_through_an_object_store_layout(tmp_path: Path, group: None) -> None:
+    # A file system that is not LocalFileSystem takes the object-store path: local scratch, uploads
+    # to the staging prefix, server-side copies to the checkpoint's prefix, the manifest last.
+    (tmp_path / "bucket").mkdir()
+    remote = CheckpointStore(pafs.SubTreeFileSystem(str(tmp_path / "bucket"), pafs.LocalFileSystem()), "run")
+    save_world_1(remote, full_state())
+    assert [e.name for e in remote.entries()] == [NAME] and remote.verify(NAME).ok
+    assert not [c.name for c in remote.children() if c.name.startswith(".tmp-")]
+    fetched = remote.fetch(NAME, tmp_path / "scratch")
+    assert (fetched / "sharded/__0_0.distcp").is_file() and not check(fetched)
+    state = zeros_like(full_state())
+    load_sharded(fetched, state)
+    assert torch.equal(state["model"]["w"], full_state()["model"]["w"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Two ranks: a real DCP save of a DTensor sharded over both
+
+
+def save_two_ranks(rank: int, world: int, port: int, root: str, staging: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        full = full_state()
+        state = {"model": {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in full["model"].items()}}
+        store = CheckpointStore.from_uri(root)
+        save = ShardedSave(store, STEP, staging, rank, world)
+        dcp.save(state, storage_writer=save.storage_writer())
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, save.rank_files())
+        if rank == 0:
+            save.commit(merge_files(gathered), trainer_state(world))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_ranks_write_one_checkpoint_that_verifies_and_reshards(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    mp.spawn(save_two_ranks, args=(2, free_port(), str(root), staging_name(NAME)), nprocs=2, join=True)
+    checkpoint = root / NAME
+    assert not check(checkpoint)
+    manifest = json.loads((checkpoint / MANIFEST).read_text())
+    assert manifest["world_size"] == 2
+    assert {"sharded/__0_0.distcp", "sharded/__1_0.distcp", SHARDED_METADATA} <= set(manifest["files"])
+    report = ckpt_inspect.inspect_checkpoint(str(checkpoint))
+    assert set(report["sharding"]["ranks"]) == {"0", "1"}
+    # Loaded in one process, unsharded: DCP reshards the two halves into the whole tensors.
+    state = zeros_like(full_state())
+    del state["optim"]
+    load_sharded(checkpoint, state)
+    assert torch.equal(state["model"]["w"], full_state()["model"]["w"])
+    # A flipped byte in rank 1's shard fails verification, naming the file.
+    shard = checkpoint / "sharded/__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    assert check(checkpoint) == ("sharded/__1_0.distcp fails its BLAKE3 check (corrupted)",)
