@@ -36,7 +36,6 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-import pickle
 import shutil
 import tempfile
 import threading
@@ -53,6 +52,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
 
+from trainforge.checkpoint.dcp_metadata import MAX_METADATA_BYTES, read_metadata
 from trainforge.checkpoint.format import write_manifest_of
 from trainforge.checkpoint.hashing import DEFAULT_HASH, FileRecord, HashingWriter
 from trainforge.checkpoint.names import checkpoint_name
@@ -68,8 +68,6 @@ from trainforge.checkpoint.schema import (
 from trainforge.checkpoint.state import TrainerState, write_safetensors, write_trainer_state
 from trainforge.checkpoint.storage import CheckpointStore, fsync_path
 from trainforge.errors import CheckpointError
-
-MAX_METADATA_BYTES = 256 << 20  # DCP's metadata: a few hundred bytes per tensor chunk
 
 
 class ShardedSave:
@@ -238,68 +236,6 @@ class _HashingWriter(FileSystemWriter):
 
 # ---------------------------------------------------------------------------------------------
 # Reading without unpickling arbitrary objects
-
-
-_METADATA_CLASSES = {
-    "torch.distributed.checkpoint.metadata": {
-        "Metadata",
-        "TensorStorageMetadata",
-        "TensorProperties",
-        "ChunkStorageMetadata",
-        "BytesStorageMetadata",
-        "MetadataIndex",
-        "StorageMeta",
-        "_MEM_FORMAT_ENCODING",
-    },
-    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
-    "torch.serialization": {"_get_layout"},
-    "torch": {"Size"},
-    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
-    "collections": {"OrderedDict"},
-}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        if name in _METADATA_CLASSES.get(module, ()):
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not part of DCP's metadata")
-
-
-def read_metadata(raw: bytes) -> Metadata:
-    """DCP's ``.metadata`` from its bytes, admitting its own classes only; CheckpointError otherwise."""
-    if len(raw) > MAX_METADATA_BYTES:
-        raise CheckpointError(f"{SHARDED_METADATA} is larger than {MAX_METADATA_BYTES >> 20} MB")
-    try:
-        metadata = _MetadataUnpickler(io.BytesIO(raw)).load()
-    except pickle.UnpicklingError as err:
-        raise CheckpointError(f"refused to load: {SHARDED_METADATA} holds pickled objects ({err})") from None
-    except Exception as err:  # truncated or malformed pickles raise almost anything
-        raise CheckpointError(f"refused to load: {SHARDED_METADATA} does not parse ({type(err).__name__})") from None
-    if not isinstance(metadata, Metadata):
-        raise CheckpointError(f"refused to load: {SHARDED_METADATA} is not DCP metadata")
-    return metadata
-
-
-def metadata_refusal(raw: bytes, sizes: dict[str, int]) -> str | None:
-    """Why a sharded checkpoint whose files verify still must not be loaded (None if it can): its
-    metadata must unpickle under the allow-list and point only into listed shard files, in bounds."""
-    try:
-        metadata = read_metadata(raw)
-    except CheckpointError as err:
-        return str(err)
-    for index, info in (metadata.storage_data or {}).items():
-        rel = f"{SHARDED_DIR}/{getattr(info, 'relative_path', '')}"
-        offset, length = getattr(info, "offset", -1), getattr(info, "length", -1)
-        if rel not in sizes or rel == SHARDED_METADATA:
-            return f"refused to load: {SHARDED_METADATA} points at {rel}, which the manifest does not list"
-        if not (isinstance(offset, int) and isinstance(length, int)) or offset < 0 or length < 0:
-            return f"refused to load: {SHARDED_METADATA} gives {getattr(index, 'fqn', '?')} no valid byte range"
-        if offset + length > sizes[rel]:
-            return f"refused to load: {SHARDED_METADATA} reads past the end of {rel}"
-    return None
 
 
 class _SafeReader(FileSystemReader):

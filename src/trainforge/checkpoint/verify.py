@@ -237,7 +237,7 @@ def _load_refusal(fs: pafs.FileSystem, root: str, local: bool, manifest: Manifes
     """Why a checkpoint whose files verify still must not be loaded (a hostile ``optimizer.pt``, or
     a sharded checkpoint's metadata that would unpickle objects or read outside its shards)."""
     if manifest.layout == SHARDED:
-        from trainforge.checkpoint.sharded import MAX_METADATA_BYTES, metadata_refusal  # torch
+        from trainforge.checkpoint.dcp_metadata import MAX_METADATA_BYTES, metadata_refusal  # torch
 
         raw = read_capped(fs, f"{root}/{SHARDED_METADATA}", local, MAX_METADATA_BYTES)
         return metadata_refusal(raw, {rel: entry.size for rel, entry in manifest.files.items()})
