@@ -1,4 +1,5 @@
-"""Driver side of a run: connect to Ray, assemble the TorchTrainer, run it, write summary.json."""
+"""Driver side of a run: connect to Ray, assemble the TorchTrainer, run it with its observers, end it
+(summary.json through summary.py)."""
 
 from __future__ import annotations
 
@@ -12,31 +13,38 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-import pyarrow.fs as pafs
 import ray
 from ray.train.torch import TorchConfig
 from ray.train.v2.api.config import FailureConfig, RunConfig, ScalingConfig
 from ray.train.v2.api.exceptions import TrainingFailedError
 from ray.train.v2.torch.torch_trainer import TorchTrainer
+from rich.console import Console
 
 from trainforge import errors
-from trainforge.checkpoint.format import write_json_atomic
-from trainforge.checkpoint.state import MODEL_FILE
 from trainforge.checkpoint.storage import CheckpointStore
 from trainforge.config import Config, to_yaml
+from trainforge.display import ProgressDisplay
 from trainforge.errors import CheckpointError, ClusterError, TrainforgeError, TrainingFailed
+from trainforge.loopback import CLUSTER_ENV as CLUSTER_ENV
+from trainforge.loopback import LOOPBACK as LOOPBACK
+from trainforge.loopback import bound_to
+from trainforge.metrics.observer import metrics_observers
 from trainforge.metrics.session import check_cluster_options, local_ray_options, publish_local_targets
-from trainforge.observe import ForwardingCallback, Observer, Observers, Pump, start_mailbox
-from trainforge.redact import install_on_logger, redact_config, redact_text, redacting
+from trainforge.observe import ForwardingCallback, MetricsLog, Observer, Observers, Pump, WorkerLog, start_mailbox
+from trainforge.redact import install_on_logger, redact_text, redacting
+from trainforge.report import ReportWriter
 from trainforge.runlock import run_locks
+from trainforge.summary import Recovery, RunRecord, finish_run_dir
+from trainforge.tracking import make_tracker
 from trainforge.worker.loop import train_loop_per_worker, worker_env
 
+# CLUSTER_ENV and LOOPBACK (trainforge.loopback) are re-exported: bench/peers.py and tests import them from here.
 log = logging.getLogger("trainforge")
 install_on_logger()  # every driver-side line of the "trainforge" logger, on every handler, redacted
 
@@ -133,40 +141,6 @@ def ray_session(config: Config, address: str | None, *, verbose: bool) -> Iterat
             yield where
     finally:
         ray.shutdown()
-
-
-LOOPBACK = "127.0.0.1"
-# Ray reads this at import; False makes its node-address lookup answer 127.0.0.1 (as on macOS).
-CLUSTER_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
-
-
-@contextlib.contextmanager
-def bound_to(bind_address: str) -> Iterator[None]:
-    """While a local Ray starts: make it take 127.0.0.1 as its node address, when asked to.
-
-    Ray 2.60 on Linux replaces a loopback ``_node_ip_address`` by the machine's routable address
-    (services.resolve_ip_for_localhost) and its servers listen on every interface. Its one path to
-    a loopback node is the macOS/Windows one, ``ray_constants.ENABLE_RAY_CLUSTER`` false: then the
-    node address is 127.0.0.1 and GCS, raylet, object manager, workers and the metrics agent listen
-    on 127.0.0.1 only (tests/integration/test_loopback.py checks every listening socket). The
-    environment variable carries the same choice to the processes ``ray.init`` spawns.
-    """
-    if bind_address != LOOPBACK:
-        yield
-        return
-    from ray._private import ray_constants
-
-    saved_flag, saved_env = ray_constants.ENABLE_RAY_CLUSTER, os.environ.get(CLUSTER_ENV)
-    ray_constants.ENABLE_RAY_CLUSTER = False
-    os.environ[CLUSTER_ENV] = "0"
-    try:
-        yield
-    finally:
-        ray_constants.ENABLE_RAY_CLUSTER = saved_flag
-        if saved_env is None:
-            os.environ.pop(CLUSTER_ENV, None)
-        else:
-            os.environ[CLUSTER_ENV] = saved_env
 
 
 def build_trainer(config: Config, mailbox: Any, callbacks: Sequence[Any] = ()) -> TorchTrainer:
@@ -269,6 +243,48 @@ def check_resume_path(path: str) -> None:
     )
 
 
+def train(
+    config: Config,
+    *,
+    console: Console | None = None,
+    observers: Iterable[Observer] = (),
+    address: str | None = None,
+    verbose: bool = False,
+    callbacks: Sequence[Any] = (),
+    lock_wait_s: float = 0.0,
+) -> dict[str, Any]:
+    """Train the run with the standard observers around ``observers``; its summary. Raises
+    TrainingFailed when it failed, and TrainforgeError for user errors.
+
+    The report writer comes after the other observers (it reads what they wrote) and the MLflow
+    tracker last (it uploads the report). ``api.fit`` and a search's trials (tune/trial.py) run
+    through here.
+    """
+    run_dir = config.run_dir
+    tracker = make_tracker(config, run_dir)
+    watchers: list[Observer] = [
+        ProgressDisplay(console or Console(stderr=True)),
+        MetricsLog(run_dir),
+        WorkerLog(run_dir),
+        *metrics_observers(config),
+        *observers,
+        ReportWriter(run_dir),
+        *([tracker] if tracker is not None else []),
+    ]
+    try:
+        summary = run_training(
+            config, watchers, address=address, verbose=verbose, callbacks=callbacks, lock_wait_s=lock_wait_s
+        )
+    except BaseException:
+        if tracker is not None:
+            tracker.on_error()
+        raise
+    raise_if_failed(summary, run_dir)
+    if tracker is not None:
+        tracker.raise_if_incomplete()
+    return summary
+
+
 def run_training(
     config: Config,
     observers: list[Observer],
@@ -311,11 +327,8 @@ def _train(
             {"name": config.run.name, "workers": config.scaling.num_workers, "cluster": where, "run_dir": str(run_dir)}
         )
         outcome = _fit(build_trainer(config, mailbox, callbacks), pump, started)
-    summary = make_summary(config, outcome, pump)
-    if outcome.checkpoint:
-        store = CheckpointStore.for_run(config.storage_path, config.run.name)
-        summary["model_weights_step"] = export_final_weights(store, outcome.checkpoint, run_dir, summary["global_step"])
-    write_json_atomic(run_dir / "summary.json", summary)
+    store = CheckpointStore.for_run(config.storage_path, config.run.name) if outcome.checkpoint else None
+    summary = finish_run_dir(run_dir, run_record(config, outcome, pump), store)
     fanout.on_end(summary)
     if outcome.status == "failed":
         (run_dir / "error.log").write_text(redact_text(outcome.error or ""))
@@ -407,39 +420,18 @@ def _user_error(err: Exception) -> TrainforgeError | None:
     return None
 
 
-def export_final_weights(store: CheckpointStore, checkpoint_uri: str, run_dir: Path, final_step: int) -> int | None:
-    """Copy model.safetensors out of the run's last valid checkpoint (local or object store); the
-    step it holds, which is older than the final step when the final save failed (said in the log).
-    The run's own store is opened from the config: the checkpoint's URI as the workers report it
-    names bucket and key only, not the credentials or endpoint the storage path may carry."""
-    name = checkpoint_uri.rstrip("/").rpartition("/")[2]
-    step = int(name.rsplit("_", 1)[-1]) if name.rsplit("_", 1)[-1].isdigit() else None
-    try:
-        pafs.copy_files(f"{store.path(name)}/{MODEL_FILE}", str(run_dir / MODEL_FILE), store.fs, pafs.LocalFileSystem())
-    except OSError as err:
-        log.error("could not copy the final weights out of %s: %s", checkpoint_uri, err)
-        return None
-    if step is not None and step != final_step:
-        log.warning("model.safetensors holds the weights of step %s, the last checkpoint that was saved", step)
-    return step
-
-
-def make_summary(config: Config, outcome: Outcome, pump: Pump) -> dict[str, Any]:
-    final = outcome.final_metrics or pump.last_metrics
-    return {
-        "status": outcome.status,
-        "global_step": int(final.get("step", 0)),
-        "epoch": int(final.get("epoch", 0)),
-        "num_workers": int(final.get("world_size", config.scaling.max_workers)),
-        "restarts": len(pump.worker_errors),
-        "recovery_s": pump.recovery_s,
-        "final_metrics": {k: v for k, v in final.items() if "/" in k and isinstance(v, (int, float))},
-        "throughput_samples_per_s": float(final.get("perf/steady_samples_per_s", 0.0)),
-        "wall_time_s": round(outcome.wall_time_s, 3),
-        "checkpoint": redact_text(outcome.checkpoint) if outcome.checkpoint else None,
-        "config": redact_config(config.to_dict()),
-        **({"error": redact_text(outcome.error.strip().splitlines()[-1])} if outcome.error else {}),
-    }
+def run_record(config: Config, outcome: Outcome, pump: Pump) -> RunRecord:
+    """What summary.json says about this driver's run (summary.build_summary)."""
+    return RunRecord(
+        status=outcome.status,
+        final=outcome.final_metrics or pump.last_metrics,
+        recovery=Recovery(restarts=len(pump.worker_errors), recovery_s=list(pump.recovery_s)),
+        wall_time_s=outcome.wall_time_s,
+        checkpoint=outcome.checkpoint,
+        config=config.to_dict(),
+        num_workers=config.scaling.max_workers,
+        error=outcome.error,
+    )
 
 
 def raise_if_failed(summary: dict[str, Any], run_dir: Path) -> None:

@@ -19,6 +19,8 @@ from tests.helpers.faults import free_port
 from tests.helpers.runs import tiny_run
 from trainforge.config import load_config
 from trainforge.errors import ConfigError
+from trainforge.metrics.nvml import Gpus
+from trainforge.metrics.system import SystemMetrics
 from trainforge.tracking import SearchRun, TrackingError, make_tracker
 from trainforge.tracking.outbox import Outbox, is_transient
 from trainforge.tracking.records import (
@@ -40,7 +42,6 @@ from trainforge.tracking.runs import (
     open_run,
 )
 from trainforge.tracking.store import local_store_uri, resolve_uri, run_link
-from trainforge.tracking.system import Gpus, SystemMetrics
 
 REPORT = {"step": 10, "time/unix": 1_790_000_000.5, "train/loss": 0.5, "epoch": 1, "events": ["x"], "ok": True}
 

@@ -1,6 +1,6 @@
 """The node's GPUs (NVML) as Prometheus gauges, sampled by the first worker of each node.
 
-The NVML reading itself is tracking.system's ``Gpus`` (shared with MLflow's system metrics);
+The NVML reading itself is ``nvml.Gpus`` (shared with the system metrics MLflow records);
 this module only maps its readings to metric names and units. Without NVML (CPU-only node, no
 driver) there are no GPUs and nothing is recorded.
 """
@@ -12,7 +12,7 @@ from collections.abc import Iterator, Mapping
 
 from trainforge.metrics.export import Gauges
 from trainforge.metrics.names import GPU
-from trainforge.tracking.system import Gpus
+from trainforge.metrics.nvml import Gpus
 
 # Gpus.sample() key suffix -> (metric, factor to the metric's unit)
 READINGS = {

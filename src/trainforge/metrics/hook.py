@@ -15,12 +15,15 @@ from typing import TYPE_CHECKING, Any
 
 from trainforge.metrics.comm import CommTimer
 from trainforge.metrics.export import Gauges
+from trainforge.metrics.gpu import NodeGpus
 from trainforge.metrics.names import CHECKPOINT, TRAINING
 
 if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
     from trainforge.checkpoint.manager import SaveOutcome
-    from trainforge.metrics.gpu import NodeGpus
-    from trainforge.worker.build import WorkerRun
+    from trainforge.config import Config
 
 log = logging.getLogger("trainforge.worker")
 
@@ -99,29 +102,28 @@ class PrometheusHook:
             self.gpus.close()
 
 
-def metrics_hooks(run: WorkerRun) -> list[PrometheusHook]:
-    """The Prometheus hook for this worker, when ``metrics.enabled``; none if it cannot be built
-    (observing a run never stops it)."""
+def metrics_hooks(
+    config: Config, *, rank: int, world: int, model: nn.Module, device: torch.device
+) -> list[PrometheusHook]:
+    """The Prometheus hook for this worker (``model``: the wrapped model whose gradient all-reduce
+    is timed), when ``metrics.enabled``; none if it cannot be built (observing a run never stops it)."""
     import ray
     import ray.train
 
-    config = run.config
     if not config.metrics.enabled:
         return []
-    from trainforge.metrics.gpu import NodeGpus
-
     try:
         node = ray.util.get_node_ip_address()
-        labels = {"run": config.run.name, "trial": config.metrics.trial or "", "rank": str(run.rank), "node": node}
+        labels = {"run": config.run.name, "trial": config.metrics.trial or "", "rank": str(rank), "node": node}
         first_on_node = ray.train.get_context().get_local_rank() == 0
         timing = config.metrics.comm_timing
-        timer = CommTimer.attach(run.model, run.device) if timing else None
+        timer = CommTimer.attach(model, device) if timing else None
         hook = PrometheusHook(
             labels,
-            rank=run.rank,
+            rank=rank,
             comm=timer,
             # One worker has no gradient communication: 0 s is then a measurement, not a guess.
-            comm_measured=timing and (timer is not None or run.world == 1),
+            comm_measured=timing and (timer is not None or world == 1),
             gpus=NodeGpus(labels) if first_on_node else None,
         )
     except Exception as err:

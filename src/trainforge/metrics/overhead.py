@@ -94,7 +94,7 @@ def main() -> None:
 
     import ray
 
-    from trainforge.launch import LOOPBACK, bound_to
+    from trainforge.loopback import LOOPBACK, bound_to
 
     torch.set_num_threads(1)
     with bound_to(LOOPBACK):

@@ -6,8 +6,9 @@ disk_read_mb_s, disk_write_mb_s`` and, where NVML initialises, per GPU ``gpu<i>_
 gpu<i>_memory_used_gb, gpu<i>_temperature_c, gpu<i>_power_w``. ``<node>`` is the node's IP.
 
 A sample reads kernel counters (psutil) and NVML: about a millisecond, no sleeps. CPU percent
-and the I/O rates cover the time since the previous report. Runs inside workers: imports nothing
-from the driver side.
+and the I/O rates cover the time since the previous report. A worker hook (worker/hooks.py) whose
+figures MLflow records (tracking/); the NVML reading is ``nvml.Gpus``, shared with the Prometheus
+GPU gauges (``gpu.py``). Runs inside workers: imports nothing from the driver side.
 """
 
 from __future__ import annotations
@@ -18,56 +19,15 @@ from typing import TYPE_CHECKING, Any
 
 import psutil
 
+from trainforge.metrics.nvml import GB, Gpus
+
 if TYPE_CHECKING:
     from trainforge.checkpoint.manager import SaveOutcome
     from trainforge.config import Config
-    from trainforge.worker.hooks import WorkerHook
 
 log = logging.getLogger("trainforge.worker")
 
-GB = 1e9
 MB = 1e6
-
-
-class Gpus:
-    """The node's GPUs through NVML, or none when NVML does not initialise (no driver, no GPU)."""
-
-    def __init__(self) -> None:
-        self.handles: list[Any] = []
-        self.nvml: Any = None
-        try:
-            import pynvml
-
-            pynvml.nvmlInit()
-            self.handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
-            self.nvml = pynvml
-        except Exception as err:  # NVML absent or unusable: CPU-only node, stay quiet
-            log.debug("NVML unavailable, no GPU metrics: %s", err)
-            self.handles = []
-
-    def sample(self) -> dict[str, float]:
-        found: dict[str, float] = {}
-        nvml = self.nvml
-        readings = {
-            "util_percent": lambda h: nvml.nvmlDeviceGetUtilizationRates(h).gpu,
-            "memory_used_gb": lambda h: nvml.nvmlDeviceGetMemoryInfo(h).used / GB,
-            "temperature_c": lambda h: nvml.nvmlDeviceGetTemperature(h, nvml.NVML_TEMPERATURE_GPU),
-            "power_w": lambda h: nvml.nvmlDeviceGetPowerUsage(h) / 1000.0,
-        }
-        for index, handle in enumerate(self.handles):
-            for name, read in readings.items():
-                try:
-                    found[f"gpu{index}_{name}"] = float(read(handle))
-                except Exception:  # a reading this GPU does not support (power on some boards)
-                    continue
-        return found
-
-    def close(self) -> None:
-        if self.handles:
-            try:
-                self.nvml.nvmlShutdown()
-            except Exception as err:
-                log.debug("nvmlShutdown: %s", err)
 
 
 class Counters:
@@ -126,7 +86,7 @@ class SystemMetrics:
         self.gpus.close()
 
 
-def system_hooks(config: Config) -> list[WorkerHook]:
+def system_hooks(config: Config) -> list[SystemMetrics]:
     """A SystemMetrics hook on the first worker of each node, when tracking wants system metrics."""
     import ray.train
 

@@ -12,7 +12,7 @@ import math
 from html import escape
 from typing import Any
 
-from trainforge.report import Event, RunData, finite, step_of
+from trainforge.report.data import Event, RunData, finite, step_of
 from trainforge.report.plots import Plot
 
 STYLE = """

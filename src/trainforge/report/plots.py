@@ -23,7 +23,7 @@ from matplotlib.lines import Line2D
 from matplotlib.ticker import EngFormatter, FuncFormatter, LogLocator, MaxNLocator, NullFormatter, PercentFormatter
 
 from trainforge.history import curve_points
-from trainforge.report import Marker, RunData, finite, is_resume, resume_point, step_of
+from trainforge.report.data import Marker, RunData, finite, is_resume, resume_point, step_of
 
 TRAIN_COLOR, VAL_COLOR = "#1f77b4", "#d62728"
 FAILURE_COLOR, RESUME_COLOR = "#b2182b", "#e08214"

@@ -23,34 +23,15 @@ Hyperparameter search (for ``trainforge tune``)::
 
 ``SearchRun`` methods never block on the network except ``run_id`` (once) and ``end``.
 
-Worker side: ``tracking.system.SystemMetrics`` samples each node's CPU, memory, network, disk and
-GPUs into the report; it imports neither MLflow nor anything else from the driver.
+Driver side only: nothing under trainforge.worker (or models, data, checkpoint) imports this
+package (pyproject.toml's import contracts). The per-node system figures it records come from a
+worker hook, ``metrics.system``. MLflow itself is imported where a call is made, on the sender thread.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from trainforge.tracking.search import SearchRun
+from trainforge.tracking.store import TrackingError
+from trainforge.tracking.tracker import MlflowTracker, make_tracker
 
 __all__ = ["MlflowTracker", "SearchRun", "TrackingError", "make_tracker"]
-
-if TYPE_CHECKING:
-    from trainforge.tracking.search import SearchRun
-    from trainforge.tracking.store import TrackingError
-    from trainforge.tracking.tracker import MlflowTracker, make_tracker
-
-
-def __getattr__(name: str) -> Any:
-    # Lazy, so that workers importing tracking.system load none of the driver-side modules.
-    if name in {"MlflowTracker", "make_tracker"}:
-        from trainforge.tracking import tracker
-
-        return getattr(tracker, name)
-    if name == "SearchRun":
-        from trainforge.tracking.search import SearchRun
-
-        return SearchRun
-    if name == "TrackingError":
-        from trainforge.tracking.store import TrackingError
-
-        return TrackingError
-    raise AttributeError(name)

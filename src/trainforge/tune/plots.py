@@ -13,7 +13,7 @@ from matplotlib.figure import Figure
 from trainforge.tune.space import Domain, SearchSpace
 
 if TYPE_CHECKING:
-    from trainforge.tune.summary import TrialOutcome
+    from trainforge.tune.trial import TrialOutcome
 
 PLOTS_DIR = "plots"
 STATUS_COLORS = {"finished": "#1f77b4", "stopped": "#ff7f0e", "failed": "#d62728", "unfinished": "#7f7f7f"}

@@ -34,12 +34,12 @@ from trainforge.tune.placement import Releaser, release, start_ledger
 from trainforge.tune.relay import relayed
 from trainforge.tune.schedulers import SearchPlan, build_scheduler, build_search_alg, make_plan
 from trainforge.tune.space import SearchSpace
+from trainforge.tune.summary import write_outputs
 from trainforge.tune.table import TrialWatch
 from trainforge.tune.tracking import start_search_run
-from trainforge.tune.trial import TrialSetup, run_trial
+from trainforge.tune.trial import TUNE_DIR_PREFIX, TrialSetup, run_trial
 
 TRIAL_CPU = 0.01  # the trial function's own share: it polls its run, the workers do the work
-TUNE_DIR_PREFIX = ".ray-"  # Tune's own trial folders (params, results, PBT checkpoints), beside the runs
 SEARCH_FILE = "search.json"  # what a search was started with; a re-run continues only the same search
 AIR_OUTPUT_ENV = "RAY_AIR_NEW_OUTPUT"
 
@@ -166,8 +166,6 @@ def run_search(
 def _search(
     config: Config, space: SearchSpace, plan: SearchPlan, shown: Console, *, address: str | None, verbose: bool
 ) -> dict[str, Any]:
-    from trainforge.tune.summary import write_outputs
-
     search_dir = config.run_dir
     base = search_base(config, plan)
     identity = search_identity(base, space, plan)

@@ -3,7 +3,8 @@
 Each trial's numbers come from its own run directory (``metrics.jsonl``, ``summary.json``), which
 holds every report, including those after the last one Tune saw; Tune's results add the status
 (errors) and the sampled values. A trial a scheduler stopped never reaches the end of ``fit``
-(Tune ends its actor), so its ``summary.json`` is written here (``written_by: trainforge tune``),
+(Tune ends its actor), so its ``summary.json`` is written here through ``trainforge.summary``
+(``written_by: trainforge tune``),
 with ``stopped_early: true``; so is that of a trial stopped while it was finishing.
 """
 
@@ -11,7 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -20,14 +20,17 @@ from rich.console import Console
 from rich.table import Table
 
 from trainforge.checkpoint.format import write_json_atomic
+from trainforge.checkpoint.state import MODEL_FILE
+from trainforge.checkpoint.storage import CheckpointStore
 from trainforge.config import Config
 from trainforge.errors import TrainingFailed
 from trainforge.redact import redact_config
+from trainforge.summary import SEARCH_DRIVER, RunLog, RunRecord, finish_run_dir
 from trainforge.tune.schedulers import SearchPlan
 from trainforge.tune.space import SearchSpace
 from trainforge.tune.table import TrialWatch, fmt_value, short_names
 from trainforge.tune.tracking import finish_search_run, finish_trial_runs
-from trainforge.tune.trial import TrialSetup, trial_config
+from trainforge.tune.trial import TUNE_DIR_PREFIX, TrialOutcome, TrialSetup, trial_config
 
 if TYPE_CHECKING:
     from trainforge.tracking import SearchRun
@@ -36,51 +39,11 @@ SUMMARY_FILE = "tune_summary.json"
 BEST_FILE = "best.yaml"
 
 
-@dataclass
-class TrialOutcome:
-    """One trial as the summary lists it."""
-
-    trial_id: str
-    config: dict[str, Any]
-    status: str  # finished, stopped, failed, unfinished
-    stopped_early: bool
-    last_metric: float | None
-    best_metric: float | None
-    steps: int
-    budget_steps: int | None
-    wall_time_s: float
-    run_dir: str
-    error: str | None = None
-    started_at: float | None = None  # unix time the driver saw the trial start (this session)
-    ended_at: float | None = None
-    history: list[tuple[int, float]] = field(default_factory=list)
-
-    def to_json(self) -> dict[str, Any]:
-        data = asdict(self)
-        data.pop("history")
-        return data
-
-
-def read_reports(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    reports = []
-    for line in path.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line cut short by the end of a stopped trial's actor
-        if "step" in record:
-            reports.append(record)
-    return reports
-
-
 def outcome_of(result: Any, run_dir: Path, plan: SearchPlan, watch: TrialWatch, deadline: float | None) -> TrialOutcome:
     """One trial's outcome. ``deadline``: when the search's time budget ran out, if it did; a trial
     still running then was cut by the budget, not stopped early."""
     trial_id = run_dir.name
-    reports = read_reports(run_dir)
+    reports = RunLog.read(run_dir).reports
     history = [(int(r["step"]), float(r[plan.metric])) for r in reports if _finite(r.get(plan.metric))]
     values = [v for _, v in history]
     steps = int(reports[-1]["step"]) if reports else 0
@@ -136,42 +99,32 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
-WRITTEN_BY = "trainforge tune"  # summary.json's ``written_by`` when the search driver wrote it
-
-
 def complete_run_dir(outcome: TrialOutcome) -> bool:
     """Write the run's summary.json (and final weights) when Tune ended the trial's actor before
-    ``fit`` could: a trial a scheduler stopped, or one stopped while it was finishing. True if written."""
-    from trainforge.checkpoint.storage import CheckpointStore
-    from trainforge.launch import export_final_weights
-
+    ``fit`` could: a trial a scheduler stopped, or one stopped while it was finishing. True if written.
+    The record is the run's metrics.jsonl, read back (summary.RunLog)."""
     run_dir = Path(outcome.run_dir)
-    reports = read_reports(run_dir)
-    if not reports or (run_dir / "summary.json").is_file() or outcome.status not in ("stopped", "finished"):
+    ran = RunLog.read(run_dir)
+    if not ran.reports or (run_dir / "summary.json").is_file() or outcome.status not in ("stopped", "finished"):
         return False
-    last = reports[-1]
-    checkpoint = next((r["checkpoint/path"] for r in reversed(reports) if r.get("checkpoint/path")), None)
+    last = ran.last
+    checkpoint = next((r["checkpoint/path"] for r in reversed(ran.reports) if r.get("checkpoint/path")), None)
     config_path = run_dir / "config.yaml"
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    summary = {
-        "status": outcome.status,
-        "stopped_early": outcome.stopped_early,
-        "written_by": WRITTEN_BY,
-        "global_step": int(last["step"]),
-        "epoch": int(last.get("epoch", 0)),
-        "num_workers": int(last.get("world_size", 1)),
-        "restarts": sum(1 for line in lines if '"worker_error"' in line),
-        "final_metrics": {k: v for k, v in last.items() if "/" in k and _finite(v)},
-        "throughput_samples_per_s": float(last.get("perf/steady_samples_per_s", 0.0)),
-        "wall_time_s": outcome.wall_time_s,
-        "checkpoint": checkpoint,
-        "config": yaml.safe_load(config_path.read_text()) if config_path.is_file() else {},
-    }
-    if checkpoint and not (run_dir / "model.safetensors").is_file():
-        # The run's config.yaml is redacted: the checkpoint's own URI (credentials from the environment) it is.
-        store = CheckpointStore.for_checkpoint(checkpoint)[0]
-        summary["model_weights_step"] = export_final_weights(store, checkpoint, run_dir, summary["global_step"])
-    write_json_atomic(run_dir / "summary.json", summary)
+    config = yaml.safe_load(config_path.read_text()) if config_path.is_file() else {}
+    record = RunRecord(
+        status=outcome.status,
+        final=last,
+        recovery=ran.recovery,
+        wall_time_s=outcome.wall_time_s,
+        checkpoint=checkpoint,
+        config=config,
+        num_workers=int(config.get("scaling", {}).get("num_workers", 1)) if isinstance(config, dict) else 1,
+        stopped_early=outcome.stopped_early,
+        written_by=SEARCH_DRIVER,
+    )
+    # The run's config.yaml is redacted: the checkpoint's own URI (credentials from the environment) it is.
+    store = CheckpointStore.for_checkpoint(checkpoint)[0] if checkpoint else None
+    finish_run_dir(run_dir, record, None if (run_dir / MODEL_FILE).is_file() else store)
     return True
 
 
@@ -222,8 +175,7 @@ def write_outputs(
     console: Console,
     search_run: SearchRun | None = None,
 ) -> dict[str, Any]:
-    from trainforge.tune.plots import write_plots
-    from trainforge.tune.runner import TUNE_DIR_PREFIX
+    from trainforge.tune.plots import write_plots  # matplotlib: only when there is something to plot
 
     search_dir = config.run_dir
     budget_s = config.tune.time_budget_s

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trainforge.config import Config, load_config
+from trainforge.summary import SEARCH_DRIVER, RunLog
 from trainforge.tracking import SearchRun, make_tracker
 from trainforge.tracking.records import metric_points
 from trainforge.tracking.runs import RESUME_FILE, end_call, tags_call
@@ -27,7 +28,7 @@ from trainforge.tracking.runs import RESUME_FILE, end_call, tags_call
 if TYPE_CHECKING:
     from trainforge.tune.schedulers import SearchPlan
     from trainforge.tune.space import SearchSpace
-    from trainforge.tune.summary import TrialOutcome
+    from trainforge.tune.trial import TrialOutcome
 
 
 def start_search_run(config: Config, plan: SearchPlan, space: SearchSpace, base: dict[str, Any]) -> SearchRun:
@@ -55,8 +56,6 @@ def finish_trial_runs(outcomes: list[TrialOutcome]) -> None:
     """Tag every trial's run with whether it stopped early and give it its final status. A stopped
     trial's actor ended before its tracker had sent everything: the reports MLflow lacks are sent
     from the run's metrics.jsonl, then its summary and files, status KILLED."""
-    from trainforge.tune.summary import WRITTEN_BY, read_reports  # summary imports this module
-
     for outcome in outcomes:
         run_dir = Path(outcome.run_dir)
         remembered = run_dir / RESUME_FILE
@@ -70,10 +69,10 @@ def finish_trial_runs(outcomes: list[TrialOutcome]) -> None:
         tracker.outbox.add_call("stopped_early tag", tags_call({"trainforge.stopped_early": str(flag).lower()}))
         tracker.outbox.add_points(metric_points({"step": outcome.steps, "tune/stopped_early": float(flag)}))
         summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").is_file() else {}
-        cut_short = summary.get("written_by") == WRITTEN_BY  # Tune ended the trial's actor
+        cut_short = summary.get("written_by") == SEARCH_DRIVER  # Tune ended the trial's actor
         if cut_short:
             sent = logged_up_to(tracker.uri, json.loads(remembered.read_text()).get("run_id"))
-            for report in read_reports(run_dir):
+            for report in RunLog.read(run_dir).reports:
                 if int(report["step"]) > sent:
                     tracker.outbox.add_points(metric_points(report))
         tracker.outbox.start()

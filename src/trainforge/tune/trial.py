@@ -1,6 +1,6 @@
 """One trial, inside Ray Tune's trial actor: a complete trainforge run with sampled hyperparameters.
 
-The trial function is the Ray Train driver of its run (``trainforge.fit``): its own worker group,
+The trial function is the Ray Train driver of its run (``launch.train``, as ``trainforge.fit``): its own worker group,
 run directory ``<search dir>/<trial id>/``, checkpoints, restarts and summary. Reports reach Tune
 through an observer on the run's report stream (``TuneReporter``), which forwards each report that
 carries the search metric with ``step`` as Tune's time attribute.
@@ -25,16 +25,18 @@ import shutil
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from trainforge.checkpoint.storage import CheckpointStore
 from trainforge.config import Config, validate
+from trainforge.launch import train
 from trainforge.tune.space import apply_params
 
 log = logging.getLogger("trainforge")
 
+TUNE_DIR_PREFIX = ".ray-"  # Tune's own trial folders (params, results, PBT checkpoints), beside the runs
 TRIAL_FILE = "trial.json"  # in a Tune checkpoint: which trial's trainforge checkpoint it holds
 ADOPTED_FILE = "adopted.json"  # in a run dir: the PBT exploits this trial went through
 # A trial Tune restarts (PBT's exploit, a restored search) runs in the run dir of its previous
@@ -51,6 +53,31 @@ class TrialSetup:
     pbt_every: int | None  # PBT: the trials' checkpoint interval (TuneReporter); None otherwise
     workdir: str  # the search driver's working directory: relative paths and model.factory modules
     ledger: Any = None  # placement.PlacementGroupLedger: the trial's worker groups, for release when it ends
+
+
+@dataclass
+class TrialOutcome:
+    """One trial as the summary lists it."""
+
+    trial_id: str
+    config: dict[str, Any]
+    status: str  # finished, stopped, failed, unfinished
+    stopped_early: bool
+    last_metric: float | None
+    best_metric: float | None
+    steps: int
+    budget_steps: int | None
+    wall_time_s: float
+    run_dir: str
+    error: str | None = None
+    started_at: float | None = None  # unix time the driver saw the trial start (this session)
+    ended_at: float | None = None
+    history: list[tuple[int, float]] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data.pop("history")
+        return data
 
 
 def trial_config(setup: TrialSetup, params: dict[str, Any], trial_id: str) -> Config:
@@ -71,7 +98,6 @@ def run_trial(params: dict[str, Any], setup: TrialSetup) -> None:
     from ray import tune
     from rich.console import Console
 
-    from trainforge.api import fit
     from trainforge.tune.placement import RecordPlacementGroups
 
     if os.path.isdir(setup.workdir):
@@ -85,11 +111,11 @@ def run_trial(params: dict[str, Any], setup: TrialSetup) -> None:
     reporter = TuneReporter(setup.metric, trial_id, pbt_every=setup.pbt_every)
     recorder = [RecordPlacementGroups(setup.ledger, trial_id)] if setup.ledger is not None else []
     try:
-        fit(
+        train(
             config,
             console=Console(quiet=True),
             observers=[reporter],
-            train_callbacks=recorder,
+            callbacks=recorder,
             lock_wait_s=TRIAL_LOCK_WAIT_S,
         )
     finally:

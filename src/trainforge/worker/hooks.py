@@ -1,6 +1,7 @@
 """Worker-side observers: the loop says what happened at each report and save, hooks decide what to
 do with it (export Prometheus metrics, sample the node's CPU and GPU, ...). The loop never grows an
-``if feature_enabled:``; a feature is a hook plus one line in ``build_hooks``.
+``if feature_enabled:``; a feature is a hook plus one line in ``build_hooks``, which hands each
+feature what it needs from the run (the features' modules never see ``WorkerRun``).
 
 Hooks run on the training thread, so they must be cheap (no network round trips per call). A hook
 that raises is logged once and then skipped: observing a run never stops it.
@@ -12,7 +13,7 @@ import logging
 from typing import TYPE_CHECKING, Any, Protocol
 
 from trainforge.metrics.hook import metrics_hooks
-from trainforge.tracking.system import system_hooks
+from trainforge.metrics.system import system_hooks
 
 if TYPE_CHECKING:
     from trainforge.checkpoint.manager import SaveOutcome
@@ -67,5 +68,5 @@ def build_hooks(run: WorkerRun) -> Hooks:
     """The hooks this run's config asks for."""
     hooks: list[WorkerHook] = []
     hooks.extend(system_hooks(run.config))
-    hooks.extend(metrics_hooks(run))
+    hooks.extend(metrics_hooks(run.config, rank=run.rank, world=run.world, model=run.model, device=run.device))
     return Hooks(hooks)

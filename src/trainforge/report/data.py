@@ -1,0 +1,180 @@
+"""A run directory read back for the report: its reports, restart markers, events and summary.
+
+The plots (``plots.py``) and the page (``html.py``) draw from one ``RunData``; ``load_run`` reads
+only what the driver wrote, so it works for any run directory, finished or not.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from trainforge.errors import TrainforgeError
+from trainforge.history import curve_points
+from trainforge.redact import redact_config, redact_text
+
+REPORT_DIR = "report"
+RESUMED_PREFIX = "resumed from"
+
+
+class ReportError(TrainforgeError):
+    """A run directory cannot be turned into a report."""
+
+
+@dataclass(frozen=True)
+class Marker:
+    """A restart on the timelines: a worker failure, or the resume that followed it."""
+
+    step: int
+    kind: str  # "failure" or "resume"
+    label: str
+
+
+@dataclass(frozen=True)
+class Event:
+    """One line of the run's event list, at the step where the driver saw it."""
+
+    step: int
+    text: str
+    kind: str = "event"  # "event", "failure" or "resume"
+
+
+@dataclass
+class RunData:
+    """Everything the plots and the page need, read once from the run directory."""
+
+    run_dir: Path
+    reports: list[dict[str, Any]] = field(default_factory=list)
+    markers: list[Marker] = field(default_factory=list)
+    events: list[Event] = field(default_factory=list)
+    summary: dict[str, Any] = field(default_factory=dict)
+    config_text: str = ""
+    skipped_lines: int = 0
+
+    @property
+    def name(self) -> str:
+        run = self.summary.get("config", {}).get("run", {}) if isinstance(self.summary.get("config"), dict) else {}
+        return str(run.get("name") or self.run_dir.name)
+
+    def segments(self) -> list[list[dict[str, Any]]]:
+        """Reports split at every resume, so that curves restart at the resumed step instead of folding back."""
+        parts: list[list[dict[str, Any]]] = [[]]
+        for report in self.reports:
+            if parts[-1] and is_resume(report):
+                parts.append([])
+            parts[-1].append(report)
+        return [part for part in parts if part]
+
+    def points(self) -> list[dict[str, Any]]:
+        """Every report's curve points: one per log interval, then the report's own (``curve_points``)."""
+        return [point for report in self.reports for point in curve_points(report)]
+
+    def has(self, key: str) -> bool:
+        return any(finite(point.get(key)) is not None for point in self.points())
+
+
+def finite(value: Any) -> float | None:
+    """``value`` as a float if it is a finite number, else None (missing keys, NaN, strings)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    number = float(value)
+    return number if math.isfinite(number) else None
+
+
+def is_resume(report: dict[str, Any]) -> bool:
+    return any(str(text).startswith(RESUMED_PREFIX) for text in events_of(report))
+
+
+def events_of(report: dict[str, Any]) -> list[str]:
+    events = report.get("events")
+    return [str(text) for text in events] if isinstance(events, list) else []
+
+
+def step_of(report: dict[str, Any], default: int) -> int:
+    step = finite(report.get("step"))
+    return int(step) if step is not None else default
+
+
+def load_run(run_dir: str | Path, summary: dict[str, Any] | None = None) -> RunData:
+    """Read a run directory; ``summary`` (from the driver) takes the place of summary.json when given."""
+    path = Path(run_dir).expanduser()
+    metrics_path, summary_path = path / "metrics.jsonl", path / "summary.json"
+    if not path.is_dir():
+        raise ReportError(f"{path} is not a directory; pass a run directory (<run.output_dir>/<run.name>)")
+    if summary is None and not metrics_path.is_file() and not summary_path.is_file():
+        raise ReportError(f"{path} has neither metrics.jsonl nor summary.json; is it a trainforge run directory?")
+    data = RunData(run_dir=path)
+    if metrics_path.is_file():
+        _read_metrics(metrics_path, data)
+    if summary is not None:
+        data.summary = summary
+    elif summary_path.is_file():
+        try:
+            loaded = json.loads(summary_path.read_text())
+        except (OSError, ValueError) as err:
+            raise ReportError(f"{summary_path} is not readable JSON ({err})") from None
+        data.summary = loaded if isinstance(loaded, dict) else {}
+    config_path = path / "config.yaml"
+    if config_path.is_file():
+        data.config_text = redact_text(config_path.read_text(errors="replace"))  # also runs from before redaction
+    elif isinstance(data.summary.get("config"), dict):
+        import yaml
+
+        data.config_text = yaml.safe_dump(redact_config(data.summary["config"]), sort_keys=False)
+    return data
+
+
+def _read_metrics(metrics_path: Path, data: RunData) -> None:
+    """Reports in file order; worker errors and resumes become markers at the step they happened."""
+    step = 0
+    for line in metrics_path.read_text(errors="replace").splitlines():
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:  # a line cut short by a killed driver
+            data.skipped_lines += 1
+            continue
+        if not isinstance(record, dict):
+            data.skipped_lines += 1
+            continue
+        if record.get("event") == "worker_error":
+            found = record.get("errors")
+            errors: dict[str, Any] = found if isinstance(found, dict) else {}
+            ranks = ", ".join(str(rank) for rank in errors) or "?"
+            data.markers.append(Marker(step, "failure", f"worker failure (rank {ranks})"))
+            for rank, message in errors.items():
+                data.events.append(Event(step, f"worker failure on rank {rank}: {message}", "failure"))
+            if not errors:
+                data.events.append(Event(step, "worker failure", "failure"))
+            continue
+        if "event" in record:
+            data.events.append(Event(step, f"{record['event']}: {json.dumps(record)}"))
+            continue
+        step = step_of(record, step)
+        for text in events_of(record):
+            if text.startswith(RESUMED_PREFIX):
+                at = resume_point(record)
+                data.markers.append(Marker(at, "resume", f"resumed at step {at}"))
+                data.events.append(Event(at, text, "resume"))
+            else:
+                data.events.append(Event(step, text))
+        data.reports.append(record)
+
+
+def resumed_step(text: str, default: int) -> int:
+    """N from "resumed from ... at step N"; ``default`` when the text has no step."""
+    tail = text.rsplit(" at step ", 1)
+    if len(tail) == 2 and tail[1].strip().isdigit():
+        return int(tail[1].strip())
+    return default
+
+
+def resume_point(report: dict[str, Any]) -> int:
+    """The step a report's attempt resumed from; the first report after a restore is one step past it."""
+    default = max(step_of(report, 1) - 1, 0)
+    texts = [text for text in events_of(report) if text.startswith(RESUMED_PREFIX)]
+    return resumed_step(texts[0], default) if texts else default

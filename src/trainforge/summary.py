@@ -1,0 +1,167 @@
+"""summary.json and the final weights: what a run directory holds once its run has ended.
+
+Two drivers end runs: the run's own (``launch``, at the end of ``fit``) and a search's
+(``tune.summary``, for a trial whose actor Tune ended before ``fit`` could). Both describe the run
+with a ``RunRecord`` and write it with ``finish_run_dir``, so summary.json has one shape and
+``restarts``/``recovery_s`` one meaning (``Recovery``) whoever writes it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow.fs as pafs
+
+from trainforge.checkpoint.format import write_json_atomic
+from trainforge.checkpoint.state import MODEL_FILE
+from trainforge.checkpoint.storage import CheckpointStore
+from trainforge.redact import redact_config, redact_text
+
+log = logging.getLogger("trainforge")
+
+SUMMARY_FILE = "summary.json"
+RUN_DRIVER = "trainforge"  # ``written_by``: the run's own driver, at the end of fit
+SEARCH_DRIVER = "trainforge tune"  # ``written_by``: a search's driver, for a trial Tune cut short
+RESUMED_PREFIX = "resumed from"  # a report's event after a restore (worker/saving.py)
+
+
+@dataclass
+class Recovery:
+    """Worker-group failures and how long each took to recover: from the failure to the first
+    report after the restore that followed it. A failure with no known time counts as a restart
+    whose recovery was not measured."""
+
+    restarts: int = 0
+    recovery_s: list[float] = field(default_factory=list)
+    failed_at: float | None = None
+
+    def failed(self, at: float | None) -> None:
+        self.restarts += 1
+        if self.failed_at is None:
+            self.failed_at = at
+
+    def reported(self, metrics: Mapping[str, Any]) -> None:
+        resumed = any(str(e).startswith(RESUMED_PREFIX) for e in metrics.get("events", []) or [])
+        if resumed and self.failed_at is not None and isinstance(metrics.get("time/unix"), (int, float)):
+            self.recovery_s.append(round(float(metrics["time/unix"]) - self.failed_at, 3))
+            self.failed_at = None
+
+
+@dataclass
+class RunLog:
+    """A run's ``metrics.jsonl`` read back: its reports and their recovery from failures."""
+
+    reports: list[dict[str, Any]] = field(default_factory=list)
+    recovery: Recovery = field(default_factory=Recovery)
+
+    @property
+    def last(self) -> dict[str, Any]:
+        return self.reports[-1] if self.reports else {}
+
+    @classmethod
+    def replay(cls, lines: Iterable[str]) -> RunLog:
+        """The lines observe.MetricsLog appended, in order; a line cut short (a stopped trial's
+        actor ended mid-write) or of another shape is skipped."""
+        found = cls()
+        for line in lines:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if not isinstance(record, dict):
+                continue
+            if record.get("event") == "worker_error":
+                at = record.get("time")
+                found.recovery.failed(float(at) if isinstance(at, (int, float)) else None)
+            elif "step" in record:
+                found.recovery.reported(record)
+                found.reports.append(record)
+        return found
+
+    @classmethod
+    def read(cls, run_dir: Path) -> RunLog:
+        path = run_dir / "metrics.jsonl"
+        return cls.replay(path.read_text().splitlines()) if path.is_file() else cls()
+
+
+@dataclass
+class RunRecord:
+    """Everything summary.json is built from, whichever driver ends the run.
+
+    ``final``: the run's last report (or what rank 0 returned); ``config``: the resolved config as a
+    dict (redacted here); ``num_workers``: the worker count to state when ``final`` has none.
+    """
+
+    status: str  # finished, stopped (resumable), failed, aborted
+    final: Mapping[str, Any]
+    recovery: Recovery
+    wall_time_s: float
+    checkpoint: str | None
+    config: Mapping[str, Any]
+    num_workers: int
+    error: str | None = None
+    stopped_early: bool = False  # a search's scheduler stopped the trial before its budget
+    written_by: str = RUN_DRIVER
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def build_summary(record: RunRecord) -> dict[str, Any]:
+    """summary.json's content (DESIGN's contract plus ``recovery_s``, ``stopped_early``, ``written_by``)."""
+    final = record.final
+    return {
+        "status": record.status,
+        "global_step": int(final.get("step", 0)),
+        "epoch": int(final.get("epoch", 0)),
+        "num_workers": int(final.get("world_size", record.num_workers)),
+        "restarts": record.recovery.restarts,
+        "recovery_s": list(record.recovery.recovery_s),
+        "final_metrics": {k: v for k, v in final.items() if "/" in k and _number(v)},
+        "throughput_samples_per_s": float(final.get("perf/steady_samples_per_s", 0.0)),
+        "wall_time_s": round(record.wall_time_s, 3),
+        "checkpoint": redact_text(record.checkpoint) if record.checkpoint else None,
+        "config": redact_config(dict(record.config)),
+        "stopped_early": record.stopped_early,
+        "written_by": record.written_by,
+        **({"error": redact_text(record.error.strip().splitlines()[-1])} if record.error else {}),
+    }
+
+
+def finish_run_dir(run_dir: Path, record: RunRecord, store: CheckpointStore | None) -> dict[str, Any]:
+    """Write ``model.safetensors`` (out of the record's checkpoint, from ``store``; None: leave the
+    run directory's weights as they are), then ``summary.json``; the summary."""
+    summary = build_summary(record)
+    if record.checkpoint and store is not None:
+        summary["model_weights_step"] = export_final_weights(store, record.checkpoint, run_dir, summary["global_step"])
+    write_json_atomic(run_dir / SUMMARY_FILE, summary)
+    return summary
+
+
+def checkpoint_step(checkpoint_uri: str) -> int | None:
+    """N of a ``.../checkpoint_N`` path; None for another name."""
+    tail = checkpoint_uri.rstrip("/").rpartition("/")[2].rsplit("_", 1)[-1]
+    return int(tail) if tail.isdigit() else None
+
+
+def export_final_weights(store: CheckpointStore, checkpoint_uri: str, run_dir: Path, final_step: int) -> int | None:
+    """Copy model.safetensors out of the run's last valid checkpoint (local or object store); the
+    step it holds, which is older than the final step when the final save failed (said in the log).
+    ``store`` is the run's own, opened from the config: the checkpoint's URI as the workers report
+    it names bucket and key only, not the credentials or endpoint the storage path may carry."""
+    name = checkpoint_uri.rstrip("/").rpartition("/")[2]
+    step = checkpoint_step(checkpoint_uri)
+    try:
+        pafs.copy_files(f"{store.path(name)}/{MODEL_FILE}", str(run_dir / MODEL_FILE), store.fs, pafs.LocalFileSystem())
+    except OSError as err:
+        log.error("could not copy the final weights out of %s: %s", redact_text(checkpoint_uri), err)
+        return None
+    if step is not None and step != final_step:
+        log.warning("model.safetensors holds the weights of step %s, the last checkpoint that was saved", step)
+    return step
