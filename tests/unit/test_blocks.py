@@ -258,6 +258,21 @@ def test_channels_last_on_cnns_only() -> None:
     assert not to_channels_last(tiny("llama_tiny"))
 
 
+def test_compile_without_a_compiler_fails_at_build_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch._inductor import cpp_builder
+
+    def missing() -> str:
+        raise RuntimeError("Failed to find a working C++ compiler.\nTried: g++, clang++")
+
+    monkeypatch.setattr(cpp_builder, "get_cpp_compiler", missing)
+    net = UserNet()
+    with pytest.raises(ConfigError) as info:
+        compile_blocks(list(net.blocks), net)
+    assert str(info.value).startswith("parallel.compile needs a C++ compiler for torch.compile on CPU")
+    assert "Tried: g++, clang++" in str(info.value) and "\n" not in str(info.value)
+    assert "_compiled_call_impl" not in vars(net.blocks[0])  # nothing was compiled
+
+
 @pytest.mark.slow
 def test_compile_keeps_names_and_outputs() -> None:
     plain, compiled = build("llama_tiny", num_hidden_layers=2), build("llama_tiny", num_hidden_layers=2)
