@@ -22,6 +22,7 @@ from trainforge.checkpoint.hashing import (
 )
 from trainforge.checkpoint.names import (
     checkpoint_name,
+    name_of_uri,
     parse_checkpoint_name,
     retired_name,
     staging_name,
@@ -104,6 +105,7 @@ def test_checkpoint_names_are_formatted_and_parsed_in_one_place() -> None:
         checkpoint_name(-1)
     assert step_of_uri("s3://bucket/run/checkpoint_000000020/?endpoint_override=x") == 20
     assert step_of_uri("/runs/a/checkpoint_000000030") == 30 and step_of_uri("/runs/a") is None
+    assert name_of_uri("s3://b/run/checkpoint_000000020/?region=x") == "checkpoint_000000020"
     staging, retired = staging_name("checkpoint_000000040"), retired_name("checkpoint_000000040")
     assert staging.startswith(".tmp-checkpoint_000000040-") and staging != staging_name("checkpoint_000000040")
     assert retired.startswith(".invalid-checkpoint_000000040-")

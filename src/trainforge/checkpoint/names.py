@@ -31,10 +31,16 @@ def parse_checkpoint_name(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
+def name_of_uri(uri: str) -> str:
+    """The last segment of a checkpoint's path or URI (a query such as ``?endpoint_override=`` left
+    out): the checkpoint's directory name."""
+    path = uri.partition("?")[0] if "://" in uri else uri
+    return path.rstrip("/").rpartition("/")[2]
+
+
 def step_of_uri(uri: str) -> int | None:
     """The step of the checkpoint a path or URI names (its last segment), None if it names none."""
-    path = uri.partition("?")[0] if "://" in uri else uri
-    return parse_checkpoint_name(path.rstrip("/").rpartition("/")[2])
+    return parse_checkpoint_name(name_of_uri(uri))
 
 
 def staging_name(name: str) -> str:
