@@ -18,6 +18,7 @@ from typing import Any
 import pyarrow.fs as pafs
 
 from trainforge.checkpoint.format import write_json_atomic
+from trainforge.checkpoint.names import step_of_uri
 from trainforge.checkpoint.state import MODEL_FILE
 from trainforge.checkpoint.storage import CheckpointStore
 from trainforge.redact import redact_config, redact_text
@@ -144,19 +145,13 @@ def finish_run_dir(run_dir: Path, record: RunRecord, store: CheckpointStore | No
     return summary
 
 
-def checkpoint_step(checkpoint_uri: str) -> int | None:
-    """N of a ``.../checkpoint_N`` path; None for another name."""
-    tail = checkpoint_uri.rstrip("/").rpartition("/")[2].rsplit("_", 1)[-1]
-    return int(tail) if tail.isdigit() else None
-
-
 def export_final_weights(store: CheckpointStore, checkpoint_uri: str, run_dir: Path, final_step: int) -> int | None:
     """Copy model.safetensors out of the run's last valid checkpoint (local or object store); the
     step it holds, which is older than the final step when the final save failed (said in the log).
     ``store`` is the run's own, opened from the config: the checkpoint's URI as the workers report
     it names bucket and key only, not the credentials or endpoint the storage path may carry."""
     name = checkpoint_uri.rstrip("/").rpartition("/")[2]
-    step = checkpoint_step(checkpoint_uri)
+    step = step_of_uri(checkpoint_uri)
     try:
         pafs.copy_files(f"{store.path(name)}/{MODEL_FILE}", str(run_dir / MODEL_FILE), store.fs, pafs.LocalFileSystem())
     except OSError as err:

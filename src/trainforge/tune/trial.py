@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from trainforge.checkpoint.names import parse_checkpoint_name, step_of_uri
 from trainforge.checkpoint.storage import CheckpointStore
 from trainforge.config import Config, validate
 from trainforge.launch import train
@@ -192,9 +193,10 @@ class TuneReporter:
 
 
 def checkpoint_step(metrics: dict[str, Any]) -> int:
+    """The step of the checkpoint a report names; -1 when it names none."""
     path = metrics.get("checkpoint/path")
-    tail = str(path).rstrip("/").rsplit("_", 1)[-1] if path else ""
-    return int(tail) if tail.isdigit() else -1
+    step = step_of_uri(str(path)) if path else None
+    return -1 if step is None else step
 
 
 def send(metrics: dict[str, Any], *, checkpoint: str | None = None, trial_id: str = "", done: bool = False) -> None:
@@ -231,7 +233,7 @@ def pack_checkpoint(source: str, trial_id: str, scratch: Path) -> Path | None:
     if not check.ok:
         log.warning("no Tune checkpoint for %s: the copy does not verify (%s)", source, "; ".join(check.problems))
         return None
-    step = int(name.rsplit("_", 1)[-1])
+    step = parse_checkpoint_name(name)
     (packed / TRIAL_FILE).write_text(json.dumps({"trial_id": trial_id, "checkpoint": name, "step": step}))
     return packed
 
