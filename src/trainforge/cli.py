@@ -256,6 +256,39 @@ def bench_tune(
     )
 
 
+@bench_app.command("memory")
+def bench_memory(
+    model: Annotated[str, typer.Option(help="A built-in language model.")] = "llama_tiny",
+    kwargs: Annotated[str, typer.Option(help="model.kwargs as JSON, e.g. '{\"num_hidden_layers\": 2}'.")] = "{}",
+    workers: Annotated[int, typer.Option(help="Local gloo ranks (processes) per strategy.")] = 2,
+    output: Annotated[Path | None, typer.Option(help="Also write every raw figure as JSON here.")] = None,
+) -> None:
+    """Per-rank bytes of parameters, gradients and optimizer state under ddp and fsdp, measured."""
+    try:
+        parsed = json.loads(kwargs)
+    except json.JSONDecodeError as err:
+        raise TrainforgeError(f"--kwargs {kwargs!r}: not JSON ({err.msg})") from None
+    if not isinstance(parsed, dict):
+        raise TrainforgeError(f"--kwargs {kwargs!r}: must be a JSON object")
+    if not 2 <= workers <= 64:
+        raise TrainforgeError(f"--workers {workers}: from 2 to 64")
+    if output is not None and not output.parent.is_dir():
+        raise TrainforgeError(f"--output {output}: folder {output.parent} does not exist")
+    from trainforge.bench.memory import run_memory_bench
+
+    _setup_logging(False)
+    run_memory_bench(model, parsed, workers, output, _wide_console())
+
+
+@bench_app.command("switches", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def bench_switches(ctx: typer.Context) -> None:
+    """Step time and peak memory of activation checkpointing, compile and channels-last, off vs on
+    (options: trainforge bench switches -- --help)."""
+    from trainforge.bench.switches import main
+
+    main(list(ctx.args))
+
+
 CkptPathArg = Annotated[str, typer.Argument(help="A checkpoint directory: a local path or a URI (s3://...).")]
 
 

@@ -182,6 +182,26 @@ class ScalingConfig(Section):
         return self.num_workers[1] if isinstance(self.num_workers, tuple) else self.num_workers
 
 
+class FSDPConfig(Section):
+    """``parallel.fsdp``: how FSDP2 (``fully_shard``) shards the model."""
+
+    wrap: Annotated[list[Annotated[str, Field(min_length=1, max_length=200)]], Field(max_length=64)] | None = None
+    reshard_after_forward: bool = True  # free the gathered parameters after each block's forward
+    mixed_precision: Literal["none", "bf16"] = "none"  # bf16: bf16 parameters in compute, fp32 gradient reduce
+    cpu_offload: bool = False  # sharded parameters, gradients and optimizer state live in host memory
+
+
+class ParallelConfig(Section):
+    """How the model is spread over the workers, and the memory/speed switches of its blocks."""
+
+    strategy: Literal["ddp", "fsdp"] = "ddp"
+    fsdp: FSDPConfig = Field(default_factory=FSDPConfig)
+    activation_checkpointing: Literal["none", "full", "every_n"] = "none"
+    activation_checkpointing_every_n: Annotated[int, Field(ge=1, le=1024)] = 2
+    compile: bool = False
+    channels_last: bool = False
+
+
 class CheckpointConfig(Section):
     every_n_steps: Steps | None = None
     every_n_minutes: Annotated[float, Field(gt=0, le=MAX_SECONDS / 60)] | None = None
@@ -274,6 +294,7 @@ class Config(Section):
     optim: OptimConfig = Field(default_factory=OptimConfig)
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
     scaling: ScalingConfig = Field(default_factory=ScalingConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     failure: FailureConfig = Field(default_factory=FailureConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
@@ -290,6 +311,17 @@ class Config(Section):
             raise ValueError("precision fp16 needs scaling.use_gpu: true (on CPU use bf16)")
         if self.train.sync_batchnorm and not self.scaling.use_gpu:
             raise ValueError("train.sync_batchnorm needs scaling.use_gpu: true (PyTorch's SyncBatchNorm is GPU-only)")
+        if self.parallel.fsdp.cpu_offload and self.parallel.strategy != "fsdp":
+            raise ValueError("parallel.fsdp.cpu_offload needs parallel.strategy: fsdp")
+        if self.parallel.fsdp.mixed_precision != "none" and self.parallel.strategy != "fsdp":
+            raise ValueError(
+                "parallel.fsdp.mixed_precision needs parallel.strategy: fsdp (for ddp use precision: bf16)"
+            )
+        if self.parallel.fsdp.mixed_precision != "none" and self.precision != "fp32":
+            raise ValueError(
+                "parallel.fsdp.mixed_precision and precision both set compute precision; "
+                "use one (mixed_precision: bf16 with precision: fp32, or mixed_precision: none)"
+            )
         return self
 
     @property

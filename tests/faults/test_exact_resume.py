@@ -22,6 +22,7 @@ import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import trainforge
 from tests.helpers.faults import paced_run, worker_pids
@@ -39,11 +40,19 @@ def paced_config(tmp_path: Path, **sections: Any) -> dict[str, Any]:
 
 
 def final_state(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
-    """Model and optimizer tensors of the checkpoint at ``step``, flattened to one dict."""
+    """Model and optimizer tensors of the checkpoint at ``step``, flattened to one dict (a sharded
+    checkpoint's shards merged on this process)."""
     checkpoint = run_dir / f"checkpoint_{step:09d}"
     state = {f"model/{k}": v for k, v in load_file(str(checkpoint / "model.safetensors")).items()}
-    optimizer = torch.load(checkpoint / "optimizer.pt", weights_only=True)
-    for index, slots in optimizer["state"].items():
+    if (checkpoint / "sharded").is_dir():
+        merged = run_dir / f"merged-{step}.pt"
+        dcp_to_torch_save(checkpoint / "sharded", merged)
+        sharded = torch.load(merged, weights_only=False)
+        state.update({f"shards/model/{k}": v for k, v in sharded["model"].items()})
+        slots_by_param = sharded["optim"]["state"]
+    else:
+        slots_by_param = torch.load(checkpoint / "optimizer.pt", weights_only=True)["state"]
+    for index, slots in slots_by_param.items():
         for key, value in slots.items():
             state[f"optim/{index}/{key}"] = torch.as_tensor(value)
     return state
@@ -80,6 +89,9 @@ TWO_WORKERS = {
 }
 
 
+TWO_WORKERS_FSDP = {"scaling": {"num_workers": 2}, "parallel": {"strategy": "fsdp"}}
+
+
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, dict], trainforge.RunResult]:
     """The uninterrupted run of a variant, trained once per module (two tests compare with it)."""
@@ -97,7 +109,11 @@ def straight(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, dict], 
 @pytest.mark.usefixtures("ray_local")
 @pytest.mark.parametrize(
     ("label", "sections"),
-    [("1-worker", {"scaling": {"num_workers": 1}}), ("2-workers-accum-bf16-loader-workers", TWO_WORKERS)],
+    [
+        ("1-worker", {"scaling": {"num_workers": 1}}),
+        ("2-workers-accum-bf16-loader-workers", TWO_WORKERS),
+        ("2-workers-fsdp", TWO_WORKERS_FSDP),
+    ],
 )
 def test_worker_killed_mid_epoch_resumes_bit_identical(
     tmp_path: Path, label: str, sections: dict, straight: Callable[[str, dict], trainforge.RunResult]

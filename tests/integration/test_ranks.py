@@ -51,7 +51,7 @@ def _steps_and_digests(config_dict: dict[str, Any]) -> dict[str, Any]:
     batches, sums, digests = iter(loader), MetricSums(run.device), []
     for _ in range(6):
         run.runner.run(batches, config.train.grad_accum_steps, sums)
-        digests.append(_param_digest(parallel.unwrap(run.model)))
+        digests.append(_param_digest(run.plan.eval_model(run.model)))
     return {"digests": parallel.all_gather_objects(digests), "seen": parallel.all_gather_objects(seen)}
 
 

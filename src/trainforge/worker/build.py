@@ -1,10 +1,10 @@
-"""Building one worker's components from the config: data, model, task, DDP, optimizer, schedule."""
+"""Building one worker's components from the config: data, model, task, parallel plan, optimizer, schedule."""
 
 from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -12,13 +12,15 @@ import ray.train
 import ray.train.torch
 import torch
 from torch import nn
+from torch.utils.data import default_collate
 
-from trainforge.config import Config
+from trainforge.config import Config, ParallelConfig
 from trainforge.data import ResumableDistributedSampler, build_datasets, make_loader
 from trainforge.errors import DataError
 from trainforge.models import Task, build_model, build_task
 from trainforge.worker import parallel
 from trainforge.worker.optim import build_optimizer, build_scheduler, effective_lr
+from trainforge.worker.plan import ParallelPlan, all_reduce_max, build_plan
 from trainforge.worker.step import MetricSums, StepRunner
 
 
@@ -38,11 +40,16 @@ class WorkerRun:
     sampler: ResumableDistributedSampler
     total_steps: int
     steps_per_epoch: int
+    plan: ParallelPlan = field(default_factory=lambda: ParallelPlan(ParallelConfig(), torch.device("cpu")))
 
 
-def build(config: Config) -> WorkerRun:
-    ctx = ray.train.get_context()
-    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+def build(config: Config, ranks: tuple[int, int] | None = None) -> WorkerRun:
+    """One worker's run; ``ranks`` (rank, world) outside Ray Train (a test's own gloo group)."""
+    if ranks is None:
+        ctx = ray.train.get_context()
+        rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    else:
+        rank, world = ranks
     torch.set_num_threads(config.train.threads_per_worker)
     device = ray.train.torch.get_device() if config.scaling.use_gpu else torch.device("cpu")
     if config.deterministic:
@@ -54,7 +61,8 @@ def build(config: Config) -> WorkerRun:
     seed_all(config.seed)
     plain = build_model(config.model, spec)
     task = build_task(config.model, spec)
-    model = parallel.wrap_model(plain, device, sync_batchnorm=config.train.sync_batchnorm)
+    plan = build_plan(config.parallel, device, sync_batchnorm=config.train.sync_batchnorm)
+    model = plan.wrap(plain)
     # Per-rank streams from here on (dropout, augmentation), reproducible per rank.
     seed_all(config.seed * 1000 + rank + 1)
 
@@ -80,9 +88,23 @@ def build(config: Config) -> WorkerRun:
         device=device,
         precision=config.precision,
         grad_clip_norm=config.train.grad_clip_norm,
+        plan=plan,
+        channels_last=config.parallel.channels_last,
     )
     return WorkerRun(
-        config, rank, world, device, model, task, runner, train_set, val_set, sampler, total_steps, steps_per_epoch
+        config,
+        rank,
+        world,
+        device,
+        model,
+        task,
+        runner,
+        train_set,
+        val_set,
+        sampler,
+        total_steps,
+        steps_per_epoch,
+        plan,
     )
 
 
@@ -114,15 +136,26 @@ def evaluate(run: WorkerRun) -> dict[str, float]:
         epoch=0,
         rank=run.rank,
     )
-    # The unwrapped module: no DDP hooks, and ranks may see different numbers of batches.
-    model = parallel.unwrap(run.model)
+    # DDP: the plain module (no hooks; ranks may see different numbers of batches). FSDP: the
+    # sharded one, whose forwards are collectives: every rank runs as many as the busiest, and
+    # the extra passes (over the rank's first batch again) are left out of the sums.
+    model = run.plan.eval_model(run.model)
     model.eval()
     sums = MetricSums(run.device)
-    for inputs, targets in loader:
+    passes = all_reduce_max(len(loader), run.device) if run.plan.eval_in_lockstep else len(loader)
+    batches = iter(loader)
+    first: Any = None
+    for index in range(passes):
+        batch = next(batches, None) if index < len(loader) else None
+        if first is None:  # a rank with no samples of its own still joins each forward
+            first = batch if batch is not None else default_collate([run.val_set[0]])
+        inputs, targets = batch if batch is not None else first
         inputs, targets = inputs.to(run.device), targets.to(run.device)
         with run.runner.autocast():
             output = model(inputs)
             loss = run.task.loss(output, targets)
+        if batch is None:
+            continue
         stats = run.task.stats(output, targets)
         sums.add("loss_sum", loss.float() * stats["count"])
         for name, value in stats.items():

@@ -60,6 +60,19 @@ def run_worker(payload: dict[str, Any]) -> dict[str, Any]:
         hooks.close()
 
 
+class RayChannel:
+    """How a Session reaches the driver: Ray Train's report barrier and preemption notice.
+
+    Tests run a Session in one process (one rank, or ranks of a gloo group without Ray) through
+    another channel with these two methods."""
+
+    def report(self, metrics: dict[str, Any]) -> None:
+        ray.train.report(metrics)
+
+    def preempted(self) -> bool:
+        return ray.train.get_preemption_info() is not None
+
+
 class SaveFailedStop(Exception):
     """Raised on every rank at the same report when a save failed and on_save_error is fail."""
 
@@ -82,6 +95,7 @@ class Session:
     restored: Restored
     control: Any = None
     hooks: Hooks = field(default_factory=lambda: Hooks([]))
+    channel: Any = field(default_factory=RayChannel)
     sums: MetricSums = field(init=False)
     history: IntervalHistory = field(init=False)
     meter: Throughput = field(init=False)
@@ -205,7 +219,7 @@ class Session:
         self.next_report = next_report_step(cfg, self.progress.global_step, metrics["perf/step_time_s"])
         self.hooks.on_report(metrics, reduced.local)
         if not final:
-            ray.train.report(metrics)
+            self.channel.report(metrics)
         return metrics, self.decide(reduced.totals)
 
     def gather_control_signals(self, *, final: bool) -> None:
@@ -227,7 +241,7 @@ class Session:
         self.failed_message = failed_message
         # A barrier across workers, so not at every report: every rank calls it at the same reports.
         self.reports += 1
-        preempted = self.reports % PREEMPTION_CHECK_EVERY == 0 and ray.train.get_preemption_info() is not None
+        preempted = self.reports % PREEMPTION_CHECK_EVERY == 0 and self.channel.preempted()
         self.sums.add("ctrl/save_failures", failures)
         self.sums.add("ctrl/stop", stop + (1.0 if preempted else 0.0))
         self.sums.add("ctrl/minutes_since_save", minutes)
@@ -263,9 +277,9 @@ class Session:
         self.stop_probe = self.control.stop_requested.remote()
         return answer
 
-    def save(self, metrics: dict[str, Any]) -> None:
+    def save(self, metrics: dict[str, Any], *, final: bool = False) -> None:
         # The snapshot stall is training time: it stays in the throughput figure.
-        self.checkpointing.save(self.progress, metrics)
+        self.checkpointing.save(self.progress, metrics, final=final)
         self.last_save = time.perf_counter()
 
     def timed_evaluate(self) -> dict[str, float]:
@@ -284,7 +298,7 @@ class Session:
         if control.failed:
             raise_save_failure(control.failed)
         if self.progress.global_step > self.first_step or self.last_checkpoint is None:
-            self.save(metrics)
+            self.save(metrics, final=True)
         final_error = ""
         for outcome in self.checkpointing.wait():
             self.hooks.on_save(outcome)
@@ -303,7 +317,7 @@ class Session:
         if self.last_checkpoint:
             metrics["checkpoint/path"] = self.last_checkpoint
         metrics["status"] = status
-        ray.train.report(metrics)
+        self.channel.report(metrics)
         return metrics
 
 

@@ -1,32 +1,13 @@
-"""Wrapping the model for data parallelism: SyncBatchNorm and DDP (gloo on CPU, NCCL on GPU)."""
+"""Small collectives over the workers' process group (gloo on CPU, NCCL on GPU); no-ops for one worker."""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 
 def world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def wrap_model(model: nn.Module, device: torch.device, *, sync_batchnorm: bool) -> nn.Module:
-    """Move to the device and wrap in DDP when there is more than one worker."""
-    model = model.to(device)
-    if world_size() == 1:
-        return model
-    if sync_batchnorm:
-        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    device_ids = [device.index] if device.type == "cuda" else None
-    # DDP broadcasts rank 0's parameters and buffers here, so every rank starts identical.
-    return DistributedDataParallel(model, device_ids=device_ids)
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The plain module the factory built, for saving and evaluation."""
-    return model.module if isinstance(model, DistributedDataParallel) else model
 
 
 def all_reduce_sum(values: list[float] | torch.Tensor, device: torch.device) -> torch.Tensor:

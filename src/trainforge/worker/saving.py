@@ -11,26 +11,32 @@ import logging
 import pickle
 import tempfile
 import time
+import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 import ray.train
+import torch
+import torch.distributed.checkpoint as dcp
 from safetensors import SafetensorError
+from safetensors.torch import load_file
+from torch import nn
 
 from trainforge.checkpoint.manager import CheckpointManager, RotationPolicy, SaveOutcome, Snapshot
+from trainforge.checkpoint.sharded import ShardedSave, load_sharded
 from trainforge.checkpoint.state import (
+    MODEL_FILE,
+    OPTIMIZER_FILE,
     Progress,
     TrainerState,
     capture_rng,
-    load_optimizer,
-    load_weights,
     model_snapshot,
     read_trainer_state,
     restore_rng,
     snapshot_tensors,
 )
-from trainforge.checkpoint.storage import CheckpointStore
+from trainforge.checkpoint.storage import CheckpointStore, checkpoint_name
 from trainforge.config import CheckpointConfig
 from trainforge.errors import CheckpointError
 from trainforge.redact import redact_config
@@ -79,12 +85,17 @@ class Checkpointing:
     def due(self, step: int) -> bool:
         return self.cfg.every_n_steps is not None and step % self.cfg.every_n_steps == 0
 
-    def save(self, progress: Progress, metrics: dict[str, Any]) -> None:
-        """Snapshot now (all ranks: the RNG gather is a collective), write in the background (rank 0)."""
+    def save(self, progress: Progress, metrics: dict[str, Any], *, final: bool = False) -> None:
+        """Snapshot now (all ranks: the RNG gather is a collective), write in the background (rank 0),
+        or, for a sharded plan, every rank writes its shards now (``final``: with the full weights)."""
         if progress.global_step == self.last_saved_step:
             return
         rng = parallel.all_gather_objects(capture_rng())
         self.last_saved_step = progress.global_step
+        state = self.trainer_state(progress, metrics, rng)
+        if self.run.plan.sharded:
+            self.save_sharded(progress.global_step, state, final=final)
+            return
         if self.manager is None:
             return
         runner = self.run.runner
@@ -95,23 +106,69 @@ class Checkpointing:
         snapshot = Snapshot(
             step=progress.global_step,
             epoch=progress.epoch,
-            model_state=model_snapshot(parallel.unwrap(self.run.model), previous.model_state if previous else None),
+            model_state=model_snapshot(
+                self.run.plan.eval_model(self.run.model), previous.model_state if previous else None
+            ),
             optimizer_state=snapshot_tensors(
                 runner.optimizer.state_dict(), previous.optimizer_state if previous else None
             ),
-            trainer_state=TrainerState(
-                progress=Progress(**{**asdict(progress), "world_size": self.run.world}),
-                scheduler=runner.scheduler.state_dict(),
-                scaler=runner.scaler.state_dict(),
-                rng=[dict(r) for r in rng],  # type: ignore[call-overload]
-                metrics={k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))},
-                config=redact_config(self.run.config.to_dict()),  # a record: no credentials
-                versions=library_versions(),
-            ),
+            trainer_state=state,
         )
         self.manager.save_async(snapshot)
         self.previous = snapshot
         self.stall_s = time.perf_counter() - started
+
+    def trainer_state(self, progress: Progress, metrics: dict[str, Any], rng: list[object]) -> TrainerState:
+        runner = self.run.runner
+        return TrainerState(
+            progress=Progress(**{**asdict(progress), "world_size": self.run.world}),
+            scheduler=runner.scheduler.state_dict(),
+            scaler=runner.scaler.state_dict(),
+            rng=[dict(r) for r in rng],  # type: ignore[call-overload]
+            metrics={k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))},
+            config=redact_config(self.run.config.to_dict()),  # a record: no credentials
+            versions=library_versions(),
+        )
+
+    def save_sharded(self, step: int, state: TrainerState, *, final: bool) -> None:
+        """Every rank writes its own shards (torch.distributed.checkpoint) into one staging directory;
+        rank 0 writes the manifest over every rank's files last, then commits. Synchronous: the
+        shards are written from the live (sharded) state, with no host copy to hand to a thread.
+        The final save also holds ``model.safetensors``: the full weights, gathered to rank 0."""
+        run = self.run
+        started = time.perf_counter()
+        if self.manager is not None:
+            self.manager.wait()  # rotation of the previous save, if still running
+        staging = str(parallel.broadcast_object(f".tmp-{checkpoint_name(step)}-{uuid.uuid4().hex[:8]}"))
+        save = ShardedSave(self.store, step, staging, run.rank, run.world)
+        error: str | None = None
+        try:
+            dcp.save(run.plan.sharded_state(run.model, run.runner.optimizer), storage_writer=save.storage_writer())
+            files = save.rank_files()
+            if final:
+                files.update(save.write_full_model(run.plan.full_model_state(run.model)))
+        except (OSError, RuntimeError, ValueError, CheckpointError) as err:
+            files, error = {}, f"rank {run.rank}: {one_line(err)}"
+        gathered = cast(list[tuple[dict[str, Any], str | None]], parallel.all_gather_objects((files, error)))
+        if self.manager is None:
+            self.stall_s = time.perf_counter() - started
+            return
+        errors = [e for _, e in gathered if e]
+        outcome = SaveOutcome(step=step, name=checkpoint_name(step))
+        if errors:
+            save.abort()
+            outcome.error = errors[0]
+        else:
+            merged = {name: entry for rank_files, _ in gathered for name, entry in rank_files.items()}
+            try:
+                outcome.uri = save.commit(merged, state)
+                outcome.size_bytes = sum(int(e["size"]) for e in merged.values())
+            except (OSError, RuntimeError, ValueError, CheckpointError) as err:
+                save.abort()
+                outcome.error = one_line(err)
+        outcome.seconds = time.perf_counter() - started
+        self.manager.record(outcome)
+        self.stall_s = outcome.seconds
 
     def collect(self) -> list[SaveOutcome]:
         return self.manager.collect() if self.manager is not None else []
@@ -266,12 +323,22 @@ def one_line(err: BaseException) -> str:
 
 def load_into(run: WorkerRun, directory: Path, notes: list[str] | None = None) -> tuple[Progress, int]:
     """Weights, optimizer, schedule, scaler, progress and this rank's RNG from a verified directory;
-    also the number of workers that wrote it. What restore changed on purpose goes to ``notes``."""
+    also the number of workers that wrote it. What restore changed on purpose goes to ``notes``.
+
+    Either layout loads into either plan: a sharded checkpoint through torch.distributed.checkpoint
+    (which reshards to this run's plan and world size), a full one through the plan's full-state
+    load (which shards it under fsdp)."""
     state = read_trainer_state(directory)
     notes = [] if notes is None else notes
-    load_weights(directory, parallel.unwrap(run.model))
+    saved_plan = str(state.config.get("parallel", {}).get("strategy", "ddp"))
+    if (directory / SHARDED_DIR).is_dir():
+        load_sharded_checkpoint(run, directory, state, notes)
+    else:
+        run.plan.load_full_model_state(run.model, read_full_weights(directory, run.plan.eval_model(run.model)))
+        restore_optimizer(run, directory, state, notes)
+    if saved_plan != run.plan.name:
+        notes.append(f"resharded: the checkpoint was written by {saved_plan}, this run uses {run.plan.name}")
     runner = run.runner
-    restore_optimizer(run, directory, state, notes)
     runner.scaler.load_state_dict(state.scaler)
     progress = state.progress
     written_by = progress.world_size
@@ -293,6 +360,36 @@ def load_into(run: WorkerRun, directory: Path, notes: list[str] | None = None) -
     return progress, written_by
 
 
+SHARDED_DIR = "sharded"
+
+
+def read_full_weights(directory: Path, model: nn.Module) -> dict[str, torch.Tensor]:
+    """``model.safetensors`` as a dict, with tied weights (stored once) filled in under every name."""
+    weights = load_file(str(directory / MODEL_FILE))
+    canonical: dict[int, str] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        first = canonical.setdefault(id(tensor), name)
+        if name not in weights and first in weights:
+            weights[name] = weights[first]
+        elif first not in weights and name in weights:
+            weights[first] = weights[name]
+    return weights
+
+
+def load_sharded_checkpoint(run: WorkerRun, directory: Path, state: TrainerState, notes: list[str]) -> None:
+    """Model and optimizer from torch.distributed.checkpoint shards, resharded to this run."""
+    cfg = run.config
+    optimizer = run.runner.optimizer
+    saved_optim = state.config.get("optim", {}).get("name", cfg.optim.name)
+    template = run.plan.sharded_state(run.model, optimizer)
+    if saved_optim != cfg.optim.name:
+        template.pop("optim")
+        notes.append(f"optimizer state not restored: the checkpoint used {saved_optim}, this run {cfg.optim.name}")
+    load_sharded(directory, template)
+    run.plan.load_sharded_state(run.model, optimizer, template)
+    restore_schedule(run, state, notes)
+
+
 def restore_optimizer(run: WorkerRun, directory: Path, state: TrainerState, notes: list[str]) -> None:
     """Optimizer and schedule state; then, when the checkpoint was saved under other optimizer or
     schedule settings (another run's checkpoint: a PBT exploit, a fine-tune), this run's own values.
@@ -302,12 +399,24 @@ def restore_optimizer(run: WorkerRun, directory: Path, state: TrainerState, note
     another kind of optimizer cannot be used and are left out.
     """
     cfg = run.config
-    optimizer, scheduler = run.runner.optimizer, run.runner.scheduler
+    optimizer = run.runner.optimizer
     saved_optim = state.config.get("optim", {}).get("name", cfg.optim.name)
     if saved_optim == cfg.optim.name:
-        load_optimizer(directory, optimizer)
+        run.plan.load_full_optimizer_state(run.model, optimizer, read_optimizer(directory))
     else:
         notes.append(f"optimizer state not restored: the checkpoint used {saved_optim}, this run {cfg.optim.name}")
+    restore_schedule(run, state, notes)
+
+
+def read_optimizer(directory: Path) -> dict[str, Any]:
+    # weights_only=True: tensors and plain containers only, never arbitrary pickled objects.
+    return cast(dict[str, Any], torch.load(directory / OPTIMIZER_FILE, map_location="cpu", weights_only=True))
+
+
+def restore_schedule(run: WorkerRun, state: TrainerState, notes: list[str]) -> None:
+    """The schedule's position, then this run's own hyperparameters where the checkpoint's differ."""
+    cfg = run.config
+    optimizer, scheduler = run.runner.optimizer, run.runner.scheduler
     scheduler.load_state_dict({**state.scheduler, "lr_lambdas": [None] * len(optimizer.param_groups)})
     if state.config and hyperparameters_differ(state.config, cfg.optim, cfg.schedule):
         lr = effective_lr(cfg.optim, cfg.train.batch_size * cfg.train.grad_accum_steps * run.world)

@@ -13,9 +13,10 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
+from trainforge.config import ParallelConfig
 from trainforge.models import Task
+from trainforge.worker.plan import ParallelPlan
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -61,6 +62,8 @@ class StepRunner:
         device: torch.device,
         precision: str,
         grad_clip_norm: float | None,
+        plan: ParallelPlan | None = None,
+        channels_last: bool = False,
     ) -> None:
         self.model = model
         self.task = task
@@ -69,8 +72,10 @@ class StepRunner:
         self.device = device
         self.grad_clip_norm = grad_clip_norm
         self.autocast_dtype = AUTOCAST_DTYPES.get(precision)
+        self.plan = plan or ParallelPlan(ParallelConfig(), device)
+        self.memory_format = torch.channels_last if channels_last else None
         # Loss scaling is only needed for fp16: bf16 has fp32's exponent range.
-        self.scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
+        self.scaler = self.plan.make_scaler(enabled=precision == "fp16")
         self.params = [p for p in model.parameters() if p.requires_grad]
 
     def autocast(self) -> contextlib.AbstractContextManager[None]:
@@ -91,17 +96,15 @@ class StepRunner:
                     return None
                 raise RuntimeError("data ran out inside an accumulation window") from None
             inputs = inputs.to(self.device, non_blocking=True)
+            if self.memory_format is not None and inputs.ndim == 4:
+                inputs = inputs.contiguous(memory_format=self.memory_format)
             targets = targets.to(self.device, non_blocking=True)
             times.data_s += time.perf_counter() - start
 
             start = time.perf_counter()
             last = micro == accum - 1
-            # DDP all-reduces gradients in backward; skip that sync on all but the last micro-batch.
-            model = self.model
-            sync: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
-            if isinstance(model, DistributedDataParallel) and not last:
-                sync = model.no_sync()
-            with sync:
+            # Gradients are communicated in backward; only the last micro-batch's needs to.
+            with self.plan.gradient_sync(self.model, last):
                 with self.autocast():
                     output = self.model(inputs)
                     loss = self.task.loss(output, targets)
@@ -115,7 +118,7 @@ class StepRunner:
 
         start = time.perf_counter()
         grad_norm = self._unscale_and_clip()
-        # Gradients are identical on every rank after the all-reduce, so this decision is rank-consistent.
+        # The global norm is the same on every rank (plan.grad_norm), so this decision is rank-consistent.
         finite = torch.isfinite(grad_norm)
         if self.scaler.is_enabled():
             self.scaler.step(self.optimizer)  # skips the update itself when grads hold inf/nan
@@ -132,12 +135,7 @@ class StepRunner:
 
     def _unscale_and_clip(self) -> torch.Tensor:
         self.scaler.unscale_(self.optimizer)
-        grads = [p.grad for p in self.params if p.grad is not None]
-        if not grads:
-            return torch.zeros((), device=self.device)
-        if self.grad_clip_norm is not None:
-            return torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip_norm)
-        return torch.nn.utils.get_total_norm(grads)
+        return self.plan.grad_norm(self.params, self.grad_clip_norm)
 
     def _step_if_finite(self, finite: torch.Tensor) -> None:
         # One host sync per step, only when it matters: a non-finite loss must not reach the weights.

@@ -1,0 +1,135 @@
+"""The Session (loop, reports, checkpoints, restore) in 2-rank gloo groups without Ray.
+
+A sharded (FSDP) run that crashes mid-epoch and is restarted from its newest checkpoint ends
+bit-identical to the same run uninterrupted; the checkpoint it resumes from holds every rank's
+shards and verifies; a crash is a real exception out of the loop, as a killed worker group ends
+in Ray, and the restart a new set of processes.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from tests.helpers.ranks import spawn_ranks
+from tests.helpers.runs import tiny_run
+from trainforge.checkpoint.storage import CheckpointStore
+
+STEPS = 24
+
+
+class Crash(Exception):
+    pass
+
+
+class ListChannel:
+    """Reports kept in a list; raises at ``crash_at`` (a step) as a lost worker would end the loop."""
+
+    def __init__(self, crash_at: int | None = None) -> None:
+        self.reports: list[dict[str, Any]] = []
+        self.crash_at = crash_at
+
+    def report(self, metrics: dict[str, Any]) -> None:
+        self.reports.append(metrics)
+        if self.crash_at is not None and metrics.get("step", 0) >= self.crash_at:
+            raise Crash(f"crashed at step {metrics['step']}")
+
+    def preempted(self) -> bool:
+        return False
+
+
+def config(tmp: Path, strategy: str, workers: int = 2) -> dict[str, Any]:
+    return tiny_run(
+        tmp,
+        model={"name": "llama_tiny", "kwargs": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2}},
+        data={"name": "synthetic", "kind": "tokens", "seq_len": 16, "vocab_size": 64, "num_samples": 1024},
+        train={"max_steps": STEPS, "batch_size": 8, "log_every_n_steps": 4, "eval_every_n_steps": 8},
+        optim={"name": "adamw", "lr": 3e-3},
+        scaling={"num_workers": workers},
+        parallel={"strategy": strategy},
+        checkpoint={"every_n_steps": 8, "keep_last": 5},
+        seed=3,
+    )
+
+
+def session(rank: int, world: int, config_dict: dict[str, Any], crash_at: int | None) -> dict[str, Any]:
+    from trainforge.config import Config
+    from trainforge.worker.build import build
+    from trainforge.worker.loop import Session
+    from trainforge.worker.saving import Checkpointing, restore
+
+    cfg = Config.model_validate(config_dict)
+    run = build(cfg, ranks=(rank, world))
+    checkpointing = Checkpointing(run, CheckpointStore.for_run(cfg.storage_path, cfg.run.name))
+    restored = restore(run, checkpointing.store)
+    channel = ListChannel(crash_at)
+    try:
+        final = Session(run, checkpointing, restored, channel=channel).train()
+    except Crash as err:
+        final = {"crashed": str(err)}
+    finally:
+        checkpointing.close()
+    events = [e for r in channel.reports for e in r.get("events", [])]
+    return {"final": {k: v for k, v in final.items() if isinstance(v, (int, float, str))}, "events": events}
+
+
+def final_state(run_dir: Path, tmp: Path) -> dict[str, Any]:
+    """The last checkpoint's full weights and its shards (model and optimizer), flattened."""
+    last = sorted(run_dir.glob("checkpoint_*"))[-1]
+    tmp.mkdir(parents=True, exist_ok=True)
+    state: dict[str, Any] = {f"full/{k}": v for k, v in load_file(str(last / "model.safetensors")).items()}
+    dcp_to_torch_save(last / "sharded", tmp / "merged.pt")
+    merged = torch.load(tmp / "merged.pt", weights_only=False)
+
+    def flatten(prefix: str, tree: Any) -> None:
+        if isinstance(tree, dict):
+            for key, value in tree.items():
+                flatten(f"{prefix}/{key}", value)
+        elif isinstance(tree, (list, tuple)):
+            for index, value in enumerate(tree):
+                flatten(f"{prefix}/{index}", value)
+        else:
+            state[prefix] = tree
+
+    flatten("sharded", merged)
+    return state
+
+
+def test_fsdp_session_crashed_and_restarted_is_bit_identical(tmp_path: Path) -> None:
+    straight = spawn_ranks(session, 2, config(tmp_path / "straight", "fsdp"), None)
+    assert straight[0]["final"]["status"] == "finished"
+    crashed = spawn_ranks(session, 2, config(tmp_path / "crashed", "fsdp"), 12)
+    assert "crashed" in crashed[0]["final"]
+    run_dir = tmp_path / "crashed" / "t"
+    assert [p.name for p in sorted(run_dir.glob("checkpoint_*"))] == ["checkpoint_000000008"]
+    manifest = json.loads((run_dir / "checkpoint_000000008" / "manifest.json").read_text())
+    assert manifest["layout"] == "sharded" and manifest["world_size"] == 2
+    assert {"sharded/__0_0.distcp", "sharded/__1_0.distcp", "sharded/.metadata"} <= set(manifest["files"])
+
+    resumed = spawn_ranks(session, 2, config(tmp_path / "crashed", "fsdp"), None)
+    assert resumed[0]["final"]["status"] == "finished"
+    assert any(e.startswith("resumed from") and "checkpoint_000000008" in e for e in resumed[0]["events"])
+    a = final_state(tmp_path / "straight" / "t", tmp_path / "a")
+    b = final_state(run_dir, tmp_path / "b")
+    assert a.keys() == b.keys()
+    differ = [k for k in a if not (torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k])]
+    assert not differ, differ[:5]
+
+
+@pytest.mark.parametrize(("strategy", "workers"), [("ddp", 2), ("fsdp", 1)])
+def test_fsdp_checkpoint_resumes_under_another_plan_and_says_so(tmp_path: Path, strategy: str, workers: int) -> None:
+    spawn_ranks(session, 2, config(tmp_path, "fsdp"), 12)
+    resumed = spawn_ranks(session, workers, config(tmp_path, strategy, workers), None)
+    events = resumed[0]["events"]
+    assert resumed[0]["final"]["status"] == "finished", resumed[0]
+    assert any(e.startswith("resumed from") for e in events), events
+    if strategy != "fsdp":
+        assert any("resharded: the checkpoint was written by fsdp, this run uses ddp" in e for e in events), events
+    if workers == 1:
+        assert any(e.startswith("resumed with 1 workers from a checkpoint written by 2") for e in events), events
