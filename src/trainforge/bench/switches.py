@@ -7,10 +7,11 @@ Three pairs, each switch off and on, through :mod:`trainforge.worker.blocks` as 
 * channels-last memory format (off vs on) on a CNN.
 
 Every configuration runs in a fresh subprocess, so compile caches, allocator state and the
-process's peak RSS of one never leak into another. A step is forward, backward and an AdamW
-update on one fixed batch; the figure is the median of ``--steps`` timed steps after warm-up
-(the first step, which compiles, is reported on its own). Two memory figures, both honest about
-what they see:
+process's peak RSS of one never leak into another; with ``--repeats R`` each pair runs off, on,
+off, on, ... so that a load change on a shared machine hits both settings alike. A step is forward,
+backward and an AdamW update on one fixed batch; the figure is the median of every timed step of
+every repeat, after warm-up (the first step, which compiles, is reported on its own). Two memory
+figures, both honest about what they see:
 
 * ``peak MB``: the most tensor memory live during one extra step above what was live before it
   (parameters, AdamW state), from ``torch.profiler``'s allocation events; activations, gradients
@@ -64,14 +65,38 @@ class Case:
 
 
 @dataclass(frozen=True)
+class Sample:
+    """What one subprocess measured; times in seconds, memory in MB (10^6 bytes)."""
+
+    step_times_s: list[float]
+    first_step_s: float
+    peak_mb: float
+    rss_mb: float
+
+
+@dataclass(frozen=True)
 class Figures:
-    """What one configuration measured; times in seconds, memory in MB (10^6 bytes)."""
+    """One configuration over its repeats: the median and fastest step, the first step of the first
+    repeat (a cold compile), and the largest memory figures."""
 
     step_s: float
     step_min_s: float
     first_step_s: float
     peak_mb: float
     rss_mb: float
+    repeats: int
+
+    @classmethod
+    def of(cls, samples: list[Sample]) -> Figures:
+        times = [t for sample in samples for t in sample.step_times_s]
+        return cls(
+            step_s=statistics.median(times),
+            step_min_s=min(times),
+            first_step_s=samples[0].first_step_s,
+            peak_mb=max(sample.peak_mb for sample in samples),
+            rss_mb=max(sample.rss_mb for sample in samples),
+            repeats=len(samples),
+        )
 
 
 def cases(args: argparse.Namespace) -> list[Case]:
@@ -105,7 +130,7 @@ def profiled_peak_mb(step: Callable[[], None]) -> float:
     return max(totals, default=0) / MB
 
 
-def measure(case: Case) -> Figures:
+def measure(case: Case) -> Sample:
     from trainforge.config import ModelConfig
     from trainforge.data.spec import DataSpec
     from trainforge.models import build_model, build_task
@@ -145,10 +170,8 @@ def measure(case: Case) -> Figures:
         times.append(time.perf_counter() - start)
     optimizer.zero_grad(set_to_none=True)  # freed before the profiled step, so it sees only its own
     peak = profiled_peak_mb(step)
-    timed = times[case.warmup :]
-    return Figures(
-        step_s=statistics.median(timed),
-        step_min_s=min(timed),
+    return Sample(
+        step_times_s=times[case.warmup :],
         first_step_s=times[0],
         peak_mb=peak,
         rss_mb=proc_status_mb("VmHWM") - rss_built,
@@ -159,13 +182,13 @@ def measure(case: Case) -> Figures:
 # In the parent: one subprocess per case, a table, a JSON report
 
 
-def run_case(case: Case) -> Figures:
+def run_case(case: Case) -> Sample:
     command = [sys.executable, "-m", "trainforge.bench.switches", "--case", json.dumps(asdict(case))]
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         tail = " ".join(done.stderr.strip().splitlines()[-3:])
         raise RuntimeError(f"bench switches: {case.switch} on={case.on} failed (exit {done.returncode}): {tail}")
-    return Figures(**json.loads(done.stdout.strip().splitlines()[-1]))
+    return Sample(**json.loads(done.stdout.strip().splitlines()[-1]))
 
 
 def report_of(results: list[tuple[Case, Figures]]) -> dict[str, Any]:
@@ -184,7 +207,7 @@ def report_of(results: list[tuple[Case, Figures]]) -> dict[str, Any]:
 
 
 def table_of(results: list[tuple[Case, Figures]]) -> Table:
-    table = Table(title="bench switches: median step (forward + backward + AdamW), one process per row")
+    table = Table(title="bench switches: median step (forward + backward + AdamW), a process per setting and repeat")
     for column in ("switch", "model, batch", "setting", "step s", "min s", "first s", "peak MB", "RSS MB"):
         table.add_column(column, justify="left" if column in ("switch", "model, batch", "setting") else "right")
     for case, f in results:
@@ -213,15 +236,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--cnn", default="resnet18", help="image model for channels-last")
     parser.add_argument("--image", type=int, default=64, help="side of the square images")
     parser.add_argument("--cnn-batch", type=int, default=32)
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per configuration")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per configuration and repeat")
+    parser.add_argument("--repeats", type=int, default=1, help="subprocesses per configuration, off and on alternating")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (the first one compiles)")
     parser.add_argument("--threads", type=int, default=worker_threads(), help="torch threads (a worker's default)")
     parser.add_argument("--switch", nargs="+", choices=SWITCHES, default=list(SWITCHES))
     parser.add_argument("--json", action="store_true", help="print the report as JSON after the table")
     parser.add_argument("--case", help=argparse.SUPPRESS)  # the child process: measure one case, print JSON
     args = parser.parse_args(argv)
-    if args.steps < 1 or args.warmup < 1:
-        parser.error("--steps and --warmup must be >= 1")
+    if min(args.steps, args.warmup, args.repeats) < 1:
+        parser.error("--steps, --warmup and --repeats must be >= 1")
     return args
 
 
@@ -234,10 +258,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
     console = Console(stderr=args.json)  # with --json, stdout holds the JSON object alone
     if not console.is_terminal:
         console.width = 120  # rich's 80 columns for a pipe would fold every row
-    results = []
-    for case in cases(args):
-        console.print(f"  {case.switch} {'on' if case.on else 'off'} ({case.model}) ...", highlight=False)
-        results.append((case, run_case(case)))
+    order = cases(args)
+    samples: dict[Case, list[Sample]] = {case: [] for case in order}
+    for off, on in zip(order[::2], order[1::2], strict=True):
+        for repeat in range(args.repeats):
+            for case in (off, on):
+                setting = "on" if case.on else "off"
+                where = f"repeat {repeat + 1}/{args.repeats}"
+                console.print(f"  {case.switch} {setting} ({case.model}), {where}", highlight=False)
+                samples[case].append(run_case(case))
+    results = [(case, Figures.of(samples[case])) for case in order]
     report = report_of(results)
     console.print(table_of(results))
     console.print(
