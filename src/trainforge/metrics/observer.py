@@ -75,5 +75,5 @@ class RunMetrics:
 
 
 def metrics_observers(config: Config) -> list[RunMetrics]:
-    """What ``api.fit`` adds to its observers, when ``metrics.enabled``."""
+    """What ``launch.train`` adds to its observers, when ``metrics.enabled``."""
     return [RunMetrics(config)] if config.metrics.enabled else []
