@@ -29,13 +29,15 @@ from rich.console import Console
 from trainforge import errors
 from trainforge.checkpoint.storage import CheckpointStore
 from trainforge.config import Config, to_yaml
+from trainforge.data.registry import SOURCES, unknown_source_message
 from trainforge.display import ProgressDisplay
-from trainforge.errors import CheckpointError, ClusterError, TrainforgeError, TrainingFailed
+from trainforge.errors import CheckpointError, ClusterError, DataError, TrainforgeError, TrainingFailed
 from trainforge.loopback import CLUSTER_ENV as CLUSTER_ENV
 from trainforge.loopback import LOOPBACK as LOOPBACK
 from trainforge.loopback import bound_to
 from trainforge.metrics.observer import metrics_observers
 from trainforge.metrics.session import check_cluster_options, local_ray_options, publish_local_targets
+from trainforge.models.registry import load_factory, require_builtin
 from trainforge.observe import ForwardingCallback, MetricsLog, Observer, Observers, Pump, WorkerLog, start_mailbox
 from trainforge.redact import install_on_logger, redact_text, redacting
 from trainforge.report import ReportWriter
@@ -182,10 +184,6 @@ def preflight(config: Config, *, local: bool) -> None:
     Paths and factories are checked only for a local Ray: a remote cluster has its own file system
     and Python path, and the workers check them there.
     """
-    from trainforge.data.registry import SOURCES, unknown_source_message
-    from trainforge.errors import DataError
-    from trainforge.models.registry import load_factory, require_builtin
-
     if config.data.name not in SOURCES:
         raise DataError(unknown_source_message(config.data.name))
     if config.model.name is not None:

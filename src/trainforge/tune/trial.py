@@ -33,6 +33,7 @@ from trainforge.checkpoint.names import parse_checkpoint_name, step_of_uri
 from trainforge.checkpoint.storage import CheckpointStore
 from trainforge.config import Config, validate
 from trainforge.launch import train
+from trainforge.tune.placement import RecordPlacementGroups
 from trainforge.tune.space import apply_params
 
 log = logging.getLogger("trainforge")
@@ -98,8 +99,6 @@ def run_trial(params: dict[str, Any], setup: TrialSetup) -> None:
     """Tune's function trainable: run (or continue) this trial's training to its end."""
     from ray import tune
     from rich.console import Console
-
-    from trainforge.tune.placement import RecordPlacementGroups
 
     if os.path.isdir(setup.workdir):
         # Tune moved this process into its trial folder; the run's paths are the search driver's.
