@@ -29,6 +29,7 @@ SUMMARY_FILE = "summary.json"
 RUN_DRIVER = "trainforge"  # ``written_by``: the run's own driver, at the end of fit
 SEARCH_DRIVER = "trainforge tune"  # ``written_by``: a search's driver, for a trial Tune cut short
 RESUMED_PREFIX = "resumed from"  # a report's event after a restore (worker/saving.py)
+DRIVER_START = "driver_start"  # metrics.jsonl's ``event`` when a driver session starts the run (again)
 
 
 @dataclass
@@ -67,7 +68,9 @@ class RunLog:
     @classmethod
     def replay(cls, lines: Iterable[str]) -> RunLog:
         """The lines observe.MetricsLog appended, in order; a line cut short (a stopped trial's
-        actor ended mid-write) or of another shape is skipped."""
+        actor ended mid-write) or of another shape is skipped. ``restarts`` and ``recovery_s``
+        cover the last driver session (from the last ``DRIVER_START`` line on), as the driver's
+        own summary does; without such lines, the whole file."""
         found = cls()
         for line in lines:
             try:
@@ -76,7 +79,9 @@ class RunLog:
                 continue
             if not isinstance(record, dict):
                 continue
-            if record.get("event") == "worker_error":
+            if record.get("event") == DRIVER_START:
+                found.recovery = Recovery()
+            elif record.get("event") == "worker_error":
                 at = record.get("time")
                 found.recovery.failed(float(at) if isinstance(at, (int, float)) else None)
             elif "step" in record:

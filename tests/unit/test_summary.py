@@ -15,7 +15,7 @@ from tests.helpers.runs import tiny_run
 from trainforge import observe
 from trainforge.config import Config, to_yaml, validate
 from trainforge.launch import Outcome, run_record
-from trainforge.summary import RUN_DRIVER, SEARCH_DRIVER, Recovery, RunLog, RunRecord, build_summary
+from trainforge.summary import DRIVER_START, RUN_DRIVER, SEARCH_DRIVER, Recovery, RunLog, RunRecord, build_summary
 from trainforge.tune.summary import complete_run_dir
 from trainforge.tune.trial import TrialOutcome
 
@@ -119,6 +119,15 @@ def test_a_failure_of_unknown_time_is_a_restart_without_a_recovery_time() -> Non
     assert ran.recovery.restarts == 2
     assert ran.recovery.recovery_s == [2.25]
     assert [r["step"] for r in ran.reports] == [5, 10, 15, 20]
+
+
+def test_a_replay_counts_the_last_driver_session_as_the_driver_does() -> None:
+    earlier = metrics_log_lines(EVENTS[:4])  # a session with one failure, then the driver stopped
+    later = metrics_log_lines(EVENTS[4:])  # the run resumed by a new driver: one more failure
+    start = json.dumps({"event": DRIVER_START, "time": T0 + 9.8})
+    ran = RunLog.replay([start, *earlier, start, *later])
+    assert (ran.recovery.restarts, ran.recovery.recovery_s) == (1, [2.25])
+    assert len(ran.reports) == 4
 
 
 def test_the_summary_keeps_the_design_contract(tmp_path: Path) -> None:
