@@ -17,7 +17,10 @@ figures, both honest about what they see:
   (parameters, AdamW state), from ``torch.profiler``'s allocation events; activations, gradients
   and temporaries, i.e. what activation checkpointing changes, and nothing the allocator keeps;
 * ``RSS MB``: the process's peak resident set above its size right after the model was built;
-  it also counts glibc's retained free memory and, with compile, the compiler's own memory.
+  it also counts gradients, AdamW state, glibc's retained free memory and, with compile, the
+  compiler's own memory.
+
+On a shared machine the step times move with the load; the memory figures do not.
 """
 
 from __future__ import annotations
@@ -85,6 +88,7 @@ class Figures:
     peak_mb: float
     rss_mb: float
     repeats: int
+    step_times_s: list[list[float]]  # every timed step, per repeat, for the JSON report
 
     @classmethod
     def of(cls, samples: list[Sample]) -> Figures:
@@ -96,6 +100,7 @@ class Figures:
             peak_mb=max(sample.peak_mb for sample in samples),
             rss_mb=max(sample.rss_mb for sample in samples),
             repeats=len(samples),
+            step_times_s=[sample.step_times_s for sample in samples],
         )
 
 
