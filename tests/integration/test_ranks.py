@@ -35,11 +35,11 @@ def _steps_and_digests(config_dict: dict[str, Any]) -> dict[str, Any]:
 
     config = Config.model_validate(config_dict)
     run = build(config)
-    run.sampler.set_epoch(0)
-    seen = list(iter(run.sampler))
+    run.data.sampler.set_epoch(0)
+    seen = list(iter(run.data.sampler))
     loader = make_loader(
-        run.train_set,
-        run.sampler,
+        run.data.train_set,
+        run.data.sampler,
         config.train.batch_size,
         num_workers=0,
         pin_memory=False,

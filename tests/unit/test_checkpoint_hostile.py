@@ -49,6 +49,7 @@ from trainforge.checkpoint.verify import Verification
 from trainforge.config import Config
 from trainforge.errors import CheckpointError
 from trainforge.worker.build import WorkerRun
+from trainforge.worker.components import DataSource
 from trainforge.worker.optim import build_scheduler
 from trainforge.worker.saving import restore
 from trainforge.worker.step import StepRunner
@@ -262,7 +263,8 @@ def worker_run(tmp_path: Path, resume: str = "auto") -> WorkerRun:
     runner = StepRunner(
         model, None, optimizer, scheduler, device=torch.device("cpu"), precision="fp32", grad_clip_norm=None
     )  # type: ignore[arg-type]
-    return WorkerRun(config, 0, 1, torch.device("cpu"), model, None, runner, None, None, None, 100, 10)  # type: ignore[arg-type]
+    data = DataSource.build(config, 0, 1, pin_memory=False)
+    return WorkerRun(config, 0, 1, torch.device("cpu"), model, None, runner, data, 100)  # type: ignore[arg-type]
 
 
 def test_restore_walks_past_a_checkpoint_that_verifies_but_does_not_load(tmp_path: Path) -> None:

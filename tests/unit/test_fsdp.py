@@ -42,10 +42,10 @@ def train_steps(rank: int, world: int, config_dict: dict[str, Any]) -> dict[str,
     from trainforge.worker.step import MetricSums
 
     run = build(Config.model_validate(config_dict), ranks=(rank, world))
-    run.sampler.set_epoch(0)
+    run.data.sampler.set_epoch(0)
     loader = make_loader(
-        run.train_set,
-        run.sampler,
+        run.data.train_set,
+        run.data.sampler,
         run.config.train.batch_size,
         num_workers=0,
         pin_memory=False,
@@ -73,7 +73,7 @@ def relative_gap(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) / max(abs(x), 1e-12) for x, y in zip(a, b, strict=True))
 
 
-@pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.parametrize("model", [pytest.param("gpt2_small"), pytest.param("llama_tiny", marks=pytest.mark.slow)])
 def test_fsdp_matches_ddp_and_holds_about_half_the_bytes(tmp_path: Path, model: str) -> None:
     ddp = spawn_ranks(train_steps, 2, lm_config(str(tmp_path), model, "ddp"))
     fsdp = spawn_ranks(train_steps, 2, lm_config(str(tmp_path), model, "fsdp"))

@@ -122,6 +122,7 @@ def test_fsdp_session_crashed_and_restarted_is_bit_identical(tmp_path: Path) -> 
     assert not differ, differ[:5]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("strategy", "workers"), [("ddp", 2), ("fsdp", 1)])
 def test_fsdp_checkpoint_resumes_under_another_plan_and_says_so(tmp_path: Path, strategy: str, workers: int) -> None:
     spawn_ranks(session, 2, config(tmp_path, "fsdp"), 12)

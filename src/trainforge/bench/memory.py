@@ -40,10 +40,10 @@ def held_bytes(rank: int, world: int, config_dict: dict[str, Any]) -> dict[str, 
     from trainforge.worker.step import MetricSums
 
     run = build(Config.model_validate(config_dict), ranks=(rank, world))
-    run.sampler.set_epoch(0)
+    run.data.sampler.set_epoch(0)
     loader = make_loader(
-        run.train_set,
-        run.sampler,
+        run.data.train_set,
+        run.data.sampler,
         run.config.train.batch_size,
         num_workers=0,
         pin_memory=False,

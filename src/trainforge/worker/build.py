@@ -15,10 +15,9 @@ from torch import nn
 from torch.utils.data import default_collate
 
 from trainforge.config import Config, ParallelConfig
-from trainforge.data import ResumableDistributedSampler, build_datasets, make_loader
-from trainforge.errors import DataError
 from trainforge.models import Task, build_model, build_task
 from trainforge.worker import parallel
+from trainforge.worker.components import DataSource
 from trainforge.worker.optim import build_optimizer, build_scheduler, effective_lr
 from trainforge.worker.plan import ParallelPlan, all_reduce_max, build_plan
 from trainforge.worker.step import MetricSums, StepRunner
@@ -26,7 +25,7 @@ from trainforge.worker.step import MetricSums, StepRunner
 
 @dataclass
 class WorkerRun:
-    """The components of one worker's run, built from the config."""
+    """The components of one worker's run, each built from its config section."""
 
     config: Config
     rank: int
@@ -35,12 +34,13 @@ class WorkerRun:
     model: nn.Module
     task: Task
     runner: StepRunner
-    train_set: Any
-    val_set: Any
-    sampler: ResumableDistributedSampler
+    data: DataSource
     total_steps: int
-    steps_per_epoch: int
     plan: ParallelPlan = field(default_factory=lambda: ParallelPlan(ParallelConfig(), torch.device("cpu")))
+
+    @property
+    def val_set(self) -> Any:
+        return self.data.val_set
 
 
 def build(config: Config, ranks: tuple[int, int] | None = None) -> WorkerRun:
@@ -56,28 +56,19 @@ def build(config: Config, ranks: tuple[int, int] | None = None) -> WorkerRun:
         torch.use_deterministic_algorithms(True, warn_only=True)
         torch.backends.cudnn.benchmark = False
 
-    train_set, val_set, spec = build_datasets(config.data, config.seed)
+    data = DataSource.build(config, rank, world, pin_memory=pin_memory(config, device))
     # Same seed on every rank for the weights; DDP also broadcasts rank 0's copy.
     seed_all(config.seed)
-    plain = build_model(config.model, spec)
-    task = build_task(config.model, spec)
+    plain = build_model(config.model, data.spec)
+    task = build_task(config.model, data.spec)
     plan = build_plan(config.parallel, device, sync_batchnorm=config.train.sync_batchnorm)
     model = plan.wrap(plain)
     # Per-rank streams from here on (dropout, augmentation), reproducible per rank.
     seed_all(config.seed * 1000 + rank + 1)
 
-    sampler = ResumableDistributedSampler(len(train_set), world, rank, config.data.shuffle, config.seed, even=True)
-    samples_per_step = config.train.batch_size * config.train.grad_accum_steps
-    steps_per_epoch = sampler.per_rank_size() // samples_per_step
-    if steps_per_epoch == 0:
-        raise DataError(
-            f"train.batch_size x train.grad_accum_steps = {samples_per_step} exceeds the {sampler.per_rank_size()} "
-            f"training samples each of {world} workers gets; lower the batch size or use fewer workers"
-        )
-    total_steps = min(config.train.max_steps or math.inf, (config.train.epochs or math.inf) * steps_per_epoch)
-    total_steps = int(total_steps)
-
-    global_batch = samples_per_step * world
+    epochs_steps = (config.train.epochs or math.inf) * data.steps_per_epoch
+    total_steps = int(min(config.train.max_steps or math.inf, epochs_steps))
+    global_batch = data.samples_per_step * world
     optimizer = build_optimizer(config.optim, model, effective_lr(config.optim, global_batch))
     scheduler = build_scheduler(config.schedule, optimizer, total_steps)
     runner = StepRunner(
@@ -91,21 +82,7 @@ def build(config: Config, ranks: tuple[int, int] | None = None) -> WorkerRun:
         plan=plan,
         channels_last=config.parallel.channels_last,
     )
-    return WorkerRun(
-        config,
-        rank,
-        world,
-        device,
-        model,
-        task,
-        runner,
-        train_set,
-        val_set,
-        sampler,
-        total_steps,
-        steps_per_epoch,
-        plan,
-    )
+    return WorkerRun(config, rank, world, device, model, task, runner, data, total_steps, plan)
 
 
 def seed_all(seed: int) -> None:
@@ -121,21 +98,9 @@ def pin_memory(cfg: Config, device: torch.device) -> bool:
 @torch.no_grad()
 def evaluate(run: WorkerRun) -> dict[str, float]:
     """Validation over every rank's disjoint share; metrics averaged over all samples of all ranks."""
-    if run.val_set is None:
+    loader = run.data.val_batches()
+    if loader is None:
         return {}
-    cfg = run.config
-    sampler = ResumableDistributedSampler(len(run.val_set), run.world, run.rank, False, cfg.seed, even=False)
-    loader = make_loader(
-        run.val_set,
-        sampler,
-        cfg.train.batch_size,
-        num_workers=cfg.data.num_workers,
-        pin_memory=pin_memory(cfg, run.device),
-        drop_last=False,
-        seed=cfg.seed,
-        epoch=0,
-        rank=run.rank,
-    )
     # DDP: the plain module (no hooks; ranks may see different numbers of batches). FSDP: the
     # sharded one, whose forwards are collectives: every rank runs as many as the busiest, and
     # the extra passes (over the rank's first batch again) are left out of the sums.

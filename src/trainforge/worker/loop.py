@@ -19,11 +19,10 @@ import ray
 import ray.train
 
 from trainforge.config import Config
-from trainforge.data import make_loader
 from trainforge.errors import TrainforgeError
 from trainforge.history import HISTORY_KEY, merge_points
 from trainforge.worker import parallel
-from trainforge.worker.build import WorkerRun, build, evaluate, pin_memory
+from trainforge.worker.build import WorkerRun, build, evaluate
 from trainforge.worker.hooks import Hooks, build_hooks
 from trainforge.worker.logs import shipped_logs
 from trainforge.worker.metrics import IntervalHistory, Throughput, reduce_metrics
@@ -112,6 +111,7 @@ class Session:
         self.history = IntervalHistory()
         self.meter = Throughput(self.per_step * self.run.world)
         self.progress = self.restored.progress
+        self.run.data.progress = self.progress  # the data source's position is the progress record's
         self.first_step = self.progress.global_step
         # Right after a restore, report after the first step: the driver times recovery from it.
         stride = 1 if self.restored.source else cfg.train.log_every_n_steps
@@ -140,36 +140,22 @@ class Session:
 
     def epoch(self) -> bool:
         """Steps to the end of the current epoch (or of training); True when asked to stop."""
-        run, cfg, progress = self.run, self.run.config, self.progress
-        run.sampler.set_epoch(progress.epoch)
-        run.sampler.set_start(progress.epoch_position)
-        loader = make_loader(
-            run.train_set,
-            run.sampler,
-            cfg.train.batch_size,
-            num_workers=cfg.data.num_workers,
-            pin_memory=pin_memory(cfg, run.device),
-            drop_last=True,
-            seed=cfg.seed,
-            epoch=progress.epoch,
-            rank=run.rank,
-        )
-        batches = iter(loader)
-        epoch_len = run.steps_per_epoch * self.per_step
-        while progress.global_step < run.total_steps and progress.epoch_position < epoch_len:
+        run, cfg, progress, data = self.run, self.run.config, self.progress, self.run.data
+        batches = data.batches()
+        while progress.global_step < run.total_steps and not data.epoch_done:
             times = run.runner.run(batches, cfg.train.grad_accum_steps, self.sums)
             if times is None:  # the loader ran dry early: count the epoch as done rather than loop on it
-                progress.epoch_position = epoch_len
+                data.finish_epoch()
                 break
             progress.global_step += 1
-            progress.epoch_position += self.per_step
+            data.advance()
             progress.samples_seen += self.per_step * run.world
             self.meter.step_done()
             for name in ("data_s", "compute_s", "optim_s"):
                 self.sums.add(name, getattr(times, name))
             if progress.global_step % cfg.train.log_every_n_steps == 0:
                 # A point for the curves; it is reduced with the others at the next report.
-                self.history.close(self.sums, progress.global_step, run.runner.optimizer.param_groups[0]["lr"])
+                self.history.close(self.sums, progress.global_step, run.runner.optim.lr)
             if cfg.train.eval_every_n_steps and progress.global_step % cfg.train.eval_every_n_steps == 0:
                 self.val_metrics = self.timed_evaluate()
             if progress.global_step >= run.total_steps:
@@ -177,10 +163,9 @@ class Session:
             due = progress.global_step >= self.next_report or self.checkpointing.due(progress.global_step)
             if due and self.report_and_act():
                 return True
-        if progress.epoch_position >= epoch_len:
+        if data.epoch_done:
             # A full epoch: the next one starts at its beginning with a new shuffle.
-            progress.epoch += 1
-            progress.epoch_position = 0
+            data.next_epoch()
             more = progress.global_step < run.total_steps
             if more and run.val_set is not None and cfg.train.eval_every_n_steps is None:
                 self.val_metrics = self.timed_evaluate()

@@ -30,10 +30,8 @@ from trainforge.checkpoint.state import (
     OPTIMIZER_FILE,
     Progress,
     TrainerState,
-    capture_rng,
     model_snapshot,
     read_trainer_state,
-    restore_rng,
     snapshot_tensors,
 )
 from trainforge.checkpoint.storage import CheckpointStore, checkpoint_name
@@ -41,6 +39,7 @@ from trainforge.config import CheckpointConfig
 from trainforge.errors import CheckpointError
 from trainforge.redact import redact_config
 from trainforge.worker import parallel
+from trainforge.worker.components import RngState
 from trainforge.worker.optim import apply_hyperparameters, effective_lr, hyperparameters_differ
 
 if TYPE_CHECKING:
@@ -90,7 +89,7 @@ class Checkpointing:
         or, for a sharded plan, every rank writes its shards now (``final``: with the full weights)."""
         if progress.global_step == self.last_saved_step:
             return
-        rng = parallel.all_gather_objects(capture_rng())
+        rng = parallel.all_gather_objects(RngState().state_dict())
         self.last_saved_step = progress.global_step
         state = self.trainer_state(progress, metrics, rng)
         if self.run.plan.sharded:
@@ -119,11 +118,14 @@ class Checkpointing:
         self.stall_s = time.perf_counter() - started
 
     def trainer_state(self, progress: Progress, metrics: dict[str, Any], rng: list[object]) -> TrainerState:
-        runner = self.run.runner
+        """The JSON part of a checkpoint, from each component's state: progress (with the data
+        source's position), optimization (schedule, scaler), every rank's RNG."""
+        data, optim = self.run.data.state_dict(), self.run.runner.optim.state_dict()
+        position = {"epoch": data["epoch"], "epoch_position": data["position"], "world_size": self.run.world}
         return TrainerState(
-            progress=Progress(**{**asdict(progress), "world_size": self.run.world}),
-            scheduler=runner.scheduler.state_dict(),
-            scaler=runner.scaler.state_dict(),
+            progress=Progress(**{**asdict(progress), **position}),
+            scheduler=optim["scheduler"],
+            scaler=optim["scaler"],
             rng=[dict(r) for r in rng],  # type: ignore[call-overload]
             metrics={k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))},
             config=redact_config(self.run.config.to_dict()),  # a record: no credentials
@@ -338,24 +340,19 @@ def load_into(run: WorkerRun, directory: Path, notes: list[str] | None = None) -
         restore_optimizer(run, directory, state, notes)
     if saved_plan != run.plan.name:
         notes.append(f"resharded: the checkpoint was written by {saved_plan}, this run uses {run.plan.name}")
-    runner = run.runner
-    runner.scaler.load_state_dict(state.scaler)
     progress = state.progress
     written_by = progress.world_size
-    if progress.world_size == run.world:
-        restore_rng(state.rng[run.rank])
-    else:
-        # The same global position, split over the new number of ranks; exactness is not promised.
-        consumed = progress.epoch_position * progress.world_size
-        per_step = run.config.train.batch_size * run.config.train.grad_accum_steps
-        progress.epoch_position = consumed // run.world // per_step * per_step
-        if run.rank == 0:
-            log.warning(
-                "resuming with %d workers from a checkpoint written by %d: training continues, "
-                "but the run is no longer bit-identical to an uninterrupted one",
-                run.world,
-                progress.world_size,
-            )
+    run.data.progress = progress
+    run.data.load_state_dict({"epoch": progress.epoch, "position": progress.epoch_position, "world_size": written_by})
+    if written_by == run.world:
+        RngState().load_state_dict(state.rng[run.rank])
+    elif run.rank == 0:
+        log.warning(
+            "resuming with %d workers from a checkpoint written by %d: training continues, "
+            "but the run is no longer bit-identical to an uninterrupted one",
+            run.world,
+            written_by,
+        )
     progress.world_size = run.world
     return progress, written_by
 
@@ -414,10 +411,11 @@ def read_optimizer(directory: Path) -> dict[str, Any]:
 
 
 def restore_schedule(run: WorkerRun, state: TrainerState, notes: list[str]) -> None:
-    """The schedule's position, then this run's own hyperparameters where the checkpoint's differ."""
+    """The schedule's position and the scaler's, then this run's own hyperparameters where the
+    checkpoint's differ."""
     cfg = run.config
     optimizer, scheduler = run.runner.optimizer, run.runner.scheduler
-    scheduler.load_state_dict({**state.scheduler, "lr_lambdas": [None] * len(optimizer.param_groups)})
+    run.runner.optim.load_state_dict({"scheduler": state.scheduler, "scaler": state.scaler})
     if state.config and hyperparameters_differ(state.config, cfg.optim, cfg.schedule):
         lr = effective_lr(cfg.optim, cfg.train.batch_size * cfg.train.grad_accum_steps * run.world)
         apply_hyperparameters(optimizer, scheduler, cfg.optim, lr)

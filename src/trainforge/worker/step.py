@@ -16,6 +16,7 @@ from torch import nn
 
 from trainforge.config import ParallelConfig
 from trainforge.models import Task
+from trainforge.worker.components import Optimization
 from trainforge.worker.plan import ParallelPlan
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -77,6 +78,11 @@ class StepRunner:
         # Loss scaling is only needed for fp16: bf16 has fp32's exponent range.
         self.scaler = self.plan.make_scaler(enabled=precision == "fp16")
         self.params = [p for p in model.parameters() if p.requires_grad]
+
+    @property
+    def optim(self) -> Optimization:
+        """Optimizer, schedule and scaler as one stateful component (for checkpoints)."""
+        return Optimization(self.optimizer, self.scheduler, self.scaler)
 
     def autocast(self) -> contextlib.AbstractContextManager[None]:
         if self.autocast_dtype is None:
