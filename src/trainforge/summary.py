@@ -18,7 +18,7 @@ from typing import Any
 import pyarrow.fs as pafs
 
 from trainforge.checkpoint.format import write_json_atomic
-from trainforge.checkpoint.names import step_of_uri
+from trainforge.checkpoint.names import name_of_uri, step_of_uri
 from trainforge.checkpoint.state import MODEL_FILE
 from trainforge.checkpoint.storage import CheckpointStore
 from trainforge.redact import redact_config, redact_text
@@ -155,7 +155,7 @@ def export_final_weights(store: CheckpointStore, checkpoint_uri: str, run_dir: P
     step it holds, which is older than the final step when the final save failed (said in the log).
     ``store`` is the run's own, opened from the config: the checkpoint's URI as the workers report
     it names bucket and key only, not the credentials or endpoint the storage path may carry."""
-    name = checkpoint_uri.rstrip("/").rpartition("/")[2]
+    name = name_of_uri(checkpoint_uri)
     step = step_of_uri(checkpoint_uri)
     try:
         pafs.copy_files(f"{store.path(name)}/{MODEL_FILE}", str(run_dir / MODEL_FILE), store.fs, pafs.LocalFileSystem())
