@@ -289,7 +289,9 @@ def _size_problems(manifest: dict[str, Any], files: dict[str, int]) -> list[str]
 
 def _manifest_summary(manifest: dict[str, Any]) -> dict[str, Any]:
     keys = ("format_version", "global_step", "epoch", "world_size", "created_at")
-    return {**{k: manifest.get(k) for k in keys}, "files": manifest["files"]}
+    # Format 1 names neither: SHA-256 and the full layout.
+    extra = {"hash": manifest.get("hash", "sha256"), "layout": manifest.get("layout", FULL)}
+    return {**{k: manifest.get(k) for k in keys}, **extra, "files": manifest["files"]}
 
 
 def _read_state(store: CheckpointStore, name: str, files: dict[str, int], problems: list[str]) -> dict[str, Any]:

@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Group, RenderableType
 from rich.table import Table
 
+from trainforge.checkpoint.hashing import LABELS as HASH_LABELS
+
 if TYPE_CHECKING:
     from trainforge.checkpoint.inspect import Listed
 
@@ -65,7 +67,7 @@ def inspection_view(report: dict[str, Any]) -> RenderableType:
         parts.append(
             f"manifest: format {manifest['format_version']}, {len(manifest['files'])} files, "
             f"written {human_time(manifest.get('created_at'))}; {integrity} "
-            "(run `trainforge ckpt verify` for the SHA-256 check)"
+            f"(run `trainforge ckpt verify` for the {HASH_LABELS.get(manifest.get('hash', 'sha256'), '')} check)"
         )
     sharding = report.get("sharding") or {}
     if sharding.get("layout") == "sharded":
