@@ -23,7 +23,7 @@ def require_classes(spec: DataSpec, name: str) -> int:
     if spec.kind != "image":
         raise ModelError(
             f"built-in {name!r} is an image classifier but data.kind is {spec.kind!r}; "
-            "pick a language model (gpt2_small, gpt2_base, bert_small, bert_base) or image data"
+            "pick a language model (llama_*, gpt2_small, gpt2_base, bert_small, bert_base) or image data"
         )
     if spec.num_classes is None or spec.num_classes < 2:
         raise ModelError(f"built-in {name!r} needs data with num_classes >= 2, got {spec.num_classes}")
