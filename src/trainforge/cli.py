@@ -283,7 +283,7 @@ def bench_memory(
 @bench_app.command("switches", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def bench_switches(ctx: typer.Context) -> None:
     """Step time and peak memory of activation checkpointing, compile and channels-last, off vs on
-    (options: trainforge bench switches -- --help)."""
+    (options: trainforge bench switches -h)."""
     from trainforge.bench.switches import main
 
     main(list(ctx.args))
