@@ -8,7 +8,7 @@ __version__ = "0.1.0"
 __all__ = ["Config", "RunResult", "TrainforgeError", "TuneResult", "fit", "load_config", "tune"]
 
 if TYPE_CHECKING:
-    from trainforge.api import RunResult, TuneResult, fit
+    from trainforge.api import RunResult, TuneResult, fit, tune
     from trainforge.config import Config, load_config
     from trainforge.errors import TrainforgeError
 

@@ -10,6 +10,7 @@ import torch
 
 from trainforge.checkpoint.state import OPTIMIZER_FILE, Progress, TrainerState
 from trainforge.config import OptimConfig, ScheduleConfig, load_config
+from trainforge.worker.components import Optimization
 from trainforge.worker.optim import (
     apply_hyperparameters,
     build_optimizer,
@@ -17,6 +18,7 @@ from trainforge.worker.optim import (
     hyperparameters_differ,
     lr_multiplier,
 )
+from trainforge.worker.plan import ParallelPlan
 from trainforge.worker.saving import restore_optimizer
 
 TOTAL = 100
@@ -78,8 +80,13 @@ def test_hyperparameters_differ_compares_optim_and_schedule() -> None:
 
 
 def fake_run(cfg_dict: dict, optimizer: torch.optim.Optimizer, scheduler: object) -> SimpleNamespace:
+    """The parts of a WorkerRun that restore_optimizer reads (a DDP plan, fp32: no scaler state)."""
     config = load_config(cfg_dict, env={})
-    return SimpleNamespace(config=config, runner=SimpleNamespace(optimizer=optimizer, scheduler=scheduler), world=1)
+    optim = Optimization(optimizer, scheduler, torch.amp.GradScaler("cpu", enabled=False))  # type: ignore[arg-type]
+    runner = SimpleNamespace(optimizer=optimizer, scheduler=scheduler, optim=optim)
+    return SimpleNamespace(
+        config=config, runner=runner, world=1, model=None, plan=ParallelPlan(config.parallel, torch.device("cpu"))
+    )
 
 
 def saved_state(directory: Path, optimizer: torch.optim.Optimizer, scheduler: object, config: dict) -> TrainerState:
