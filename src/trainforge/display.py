@@ -68,7 +68,7 @@ class ProgressDisplay:
         else:
             self.console.print(f"step {step}/{total}  {describe(metrics)}", highlight=False, soft_wrap=True)
 
-    def on_worker_error(self, errors: dict[int, str]) -> None:
+    def on_worker_error(self, errors: dict[int, str], at: float | None = None) -> None:
         for rank, error in sorted(errors.items()):
             text = escape(redact_text(error))
             self.console.print(f"[yellow]worker {rank} failed:[/] {text}", highlight=False, soft_wrap=True)

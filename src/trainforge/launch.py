@@ -32,8 +32,6 @@ from trainforge.config import Config, to_yaml
 from trainforge.data.registry import SOURCES, unknown_source_message
 from trainforge.display import ProgressDisplay
 from trainforge.errors import CheckpointError, ClusterError, DataError, TrainforgeError, TrainingFailed
-from trainforge.loopback import CLUSTER_ENV as CLUSTER_ENV
-from trainforge.loopback import LOOPBACK as LOOPBACK
 from trainforge.loopback import bound_to
 from trainforge.metrics.observer import metrics_observers
 from trainforge.metrics.session import check_cluster_options, local_ray_options, publish_local_targets
@@ -42,11 +40,10 @@ from trainforge.observe import ForwardingCallback, MetricsLog, Observer, Observe
 from trainforge.redact import install_on_logger, redact_text, redacting
 from trainforge.report import ReportWriter
 from trainforge.runlock import run_locks
-from trainforge.summary import Recovery, RunRecord, finish_run_dir
+from trainforge.summary import RunRecord, finish_run_dir
 from trainforge.tracking import make_tracker
 from trainforge.worker.loop import train_loop_per_worker, worker_env
 
-# CLUSTER_ENV and LOOPBACK (trainforge.loopback) are re-exported: bench/peers.py and tests import them from here.
 log = logging.getLogger("trainforge")
 install_on_logger()  # every driver-side line of the "trainforge" logger, on every handler, redacted
 
@@ -423,7 +420,7 @@ def run_record(config: Config, outcome: Outcome, pump: Pump) -> RunRecord:
     return RunRecord(
         status=outcome.status,
         final=outcome.final_metrics or pump.last_metrics,
-        recovery=Recovery(restarts=len(pump.worker_errors), recovery_s=list(pump.recovery_s)),
+        recovery=pump.recovery,
         wall_time_s=outcome.wall_time_s,
         checkpoint=outcome.checkpoint,
         config=config.to_dict(),

@@ -17,6 +17,8 @@ from typing import Any, Protocol
 import ray
 from ray.train.v2.api.callback import UserCallback
 
+from trainforge.summary import DRIVER_START, Recovery
+
 log = logging.getLogger("trainforge")
 
 
@@ -82,7 +84,7 @@ def merge_reports(metrics: list[dict[str, Any]]) -> dict[str, Any]:
 class Observer(Protocol):
     def on_start(self, info: dict[str, Any]) -> None: ...
     def on_report(self, metrics: dict[str, Any]) -> None: ...
-    def on_worker_error(self, errors: dict[int, str]) -> None: ...
+    def on_worker_error(self, errors: dict[int, str], at: float | None = None) -> None: ...
     def on_end(self, summary: dict[str, Any]) -> None: ...
 
 
@@ -111,8 +113,9 @@ class Observers:
     def on_report(self, metrics: dict[str, Any]) -> None:
         self._each("on_report", metrics)
 
-    def on_worker_error(self, errors: dict[int, str]) -> None:
-        self._each("on_worker_error", errors)
+    def on_worker_error(self, errors: dict[int, str], at: float | None = None) -> None:
+        """``at``: when the failure was seen (unix time), for recovery times."""
+        self._each("on_worker_error", errors, at)
 
     def on_log(self, lines: list[dict[str, Any]]) -> None:
         self._each("on_log", lines)
@@ -124,17 +127,16 @@ class Observers:
 class Pump:
     """Drains the mailbox and dispatches events; the driver's main loop calls ``drain`` while it waits.
 
-    It also keeps what the summary needs: the last report, restarts, and recovery times (from a
-    worker failure to the first completed step after the restore that followed it).
+    It also keeps what the summary needs: the last report and ``recovery`` (restarts, and recovery
+    times from a worker failure to the first completed step after the restore that followed it),
+    the same ``summary.Recovery`` that a replay of metrics.jsonl gives.
     """
 
     def __init__(self, mailbox: Any, observers: Observers) -> None:
         self.mailbox = mailbox
         self.observers = observers
         self.last_metrics: dict[str, Any] = {}
-        self.worker_errors: list[dict[int, str]] = []
-        self.recovery_s: list[float] = []
-        self._failed_at: float | None = None
+        self.recovery = Recovery()
 
     def drain(self) -> None:
         try:
@@ -146,18 +148,13 @@ class Pump:
             if event["kind"] == "report":
                 self._on_report(event["metrics"])
             elif event["kind"] == "worker_error":
-                self.worker_errors.append(event["errors"])
-                if self._failed_at is None:
-                    self._failed_at = event["time"]
-                self.observers.on_worker_error(event["errors"])
+                self.recovery.failed(event["time"])
+                self.observers.on_worker_error(event["errors"], event["time"])
             elif event["kind"] == "log":
                 self.observers.on_log(event["lines"])
 
     def _on_report(self, metrics: dict[str, Any]) -> None:
-        resumed = any(str(e).startswith("resumed from") for e in metrics.get("events", []))
-        if resumed and self._failed_at is not None and "time/unix" in metrics:
-            self.recovery_s.append(round(metrics["time/unix"] - self._failed_at, 3))
-            self._failed_at = None
+        self.recovery.reported(metrics)
         self.last_metrics = metrics
         self.observers.on_report(metrics)
 
@@ -174,14 +171,18 @@ class MetricsLog:
 
     def on_start(self, info: dict[str, Any]) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        # A driver session begins: a replay (summary.RunLog) counts restarts from the last one on.
+        self._append({"event": DRIVER_START, "time": time.time()})
 
     def on_report(self, metrics: dict[str, Any]) -> None:
-        with self.path.open("a") as handle:
-            handle.write(json.dumps(metrics) + "\n")
+        self._append(metrics)
 
-    def on_worker_error(self, errors: dict[int, str]) -> None:
+    def on_worker_error(self, errors: dict[int, str], at: float | None = None) -> None:
+        self._append({"event": "worker_error", "errors": errors, "time": at})
+
+    def _append(self, record: dict[str, Any]) -> None:
         with self.path.open("a") as handle:
-            handle.write(json.dumps({"event": "worker_error", "errors": errors}) + "\n")
+            handle.write(json.dumps(record) + "\n")
 
     def on_end(self, summary: dict[str, Any]) -> None:
         pass
@@ -199,7 +200,7 @@ class WorkerLog:
     def on_report(self, metrics: dict[str, Any]) -> None:
         pass
 
-    def on_worker_error(self, errors: dict[int, str]) -> None:
+    def on_worker_error(self, errors: dict[int, str], at: float | None = None) -> None:
         pass
 
     def on_log(self, lines: list[dict[str, Any]]) -> None:

@@ -105,7 +105,7 @@ def test_union_length_counts_overlaps_once(spans: list[tuple[float, float]], len
 
 
 def test_nvml_readings_become_gauges_in_base_units() -> None:
-    sample = {  # the shape of tracking.system.Gpus.sample() on a two-GPU node
+    sample = {  # the shape of metrics.nvml.Gpus.sample() on a two-GPU node
         "gpu0_util_percent": 87.0,
         "gpu0_memory_used_gb": 12.5,
         "gpu0_temperature_c": 71.0,

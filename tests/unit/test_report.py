@@ -68,7 +68,7 @@ def metrics(step: int, total: int, *, lm: bool = False, val: bool = False, seed:
 
 
 def summary_for(final: dict[str, Any], *, status: str = "finished", **extra: Any) -> dict[str, Any]:
-    """summary.json as launch.make_summary writes it."""
+    """summary.json as summary.build_summary writes it."""
     return {
         "status": status,
         "global_step": int(final.get("step", 0)),

@@ -87,7 +87,7 @@ def test_bound_to_loopback_switches_rays_node_address_lookup_only_while_ray_star
 ) -> None:
     from ray._private import ray_constants, services
 
-    from trainforge.launch import CLUSTER_ENV, bound_to
+    from trainforge.loopback import CLUSTER_ENV, bound_to
 
     monkeypatch.delenv(CLUSTER_ENV, raising=False)
     before = ray_constants.ENABLE_RAY_CLUSTER

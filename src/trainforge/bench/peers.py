@@ -246,7 +246,7 @@ def local_ray() -> Iterator[None]:
     """
     import ray
 
-    from trainforge.launch import LOOPBACK, bound_to
+    from trainforge.loopback import LOOPBACK, bound_to
 
     saved = {name: os.environ.get(name) for name in (POLL_ENV, "PYTHONPATH")}
     os.environ[POLL_ENV] = POLL_INTERVAL_S

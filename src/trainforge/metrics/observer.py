@@ -60,7 +60,7 @@ class RunMetrics:
                 "trainforge_run_last_report_timestamp_seconds", float(metrics.get("time/unix", time.time()))
             )
 
-    def on_worker_error(self, errors: dict[int, str]) -> None:
+    def on_worker_error(self, errors: dict[int, str], at: float | None = None) -> None:
         reason = failure_reason(errors.values())
         self.counts[reason] += 1
         self._record_restarts(reason)

@@ -52,7 +52,7 @@ class ReportWriter:
     def on_report(self, metrics: dict[str, Any]) -> None:
         pass
 
-    def on_worker_error(self, errors: dict[int, str]) -> None:
+    def on_worker_error(self, errors: dict[int, str], at: float | None = None) -> None:
         pass
 
     def on_end(self, summary: dict[str, Any]) -> None:

@@ -91,7 +91,7 @@ class MlflowTracker:
             self.outbox.add_call("world size tag", tags_call({"trainforge.world_size": str(world)}))
         self.outbox.add_points(metric_points(metrics))
 
-    def on_worker_error(self, errors: dict[int, str]) -> None:
+    def on_worker_error(self, errors: dict[int, str], at: float | None = None) -> None:
         self.restarts += 1
         self.outbox.add_call("restarts tag", tags_call({"trainforge.restarts": str(self.restarts)}))
 

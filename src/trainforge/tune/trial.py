@@ -150,7 +150,7 @@ class TuneReporter:
     def on_start(self, info: dict[str, Any]) -> None:
         pass
 
-    def on_worker_error(self, errors: dict[int, str]) -> None:
+    def on_worker_error(self, errors: dict[int, str], at: float | None = None) -> None:
         pass
 
     def on_end(self, summary: dict[str, Any]) -> None:
