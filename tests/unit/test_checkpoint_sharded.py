@@ -21,6 +21,7 @@ import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 
 from trainforge.checkpoint import inspect as ckpt_inspect
+from trainforge.checkpoint.manager import CheckpointManager, RotationPolicy, SaveOutcome
 from trainforge.checkpoint.names import checkpoint_name, staging_name
 from trainforge.checkpoint.schema import MANIFEST, SHARDED_METADATA, STATE_FILE
 from trainforge.checkpoint.sharded import ShardedSave, load_sharded, merge_files
@@ -56,10 +57,10 @@ def zeros_like(state: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def save_world_1(store: CheckpointStore, state: dict[str, Any]) -> str:
+def save_world_1(store: CheckpointStore, state: dict[str, Any], step: int = STEP) -> str:
     """Every step a rank takes, as the worker takes them, at world size 1."""
-    staging = staging_name(NAME)
-    save = ShardedSave(store, STEP, staging, rank=0, world=1)
+    staging = staging_name(checkpoint_name(step))
+    save = ShardedSave(store, step, staging, rank=0, world=1)
     dcp.save(state, storage_writer=save.storage_writer())
     return save.commit(merge_files([save.rank_files()]), trainer_state(1))
 
@@ -191,6 +192,31 @@ def test_a_sharded_checkpoint_through_an_object_store_layout(tmp_path: Path, gro
     state = zeros_like(full_state())
     load_sharded(fetched, state)
     assert torch.equal(state["model"]["w"], full_state()["model"]["w"])
+
+
+def test_sharded_saves_are_recorded_and_rotated_like_full_ones(tmp_path: Path, group: None) -> None:
+    store = CheckpointStore.from_uri(str(tmp_path / "run"))
+    manager = CheckpointManager(store, RotationPolicy(keep_last=1), scratch=tmp_path / "scratch")
+    (tmp_path / "run" / ".tmp-checkpoint_000000001-0badc0de").mkdir(parents=True)  # a crashed save
+    os.utime(tmp_path / "run" / ".tmp-checkpoint_000000001-0badc0de", (1.0, 1.0))
+    for step in (100, 200):
+        uri = save_world_1(store, full_state(), step)
+        manager.record(SaveOutcome(step, checkpoint_name(step), uri))
+    manager.record(SaveOutcome(300, checkpoint_name(300), error="rank 1: disk full"))
+    outcomes = manager.collect()
+    assert [(o.step, o.error) for o in outcomes] == [(100, None), (200, None), (300, "rank 1: disk full")]
+    assert [e.name for e in store.entries()] == [checkpoint_name(200)]  # 100 rotated away once 200 counted
+    assert store.leftovers() == []
+    manager.close()
+
+
+def test_an_aborted_save_leaves_nothing(tmp_path: Path, group: None) -> None:
+    store = CheckpointStore.from_uri(str(tmp_path / "run"))
+    save = ShardedSave(store, STEP, staging_name(NAME), rank=0, world=1)
+    dcp.save(full_state(), storage_writer=save.storage_writer())
+    save.rank_files()
+    save.abort()
+    assert store.leftovers() == [] and store.entries() == []
 
 
 # ---------------------------------------------------------------------------------------------
