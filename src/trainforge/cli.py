@@ -306,14 +306,19 @@ def ckpt_list(
 
 @ckpt_app.command("verify")
 def ckpt_verify(path: CkptPathArg) -> None:
-    """Check a checkpoint as restore does (sizes, SHA-256, safe load): exit 0 if valid, 1 if not."""
+    """Check a checkpoint as restore does (sizes, digests, safe load): exit 0 if valid, 1 if not."""
+    from trainforge.checkpoint.hashing import LABELS
     from trainforge.checkpoint.inspect import human_bytes, verify_checkpoint
 
     check = verify_checkpoint(path)
     if check.ok:
-        files = check.manifest["files"] if check.manifest else {}
+        manifest = check.manifest or {}
+        files = manifest.get("files", {})
         size = sum(int(entry["size"]) for entry in files.values())
-        typer.echo(f"valid: {path} ({len(files)} files, {human_bytes(size)}, SHA-256 checked)")
+        label = LABELS.get(str(manifest.get("hash", "sha256")), "SHA-256")
+        layout = manifest.get("layout", "full")
+        sharding = f", sharded over {manifest.get('world_size')} ranks" if layout == "sharded" else ""
+        typer.echo(f"valid: {path} ({len(files)} files, {human_bytes(size)}, {label} checked{sharding})")
         return
     typer.echo(f"invalid: {path}")
     for problem in check.problems:

@@ -42,6 +42,7 @@ from trainforge.report import ReportWriter
 from trainforge.runlock import run_locks
 from trainforge.summary import RunRecord, finish_run_dir
 from trainforge.tracking import make_tracker
+from trainforge.worker.build import check_block_names
 from trainforge.worker.loop import train_loop_per_worker, worker_env
 
 log = logging.getLogger("trainforge")
@@ -193,6 +194,7 @@ def preflight(config: Config, *, local: bool) -> None:
         if os.getcwd() not in sys.path:
             sys.path.insert(0, os.getcwd())  # as the local workers see it (build_trainer's PYTHONPATH)
         load_factory(config.model.factory)
+    check_block_names(config)
 
 
 def check_resume(config: Config, *, local: bool) -> None:

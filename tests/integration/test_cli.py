@@ -63,6 +63,12 @@ def test_config_show_prints_the_resolved_config(tmp_path: Path) -> None:
         (["--set", "model.name=null", "--set", "model.factory=no_such_pkg.models:net"], "no_such_pkg.models"),
         (["--set", "model.name=null", "--set", "model.factory=tests.helpers.user_models:nope"], "nope"),
         (["--address", "127.0.0.1:9"], "cannot reach the Ray cluster at 127.0.0.1:9"),
+        (["--set", "parallel.strategy=zero3"], "parallel.strategy = 'zero3': Input should be 'ddp' or 'fsdp'"),
+        (["--set", "parallel.fsdp.cpu_offload=true"], "parallel.fsdp.cpu_offload needs parallel.strategy: fsdp"),
+        (
+            ["--set", "parallel.strategy=fsdp", "--set", "parallel.fsdp.wrap=[Linaer]"],
+            "block class 'Linaer' (parallel.fsdp.wrap) matches no module of Sequential; did you mean 'Linear'?",
+        ),
     ],
 )
 def test_bad_input_is_one_line_and_exit_code_2(tmp_path: Path, args: list[str], expected: str) -> None:

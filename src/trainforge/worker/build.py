@@ -15,8 +15,10 @@ from torch import nn
 from torch.utils.data import default_collate
 
 from trainforge.config import Config, ParallelConfig
+from trainforge.data import build_datasets
 from trainforge.models import Task, build_model, build_task
 from trainforge.worker import parallel
+from trainforge.worker.blocks import repeated_blocks
 from trainforge.worker.components import DataSource
 from trainforge.worker.optim import build_optimizer, build_scheduler, effective_lr
 from trainforge.worker.plan import ParallelPlan, all_reduce_max, build_plan
@@ -83,6 +85,17 @@ def build(config: Config, ranks: tuple[int, int] | None = None) -> WorkerRun:
         channels_last=config.parallel.channels_last,
     )
     return WorkerRun(config, rank, world, device, model, task, runner, data, total_steps, plan)
+
+
+def check_block_names(config: Config) -> None:
+    """``parallel.fsdp.wrap`` names classes of the model: build it on the meta device (no memory,
+    no weights) and look, so that a typo fails before Ray starts. ConfigError naming what exists."""
+    if not config.parallel.fsdp.wrap:
+        return
+    _, _, spec = build_datasets(config.data, config.seed)
+    with torch.device("meta"):
+        model = build_model(config.model, spec)
+    repeated_blocks(model, config.parallel.fsdp.wrap)
 
 
 def seed_all(seed: int) -> None:

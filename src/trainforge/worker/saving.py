@@ -11,7 +11,6 @@ import logging
 import pickle
 import tempfile
 import time
-import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -24,6 +23,8 @@ from safetensors.torch import load_file
 from torch import nn
 
 from trainforge.checkpoint.manager import CheckpointManager, RotationPolicy, SaveOutcome, Snapshot
+from trainforge.checkpoint.names import name_of_uri, staging_name
+from trainforge.checkpoint.schema import SHARDED_DIR
 from trainforge.checkpoint.sharded import ShardedSave, load_sharded
 from trainforge.checkpoint.state import (
     MODEL_FILE,
@@ -141,7 +142,7 @@ class Checkpointing:
         started = time.perf_counter()
         if self.manager is not None:
             self.manager.wait()  # rotation of the previous save, if still running
-        staging = str(parallel.broadcast_object(f".tmp-{checkpoint_name(step)}-{uuid.uuid4().hex[:8]}"))
+        staging = str(parallel.broadcast_object(staging_name(checkpoint_name(step))))
         save = ShardedSave(self.store, step, staging, run.rank, run.world)
         error: str | None = None
         try:
@@ -271,7 +272,7 @@ def restore(run: WorkerRun, store: CheckpointStore) -> Restored:
         if proposal[0] == "none":
             return Restored(Progress(world_size=run.world), None, skipped)
         _, uri, explicit = proposal
-        name = uri.rstrip("/").rsplit("/", 1)[-1]
+        name = name_of_uri(uri)
         # The run's own store keeps its file system settings (endpoint, credentials); others are parsed.
         source = store if uri == store.uri(name) else CheckpointStore.for_checkpoint(uri)[0]
         notes: list[str] = []
@@ -355,9 +356,6 @@ def load_into(run: WorkerRun, directory: Path, notes: list[str] | None = None) -
         )
     progress.world_size = run.world
     return progress, written_by
-
-
-SHARDED_DIR = "sharded"
 
 
 def read_full_weights(directory: Path, model: nn.Module) -> dict[str, torch.Tensor]:
