@@ -9,6 +9,7 @@ in Ray, and the restart a new set of processes.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -123,14 +124,17 @@ def test_fsdp_session_crashed_and_restarted_is_bit_identical(tmp_path: Path) -> 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("strategy", "workers"), [("ddp", 2), ("fsdp", 1)])
-def test_fsdp_checkpoint_resumes_under_another_plan_and_says_so(tmp_path: Path, strategy: str, workers: int) -> None:
-    spawn_ranks(session, 2, config(tmp_path, "fsdp"), 12)
-    resumed = spawn_ranks(session, workers, config(tmp_path, strategy, workers), None)
-    events = resumed[0]["events"]
-    assert resumed[0]["final"]["status"] == "finished", resumed[0]
-    assert any(e.startswith("resumed from") for e in events), events
-    if strategy != "fsdp":
-        assert any("resharded: the checkpoint was written by fsdp, this run uses ddp" in e for e in events), events
-    if workers == 1:
-        assert any(e.startswith("resumed with 1 workers from a checkpoint written by 2") for e in events), events
+def test_fsdp_checkpoint_resumes_under_ddp_and_with_one_worker_and_says_so(tmp_path: Path) -> None:
+    spawn_ranks(session, 2, config(tmp_path / "crashed", "fsdp"), 12)
+    for strategy, workers in (("ddp", 2), ("fsdp", 1)):
+        # Each resume from a copy of the crashed run: the same sharded checkpoint at step 8.
+        copy = tmp_path / f"{strategy}-{workers}"
+        shutil.copytree(tmp_path / "crashed", copy)
+        resumed = spawn_ranks(session, workers, config(copy, strategy, workers), None)
+        events = resumed[0]["events"]
+        assert resumed[0]["final"]["status"] == "finished", resumed[0]
+        assert any(e.startswith("resumed from") and "checkpoint_000000008" in e for e in events), events
+        if strategy != "fsdp":
+            assert any("resharded: the checkpoint was written by fsdp, this run uses ddp" in e for e in events)
+        if workers == 1:
+            assert any(e.startswith("resumed with 1 workers from a checkpoint written by 2") for e in events), events
