@@ -205,7 +205,7 @@ class CheckpointStore:
         files = sorted(info.path[len(source) + 1 :] for info in infos if info.type == pafs.FileType.File)
         for rel in sorted(files, key=lambda rel: rel == MANIFEST):  # manifest last: then it exists
             target = f"{self.path(name)}/{rel}"
-            self.fs.create_dir(target.rpartition("/")[0], recursive=True)  # object stores: at most an empty marker
+            self._make_parent(target)
             self.fs.copy_file(f"{source}/{rel}", target)
         self.fs.delete_dir(source)
 
@@ -217,8 +217,15 @@ class CheckpointStore:
     def upload(self, local: Path, name: str, rel: str) -> None:
         """Copy one local file to ``<checkpoint name>/<rel>`` on this store (object stores)."""
         target = f"{self.path(name)}/{rel}"
-        self.fs.create_dir(target.rpartition("/")[0], recursive=True)  # object stores: at most an empty marker
+        self._make_parent(target)
         pafs.copy_files(str(local), target, pafs.LocalFileSystem(), self.fs)
+
+    def _make_parent(self, target: str) -> None:
+        """The parent directory of ``target``, on file systems that have directories. Not on object
+        stores: there a directory is an empty marker object, which would sit in the checkpoint's
+        prefix beside the files the manifest lists."""
+        if not is_object_store(self.fs):
+            self.fs.create_dir(target.rpartition("/")[0], recursive=True)
 
     def _retire_invalid(self, name: str) -> None:
         """Set an invalid checkpoint dir aside under a hidden name unique to this call (two in the
@@ -259,6 +266,15 @@ class CheckpointStore:
             manifest, _ = self.read_manifest(name)
             if manifest is None and self.fs.get_file_info(self.path(name)).type == pafs.FileType.Directory:
                 self.fs.delete_dir(self.path(name))
+
+
+def is_object_store(fs: pafs.FileSystem) -> bool:
+    """S3, GCS or Azure (directly, under a SubTreeFileSystem, or through fsspec): no directories."""
+    base = fs.base_fs if isinstance(fs, pafs.SubTreeFileSystem) else fs
+    kind = base.type_name
+    return kind in ("s3", "gcs", "abfs") or (
+        kind.startswith("py::fsspec") and any(proto in kind for proto in ("s3", "gs", "gcs", "abfs", "az"))
+    )
 
 
 def join_uri(base: str, *parts: str) -> str:
