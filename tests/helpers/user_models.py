@@ -51,3 +51,30 @@ def chatty_net(hidden: int = 16) -> nn.Module:
     print(f"building chatty_net with hidden={hidden}")
     logging.getLogger("user.models").warning("chatty_net: hidden=%d is small", hidden)
     return tiny_net(hidden)
+
+
+class NanOnce(nn.Module):
+    """An MLP whose output is NaN on rank 1 at its ``at``-th training forward, once: a non-finite
+    step that only one rank sees (its gradient shard, under FSDP)."""
+
+    def __init__(self, at: int, hidden: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(64, hidden), nn.Linear(hidden, hidden)])
+        self.head = nn.Linear(hidden, 10)
+        self.at = at
+        self.calls = 0
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        hidden = inputs.flatten(1)
+        for block in self.blocks:
+            hidden = torch.relu(block(hidden))
+        out = self.head(hidden)
+        if self.training:
+            self.calls += 1
+            if self.calls == self.at and torch.distributed.get_rank() == 1:
+                out = out * float("nan")
+        return out
+
+
+def nan_once(at: int = 3, hidden: int = 32) -> nn.Module:
+    return NanOnce(at, hidden)

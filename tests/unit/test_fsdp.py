@@ -6,6 +6,7 @@ step runner in them, so what is compared is what a Ray worker runs.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -93,3 +94,73 @@ def test_fsdp_matches_ddp_and_holds_about_half_the_bytes(tmp_path: Path, model: 
             f"ratio {fsdp_total / ddp_total:.3f}"
         )
         assert fsdp_total <= 0.55 * ddp_total
+
+
+def step_record(rank: int, world: int, config_dict: dict[str, Any], steps: int) -> dict[str, Any]:
+    """This rank's loss and whether the step was skipped (non-finite), at every step."""
+    from trainforge.config import Config
+    from trainforge.data import make_loader
+    from trainforge.worker.build import build
+    from trainforge.worker.step import MetricSums
+
+    run = build(Config.model_validate(config_dict), ranks=(rank, world))
+    run.data.sampler.set_epoch(0)
+    loader = make_loader(
+        run.data.train_set,
+        run.data.sampler,
+        run.config.train.batch_size,
+        num_workers=0,
+        pin_memory=False,
+        drop_last=True,
+        seed=run.config.seed,
+        epoch=0,
+        rank=rank,
+    )
+    batches, losses, skipped = iter(loader), [], []
+    for _ in range(steps):
+        sums = MetricSums(run.device)
+        run.runner.run(batches, run.config.train.grad_accum_steps, sums)
+        losses.append(float(sums.values["loss_sum"] / sums.values["count"]))
+        skipped.append(int(sums.values["skipped_steps"]))
+    weights = run.plan.full_model_state(run.model)  # a collective: rank 0 gets the full weights
+    finite = all(bool(t.isfinite().all()) for t in weights.values())
+    return {"losses": losses, "skipped": skipped, "finite_weights": finite}
+
+
+def test_a_non_finite_step_on_one_rank_is_skipped_on_every_rank_under_fsdp(tmp_path: Path) -> None:
+    """Rank 1 alone produces NaN at its third step: the global gradient norm is NaN on both ranks
+    (it is reduced over the shards), so both skip that update and the weights stay finite."""
+    config = tiny_run(
+        tmp_path,
+        model={"name": None, "factory": "tests.helpers.user_models:nan_once", "kwargs": {"at": 3}},
+        scaling={"num_workers": 2},
+        parallel={"strategy": "fsdp"},
+        train={"max_steps": 6, "batch_size": 16, "grad_clip_norm": 1.0},
+    )
+    ranks = spawn_ranks(step_record, 2, config, 6)
+    assert ranks[0]["skipped"] == ranks[1]["skipped"] == [0, 0, 1, 0, 0, 0]
+    assert ranks[0]["finite_weights"]
+    assert all(math.isfinite(loss) for loss in ranks[0]["losses"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("label", "overrides"),
+    [
+        ("bf16 autocast", {"precision": "bf16"}),
+        ("bf16 parameters, fp32 reduce", {"parallel": {"strategy": "fsdp", "fsdp": {"mixed_precision": "bf16"}}}),
+        ("cpu offload", {"parallel": {"strategy": "fsdp", "fsdp": {"cpu_offload": True}}}),
+        ("no reshard after forward", {"parallel": {"strategy": "fsdp", "fsdp": {"reshard_after_forward": False}}}),
+    ],
+)
+def test_fsdp_options_train_like_the_plain_fsdp_run(tmp_path: Path, label: str, overrides: dict[str, Any]) -> None:
+    base = lm_config(str(tmp_path), "gpt2_small", "fsdp")
+    base["train"]["max_steps"] = 10
+    plain = spawn_ranks(step_record, 2, base, 10)
+    varied = spawn_ranks(step_record, 2, {**base, **overrides}, 10)
+    exact = label in ("cpu offload", "no reshard after forward")  # neither changes the arithmetic
+    for rank in range(2):
+        gap = relative_gap(plain[rank]["losses"], varied[rank]["losses"])
+        print(f"\n{label} rank {rank}: largest relative loss gap to plain fsdp over 10 steps {gap:.2e}")
+        assert gap <= (1e-6 if exact else 3e-2), (label, rank, gap)
+        assert varied[rank]["losses"][-1] < varied[rank]["losses"][0]
