@@ -313,6 +313,8 @@ class Config(Section):
             raise ValueError("train.sync_batchnorm needs scaling.use_gpu: true (PyTorch's SyncBatchNorm is GPU-only)")
         if self.parallel.fsdp.cpu_offload and self.parallel.strategy != "fsdp":
             raise ValueError("parallel.fsdp.cpu_offload needs parallel.strategy: fsdp")
+        if self.parallel.fsdp.cpu_offload and not self.scaling.use_gpu:
+            raise ValueError("parallel.fsdp.cpu_offload needs scaling.use_gpu: true (it moves shards off the GPU)")
         if self.parallel.fsdp.mixed_precision != "none" and self.parallel.strategy != "fsdp":
             raise ValueError(
                 "parallel.fsdp.mixed_precision needs parallel.strategy: fsdp (for ddp use precision: bf16)"

@@ -66,6 +66,10 @@ def test_config_show_prints_the_resolved_config(tmp_path: Path) -> None:
         (["--set", "parallel.strategy=zero3"], "parallel.strategy = 'zero3': Input should be 'ddp' or 'fsdp'"),
         (["--set", "parallel.fsdp.cpu_offload=true"], "parallel.fsdp.cpu_offload needs parallel.strategy: fsdp"),
         (
+            ["--set", "parallel.strategy=fsdp", "--set", "parallel.fsdp.cpu_offload=true"],
+            "parallel.fsdp.cpu_offload needs scaling.use_gpu: true",
+        ),
+        (
             ["--set", "parallel.strategy=fsdp", "--set", "parallel.fsdp.wrap=[Linaer]"],
             "block class 'Linaer' (parallel.fsdp.wrap) matches no module of Sequential; did you mean 'Linear'?",
         ),
