@@ -342,6 +342,36 @@ def ckpt_inspect(
 
 
 @app.command()
+def plan(
+    config: ConfigArg,
+    gpus: Annotated[int | None, typer.Option(help="GPUs to plan for; default scaling.num_workers.")] = None,
+    gpu_memory_gb: Annotated[float, typer.Option(help="Memory of one GPU in GiB (2^30 bytes).")] = 80.0,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead.")] = False,
+    set_: SetOpt = None,
+) -> None:
+    """Memory per GPU of each parallel strategy for CONFIG, whether it fits, and a recommendation.
+
+    The model is built on fake (meta) tensors: nothing is allocated, a 10B model plans in seconds.
+    """
+    import math
+
+    from trainforge.config import MAX_WORKERS, load_config
+
+    if gpus is not None and not 1 <= gpus <= MAX_WORKERS:
+        raise TrainforgeError(f"--gpus {gpus}: from 1 to {MAX_WORKERS}")
+    if not (math.isfinite(gpu_memory_gb) and 0 < gpu_memory_gb <= 1e6):
+        raise TrainforgeError(f"--gpu-memory-gb {gpu_memory_gb}: must be a number of GiB > 0 (e.g. 80)")
+    resolved = load_config(resolve_config_path(config), set_ or [])
+    from trainforge.planning import plan_memory, render_plan
+
+    result = plan_memory(resolved, gpus or resolved.scaling.max_workers, gpu_memory_gb)
+    if as_json:
+        typer.echo(json.dumps(result, indent=1))
+    else:
+        render_plan(result, _wide_console())
+
+
+@app.command()
 def report(
     run_dir: Annotated[Path, typer.Argument(help="A run directory: <run.output_dir>/<run.name>.")],
 ) -> None:

@@ -1,0 +1,168 @@
+"""Activation bytes of a model, measured on fake tensors: what autograd keeps for backward.
+
+One forward and loss run under ``FakeTensorMode`` (no memory, no compute) with
+``torch.autograd.graph.saved_tensors_hooks``: every tensor autograd saves is counted once by its
+storage (views share one), parameters left out (they are counted as parameters). The bytes are
+attributed to the repeated block that was running (or to "outside": embeddings, head, loss), each
+block's inputs are recorded (what activation checkpointing keeps instead), and the largest tensor
+any module returns is noted (at the start of backward its gradient exists beside the saved ones).
+Measured at micro-batch 1 and 2, each figure becomes a fixed part plus a per-sample part.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import tree_leaves
+
+from trainforge.data import DataSpec
+from trainforge.models import Task
+
+
+@dataclass(frozen=True)
+class PerBatch:
+    """Bytes as ``fixed + per_sample * micro_batch``."""
+
+    fixed: float
+    per_sample: float
+
+    def at(self, batch: int) -> float:
+        return self.fixed + self.per_sample * batch
+
+    def __add__(self, other: PerBatch) -> PerBatch:
+        return PerBatch(self.fixed + other.fixed, self.per_sample + other.per_sample)
+
+    def scaled(self, factor: float) -> PerBatch:
+        return PerBatch(self.fixed * factor, self.per_sample * factor)
+
+    def max(self, other: PerBatch) -> PerBatch:
+        """Part by part, so at least either one at every micro-batch."""
+        return PerBatch(max(self.fixed, other.fixed), max(self.per_sample, other.per_sample))
+
+    @classmethod
+    def fit(cls, at_one: int, at_two: int) -> PerBatch:
+        per_sample = max(0, at_two - at_one)
+        return cls(float(max(0, at_one - per_sample)), float(per_sample))
+
+
+@dataclass
+class Saved:
+    """One measured forward: bytes saved outside blocks, by each block, each block's inputs, and the
+    largest single tensor a module returned."""
+
+    outside: int = 0
+    blocks: list[int] = field(default_factory=list)
+    inputs: list[int] = field(default_factory=list)
+    largest: int = 0
+
+
+@dataclass(frozen=True)
+class ActivationProfile:
+    outside: PerBatch
+    largest: PerBatch
+    blocks: tuple[PerBatch, ...]
+    inputs: tuple[PerBatch, ...]
+
+    @property
+    def total(self) -> PerBatch:
+        """Everything without checkpointing."""
+        result = self.outside + self.largest
+        for saved in self.blocks:
+            result = result + saved
+        return result
+
+
+def measure_activations(
+    mode: FakeTensorMode,
+    model: nn.Module,
+    blocks: Sequence[nn.Module],
+    task: Task,
+    spec: DataSpec,
+    autocast: torch.dtype | None,
+) -> ActivationProfile:
+    """Fit the activation profile of ``model`` (built under ``mode``) from micro-batches 1 and 2."""
+    one, two = (saved_bytes(mode, model, blocks, task, spec, batch, autocast) for batch in (1, 2))
+    return ActivationProfile(
+        outside=PerBatch.fit(one.outside, two.outside),
+        largest=PerBatch.fit(one.largest, two.largest),
+        blocks=tuple(PerBatch.fit(a, b) for a, b in zip(one.blocks, two.blocks, strict=True)),
+        inputs=tuple(PerBatch.fit(a, b) for a, b in zip(one.inputs, two.inputs, strict=True)),
+    )
+
+
+def storage_key(tensor: torch.Tensor) -> int:
+    return int(tensor.untyped_storage()._cdata)
+
+
+def fake_batch(spec: DataSpec, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and targets shaped like the data's (call under the fake mode)."""
+    if spec.kind == "tokens":
+        vocab = spec.vocab_size or 2
+        shape = (batch, *spec.input_shape)
+        return torch.randint(vocab, shape), torch.randint(vocab, shape)
+    inputs = torch.randn(batch, *spec.input_shape)
+    return inputs, torch.randint(spec.num_classes or 2, (batch,))
+
+
+def saved_bytes(
+    mode: FakeTensorMode,
+    model: nn.Module,
+    blocks: Sequence[nn.Module],
+    task: Task,
+    spec: DataSpec,
+    batch: int,
+    autocast: torch.dtype | None,
+) -> Saved:
+    record = Saved(blocks=[0] * len(blocks), inputs=[0] * len(blocks))
+    seen = {storage_key(p) for p in model.parameters()}
+    inputs_seen: set[int] = set()
+    alive: list[torch.Tensor] = []  # keeps counted storages alive, so their keys stay unique
+    current = [-1]
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        key = storage_key(tensor)
+        if key not in seen:
+            seen.add(key)
+            alive.append(tensor)
+            nbytes = tensor.untyped_storage().nbytes()
+            if current[0] < 0:
+                record.outside += nbytes
+            else:
+                record.blocks[current[0]] += nbytes
+        return tensor
+
+    def enter(index: int) -> object:
+        def hook(_: nn.Module, args: object, kwargs: object) -> None:
+            current[0] = index
+            for leaf in tree_leaves((args, kwargs)):
+                if isinstance(leaf, torch.Tensor) and storage_key(leaf) not in inputs_seen:
+                    inputs_seen.add(storage_key(leaf))
+                    alive.append(leaf)
+                    record.inputs[index] += leaf.untyped_storage().nbytes()
+
+        return hook
+
+    def leave(*_: object) -> None:
+        current[0] = -1
+
+    def largest(_: nn.Module, __: object, output: object) -> None:
+        sizes = [t.untyped_storage().nbytes() for t in tree_leaves(output) if isinstance(t, torch.Tensor)]
+        record.largest = max([record.largest, *sizes])
+
+    handles = [m.register_forward_hook(largest) for m in model.modules()]
+    for index, block in enumerate(blocks):
+        handles.append(block.register_forward_pre_hook(enter(index), with_kwargs=True))  # type: ignore[arg-type]
+        handles.append(block.register_forward_hook(leave))
+    try:
+        with mode, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            inputs, targets = fake_batch(spec, batch)
+            with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+                task.loss(model(inputs), targets)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return record

@@ -1,0 +1,197 @@
+"""The memory planner (worker/memory.py, ``trainforge plan``): its JSON, its figures against the
+bytes each rank really holds, bad flags, and the documented 10B example.
+
+The measurement is ``trainforge bench memory``'s own (``bench/memory.held_bytes``: trainforge's
+worker build in local gloo ranks, one optimizer step, then a backward), so what is compared is what
+a worker holds.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.helpers.ranks import spawn_ranks
+
+GIB = 1 << 30
+SMALL = {
+    "model": {"name": "llama_tiny"},
+    "data": {"name": "synthetic", "kind": "tokens", "seq_len": 32, "vocab_size": 1000},
+    "train": {"max_steps": 2, "batch_size": 2},
+    "scaling": {"num_workers": 2},
+}
+LLAMA_10B = {
+    "model": {"name": "llama_10b"},
+    "data": {"name": "synthetic", "kind": "tokens", "seq_len": 2048, "vocab_size": 32000},
+    "train": {"max_steps": 1000, "batch_size": 4},
+    "parallel": {"strategy": "fsdp", "fsdp": {"mixed_precision": "bf16"}},
+}
+
+
+def run_cli(monkeypatch: pytest.MonkeyPatch, *args: str) -> int:
+    from trainforge.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["trainforge", *args])
+    try:
+        main()
+    except SystemExit as exit_:
+        return int(exit_.code or 0)
+    return 0
+
+
+def config_file(tmp_path: Path, config: dict[str, Any]) -> str:
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
+def test_plan_json_has_every_strategy_its_terms_and_a_recommendation(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from torch import nn
+
+    from trainforge.config import load_config
+    from trainforge.data import build_datasets
+    from trainforge.models import build_model
+
+    code = run_cli(monkeypatch, "plan", config_file(tmp_path, SMALL), "--gpus", "2", "--gpu-memory-gb", "2", "--json")
+    assert code == 0
+    report = json.loads(capsys.readouterr().out)
+
+    config = load_config(SMALL)
+    model: nn.Module = build_model(config.model, build_datasets(config.data, 0)[2])
+    numel = sum(p.numel() for p in model.parameters())
+    assert report["model"] == {"name": "llama_tiny", "parameters": numel}
+    assert report["gpus"] == 2 and report["gpu_memory_gb"] == 2.0 and report["micro_batch"] == 2
+    names = [row["name"] for row in report["strategies"]]
+    assert names == ["ddp", "fsdp", "fsdp+ac", "fsdp+tp2", "fsdp+tp2+ac"]
+    assert [s["name"] for s in report["skipped"]] == ["fsdp+tp4", "fsdp+tp8"]  # 2 GPUs: no 4-way groups
+    rows = {row["name"]: row for row in report["strategies"]}
+    for row in report["strategies"]:
+        assert set(row) >= {"name", "tensor_parallel", "activation_checkpointing", "per_gpu_gb", "fits"}
+        assert isinstance(row["max_micro_batch"], int) and row["max_micro_batch"] > 0
+        parts = row["per_gpu_gb"]
+        assert set(parts) >= {"params", "grads", "optimizer", "activations", "total"}
+        assert all(isinstance(v, float) for v in parts.values())
+        assert parts["total"] == pytest.approx(sum(v for k, v in parts.items() if k != "total"), abs=0.01)
+        assert row["fits"] == (parts["total"] <= report["gpu_memory_gb"])
+        assert parts["grads"] == parts["params"]
+    # fp32 weights, AdamW's two moments; fsdp halves them over 2 ranks; tp splits the blocks further
+    assert rows["ddp"]["per_gpu_gb"]["params"] == pytest.approx(numel * 4 / GIB, abs=1e-3)
+    assert rows["ddp"]["per_gpu_gb"]["optimizer"] == pytest.approx(2 * numel * 4 / GIB, abs=1e-3)
+    assert rows["fsdp"]["per_gpu_gb"]["params"] == pytest.approx(numel * 2 / GIB, abs=1e-3)
+    assert rows["fsdp+ac"]["per_gpu_gb"]["activations"] < rows["fsdp"]["per_gpu_gb"]["activations"]
+    assert rows["fsdp+tp2"]["tensor_parallel"] == 2 and rows["fsdp+ac"]["activation_checkpointing"] is True
+    assert report["recommended"] == "ddp" and report["settings"]["parallel.strategy"] == "ddp"
+
+
+def test_max_micro_batch_is_the_boundary_of_the_estimate() -> None:
+    from trainforge.config import load_config
+    from trainforge.worker.memory import GPU_RESERVE, max_micro_batch, profile_model, rank_breakdown
+
+    config = load_config({**SMALL, "parallel": {"strategy": "fsdp", "activation_checkpointing": "full"}})
+    profile = profile_model(config)
+    memory = 2 * GIB
+    largest = max_micro_batch(config, 2, memory, GPU_RESERVE, profile=profile)
+    assert largest > 2
+
+    def total(batch: int) -> int:
+        return rank_breakdown(config, 2, micro_batch=batch, profile=profile).total + GPU_RESERVE.of(memory)
+
+    assert total(largest) <= memory < total(largest + 1)
+    # activations grow linearly with the micro-batch; nothing else does
+    assert total(3) - total(2) == pytest.approx(total(2) - total(1), abs=2)
+    assert max_micro_batch(config, 2, GIB, GPU_RESERVE, profile=profile) == 0  # the reserve alone is 1.05 GiB
+
+
+# The parallel sections measured against the plan, one spawn of 2 ranks for all of them.
+MEASURED = {"ddp": {"strategy": "ddp"}, "fsdp": {"strategy": "fsdp"}}
+
+
+def held_under_each(rank: int, world: int, configs: dict[str, dict[str, Any]]) -> dict[str, dict[str, int]]:
+    from trainforge.bench.memory import held_bytes
+
+    return {name: held_bytes(rank, world, config) for name, config in configs.items()}
+
+
+@pytest.fixture(scope="module")
+def measured() -> dict[str, Any]:
+    from trainforge.bench.memory import bench_config
+
+    configs = {}
+    for name, parallel in MEASURED.items():
+        config = bench_config("llama_tiny", {}, "ddp", 2)
+        configs[name] = {**config, "parallel": parallel}
+    return {"configs": configs, "held": spawn_ranks(held_under_each, 2, configs)}
+
+
+@pytest.mark.parametrize("name", list(MEASURED))
+def test_planned_bytes_are_within_5_percent_of_what_each_rank_holds(name: str, measured: dict[str, Any]) -> None:
+    from trainforge.config import Config
+    from trainforge.worker.memory import rank_breakdown
+
+    planned = rank_breakdown(Config.model_validate(measured["configs"][name]), 2)
+    for rank, by_name in enumerate(measured["held"]):
+        held = by_name[name]
+        for part in ("params", "grads", "optimizer"):
+            estimate = getattr(planned, part)
+            print(f"\n{name} rank {rank} {part}: planned {estimate} held {held[part]}")
+            assert abs(estimate - held[part]) <= 0.05 * held[part], (name, rank, part, estimate, held)
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "says"),
+    [("--gpus", "0", "--gpus 0: from 1 to"), ("--gpu-memory-gb", "-1", "--gpu-memory-gb -1.0: must be")],
+)
+def test_bad_flags_exit_2_with_one_line(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    flag: str,
+    value: str,
+    says: str,
+) -> None:
+    code = run_cli(monkeypatch, "plan", config_file(tmp_path, SMALL), flag, value)
+    err = capsys.readouterr().err
+    assert code == 2
+    assert len(err.strip().splitlines()) == 1, err
+    assert err.startswith("error:") and says in err, err
+
+
+def test_a_bad_config_key_exits_2_naming_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = run_cli(monkeypatch, "plan", config_file(tmp_path, SMALL), "--set", "parallel.strategy=zero3")
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "parallel.strategy" in err, err
+
+
+def test_a_10b_llama_on_8_x_80_gb_needs_fsdp_and_activation_checkpointing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from trainforge.config import load_config
+    from trainforge.planning import plan_memory
+
+    started = time.perf_counter()
+    report = plan_memory(load_config(LLAMA_10B), gpus=8, gpu_memory_gb=80)
+    took = time.perf_counter() - started
+    print(f"\nllama_10b plan in {took:.1f} s")
+    assert took < 30  # about 6 s on 2 shared CPU cores (docs/benchmarks.md)
+    rows = {row["name"]: row for row in report["strategies"]}
+    assert report["model"]["parameters"] == pytest.approx(10.24e9, rel=0.01)
+    assert not rows["ddp"]["fits"] and not rows["fsdp"]["fits"]
+    assert rows["fsdp+ac"]["fits"] and report["recommended"] == "fsdp+ac"
+    # 16 bytes per parameter (weights, gradients, two moments) over 8 ranks
+    state = sum(rows["fsdp"]["per_gpu_gb"][p] for p in ("params", "grads", "optimizer"))
+    assert state == pytest.approx(16 * 10.24e9 / 8 / GIB, rel=0.01)
+    assert {"fsdp+tp8", "fsdp+tp8+ac"} <= set(rows)
+
+    code = run_cli(monkeypatch, "plan", config_file(tmp_path, LLAMA_10B), "--gpus", "8", "--gpu-memory-gb", "80")
+    out = capsys.readouterr().out
+    assert code == 0 and "recommended: fsdp+ac" in out and "llama_10b (10.24B parameters)" in out, out
