@@ -90,6 +90,11 @@ TWO_WORKERS = {
 
 
 TWO_WORKERS_FSDP = {"scaling": {"num_workers": 2}, "parallel": {"strategy": "fsdp"}}
+# Tensor parallel over both workers, with the user's own plan for the paced model.
+TWO_WORKERS_TP = {
+    "scaling": {"num_workers": 2},
+    "parallel": {"tensor_parallel": 2, "tp_plan": "tests.helpers.user_models:paced_tp_plan"},
+}
 
 
 @pytest.fixture(scope="module")
@@ -113,6 +118,7 @@ def straight(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, dict], 
         ("1-worker", {"scaling": {"num_workers": 1}}),
         ("2-workers-accum-bf16-loader-workers", TWO_WORKERS),
         ("2-workers-fsdp", TWO_WORKERS_FSDP),
+        ("2-workers-tp2", TWO_WORKERS_TP),
     ],
 )
 def test_worker_killed_mid_epoch_resumes_bit_identical(

@@ -78,3 +78,9 @@ class NanOnce(nn.Module):
 
 def nan_once(at: int = 3, hidden: int = 32) -> nn.Module:
     return NanOnce(at, hidden)
+
+
+def paced_tp_plan(model: nn.Module) -> dict[str, str]:
+    """A user's tensor-parallel plan for ``paced_net`` (parallel.tp_plan): the hidden layer split by
+    its output units, the classifier by its inputs: one all-reduce per forward."""
+    return {"inner.1": "colwise", "inner.4": "rowwise"}

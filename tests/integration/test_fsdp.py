@@ -1,7 +1,8 @@
-"""FSDP2 in real Ray Train workers (gloo on CPU): the same losses as DDP, a final
-``model.safetensors`` that loads into the plain module, and a corrupt shard detected at restore.
+"""FSDP2 and tensor parallelism in real Ray Train workers (gloo on CPU): the same losses as DDP,
+a final ``model.safetensors`` that loads into the plain module, and a corrupt shard detected at
+restore.
 
-One FSDP run and one DDP run are trained once per module and shared by the tests.
+Each run (a layout) is trained once per module, when a test first asks for it, and shared.
 """
 
 from __future__ import annotations
@@ -28,15 +29,15 @@ STEPS = 30
 LLAMA = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2}
 
 
-def lm_config(tmp: Path, strategy: str, **train: Any) -> dict[str, Any]:
+def lm_config(tmp: Path, strategy: str, workers: int = 2, tp: int = 1, **train: Any) -> dict[str, Any]:
     return tiny_run(
         tmp,
         model={"name": "llama_tiny", "kwargs": LLAMA},
         data={"name": "synthetic", "kind": "tokens", "seq_len": 32, "vocab_size": 128, "num_samples": 2048},
         train={"max_steps": STEPS, "batch_size": 8, "log_every_n_steps": 1, "grad_clip_norm": 1.0, **train},
         optim={"name": "adamw", "lr": 3e-3, "weight_decay": 0.01},
-        scaling={"num_workers": 2},
-        parallel={"strategy": strategy},
+        scaling={"num_workers": workers},
+        parallel={"strategy": strategy, "tensor_parallel": tp},
         checkpoint={"every_n_steps": 10, "keep_last": 5},
         seed=11,
     )
@@ -52,24 +53,55 @@ def step_losses(run_dir: Path) -> dict[int, float]:
     return found
 
 
+# name -> (strategy, workers, tensor_parallel). A tensor-parallel pair reads one batch of 8, as one
+# worker does ("tp2" vs "ddp-1"); two pairs read two, as two workers do ("fsdp-tp2" vs "ddp").
+LAYOUTS = {
+    "ddp": ("ddp", 2, 1),
+    "fsdp": ("fsdp", 2, 1),
+    "ddp-1": ("ddp", 1, 1),
+    "tp2": ("ddp", 2, 2),
+    "fsdp-tp2": ("fsdp", 4, 2),
+}
+
+
+class Runs(dict[str, trainforge.RunResult]):
+    """Trains a layout the first time a test asks for it."""
+
+    def __init__(self, factory: pytest.TempPathFactory) -> None:
+        super().__init__()
+        self.factory = factory
+
+    def __missing__(self, name: str) -> trainforge.RunResult:
+        strategy, workers, tp = LAYOUTS[name]
+        self[name] = trainforge.fit(lm_config(self.factory.mktemp(name), strategy, workers, tp))
+        return self[name]
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, trainforge.RunResult]:
-    return {
-        strategy: trainforge.fit(lm_config(tmp_path_factory.mktemp(strategy), strategy)) for strategy in ("ddp", "fsdp")
-    }
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
+    return Runs(tmp_path_factory)
 
 
-def test_fsdp_losses_equal_ddp_losses(runs: dict[str, trainforge.RunResult]) -> None:
-    ddp, fsdp = step_losses(runs["ddp"].run_dir), step_losses(runs["fsdp"].run_dir)
-    assert sorted(ddp) == sorted(fsdp) == list(range(1, STEPS + 1))
-    gaps = {step: abs(ddp[step] - fsdp[step]) / abs(ddp[step]) for step in ddp}
-    print(f"\nllama_tiny, 2 Ray workers: largest relative loss gap fsdp/ddp in {STEPS} steps {max(gaps.values()):.2e}")
-    assert max(gaps.values()) <= 1e-5, gaps
-    assert runs["fsdp"].summary["status"] == "finished"
+def largest_gap(a: dict[int, float], b: dict[int, float]) -> float:
+    assert sorted(a) == sorted(b) == list(range(1, STEPS + 1))
+    return max(abs(a[step] - b[step]) / abs(a[step]) for step in a)
 
 
-def test_fsdp_final_weights_load_into_the_plain_module(runs: dict[str, trainforge.RunResult], tmp_path: Path) -> None:
-    result = runs["fsdp"]
+@pytest.mark.parametrize(
+    ("layout", "reference"),
+    [("fsdp", "ddp"), ("tp2", "ddp-1"), ("fsdp-tp2", "ddp")],
+    ids=["fsdp-2-vs-ddp-2", "tp2-2-vs-ddp-1", "fsdp-x-tp2-4-vs-ddp-2"],
+)
+def test_sharded_losses_equal_the_reference_losses(runs: Runs, layout: str, reference: str) -> None:
+    gap = largest_gap(step_losses(runs[reference].run_dir), step_losses(runs[layout].run_dir))
+    print(f"\nllama_tiny in Ray workers: largest relative loss gap {layout}/{reference} in {STEPS} steps {gap:.2e}")
+    assert gap <= 1e-5
+    assert runs[layout].summary["status"] == "finished"
+
+
+@pytest.mark.parametrize("layout", ["fsdp", "fsdp-tp2"])
+def test_sharded_final_weights_load_into_the_plain_module(runs: Runs, tmp_path: Path, layout: str) -> None:
+    result = runs[layout]
     final = checkpoints(result.run_dir)[-1]
     assert (final / "sharded" / "__1_0.distcp").is_file()
     # The shards of the last checkpoint, merged on one process, and the exported full weights.
@@ -89,9 +121,7 @@ def test_fsdp_final_weights_load_into_the_plain_module(runs: dict[str, trainforg
     assert torch.equal(outputs[0], outputs[1])
 
 
-def test_corrupt_shard_is_skipped_and_the_previous_checkpoint_used(
-    runs: dict[str, trainforge.RunResult], tmp_path: Path
-) -> None:
+def test_corrupt_shard_is_skipped_and_the_previous_checkpoint_used(runs: Runs, tmp_path: Path) -> None:
     run_dir = runs["fsdp"].run_dir
     newest = checkpoints(run_dir)[-1]
     shard = newest / "sharded" / "__1_0.distcp"

@@ -1,6 +1,6 @@
 """The Session (loop, reports, checkpoints, restore) in 2-rank gloo groups without Ray.
 
-A sharded (FSDP) run that crashes mid-epoch and is restarted from its newest checkpoint ends
+A sharded (FSDP, or tensor-parallel) run that crashes mid-epoch and is restarted from its newest checkpoint ends
 bit-identical to the same run uninterrupted; the checkpoint it resumes from holds every rank's
 shards and verifies; a crash is a real exception out of the loop, as a killed worker group ends
 in Ray, and the restart a new set of processes.
@@ -45,7 +45,7 @@ class ListChannel:
         return False
 
 
-def config(tmp: Path, strategy: str, workers: int = 2) -> dict[str, Any]:
+def config(tmp: Path, strategy: str, workers: int = 2, tp: int = 1) -> dict[str, Any]:
     return tiny_run(
         tmp,
         model={"name": "llama_tiny", "kwargs": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2}},
@@ -53,7 +53,7 @@ def config(tmp: Path, strategy: str, workers: int = 2) -> dict[str, Any]:
         train={"max_steps": STEPS, "batch_size": 8, "log_every_n_steps": 4, "eval_every_n_steps": 8},
         optim={"name": "adamw", "lr": 3e-3},
         scaling={"num_workers": workers},
-        parallel={"strategy": strategy},
+        parallel={"strategy": strategy, "tensor_parallel": tp},
         checkpoint={"every_n_steps": 8, "keep_last": 5},
         seed=3,
     )
@@ -102,10 +102,12 @@ def final_state(run_dir: Path, tmp: Path) -> dict[str, Any]:
     return state
 
 
-def test_fsdp_session_crashed_and_restarted_is_bit_identical(tmp_path: Path) -> None:
-    straight = spawn_ranks(session, 2, config(tmp_path / "straight", "fsdp"), None)
+# fsdp: shards over the data; tp: every block's matrices split over a tensor-parallel group of 2.
+@pytest.mark.parametrize(("strategy", "tp"), [("fsdp", 1), ("ddp", 2)], ids=["fsdp", "tp2"])
+def test_sharded_session_crashed_and_restarted_is_bit_identical(tmp_path: Path, strategy: str, tp: int) -> None:
+    straight = spawn_ranks(session, 2, config(tmp_path / "straight", strategy, tp=tp), None)
     assert straight[0]["final"]["status"] == "finished"
-    crashed = spawn_ranks(session, 2, config(tmp_path / "crashed", "fsdp"), 12)
+    crashed = spawn_ranks(session, 2, config(tmp_path / "crashed", strategy, tp=tp), 12)
     assert "crashed" in crashed[0]["final"]
     run_dir = tmp_path / "crashed" / "t"
     assert [p.name for p in sorted(run_dir.glob("checkpoint_*"))] == ["checkpoint_000000008"]
@@ -113,7 +115,7 @@ def test_fsdp_session_crashed_and_restarted_is_bit_identical(tmp_path: Path) -> 
     assert manifest["layout"] == "sharded" and manifest["world_size"] == 2
     assert {"sharded/__0_0.distcp", "sharded/__1_0.distcp", "sharded/.metadata"} <= set(manifest["files"])
 
-    resumed = spawn_ranks(session, 2, config(tmp_path / "crashed", "fsdp"), None)
+    resumed = spawn_ranks(session, 2, config(tmp_path / "crashed", strategy, tp=tp), None)
     assert resumed[0]["final"]["status"] == "finished"
     assert any(e.startswith("resumed from") and "checkpoint_000000008" in e for e in resumed[0]["events"])
     a = final_state(tmp_path / "straight" / "t", tmp_path / "a")
@@ -138,3 +140,14 @@ def test_fsdp_checkpoint_resumes_under_ddp_and_with_one_worker_and_says_so(tmp_p
             assert any("resharded: the checkpoint was written by fsdp, this run uses ddp" in e for e in events)
         if workers == 1:
             assert any(e.startswith("resumed with 1 workers from a checkpoint written by 2") for e in events), events
+
+
+@pytest.mark.slow
+def test_tensor_parallel_checkpoint_resumes_without_tensor_parallelism(tmp_path: Path) -> None:
+    spawn_ranks(session, 2, config(tmp_path / "crashed", "ddp", tp=2), 12)
+    # The same global batch: one worker reads what the tensor-parallel pair read together.
+    resumed = spawn_ranks(session, 1, config(tmp_path / "crashed", "ddp", workers=1), None)
+    events = resumed[0]["events"]
+    assert resumed[0]["final"]["status"] == "finished", resumed[0]
+    assert any(e.startswith("resumed from") and "checkpoint_000000008" in e for e in events), events
+    assert any("resharded: the checkpoint was written by ddp x tp2, this run uses ddp" in e for e in events), events

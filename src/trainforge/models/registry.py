@@ -96,33 +96,33 @@ def accepted_kwargs(builder: Builder) -> str:
 # User factories: "package.module:function", called with model.kwargs
 
 
-def load_factory(path: str) -> Callable[..., Any]:
-    """Import ``package.module`` and walk the attribute path after the colon."""
+def load_factory(path: str, key: str = "model.factory", returns: str = "a torch.nn.Module") -> Callable[..., Any]:
+    """Import ``package.module`` and walk the attribute path after the colon; errors name ``key``."""
     module_name, sep, attr_path = path.partition(":")
     if not sep or not module_name or not attr_path:
-        raise ModelError(f"model.factory must look like 'package.module:function', got {path!r}")
+        raise ModelError(f"{key} must look like 'package.module:function', got {path!r}")
     try:
         target: Any = importlib.import_module(module_name)
     except ImportError as err:
         raise ModelError(
-            f"model.factory {path!r}: cannot import module {module_name!r} ({one_line(str(err))}); "
+            f"{key} {path!r}: cannot import module {module_name!r} ({one_line(str(err))}); "
             "check the spelling and that it is importable on every worker (PYTHONPATH or an installed package)"
         ) from err
     except Exception as err:
-        raise ModelError(f"model.factory {path!r}: importing module {module_name!r} raised {describe(err)}") from err
+        raise ModelError(f"{key} {path!r}: importing module {module_name!r} raised {describe(err)}") from err
     owner = module_name
     for part in attr_path.split("."):
         if not hasattr(target, part):
             public = [n for n in dir(target) if not n.startswith("_")]
             close = difflib.get_close_matches(part, public, n=1, cutoff=0.6)
             hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise ModelError(f"model.factory {path!r}: {owner!r} has no attribute {part!r}{hint}")
+            raise ModelError(f"{key} {path!r}: {owner!r} has no attribute {part!r}{hint}")
         target = getattr(target, part)
         owner = f"{owner}.{part}"
     if not callable(target):
         raise ModelError(
-            f"model.factory {path!r} is not callable (got a value of type {type(target).__name__}); "
-            "point it at a function that returns a torch.nn.Module"
+            f"{key} {path!r} is not callable (got a value of type {type(target).__name__}); "
+            f"point it at a function that returns {returns}"
         )
     return target
 

@@ -23,6 +23,7 @@ from trainforge.worker.components import DataSource
 from trainforge.worker.optim import build_optimizer, build_scheduler, effective_lr
 from trainforge.worker.plan import ParallelPlan, all_reduce_max, build_plan
 from trainforge.worker.step import MetricSums, StepRunner
+from trainforge.worker.tp import Layout, check_tensor_parallel
 
 
 @dataclass
@@ -44,6 +45,11 @@ class WorkerRun:
     def val_set(self) -> Any:
         return self.data.val_set
 
+    @property
+    def data_world(self) -> int:
+        """How many different batches one step reads: the workers over the tensor-parallel size."""
+        return self.plan.layout.dp
+
 
 def build(config: Config, ranks: tuple[int, int] | None = None) -> WorkerRun:
     """One worker's run; ``ranks`` (rank, world) outside Ray Train (a test's own gloo group)."""
@@ -58,19 +64,22 @@ def build(config: Config, ranks: tuple[int, int] | None = None) -> WorkerRun:
         torch.use_deterministic_algorithms(True, warn_only=True)
         torch.backends.cudnn.benchmark = False
 
-    data = DataSource.build(config, rank, world, pin_memory=pin_memory(config, device))
+    layout = Layout(rank, world, config.parallel.tensor_parallel)
+    # A tensor-parallel group reads one batch: the data is split over the data-parallel ranks.
+    data = DataSource.build(config, layout.dp_rank, layout.dp, pin_memory=pin_memory(config, device))
     # Same seed on every rank for the weights; DDP also broadcasts rank 0's copy.
     seed_all(config.seed)
     plain = build_model(config.model, data.spec)
     task = build_task(config.model, data.spec)
-    plan = build_plan(config.parallel, device, sync_batchnorm=config.train.sync_batchnorm)
+    plan = build_plan(config.parallel, device, sync_batchnorm=config.train.sync_batchnorm, layout=layout)
     model = plan.wrap(plain)
-    # Per-rank streams from here on (dropout, augmentation), reproducible per rank.
-    seed_all(config.seed * 1000 + rank + 1)
+    # Per-replica streams from here on (dropout, augmentation), reproducible per data-parallel
+    # rank; the ranks of a tensor-parallel group share theirs, so their replicated parts agree.
+    seed_all(config.seed * 1000 + layout.dp_rank + 1)
 
     epochs_steps = (config.train.epochs or math.inf) * data.steps_per_epoch
     total_steps = int(min(config.train.max_steps or math.inf, epochs_steps))
-    global_batch = data.samples_per_step * world
+    global_batch = data.samples_per_step * layout.dp
     optimizer = build_optimizer(config.optim, model, effective_lr(config.optim, global_batch))
     scheduler = build_scheduler(config.schedule, optimizer, total_steps)
     runner = StepRunner(
@@ -88,14 +97,19 @@ def build(config: Config, ranks: tuple[int, int] | None = None) -> WorkerRun:
 
 
 def check_block_names(config: Config) -> None:
-    """``parallel.fsdp.wrap`` names classes of the model: build it on the meta device (no memory,
-    no weights) and look, so that a typo fails before Ray starts. ConfigError naming what exists."""
-    if not config.parallel.fsdp.wrap:
+    """``parallel.fsdp.wrap`` names classes of the model, ``parallel.tensor_parallel`` needs a
+    plan and heads it divides: build the model on the meta device (no memory, no weights) and
+    look, so that a mistake fails before Ray starts. One-line errors naming what exists."""
+    parallel = config.parallel
+    if not parallel.fsdp.wrap and parallel.tensor_parallel == 1:
         return
     _, _, spec = build_datasets(config.data, config.seed)
     with torch.device("meta"):
         model = build_model(config.model, spec)
-    repeated_blocks(model, config.parallel.fsdp.wrap)
+    if parallel.fsdp.wrap:
+        repeated_blocks(model, parallel.fsdp.wrap)
+    if parallel.tensor_parallel > 1:
+        check_tensor_parallel(model, parallel.tensor_parallel, parallel.tp_plan)
 
 
 def seed_all(seed: int) -> None:

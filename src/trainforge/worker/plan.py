@@ -6,7 +6,12 @@ unit per repeated block plus the root. The step, evaluation and checkpointing as
 skip a gradient sync, for the global gradient norm, for full or sharded state) and never look
 at the wrapper themselves.
 
-Both plans first apply the block switches of ``parallel``: activation checkpointing, compile,
+With ``parallel.tensor_parallel: N`` the workers form a (data-parallel x tensor-parallel) mesh:
+each block's matrices are split over a group of N workers first (``worker/tp.py``), then the
+data-parallel dimension is the strategy's (``fully_shard`` over the mesh's ``dp`` dimension, or
+for ddp a gradient all-reduce over it).
+
+Every plan also applies the block switches of ``parallel``: activation checkpointing, compile,
 channels-last. None of them changes a parameter's name, so checkpoints move between strategies.
 """
 
@@ -14,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -34,6 +39,7 @@ from torch.nn.parallel import DistributedDataParallel
 from trainforge.config import ParallelConfig
 from trainforge.worker.blocks import apply_activation_checkpointing, compile_blocks, repeated_blocks, to_channels_last
 from trainforge.worker.parallel import world_size
+from trainforge.worker.tp import Layout, apply_tensor_parallel
 
 log = logging.getLogger("trainforge.worker")
 
@@ -48,13 +54,28 @@ class ParallelPlan:
     device: torch.device
     sync_batchnorm: bool = False
     notes: list[str] = field(default_factory=list)  # what the plan did, for the run's log
+    layout: Layout = field(default_factory=lambda: Layout(0, 1))
+    mesh: Any = None  # the ("dp", "tp") DeviceMesh, with tensor parallelism
     name = "ddp"
-    sharded = False
+
+    @property
+    def sharded(self) -> bool:
+        """Whether parameters are DTensors (shards): checkpoints are then written per rank."""
+        return self.layout.tp > 1
+
+    @property
+    def layout_name(self) -> str:
+        """``ddp``, ``fsdp``, ``fsdp x tp2``: what a checkpoint records and a resume compares."""
+        return self.name + (f" x tp{self.layout.tp}" if self.layout.tp > 1 else "")
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        """Switches, then the strategy's wrapper; the same parameter names before and after."""
+        """Tensor parallel, switches, then the strategy's wrapper; the same parameter names before and after."""
         model = model.to(self.device)
         found = repeated_blocks(model, self.cfg.fsdp.wrap)
+        if self.layout.tp > 1:
+            self.mesh = self.layout.device_mesh(self.device)
+            count = apply_tensor_parallel(model, self.mesh["tp"], self.cfg.tp_plan)
+            self.notes.append(f"tensor parallel: {count} modules split over groups of {self.layout.tp}")
         if self.cfg.activation_checkpointing != "none":
             count = apply_activation_checkpointing(
                 found, self.cfg.activation_checkpointing, self.cfg.activation_checkpointing_every_n
@@ -72,6 +93,11 @@ class ParallelPlan:
         return self._wrap(model, found)
 
     def _wrap(self, model: nn.Module, found: list[nn.Module]) -> nn.Module:
+        if self.layout.tp > 1:
+            # DDP cannot take DTensor parameters: gradients are all-reduced over the data-parallel
+            # dimension by gradient_sync; replicas start identical (same seed, same split).
+            self.notes.append(f"ddp over {self.layout.dp} tensor-parallel groups")
+            return model
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         # DDP broadcasts rank 0's parameters and buffers here, so every rank starts identical.
         return DistributedDataParallel(model, device_ids=device_ids)
@@ -84,7 +110,26 @@ class ParallelPlan:
         """Context for one micro-batch's backward: without gradient communication unless ``sync``."""
         if isinstance(model, DistributedDataParallel) and not sync:
             return model.no_sync()
+        if sync and self.layout.tp > 1 and self.layout.dp > 1:
+            return self._all_reduce_after(model)
         return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def _all_reduce_after(self, model: nn.Module) -> Iterator[None]:
+        """DDP's job for tensor-parallel replicas: after the backward, the gradients' mean over the
+        data-parallel dimension, flattened into one buffer per dtype (one collective each)."""
+        yield
+        group = self.mesh["dp"].get_group()
+        grads = [local(p.grad) for p in parameters_of(model) if p.grad is not None]
+        for dtype in sorted({g.dtype for g in grads}, key=str):
+            same = [g for g in grads if g.dtype == dtype]
+            flat = torch.cat([g.reshape(-1) for g in same])
+            dist.all_reduce(flat, group=group)
+            flat /= self.layout.dp
+            offset = 0
+            for grad in same:
+                grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+                offset += grad.numel()
 
     def grad_norm(self, params: list[nn.Parameter], clip: float | None) -> torch.Tensor:
         """The global gradient norm (clipping to ``clip`` first when set), a plain tensor that is
@@ -92,6 +137,8 @@ class ParallelPlan:
         grads = [p.grad for p in params if p.grad is not None]
         if not grads:
             return torch.zeros((), device=self.device)
+        if self.layout.tp > 1:
+            return mixed_grad_norm(grads, clip, self.device)
         if clip is not None:
             norm = torch.nn.utils.clip_grad_norm_(params, clip)
         else:
@@ -107,14 +154,33 @@ class ParallelPlan:
         """Whether every rank must run the same number of evaluation forwards (they communicate)."""
         return False
 
+    def forget_step(self, model: nn.Module) -> None:
+        """Every rank dropped the step between a forward and its backward (an out-of-memory retry,
+        worker/step.py). DDP's reducer still awaits the backward of a synchronised forward on the
+        ranks that completed one, and whether a rank's next forward broadcasts buffers depends on
+        which of its forwards completed: both are reset the same way on every rank, as DDP does
+        itself when its process group changes (buckets are then rebuilt, by all ranks together)."""
+        if isinstance(model, DistributedDataParallel):
+            model._has_rebuilt_buckets = False
+            model.reducer._reset_state()
+            model.require_forward_param_sync = True  # the next forward broadcasts rank 0's buffers
+
     # -- state -------------------------------------------------------------------------------
 
     def full_model_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """The full weights by parameter name; with fsdp gathered to rank 0 (empty elsewhere)."""
+        """The full weights by parameter name; sharded, gathered to rank 0 (empty elsewhere)."""
+        if self.sharded:
+            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            return cast(dict[str, torch.Tensor], get_model_state_dict(model, options=options))
         return dict(self.eval_model(model).state_dict())
 
     def load_full_model_state(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-        """Full weights (every rank holds all of them) into this model, strictly."""
+        """Full weights (every rank holds all of them) into this model, strictly; sharded, each
+        rank keeps its part."""
+        if self.sharded:
+            options = StateDictOptions(full_state_dict=True, strict=True)
+            set_model_state_dict(model, cast(Any, state), options=options)
+            return
         self.eval_model(model).load_state_dict(state, strict=True)
 
     def sharded_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -135,7 +201,19 @@ class ParallelPlan:
         self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
     ) -> None:
         """An optimizer state dict saved by a whole (unsharded) optimizer, keyed by index."""
-        optimizer.load_state_dict(state)
+        if not self.sharded:
+            optimizer.load_state_dict(state)
+            return
+        # Parameters are numbered in the optimizer's own order, which the same config builds the
+        # same way: name them, and let the state-dict API shard them.
+        names = {id(p): n for n, p in model.named_parameters()}
+        order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+        by_index = dict(enumerate(order))
+        named = {
+            "state": {by_index[int(i)]: s for i, s in state["state"].items()},
+            "param_groups": [{**g, "params": [by_index[int(i)] for i in g["params"]]} for g in state["param_groups"]],
+        }
+        set_optimizer_state_dict(model, optimizer, cast(Any, named), options=StateDictOptions(full_state_dict=True))
 
     def tensor_bytes(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
         """Bytes of tensor storage this rank holds for parameters, gradients and optimizer state."""
@@ -149,7 +227,7 @@ class ParallelPlan:
         return {"params": params, "grads": grads, "optimizer": optim}
 
     def describe(self) -> str:
-        return self.name
+        return self.layout_name
 
 
 class FSDPPlan(ParallelPlan):
@@ -158,7 +236,10 @@ class FSDPPlan(ParallelPlan):
     updates only its shard of parameters, gradients and optimizer state."""
 
     name = "fsdp"
-    sharded = True
+
+    @property
+    def sharded(self) -> bool:
+        return True
 
     def _wrap(self, model: nn.Module, found: list[nn.Module]) -> nn.Module:
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
@@ -169,11 +250,13 @@ class FSDPPlan(ParallelPlan):
             options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         if fsdp.cpu_offload:
             options["offload_policy"] = CPUOffloadPolicy()
+        if self.mesh is not None:
+            options["mesh"] = self.mesh["dp"]  # blocks already split over "tp" become 2-D shards
         for block in found:
             fully_shard(block, **options)
         # Same seed on every rank built the same weights; each rank keeps its slice of them.
         fully_shard(model, **options)
-        self.notes.append(f"fsdp: {len(found)} block units + root over {world_size()} ranks")
+        self.notes.append(f"fsdp: {len(found)} block units + root over {self.layout.dp} data-parallel ranks")
         return model
 
     def make_scaler(self, enabled: bool) -> Scaler:
@@ -198,27 +281,6 @@ class FSDPPlan(ParallelPlan):
     def eval_in_lockstep(self) -> bool:
         return world_size() > 1
 
-    def full_model_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return cast(dict[str, torch.Tensor], get_model_state_dict(model, options=options))
-
-    def load_full_model_state(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-        set_model_state_dict(model, cast(Any, state), options=StateDictOptions(full_state_dict=True, strict=True))
-
-    def load_full_optimizer_state(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
-    ) -> None:
-        # Saved by a whole optimizer: parameters are numbered in the optimizer's own order, which
-        # the same config builds the same way; name them, and let the state-dict API shard them.
-        names = {id(p): n for n, p in model.named_parameters()}
-        order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
-        by_index = dict(enumerate(order))
-        named = {
-            "state": {by_index[int(i)]: s for i, s in state["state"].items()},
-            "param_groups": [{**g, "params": [by_index[int(i)] for i in g["params"]]} for g in state["param_groups"]],
-        }
-        set_optimizer_state_dict(model, optimizer, cast(Any, named), options=StateDictOptions(full_state_dict=True))
-
     def describe(self) -> str:
         fsdp = self.cfg.fsdp
         extras = [f"reshard_after_forward={fsdp.reshard_after_forward}"]
@@ -226,7 +288,7 @@ class FSDPPlan(ParallelPlan):
             extras.append(f"mixed_precision={fsdp.mixed_precision}")
         if fsdp.cpu_offload:
             extras.append("cpu_offload")
-        return f"fsdp ({', '.join(extras)})"
+        return f"{self.layout_name} ({', '.join(extras)})"
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
@@ -234,9 +296,48 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def build_plan(cfg: ParallelConfig, device: torch.device, *, sync_batchnorm: bool) -> ParallelPlan:
+def build_plan(
+    cfg: ParallelConfig, device: torch.device, *, sync_batchnorm: bool, layout: Layout | None = None
+) -> ParallelPlan:
     kind = FSDPPlan if cfg.strategy == "fsdp" else ParallelPlan
-    return kind(cfg, device, sync_batchnorm)
+    return kind(cfg, device, sync_batchnorm, layout=layout or Layout(0, world_size()))
+
+
+def mixed_grad_norm(grads: list[torch.Tensor], clip: float | None, device: torch.device) -> torch.Tensor:
+    """The global norm over gradients that are shards on different meshes and placements (tensor
+    parallel: matrices split on "tp", FSDP shards on "dp", or both) or plain replicated tensors,
+    in one all-reduce: each rank adds the squares of what it holds, divided by how many ranks
+    hold the same piece. Then clipping by that norm, as ``clip_grad_norm_`` does."""
+    world = world_size()
+    kinds: dict[int, list[torch.Tensor]] = {}
+    for grad in grads:
+        kinds.setdefault(copies(grad, world), []).append(grad)
+    squares = torch.zeros((), dtype=torch.float64, device=device)
+    for count, same in kinds.items():
+        norms = torch.stack(torch._foreach_norm([local(g) for g in same])).double()
+        squares += norms.square().sum() / count
+    if world > 1:
+        dist.all_reduce(squares)
+    total = squares.sqrt().float()
+    if clip is not None:
+        coef = torch.clamp(clip / (total + 1e-6), max=1.0)
+        for same in kinds.values():
+            torch._foreach_mul_(same, coef)
+    return total
+
+
+def copies(tensor: torch.Tensor, world: int) -> int:
+    """How many of the ``world`` ranks hold this rank's piece of ``tensor``: all of them for a
+    plain (replicated) tensor; for a DTensor, the ranks outside its mesh times its replicated
+    mesh dimensions."""
+    if not isinstance(tensor, DTensor):
+        return world
+    mesh = tensor.device_mesh
+    count = world // mesh.size()
+    for dim, placement in enumerate(tensor.placements):
+        if placement.is_replicate():
+            count *= mesh.size(dim)
+    return count
 
 
 def all_reduce_max(value: int, device: torch.device) -> int:
