@@ -3,15 +3,17 @@
 One forward and loss run under ``FakeTensorMode`` (no memory, no compute) with
 ``torch.autograd.graph.saved_tensors_hooks``: every tensor autograd saves is counted once by its
 storage (views share one), parameters left out (they are counted as parameters). The bytes are
-attributed to the repeated block that was running (or to "outside": embeddings, head, loss), each
-block's inputs are recorded (what activation checkpointing keeps instead), and the largest tensor
-any module returns is noted (at the start of backward its gradient exists beside the saved ones).
+attributed to the repeated block that was running, or to what runs before the blocks (embeddings)
+or after them (final norm, head, loss); each block's inputs are recorded (what activation
+checkpointing keeps instead), and the largest tensor any module returns is noted (at the start of
+backward its gradient exists beside the saved ones).
 Measured at micro-batch 1 and 2, each figure becomes a fixed part plus a per-sample part.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -51,10 +53,11 @@ class PerBatch:
 
 @dataclass
 class Saved:
-    """One measured forward: bytes saved outside blocks, by each block, each block's inputs, and the
-    largest single tensor a module returned."""
+    """One measured forward: bytes saved before the blocks, after them, by each block, each block's
+    inputs, and the largest single tensor a module returned."""
 
-    outside: int = 0
+    before: int = 0
+    after: int = 0
     blocks: list[int] = field(default_factory=list)
     inputs: list[int] = field(default_factory=list)
     largest: int = 0
@@ -62,7 +65,8 @@ class Saved:
 
 @dataclass(frozen=True)
 class ActivationProfile:
-    outside: PerBatch
+    before: PerBatch
+    after: PerBatch
     largest: PerBatch
     blocks: tuple[PerBatch, ...]
     inputs: tuple[PerBatch, ...]
@@ -70,7 +74,7 @@ class ActivationProfile:
     @property
     def total(self) -> PerBatch:
         """Everything without checkpointing."""
-        result = self.outside + self.largest
+        result = self.before + self.after + self.largest
         for saved in self.blocks:
             result = result + saved
         return result
@@ -87,11 +91,38 @@ def measure_activations(
     """Fit the activation profile of ``model`` (built under ``mode``) from micro-batches 1 and 2."""
     one, two = (saved_bytes(mode, model, blocks, task, spec, batch, autocast) for batch in (1, 2))
     return ActivationProfile(
-        outside=PerBatch.fit(one.outside, two.outside),
+        before=PerBatch.fit(one.before, two.before),
+        after=PerBatch.fit(one.after, two.after),
         largest=PerBatch.fit(one.largest, two.largest),
         blocks=tuple(PerBatch.fit(a, b) for a, b in zip(one.blocks, two.blocks, strict=True)),
         inputs=tuple(PerBatch.fit(a, b) for a, b in zip(one.inputs, two.inputs, strict=True)),
     )
+
+
+@contextlib.contextmanager
+def unpacked_sequences() -> Iterator[None]:
+    """transformers' masks as an eager run builds them, while fake tensors run.
+
+    transformers treats a fake tensor as a graph being traced: it cannot read position ids, so it
+    assumes packed sequences and materialises a (B, 1, T, T) mask, which in turn keeps SDPA from
+    grouped-query attention (keys and values repeated per head). An eager run reads the position
+    ids (0..T-1, what a built-in model always gets), skips the mask and uses ``is_causal``. So
+    while measuring, "packed sequences?" answers no, as it would eagerly.
+    """
+    try:
+        from transformers import masking_utils
+    except ImportError:
+        yield
+        return
+    original = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if original is None:
+        yield
+        return
+    masking_utils.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = original
 
 
 def storage_key(tensor: torch.Tensor) -> int:
@@ -122,6 +153,7 @@ def saved_bytes(
     inputs_seen: set[int] = set()
     alive: list[torch.Tensor] = []  # keeps counted storages alive, so their keys stay unique
     current = [-1]
+    entered = [False]  # has a block run yet
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         key = storage_key(tensor)
@@ -129,15 +161,18 @@ def saved_bytes(
             seen.add(key)
             alive.append(tensor)
             nbytes = tensor.untyped_storage().nbytes()
-            if current[0] < 0:
-                record.outside += nbytes
-            else:
+            if current[0] >= 0:
                 record.blocks[current[0]] += nbytes
+            elif entered[0]:
+                record.after += nbytes
+            else:
+                record.before += nbytes
         return tensor
 
     def enter(index: int) -> object:
         def hook(_: nn.Module, args: object, kwargs: object) -> None:
             current[0] = index
+            entered[0] = True
             for leaf in tree_leaves((args, kwargs)):
                 if isinstance(leaf, torch.Tensor) and storage_key(leaf) not in inputs_seen:
                     inputs_seen.add(storage_key(leaf))
@@ -158,7 +193,7 @@ def saved_bytes(
         handles.append(block.register_forward_pre_hook(enter(index), with_kwargs=True))  # type: ignore[arg-type]
         handles.append(block.register_forward_hook(leave))
     try:
-        with mode, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with mode, unpacked_sequences(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             inputs, targets = fake_batch(spec, batch)
             with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
                 task.loss(model(inputs), targets)

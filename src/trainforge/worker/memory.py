@@ -308,26 +308,28 @@ def buffer_bytes(config: Config, strategy: Strategy, profile: ModelProfile, dp: 
 
 
 def activation_bytes(profile: ModelProfile, strategy: Strategy) -> PerBatch:
-    """Bytes autograd keeps at the end of the forward, as fixed + per-sample parts.
+    """The most activation bytes live at once, as fixed + per-sample parts.
 
-    Without checkpointing every block keeps what it saved. A checkpointed block keeps only its
-    inputs, and in backward one checkpointed block at a time recomputes what it saved. Under tensor
-    parallelism what blocks save is divided by ``tp`` (attention and MLP intermediates are split;
-    the norms' inputs are in fact replicated, so this is optimistic by about their share); block
-    inputs and what lies outside blocks (embeddings, logits, loss) are replicated."""
+    Without checkpointing that is the start of backward: everything saved, plus the forward's
+    largest tensor (the logits, whose gradient comes next). A checkpointed block keeps only its
+    inputs; its saved tensors come back one block at a time in backward, when what the head and
+    loss saved is gone, so the peak is the larger of the start of backward and the recompute of a
+    checkpointed block (what lies before it, its inputs, its saved tensors and its output's
+    gradient, about its input's size). Under tensor parallelism what blocks save is divided by
+    ``tp`` (attention and MLP intermediates are split; the norms' inputs are replicated, so this
+    is optimistic by their share); block inputs, embeddings, head and loss are replicated."""
     acts = profile.activations
     tp = strategy.tensor_parallel
     step = {"none": 0, "full": 1, "every_n": strategy.every_n}[strategy.activation_checkpointing]
-    chosen = {i for i in range(len(acts.blocks)) if step and i % step == 0}
-    total = acts.outside + acts.largest
+    kept = acts.before
     recompute = PerBatch(0.0, 0.0)
     for i, saved in enumerate(acts.blocks):
-        if i in chosen:
-            total = total + acts.inputs[i]
-            recompute = recompute.max(saved)
+        if step and i % step == 0:
+            recompute = recompute.max(kept + acts.inputs[i] + acts.inputs[i] + saved.scaled(1 / tp))
+            kept = kept + acts.inputs[i]
         else:
-            total = total + saved.scaled(1 / tp)
-    return total + recompute.scaled(1 / tp)
+            kept = kept + saved.scaled(1 / tp)
+    return (kept + acts.after + acts.largest).max(recompute)
 
 
 def max_micro_batch(
