@@ -134,7 +134,7 @@ def tp_styles(model: nn.Module, user_plan: str | None = None) -> dict[str, Any]:
     if not styles:
         kinds = ", ".join(sorted(BLOCK_PLANS))
         raise ModelError(
-            f"parallel.tensor_parallel: {type(model).__name__} has no tensor-parallel plan (built-in plans: {kinds}; "
+            f"parallel.tensor_parallel: {model_kind(model)} has no tensor-parallel plan (built-in plans: {kinds}; "
             "GPT-2's fused q/k/v cannot be split by heads); give one with parallel.tp_plan: 'pkg.module:function'"
         )
     return styles
@@ -197,3 +197,9 @@ def model_config(model: nn.Module) -> Any:
         if config is not None and hasattr(config, "num_attention_heads"):
             return config
     return None
+
+
+def model_kind(model: nn.Module) -> str:
+    """The class users know a model by: the wrapped transformers model's, else the module's own."""
+    inner = next((m for m in model.modules() if hasattr(m, "config")), model)
+    return type(inner).__name__
