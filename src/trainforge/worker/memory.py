@@ -14,10 +14,10 @@ Both are pure functions of the config: no process group, no device.
 
 from __future__ import annotations
 
+import fnmatch
 import math
-import re
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -25,9 +25,11 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from trainforge.config import MAX_BATCH, Config
 from trainforge.data import build_datasets
+from trainforge.errors import TrainforgeError
 from trainforge.models import build_model, build_task
 from trainforge.worker.activations import ActivationProfile, PerBatch, measure_activations
 from trainforge.worker.blocks import repeated_blocks
+from trainforge.worker.tp import COLWISE, ROWWISE, check_tensor_parallel, tp_styles
 
 GIB = 1 << 30
 FP32 = 4
@@ -110,14 +112,17 @@ class ParamShape:
     split_dim: int | None  # the dim tensor parallelism splits; None: replicated
 
 
+TP_SIZES = (2, 4, 8)
+
+
 @dataclass(frozen=True)
 class ModelProfile:
-    """What the estimate needs from the model: parameter shapes by FSDP unit, the tensor-parallel
-    limits, and the activation profile of one micro-batch."""
+    """What the estimate needs from the model: parameter shapes by FSDP unit, why tensor
+    parallelism of each size does not apply (None where it does), and the activation profile."""
 
     params: tuple[ParamShape, ...]
     blocks: int
-    heads: tuple[int, ...]  # attention and key/value head counts tensor parallelism must divide
+    tp_problems: dict[int, str | None]
     activations: ActivationProfile
     sample_shape: tuple[int, ...]  # one sample's input, e.g. (seq_len,)
 
@@ -127,51 +132,46 @@ class ModelProfile:
 
     def tp_problem(self, tp: int) -> str | None:
         """Why ``tp``-way tensor parallelism does not apply to this model, or None."""
-        if tp == 1:
-            return None
-        split = [p for p in self.params if p.split_dim is not None]
-        if not split:
-            return "no module of this model has a tensor-parallel style"
-        bad = [h for h in self.heads if h % tp]
-        if bad:
-            return f"{bad[0]} heads do not split {tp} ways"
-        uneven = next((p for p in split if p.shape[p.split_dim or 0] % tp), None)
-        if uneven is not None:
-            return f"{uneven.name} {list(uneven.shape)} does not split {tp} ways"
-        return None
+        return None if tp == 1 else self.tp_problems.get(tp, f"tensor parallelism {tp} was not checked")
 
 
-COLWISE = re.compile(r"(^|\.)layers\.\d+\.(self_attn\.(q_proj|k_proj|v_proj)|mlp\.(gate_proj|up_proj))$")
-ROWWISE = re.compile(r"(^|\.)layers\.\d+\.(self_attn\.o_proj|mlp\.down_proj)$")
+def split_dims(model: nn.Module, styles: dict[str, Any]) -> dict[str, int]:
+    """Parameter name -> the dim tensor parallelism splits (``worker/tp.py``'s plan): column-wise
+    modules split weight and bias by output features (dim 0), row-wise ones the weight by input
+    features (dim 1; the bias is added after the reduce, replicated). Names may be patterns."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    dims: dict[str, int] = {}
+    for pattern, style in styles.items():
+        colwise = style == COLWISE or isinstance(style, ColwiseParallel)
+        rowwise = style == ROWWISE or isinstance(style, RowwiseParallel)
+        for name, module in model.named_modules():
+            if (colwise or rowwise) and fnmatch.fnmatchcase(name, pattern):
+                for leaf, _ in module.named_parameters(recurse=False):
+                    if colwise:
+                        dims[f"{name}.{leaf}"] = 0
+                    elif leaf == "weight":
+                        dims[f"{name}.{leaf}"] = 1
+    return dims
 
 
-def tp_styles(model: nn.Module) -> dict[str, str]:
-    """Module FQN -> "colwise" | "rowwise" for the Llama decoder layers (the lead's TP plan):
-    q/k/v and gate/up split their output features, o and down their input features."""
-    styles: dict[str, str] = {}
-    for name, module in model.named_modules():
-        if isinstance(module, nn.Linear):
-            if COLWISE.search(name):
-                styles[name] = "colwise"
-            elif ROWWISE.search(name):
-                styles[name] = "rowwise"
-    return styles
-
-
-def split_dim(param_name: str, styles: dict[str, str]) -> int | None:
-    owner, _, leaf = param_name.rpartition(".")
-    style = styles.get(owner)
-    if style == "colwise":
-        return 0
-    if style == "rowwise" and leaf == "weight":
-        return 1
-    return None  # a row-wise bias is added after the reduce: replicated
-
-
-def head_counts(model: nn.Module) -> tuple[int, ...]:
-    config = getattr(getattr(model, "model", model), "config", None)
-    names = ("num_attention_heads", "num_key_value_heads")
-    return tuple(int(getattr(config, n)) for n in names if isinstance(getattr(config, n, None), int))
+def tp_problems(model: nn.Module, config: Config) -> tuple[dict[int, str | None], dict[str, Any]]:
+    """The model's tensor-parallel styles, and for each size why it does not apply (the checks
+    ``trainforge train`` makes before Ray starts)."""
+    user_plan = getattr(config.parallel, "tp_plan", None)
+    sizes = sorted({*TP_SIZES, int(getattr(config.parallel, "tensor_parallel", 1) or 1)} - {1})
+    try:
+        styles = tp_styles(model, user_plan)
+    except TrainforgeError as err:
+        return {tp: str(err) for tp in sizes}, {}
+    problems: dict[int, str | None] = {}
+    for tp in sizes:
+        try:
+            check_tensor_parallel(model, tp, user_plan)
+            problems[tp] = None
+        except TrainforgeError as err:
+            problems[tp] = str(err)
+    return problems, styles
 
 
 def profile_model(config: Config) -> ModelProfile:
@@ -181,19 +181,18 @@ def profile_model(config: Config) -> ModelProfile:
         model = build_model(config.model, spec)
         task = build_task(config.model, spec)
         blocks = repeated_blocks(model, config.parallel.fsdp.wrap)
-        styles = tp_styles(model)
+        problems, styles = tp_problems(model, config)
+        dims = split_dims(model, styles)
         unit_of = {id(p): i for i, block in enumerate(blocks) for p in block.parameters()}
         params = tuple(
-            ParamShape(name, tuple(p.shape), p.element_size(), unit_of.get(id(p), -1), split_dim(name, styles))
+            ParamShape(name, tuple(p.shape), p.element_size(), unit_of.get(id(p), -1), dims.get(name))
             for name, p in model.named_parameters()
             if p.requires_grad
         )
-        heads = head_counts(model)
-        compute = compute_mode(config)
-        if compute == "bf16_params":
+        if compute_mode(config) == "bf16_params":
             cast_parameters(model, torch.bfloat16)  # FSDP's bf16 policy computes with bf16 parameters
         profile = measure_activations(mode, model, blocks, task, spec, autocast_dtype(config))
-    return ModelProfile(params, len(blocks), heads, profile, tuple(spec.input_shape))
+    return ModelProfile(params, len(blocks), problems, profile, tuple(spec.input_shape))
 
 
 def cast_parameters(model: nn.Module, dtype: torch.dtype) -> None:
