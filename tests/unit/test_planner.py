@@ -111,7 +111,7 @@ def test_max_micro_batch_is_the_boundary_of_the_estimate() -> None:
 
 
 # The parallel sections measured against the plan, one spawn of 2 ranks for all of them.
-MEASURED = {"ddp": {"strategy": "ddp"}, "fsdp": {"strategy": "fsdp"}}
+MEASURED = {"ddp": {"strategy": "ddp"}, "fsdp": {"strategy": "fsdp"}, "tp2": {"strategy": "ddp", "tensor_parallel": 2}}
 
 
 def held_under_each(rank: int, world: int, configs: dict[str, dict[str, Any]]) -> dict[str, dict[str, int]]:
@@ -143,6 +143,21 @@ def test_planned_bytes_are_within_5_percent_of_what_each_rank_holds(name: str, m
             estimate = getattr(planned, part)
             print(f"\n{name} rank {rank} {part}: planned {estimate} held {held[part]}")
             assert abs(estimate - held[part]) <= 0.05 * held[part], (name, rank, part, estimate, held)
+
+
+@pytest.mark.slow
+def test_planned_bytes_of_fsdp_x_tensor_parallel_at_4_ranks_are_within_5_percent() -> None:
+    from trainforge.bench.memory import bench_config
+    from trainforge.config import Config
+    from trainforge.worker.memory import rank_breakdown
+
+    config = {**bench_config("llama_tiny", {}, "fsdp", 4), "parallel": {"strategy": "fsdp", "tensor_parallel": 2}}
+    planned = rank_breakdown(Config.model_validate(config), 4)
+    for rank, held in enumerate(spawn_ranks(held_under_each, 4, {"fsdp+tp2": config})):
+        for part in ("params", "grads", "optimizer"):
+            estimate, real = getattr(planned, part), held["fsdp+tp2"][part]
+            print(f"\nfsdp+tp2 rank {rank} {part}: planned {estimate} held {real}")
+            assert abs(estimate - real) <= 0.05 * real, (rank, part, estimate, held)
 
 
 @pytest.mark.parametrize(
