@@ -128,8 +128,12 @@ class DataConfig(Section):
 class TrainConfig(Section):
     max_steps: Steps | None = None
     epochs: Annotated[int, Field(ge=1, le=MAX_EPOCHS)] | None = None
-    batch_size: Annotated[int, Field(ge=1, le=MAX_BATCH)] = 32
+    # Per worker, per micro-batch; ``auto``: the largest micro-batch that fits (worker/autobatch.py),
+    # with grad_accum_steps chosen so that the global batch is ``global_batch_size``.
+    batch_size: Annotated[int, Field(ge=1, le=MAX_BATCH)] | Literal["auto"] = 32
     grad_accum_steps: Count = 1
+    global_batch_size: Annotated[int, Field(ge=1, le=MAX_BATCH)] | None = None  # with batch_size: auto only
+    memory_limit_gb: Annotated[float, Field(gt=0, le=1 << 20)] = 4.0  # per worker, for auto on CPU
     grad_clip_norm: PositiveFloat | None = None
     log_every_n_steps: Steps = 10
     report_min_interval_s: Annotated[float, Field(ge=0.0, le=MAX_SECONDS)] = 1.0
@@ -141,7 +145,21 @@ class TrainConfig(Section):
     def _has_length(self) -> TrainConfig:
         if self.max_steps is None and self.epochs is None:
             raise ValueError("set train.max_steps or train.epochs (or both: training stops at whichever comes first)")
+        auto = self.batch_size == "auto"
+        if auto and self.global_batch_size is None:
+            raise ValueError("train.global_batch_size is required with train.batch_size: auto (the batch to hold)")
+        if not auto and self.global_batch_size is not None:
+            raise ValueError(
+                "train.global_batch_size needs train.batch_size: auto (a fixed batch_size makes the global "
+                "batch batch_size x grad_accum_steps x workers)"
+            )
+        if auto and self.grad_accum_steps != 1:
+            raise ValueError("train.grad_accum_steps is chosen by train.batch_size: auto; leave it out")
         return self
+
+    @property
+    def auto_batch(self) -> bool:
+        return self.batch_size == "auto"
 
 
 class OptimConfig(Section):
@@ -194,12 +212,23 @@ class FSDPConfig(Section):
 class ParallelConfig(Section):
     """How the model is spread over the workers, and the memory/speed switches of its blocks."""
 
-    strategy: Literal["ddp", "fsdp"] = "ddp"
+    strategy: Literal["ddp", "fsdp"] = "ddp"  # the data-parallel dimension
     fsdp: FSDPConfig = Field(default_factory=FSDPConfig)
+    # Tensor parallel: groups of this many workers split every block's matrices; the workers form a
+    # (data-parallel x tensor-parallel) mesh, and the data-parallel dimension is ``strategy``.
+    tensor_parallel: Annotated[int, Field(ge=1, le=64)] = 1
+    tp_plan: str | None = None  # "pkg.module:function": the user's own plan (docs/parallelism.md)
     activation_checkpointing: Literal["none", "full", "every_n"] = "none"
     activation_checkpointing_every_n: Annotated[int, Field(ge=1, le=1024)] = 2
     compile: bool = False
     channels_last: bool = False
+
+    @field_validator("tp_plan")
+    @classmethod
+    def _plan_path(cls, value: str | None) -> str | None:
+        if value is not None and not re.fullmatch(r"[\w.]+:[\w.]+", value):
+            raise ValueError(f"must look like 'package.module:function', got {value!r}")
+        return value
 
 
 class CheckpointConfig(Section):
@@ -311,6 +340,18 @@ class Config(Section):
             raise ValueError("precision fp16 needs scaling.use_gpu: true (on CPU use bf16)")
         if self.train.sync_batchnorm and not self.scaling.use_gpu:
             raise ValueError("train.sync_batchnorm needs scaling.use_gpu: true (PyTorch's SyncBatchNorm is GPU-only)")
+        workers, global_batch = self.scaling.num_workers, self.train.global_batch_size
+        # An elastic [min, max] is checked by the workers, against the count they start with.
+        if global_batch is not None and isinstance(workers, int):
+            replicas = max(1, workers // self.parallel.tensor_parallel)  # a tensor-parallel group reads one batch
+            if global_batch % replicas:
+                of = f"scaling.num_workers {workers}" + (
+                    f" / parallel.tensor_parallel {self.parallel.tensor_parallel}" if replicas != workers else ""
+                )
+                raise ValueError(
+                    f"train.global_batch_size {global_batch} must be divisible by {of} "
+                    "(every data-parallel worker takes an equal share)"
+                )
         if self.parallel.fsdp.cpu_offload and self.parallel.strategy != "fsdp":
             raise ValueError("parallel.fsdp.cpu_offload needs parallel.strategy: fsdp")
         if self.parallel.fsdp.cpu_offload and not self.scaling.use_gpu:
@@ -319,6 +360,19 @@ class Config(Section):
             raise ValueError(
                 "parallel.fsdp.mixed_precision needs parallel.strategy: fsdp (for ddp use precision: bf16)"
             )
+        tp = self.parallel.tensor_parallel
+        if tp > 1 and isinstance(self.scaling.num_workers, tuple):
+            raise ValueError(
+                "parallel.tensor_parallel needs a fixed scaling.num_workers (an elastic [min, max] could pick "
+                "a world size that tensor-parallel groups do not divide)"
+            )
+        if tp > 1 and self.scaling.max_workers % tp:
+            raise ValueError(
+                f"parallel.tensor_parallel {tp} must divide scaling.num_workers {self.scaling.max_workers}: "
+                f"workers form groups of {tp} (e.g. num_workers {tp * max(1, self.scaling.max_workers // tp)})"
+            )
+        if self.parallel.tp_plan is not None and tp == 1:
+            raise ValueError("parallel.tp_plan needs parallel.tensor_parallel > 1")
         if self.parallel.fsdp.mixed_precision != "none" and self.precision != "fp32":
             raise ValueError(
                 "parallel.fsdp.mixed_precision and precision both set compute precision; "
@@ -440,7 +494,15 @@ def describe_validation_error(err: ValidationError) -> str:
     # was broken, "should be a valid tuple" only adds noise.
     bounded = {_key(e) for e in errors if not str(e["type"]).endswith("_type")}
     kept = [e for e in errors if not (str(e["type"]).endswith("_type") and _key(e) in bounded)]
-    lines = [_describe_one(e) for e in kept]
+    # A number or a word (train.batch_size: 64 or auto): the number's problem, the word as the
+    # alternative, on one line.
+    words = {_key(e): str(e["msg"]).removeprefix("Input should be ") for e in kept if e["type"] == "literal_error"}
+    numbers = {_key(e) for e in kept if e["type"] != "literal_error"}
+    lines = [
+        _describe_one(e) + (f" (or {words[_key(e)]})" if _key(e) in words and _key(e) in numbers else "")
+        for e in kept
+        if not (e["type"] == "literal_error" and _key(e) in numbers)
+    ]
     return "; ".join(dict.fromkeys(lines))
 
 
@@ -488,7 +550,7 @@ def _clip(text: str, limit: int = 80) -> str:
 def _is_union_tag(part: Any) -> bool:
     text = str(part)
     return text in {"int", "float", "str", "bool", "tuple[int,int]", "list[int]"} or text.startswith(
-        ("tuple[", "dict[", "list[", "constrained-", "function-")
+        ("tuple[", "dict[", "list[", "literal[", "constrained-", "function-")
     )
 
 

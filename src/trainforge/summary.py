@@ -136,7 +136,19 @@ def build_summary(record: RunRecord) -> dict[str, Any]:
         "config": redact_config(dict(record.config)),
         "stopped_early": record.stopped_early,
         "written_by": record.written_by,
+        **({"batch": batch_choice(final, record.config)} if "batch/micro_batch_size" in final else {}),
         **({"error": redact_text(record.error.strip().splitlines()[-1])} if record.error else {}),
+    }
+
+
+def batch_choice(final: Mapping[str, Any], config: Mapping[str, Any]) -> dict[str, int]:
+    """What ``train.batch_size: auto`` chose, as the run's last report states it (a late
+    out-of-memory retry may have lowered the micro-batch the run started with)."""
+    return {
+        "micro_batch_size": int(final["batch/micro_batch_size"]),
+        "grad_accum_steps": int(final.get("batch/grad_accum_steps", 1)),
+        "global_batch_size": int(config.get("train", {}).get("global_batch_size") or 0),
+        "oom_retries": int(final.get("batch/oom_retries", 0)),
     }
 
 

@@ -69,6 +69,12 @@ def test_config_show_prints_the_resolved_config(tmp_path: Path) -> None:
             ["--set", "parallel.strategy=fsdp", "--set", "parallel.fsdp.cpu_offload=true"],
             "parallel.fsdp.cpu_offload needs scaling.use_gpu: true",
         ),
+        (["--set", "train.batch_size=auto"], "train.global_batch_size is required with train.batch_size: auto"),
+        (["--set", "parallel.tensor_parallel=2"], "parallel.tensor_parallel 2 must divide scaling.num_workers 1"),
+        (
+            ["--set", "scaling.num_workers=2", "--set", "parallel.tensor_parallel=2"],
+            "parallel.tensor_parallel: Sequential has no tensor-parallel plan",
+        ),
         (
             ["--set", "parallel.strategy=fsdp", "--set", "parallel.fsdp.wrap=[Linaer]"],
             "block class 'Linaer' (parallel.fsdp.wrap) matches no module of Sequential; did you mean 'Linear'?",
@@ -98,7 +104,7 @@ def entry_point(*args: str, cwd: Path, env: dict[str, str] | None = None) -> sub
 @pytest.mark.parametrize(
     ("args", "expected"),
     [
-        (["plan"], "Error: No such command 'plan'."),
+        (["deploy"], "Error: No such command 'deploy'."),
         (["train", "quickstart", "--sett", "x=1"], "Error: No such option: --sett"),
         (["ckpt", "verify"], "Error: Missing argument 'path'."),
     ],

@@ -20,6 +20,13 @@ def test_defaults_fill_every_section() -> None:
     assert config.precision == "fp32"
 
 
+def test_auto_batch_size_takes_the_global_batch_and_a_memory_budget() -> None:
+    auto = load_config(BASE, ["train.batch_size=auto", "train.global_batch_size=256"], env={})
+    assert auto.train.auto_batch and auto.train.global_batch_size == 256 and auto.train.memory_limit_gb == 4.0
+    assert load_config(auto, env={}).train.batch_size == "auto"  # round-trips (the workers' copy)
+    assert not load_config(BASE, env={}).train.auto_batch
+
+
 def test_yaml_then_set_then_environment(tmp_path: Path) -> None:
     path = tmp_path / "run.yaml"
     path.write_text("model: {name: mlp}\ntrain: {max_steps: 10, batch_size: 8}\noptim: {lr: 0.5}\n")
@@ -61,6 +68,31 @@ def test_override_values_are_typed() -> None:
         ({"precision": "fp16"}, "precision fp16 needs scaling.use_gpu: true"),
         ({"train": {"sync_batchnorm": True, "max_steps": 1}}, "train.sync_batchnorm needs scaling.use_gpu: true"),
         ({"run": {"name": "../escape"}}, "run.name = '../escape': must be 1-128 characters"),
+        (
+            {"train": {"batch_size": "automatic", "max_steps": 1}},
+            "train.batch_size = 'automatic': Input should be a valid integer, unable to parse string as an integer "
+            "(or 'auto')",
+        ),
+        (
+            {"train": {"batch_size": "auto", "max_steps": 1}},
+            "train.global_batch_size is required with train.batch_size: auto",
+        ),
+        (
+            {"train": {"batch_size": 8, "global_batch_size": 64, "max_steps": 1}},
+            "train.global_batch_size needs train.batch_size: auto",
+        ),
+        (
+            {"train": {"batch_size": "auto", "global_batch_size": 64, "grad_accum_steps": 2, "max_steps": 1}},
+            "train.grad_accum_steps is chosen by train.batch_size: auto",
+        ),
+        (
+            {"train": {"batch_size": "auto", "global_batch_size": 30, "max_steps": 1}, "scaling": {"num_workers": 4}},
+            "train.global_batch_size 30 must be divisible by scaling.num_workers 4",
+        ),
+        (
+            {"train": {"memory_limit_gb": 0, "max_steps": 1}},
+            "train.memory_limit_gb = 0: Input should be greater than 0",
+        ),
     ],
 )
 def test_bad_values_name_the_key(change: dict, expected: str) -> None:

@@ -162,3 +162,16 @@ def test_the_summary_keeps_the_design_contract(tmp_path: Path) -> None:
     assert summary["wall_time_s"] == 1.235
     assert summary["error"].startswith("RuntimeError: boom") and "SECRET" not in summary["error"]
     assert "SECRET" not in json.dumps(summary["config"])
+
+
+def test_the_summary_records_what_auto_batch_size_chose(tmp_path: Path) -> None:
+    config = validate(tiny_run(tmp_path, train={"batch_size": "auto", "global_batch_size": 64}))
+    final = {"step": 5, "batch/micro_batch_size": 8, "batch/grad_accum_steps": 8, "batch/oom_retries": 1}
+    record = RunRecord("finished", final, Recovery(), 1.0, None, config.to_dict(), 1)
+    assert build_summary(record)["batch"] == {
+        "micro_batch_size": 8,
+        "grad_accum_steps": 8,
+        "global_batch_size": 64,
+        "oom_retries": 1,
+    }
+    assert "batch" not in build_summary(RunRecord("finished", {"step": 5}, Recovery(), 1.0, None, {}, 1))

@@ -44,7 +44,7 @@ def held_bytes(rank: int, world: int, config_dict: dict[str, Any]) -> dict[str, 
     loader = make_loader(
         run.data.train_set,
         run.data.sampler,
-        run.config.train.batch_size,
+        run.data.micro_batch,
         num_workers=0,
         pin_memory=False,
         drop_last=True,

@@ -179,6 +179,8 @@ class Progress(_Schema):
     samples_seen: NonNegative
     epoch_position: NonNegative
     world_size: Positive
+    micro_batch_size: Positive | None = None
+    grad_accum_steps: Positive | None = None
 
 
 class RngState(_Schema):

@@ -48,6 +48,10 @@ class Progress:
     samples_seen: int = 0
     epoch_position: int = 0  # samples this rank has consumed in the current epoch
     world_size: int = 1
+    # The data source's split of a step when saved (auto batch size reuses it on resume); None in
+    # checkpoints written before it was recorded.
+    micro_batch_size: int | None = None
+    grad_accum_steps: int | None = None
 
 
 @dataclass

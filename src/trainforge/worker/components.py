@@ -3,7 +3,9 @@ and has ``state_dict()`` / ``load_state_dict()``, so that checkpointing saves
 ``{component: state}`` and restore hands each its part back, without reaching inside.
 
 * :class:`DataSource` (``data``): where the rank's batches come from; its state is where it stands
-  in the data (epoch, samples consumed in the epoch), re-split when the number of workers changed.
+  in the data (epoch, samples consumed in the epoch), re-split when the number of workers changed,
+  and the micro-batch size and accumulation steps it hands out (chosen at the start of the run
+  under ``train.batch_size: auto``, and lowered after an out-of-memory step: ``worker/autobatch.py``).
 * :class:`Optimization` (``optim``, ``schedule``, ``precision``): optimizer, LR schedule and loss
   scaler. Its state here is the schedule's and the scaler's; the optimizer's tensors travel with
   the model's, whole or sharded as the parallel plan (``worker/plan.py``) decides.
@@ -25,7 +27,7 @@ from trainforge.checkpoint.state import Progress, capture_rng, restore_rng
 from trainforge.config import Config
 from trainforge.data import ResumableDistributedSampler, build_datasets, make_loader
 from trainforge.data.spec import DataSpec
-from trainforge.errors import DataError
+from trainforge.errors import ConfigError, DataError
 
 
 @dataclass
@@ -42,6 +44,13 @@ class DataSource:
     rank: int
     world: int
     pin_memory: bool
+    # The micro-batch a step is made of, ``accum`` of them: micro_batch x accum is this rank's share
+    # of the global batch, fixed for the run; auto batch size changes the split, never the product.
+    micro_batch: int = 0
+    accum: int = 1
+    # Where the split came from: config, or under auto batch size pending (not chosen yet), search,
+    # checkpoint (a resume reuses the choice).
+    batch_from: str = "config"
     # Where the source stands is kept in the run's Progress (one record for checkpoints and
     # reports): ``epoch`` and ``epoch_position``, the samples this rank consumed in the epoch.
     progress: Progress = field(default_factory=Progress)
@@ -50,18 +59,46 @@ class DataSource:
     def build(cls, config: Config, rank: int, world: int, *, pin_memory: bool) -> DataSource:
         train_set, val_set, spec = build_datasets(config.data, config.seed)
         sampler = ResumableDistributedSampler(len(train_set), world, rank, config.data.shuffle, config.seed, even=True)
-        per_step = config.train.batch_size * config.train.grad_accum_steps
+        micro, accum = configured_split(config, world)
+        per_step = micro * accum
         steps_per_epoch = sampler.per_rank_size() // per_step
         if steps_per_epoch == 0:
+            what = (
+                "train.global_batch_size / workers"
+                if config.train.auto_batch
+                else "train.batch_size x train.grad_accum_steps"
+            )
             raise DataError(
-                f"train.batch_size x train.grad_accum_steps = {per_step} exceeds the {sampler.per_rank_size()} "
+                f"{what} = {per_step} exceeds the {sampler.per_rank_size()} "
                 f"training samples each of {world} workers gets; lower the batch size or use fewer workers"
             )
-        return cls(train_set, val_set, spec, sampler, steps_per_epoch, config, rank, world, pin_memory)
+        batch_from = "pending" if config.train.auto_batch else "config"
+        return cls(
+            train_set,
+            val_set,
+            spec,
+            sampler,
+            steps_per_epoch,
+            config,
+            rank,
+            world,
+            pin_memory,
+            micro,
+            accum,
+            batch_from,
+        )
 
     @property
     def samples_per_step(self) -> int:
-        return self.config.train.batch_size * self.config.train.grad_accum_steps
+        return self.micro_batch * self.accum
+
+    def split(self, micro_batch: int) -> None:
+        """Steps of ``micro_batch`` samples, as many as this rank's share of the global batch needs
+        (a divisor of it: the global batch never changes)."""
+        per_step = self.samples_per_step
+        if micro_batch < 1 or per_step % micro_batch:
+            raise ValueError(f"micro-batch {micro_batch} does not divide the {per_step} samples of a step")
+        self.micro_batch, self.accum = micro_batch, per_step // micro_batch
 
     @property
     def epoch_samples(self) -> int:
@@ -84,7 +121,7 @@ class DataSource:
         loader = make_loader(
             self.train_set,
             self.sampler,
-            cfg.train.batch_size,
+            self.micro_batch,
             num_workers=cfg.data.num_workers,
             pin_memory=self.pin_memory,
             drop_last=True,
@@ -103,7 +140,7 @@ class DataSource:
         return make_loader(
             self.val_set,
             sampler,
-            cfg.train.batch_size,
+            self.micro_batch,
             num_workers=cfg.data.num_workers,
             pin_memory=self.pin_memory,
             drop_last=False,
@@ -129,16 +166,41 @@ class DataSource:
         self.progress.epoch_position = 0
 
     def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "position": self.position, "world_size": self.world}
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "world_size": self.world,
+            "micro_batch_size": self.micro_batch,
+            "grad_accum_steps": self.accum,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Where the checkpoint stood; written by another number of workers, the same global
-        position split over this many (whole steps; exactness is then not promised)."""
+        position split over this many (whole steps; exactness is then not promised). Under auto
+        batch size, the checkpoint's micro-batch when it still splits this rank's step."""
         position, writers = int(state["position"]), int(state.get("world_size", self.world))
         if writers != self.world:
             position = position * writers // self.world // self.samples_per_step * self.samples_per_step
         self.progress.epoch = int(state["epoch"])
         self.progress.epoch_position = position
+        micro = state.get("micro_batch_size")
+        if self.config.train.auto_batch and micro and writers == self.world and self.samples_per_step % int(micro) == 0:
+            self.split(int(micro))
+            self.batch_from = "checkpoint"
+
+
+def configured_split(config: Config, world: int) -> tuple[int, int]:
+    """(micro-batch, accumulation steps) as configured; under auto batch size, this rank's whole
+    share of the global batch in one micro-batch until the search (``worker/autobatch.py``) splits it."""
+    train = config.train
+    if train.batch_size != "auto":
+        return train.batch_size, train.grad_accum_steps
+    global_batch = int(train.global_batch_size or 0)
+    if global_batch % world:
+        raise ConfigError(
+            f"train.global_batch_size {global_batch} must be divisible by the {world} data-parallel workers"
+        )
+    return global_batch // world, 1
 
 
 @dataclass

@@ -22,12 +22,13 @@ from trainforge.config import Config
 from trainforge.errors import TrainforgeError
 from trainforge.history import HISTORY_KEY, merge_points
 from trainforge.worker import parallel
+from trainforge.worker.autobatch import choose_batch, shrink_after_oom
 from trainforge.worker.build import WorkerRun, build, evaluate
 from trainforge.worker.hooks import Hooks, build_hooks
 from trainforge.worker.logs import shipped_logs
 from trainforge.worker.metrics import IntervalHistory, Throughput, reduce_metrics
 from trainforge.worker.saving import Checkpointing, Restored, restore, run_store
-from trainforge.worker.step import MetricSums
+from trainforge.worker.step import MetricSums, StepOutOfMemory
 
 log = logging.getLogger("trainforge.worker")
 
@@ -45,13 +46,15 @@ def run_worker(payload: dict[str, Any]) -> dict[str, Any]:
         run = build(config)
         checkpointing = Checkpointing(run, run_store())
         restored = restore(run, checkpointing.store)
+        batch_event = choose_batch(run)  # train.batch_size: auto (a resume keeps the checkpoint's split)
     except TrainforgeError as err:
         # Every rank fails the same way on a bad data path, model or checkpoint; returning (instead
         # of raising) spares Ray's retries, which are meant for crashes. The driver re-raises it.
         return {"user_error": type(err).__name__, "message": str(err)}
     hooks = build_hooks(run)
     try:
-        return Session(run, checkpointing, restored, payload.get("control"), hooks).train()
+        events = [batch_event] if batch_event else []
+        return Session(run, checkpointing, restored, payload.get("control"), hooks, events=events).train()
     except SaveFailedStop as err:
         return {"user_error": "TrainingFailed", "message": str(err)}
     finally:
@@ -102,14 +105,15 @@ class Session:
     val_metrics: dict[str, float] = field(default_factory=dict)
     val_points: list[dict[str, Any]] = field(default_factory=list)  # every pass since the last report
     save_failures: int = 0
+    oom_retries: int = 0  # steps retried with smaller micro-batches after running out of memory
     last_checkpoint: str | None = None
 
     def __post_init__(self) -> None:
         cfg = self.run.config
-        self.per_step = cfg.train.batch_size * cfg.train.grad_accum_steps
+        self.per_step = self.run.data.samples_per_step  # this rank's share of the global batch
         self.sums = MetricSums(self.run.device)
         self.history = IntervalHistory()
-        self.meter = Throughput(self.per_step * self.run.world)
+        self.meter = Throughput(self.per_step * self.run.data_world)
         self.progress = self.restored.progress
         self.run.data.progress = self.progress  # the data source's position is the progress record's
         self.first_step = self.progress.global_step
@@ -143,13 +147,21 @@ class Session:
         run, cfg, progress, data = self.run, self.run.config, self.progress, self.run.data
         batches = data.batches()
         while progress.global_step < run.total_steps and not data.epoch_done:
-            times = run.runner.run(batches, cfg.train.grad_accum_steps, self.sums)
+            try:
+                times = run.runner.run(batches, data.accum, self.sums)
+            except StepOutOfMemory:
+                # Raised on every rank at the same point: all retry the step, from the same
+                # position, with about half the micro-batch and twice the accumulation steps.
+                self.events.append(shrink_after_oom(run))
+                self.oom_retries += 1
+                batches = data.batches()
+                continue
             if times is None:  # the loader ran dry early: count the epoch as done rather than loop on it
                 data.finish_epoch()
                 break
             progress.global_step += 1
             data.advance()
-            progress.samples_seen += self.per_step * run.world
+            progress.samples_seen += self.per_step * run.data_world
             self.meter.step_done()
             for name in ("data_s", "compute_s", "optim_s"):
                 self.sums.add(name, getattr(times, name))
@@ -193,6 +205,10 @@ class Session:
         metrics["time/elapsed_s"] = now - self.started
         metrics["checkpoint/save_failures"] = self.save_failures
         metrics["checkpoint/stall_s"] = self.checkpointing.stall_s
+        if cfg.train.auto_batch:
+            metrics["batch/micro_batch_size"] = self.run.data.micro_batch
+            metrics["batch/grad_accum_steps"] = self.run.data.accum
+            metrics["batch/oom_retries"] = self.oom_retries
         if self.last_checkpoint and self.run.rank == 0:
             metrics["checkpoint/path"] = self.last_checkpoint
         if self.events and self.run.rank == 0:

@@ -34,3 +34,12 @@ def broadcast_object(obj: object) -> object:
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def all_reduce_min(value: int, device: torch.device) -> int:
+    """The smallest of every rank's ``value`` (auto batch size: the micro-batch every rank fits)."""
+    if world_size() == 1:
+        return value
+    tensor = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+    return int(tensor.item())

@@ -122,7 +122,13 @@ class Checkpointing:
         """The JSON part of a checkpoint, from each component's state: progress (with the data
         source's position), optimization (schedule, scaler), every rank's RNG."""
         data, optim = self.run.data.state_dict(), self.run.runner.optim.state_dict()
-        position = {"epoch": data["epoch"], "epoch_position": data["position"], "world_size": self.run.world}
+        position = {
+            "epoch": data["epoch"],
+            "epoch_position": data["position"],
+            "world_size": self.run.world,
+            "micro_batch_size": data["micro_batch_size"],
+            "grad_accum_steps": data["grad_accum_steps"],
+        }
         return TrainerState(
             progress=Progress(**{**asdict(progress), **position}),
             scheduler=optim["scheduler"],
@@ -333,19 +339,28 @@ def load_into(run: WorkerRun, directory: Path, notes: list[str] | None = None) -
     load (which shards it under fsdp)."""
     state = read_trainer_state(directory)
     notes = [] if notes is None else notes
-    saved_plan = str(state.config.get("parallel", {}).get("strategy", "ddp"))
+    saved = state.config.get("parallel", {})
+    saved_tp = int(saved.get("tensor_parallel", 1) or 1)
+    saved_plan = str(saved.get("strategy", "ddp")) + (f" x tp{saved_tp}" if saved_tp > 1 else "")
     if (directory / SHARDED_DIR).is_dir():
         load_sharded_checkpoint(run, directory, state, notes)
     else:
         run.plan.load_full_model_state(run.model, read_full_weights(directory, run.plan.eval_model(run.model)))
         restore_optimizer(run, directory, state, notes)
-    if saved_plan != run.plan.name:
-        notes.append(f"resharded: the checkpoint was written by {saved_plan}, this run uses {run.plan.name}")
+    if saved_plan != run.plan.layout_name:
+        notes.append(f"resharded: the checkpoint was written by {saved_plan}, this run uses {run.plan.layout_name}")
     progress = state.progress
     written_by = progress.world_size
     run.data.progress = progress
-    run.data.load_state_dict({"epoch": progress.epoch, "position": progress.epoch_position, "world_size": written_by})
-    if written_by == run.world:
+    # The data was split over the writer's data-parallel ranks: its workers over its tensor-parallel size.
+    position = {
+        "epoch": progress.epoch,
+        "position": progress.epoch_position,
+        "world_size": written_by // saved_tp,
+        "micro_batch_size": progress.micro_batch_size,  # auto batch size reuses the saved split
+    }
+    run.data.load_state_dict(position)
+    if written_by == run.world and saved_tp == run.plan.layout.tp:
         RngState().load_state_dict(state.rng[run.rank])
     elif run.rank == 0:
         log.warning(
@@ -415,6 +430,6 @@ def restore_schedule(run: WorkerRun, state: TrainerState, notes: list[str]) -> N
     optimizer, scheduler = run.runner.optimizer, run.runner.scheduler
     run.runner.optim.load_state_dict({"scheduler": state.scheduler, "scaler": state.scaler})
     if state.config and hyperparameters_differ(state.config, cfg.optim, cfg.schedule):
-        lr = effective_lr(cfg.optim, cfg.train.batch_size * cfg.train.grad_accum_steps * run.world)
+        lr = effective_lr(cfg.optim, run.data.samples_per_step * run.data_world)
         apply_hyperparameters(optimizer, scheduler, cfg.optim, lr)
         notes.append(f"optimizer hyperparameters from this run's config (lr now {optimizer.param_groups[0]['lr']:.4g})")

@@ -1,4 +1,5 @@
-"""One optimizer step: micro-batches, autocast, grad scaler, clipping, non-finite skip.
+"""One optimizer step: micro-batches, autocast, grad scaler, clipping, non-finite skip, and
+(under auto batch size) a rank-consistent retry after running out of memory.
 
 Everything per step stays on the device (no ``.item()``): the loop reads the accumulated sums
 only at its report interval, so the hot path has no host synchronisation on GPU.
@@ -16,6 +17,7 @@ from torch import nn
 
 from trainforge.config import ParallelConfig
 from trainforge.models import Task
+from trainforge.worker import parallel
 from trainforge.worker.components import Optimization
 from trainforge.worker.plan import ParallelPlan
 
@@ -50,6 +52,11 @@ class MetricSums:
         self.values.clear()
 
 
+class StepOutOfMemory(Exception):
+    """Some rank ran out of memory in this step; every rank raises it at the same point, with the
+    step's gradients dropped and nothing updated, so the loop can retry it with smaller micro-batches."""
+
+
 class StepRunner:
     """Runs one optimizer step over k micro-batches so that k x b equals one batch of k*b."""
 
@@ -78,6 +85,9 @@ class StepRunner:
         # Loss scaling is only needed for fp16: bf16 has fp32's exponent range.
         self.scaler = self.plan.make_scaler(enabled=precision == "fp16")
         self.params = [p for p in model.parameters() if p.requires_grad]
+        # Catch out-of-memory errors and retry the step (auto batch size, when forwards do not
+        # communicate: worker/autobatch.py turns it on); otherwise they end the run.
+        self.recover_oom = False
 
     @property
     def optim(self) -> Optimization:
@@ -93,34 +103,43 @@ class StepRunner:
         """Consume ``accum`` micro-batches and step; None when the iterator ends before the first one."""
         times = StepTimes()
         self.model.train()
+        # With recovery on, the step's figures join ``sums`` only once it went through.
+        step_sums = MetricSums(self.device) if self.recover_oom else sums
+        oom = False
         for micro in range(accum):
+            last = micro == accum - 1
+            if oom:  # out of memory on this rank: nothing more to compute, on to the agreement
+                if last:
+                    self._agree_on_memory(True)
+                continue
             start = time.perf_counter()
             try:
-                inputs, targets = next(batches)
+                inputs, targets = self.on_device(next(batches))
             except StopIteration:
                 if micro == 0:
                     return None
                 raise RuntimeError("data ran out inside an accumulation window") from None
-            inputs = inputs.to(self.device, non_blocking=True)
-            if self.memory_format is not None and inputs.ndim == 4:
-                inputs = inputs.contiguous(memory_format=self.memory_format)
-            targets = targets.to(self.device, non_blocking=True)
             times.data_s += time.perf_counter() - start
 
             start = time.perf_counter()
-            last = micro == accum - 1
             # Gradients are communicated in backward; only the last micro-batch's needs to.
             with self.plan.gradient_sync(self.model, last):
-                with self.autocast():
-                    output = self.model(inputs)
-                    loss = self.task.loss(output, targets)
-                # Mean over the micro-batch divided by k: the summed gradient is the mean over k*b.
-                self.scaler.scale(loss / accum).backward()
-            stats = self.task.stats(output.detach(), targets)
-            sums.add("loss_sum", loss.detach().float() * stats["count"])
-            for name, value in stats.items():
-                sums.add(name, value)
+                forward = self._forward(inputs, targets)
+                if last and self.recover_oom:
+                    self._agree_on_memory(forward is None)
+                if forward is not None:
+                    output, loss = forward
+                    # Mean over the micro-batch divided by k: the summed gradient is the mean over k*b.
+                    if self._backward(loss / accum, last):
+                        stats = self.task.stats(output.detach(), targets)
+                        step_sums.add("loss_sum", loss.detach().float() * stats["count"])
+                        for name, value in stats.items():
+                            step_sums.add(name, value)
+                oom = forward is None or oom
             times.compute_s += self._elapsed(start)
+        if self.recover_oom:
+            for name, value in step_sums.values.items():
+                sums.add(name, value)
 
         start = time.perf_counter()
         grad_norm = self._unscale_and_clip()
@@ -138,6 +157,56 @@ class StepRunner:
         sums.add("steps", 1.0)
         times.optim_s += self._elapsed(start)
         return times
+
+    def on_device(self, batch: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """A batch's inputs and targets on the device, in the model's memory format."""
+        inputs, targets = batch
+        inputs = inputs.to(self.device, non_blocking=True)
+        if self.memory_format is not None and inputs.ndim == 4:
+            inputs = inputs.contiguous(memory_format=self.memory_format)
+        return inputs, targets.to(self.device, non_blocking=True)
+
+    def _caught(self, *, synchronising: bool = False) -> tuple[type[BaseException], ...]:
+        return (torch.OutOfMemoryError,) if self.recover_oom and not synchronising else ()
+
+    def _forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Output and loss; None when it ran out of memory (recover_oom only; otherwise it raises)."""
+        try:
+            with self.autocast():
+                output = self.model(inputs)
+                return output, self.task.loss(output, targets)
+        except self._caught():
+            return None
+
+    def _backward(self, loss: torch.Tensor, last: bool) -> bool:
+        """False when it ran out of memory. Not caught in the last micro-batch's backward, which
+        synchronises gradients: the other ranks would be left in its all-reduce."""
+        try:
+            self.scaler.scale(loss).backward()
+            return True
+        except self._caught(synchronising=last):
+            return False
+
+    def _agree_on_memory(self, oom: bool) -> None:
+        """The step's one extra collective under recovery, after the last micro-batch's forward and
+        before its gradient-synchronising backward: when any rank ran out of memory, every rank
+        drops the step (StepOutOfMemory) here, at the same point, with no collective left open."""
+        if self.any_rank(oom):
+            self.plan.forget_step(self.model)
+            self.drop_step()
+            raise StepOutOfMemory
+
+    def any_rank(self, flag: bool) -> bool:
+        """Whether ``flag`` is set on any rank (one all-reduce; a host sync on GPU)."""
+        if parallel.world_size() == 1:
+            return flag
+        return bool(parallel.all_reduce_sum([1.0 if flag else 0.0], self.device).item() > 0)
+
+    def drop_step(self) -> None:
+        """Forget the step's gradients and give the allocator's cached blocks back."""
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def _unscale_and_clip(self) -> torch.Tensor:
         self.scaler.unscale_(self.optimizer)
