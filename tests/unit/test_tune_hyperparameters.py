@@ -84,9 +84,9 @@ def fake_run(cfg_dict: dict, optimizer: torch.optim.Optimizer, scheduler: object
     config = load_config(cfg_dict, env={})
     optim = Optimization(optimizer, scheduler, torch.amp.GradScaler("cpu", enabled=False))  # type: ignore[arg-type]
     runner = SimpleNamespace(optimizer=optimizer, scheduler=scheduler, optim=optim)
-    return SimpleNamespace(
-        config=config, runner=runner, world=1, model=None, plan=ParallelPlan(config.parallel, torch.device("cpu"))
-    )
+    data = SimpleNamespace(samples_per_step=config.train.batch_size * config.train.grad_accum_steps)
+    plan = ParallelPlan(config.parallel, torch.device("cpu"))
+    return SimpleNamespace(config=config, runner=runner, world=1, data_world=1, data=data, model=None, plan=plan)
 
 
 def saved_state(directory: Path, optimizer: torch.optim.Optimizer, scheduler: object, config: dict) -> TrainerState:

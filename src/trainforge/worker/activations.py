@@ -7,7 +7,8 @@ attributed to the repeated block that was running, or to what runs before the bl
 or after them (final norm, head, loss); each block's inputs are recorded (what activation
 checkpointing keeps instead), and the largest tensor any module returns is noted (at the start of
 backward its gradient exists beside the saved ones).
-Measured at micro-batch 1 and 2, each figure becomes a fixed part plus a per-sample part.
+Measured at micro-batch 2 and 4 (not 1: batch norm cannot train on one sample), each figure
+becomes a fixed part plus a per-sample part.
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ from torch.utils._pytree import tree_leaves
 
 from trainforge.data import DataSpec
 from trainforge.models import Task
+
+# The two micro-batches measured (fake tensors: no memory, whatever the size).
+SMALL, LARGE = 2, 4
 
 
 @dataclass(frozen=True)
@@ -46,9 +50,10 @@ class PerBatch:
         return PerBatch(max(self.fixed, other.fixed), max(self.per_sample, other.per_sample))
 
     @classmethod
-    def fit(cls, at_one: int, at_two: int) -> PerBatch:
-        per_sample = max(0, at_two - at_one)
-        return cls(float(max(0, at_one - per_sample)), float(per_sample))
+    def fit(cls, at_small: int, at_large: int) -> PerBatch:
+        """From the bytes at micro-batches ``SMALL`` and ``LARGE``."""
+        per_sample = max(0.0, (at_large - at_small) / (LARGE - SMALL))
+        return cls(max(0.0, at_small - per_sample * SMALL), per_sample)
 
 
 @dataclass
@@ -88,8 +93,8 @@ def measure_activations(
     spec: DataSpec,
     autocast: torch.dtype | None,
 ) -> ActivationProfile:
-    """Fit the activation profile of ``model`` (built under ``mode``) from micro-batches 1 and 2."""
-    one, two = (saved_bytes(mode, model, blocks, task, spec, batch, autocast) for batch in (1, 2))
+    """Fit the activation profile of ``model`` (built under ``mode``) from two micro-batches."""
+    one, two = (saved_bytes(mode, model, blocks, task, spec, batch, autocast) for batch in (SMALL, LARGE))
     return ActivationProfile(
         before=PerBatch.fit(one.before, two.before),
         after=PerBatch.fit(one.after, two.after),
