@@ -138,3 +138,12 @@ def test_corrupt_shard_is_skipped_and_the_previous_checkpoint_used(runs: Runs, t
     said = events(run_dir)
     assert any(e.startswith(f"skipped checkpoint {newest.name}") for e in said), said
     assert any(e.startswith("resumed from") and "checkpoint_000000020" in e for e in said), said
+
+
+def test_tensor_parallel_run_continues_on_one_worker_without_it(runs: Runs) -> None:
+    run_dir = runs["tp2"].run_dir
+    resumed = trainforge.fit(lm_config(run_dir.parent, "ddp", workers=1, max_steps=STEPS + 5))
+    assert resumed.summary["status"] == "finished" and resumed.summary["global_step"] == STEPS + 5
+    said = events(run_dir)
+    assert any(e.startswith("resumed from") and f"checkpoint_{STEPS:09d}" in e for e in said), said
+    assert any("resharded: the checkpoint was written by ddp x tp2, this run uses ddp" in e for e in said), said

@@ -213,22 +213,38 @@ MEASURES: dict[str, Callable[[Workload, int, Path], float]] = {
 
 
 def _run_script(command: list[str], workload: Workload, scratch: Path, *, threads: int, what: str) -> float:
-    """Run a peer's script in a fresh process tree and read the figure it writes as JSON."""
+    """Run a peer's script in a fresh process tree and read the figure it writes as JSON.
+
+    A peer that crashes (a reference script, not trainforge: e.g. gloo aborting a process at
+    shutdown) is run once more, with its error on stderr; a second crash fails the benchmark."""
     scratch.mkdir(parents=True, exist_ok=True)
     out = scratch / "result.json"
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": _python_path()}
-    done = subprocess.run(
-        [*command, "--workload", workload.to_json(), "--out", str(out)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=SUBPROCESS_TIMEOUT_S,
-        check=False,
-    )
-    if done.returncode != 0 or not out.is_file():
-        tail = " | ".join(done.stderr.strip().splitlines()[-3:]) or "no output"
-        raise PeerFailed(f"{what} exited with code {done.returncode}: {tail}")
-    return float(json.loads(out.read_text())["samples_per_s"])
+    for attempt in (1, 2):
+        out.unlink(missing_ok=True)
+        done = subprocess.run(
+            [*command, "--workload", workload.to_json(), "--out", str(out)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=SUBPROCESS_TIMEOUT_S,
+            check=False,
+        )
+        if done.returncode == 0 and out.is_file():
+            return float(json.loads(out.read_text())["samples_per_s"])
+        failure = f"{what} exited with code {done.returncode}: {crash_lines(done.stderr)}"
+        if attempt == 1:
+            print(f"warning: {failure}; measuring it again", file=sys.stderr)
+    raise PeerFailed(failure)
+
+
+def crash_lines(stderr: str) -> str:
+    """What a crashed process said: its error lines (exceptions, C++ aborts) and its last lines."""
+    lines = [line.strip() for line in stderr.strip().splitlines() if line.strip()]
+    markers = ("Error", "error:", "terminate called", "what():", "Exception", "Signal")
+    errors = [line for line in lines if any(m in line for m in markers)]
+    picked = list(dict.fromkeys([*errors[:3], *lines[-3:]]))
+    return " | ".join(picked) or "no output"
 
 
 def _python_path() -> str:
