@@ -3,7 +3,7 @@
 The model is built under ``FakeTensorMode`` (meta storage: shapes and dtypes, no bytes), so a 10B
 model costs seconds and no memory. Parameters, gradients and optimizer state follow from the
 parameter shapes and the strategy (docs/planning.md gives each term's model); activations are
-measured, not guessed: one fake forward and loss at micro-batch 1 and 2 under
+measured, not guessed: one fake forward and loss at micro-batches 2 and 4 under
 ``saved_tensors_hooks`` sums the bytes autograd keeps for backward, by repeated block, and the two
 points give a fixed part and a per-sample part (activations are linear in the micro-batch).
 
