@@ -35,7 +35,7 @@ from torch.utils.data import default_collate
 from trainforge.checkpoint.state import capture_rng, restore_rng
 from trainforge.errors import ConfigError
 from trainforge.worker import parallel
-from trainforge.worker.memory import GIB, max_micro_batch
+from trainforge.worker.memory import GIB, max_micro_batch, optimizer_states
 
 if TYPE_CHECKING:
     from trainforge.worker.build import WorkerRun
@@ -43,7 +43,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("trainforge.worker")
 
 GPU_MARGIN = 0.9  # on GPU, use at most this share of the largest micro-batch that passed a trial
-OPTIMIZER_SLOTS = {"sgd": 1, "adam": 2, "adamw": 2}  # state tensors per parameter once the optimizer steps
 
 
 def divisors(n: int) -> list[int]:
@@ -209,7 +208,5 @@ def optimizer_placeholders(run: WorkerRun) -> list[torch.Tensor]:
     optimizer = run.runner.optimizer
     if run.device.type != "cuda" or any(optimizer.state.values()):
         return []
-    slots = OPTIMIZER_SLOTS.get(run.config.optim.name, 0)
-    if run.config.optim.name == "sgd" and run.config.optim.momentum == 0:
-        slots = 0
+    slots, _ = optimizer_states(run.config)  # the planner's count of state tensors per parameter
     return [torch.empty_like(p) for group in optimizer.param_groups for p in group["params"] for _ in range(slots)]
