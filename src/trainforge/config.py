@@ -109,9 +109,41 @@ class ModelConfig(Section):
         return self
 
 
+class ColumnsConfig(Section):
+    """Which columns of a streaming source (parquet, images, jsonl) hold the input and the target;
+    None takes the source's default (docs/data.md)."""
+
+    input: str | None = None
+    target: str | None = None
+
+
+class AugmentConfig(Section):
+    """Training augmentation for image sources, per batch (data/augment.py); off unless ``data.augment`` is set."""
+
+    crop: Literal["none", "random_resized", "pad"] = "pad"
+    crop_scale: tuple[Annotated[float, Field(gt=0.0, le=1.0)], Annotated[float, Field(gt=0.0, le=1.0)]] = (0.08, 1.0)
+    pad: Annotated[int, Field(ge=0, le=1024)] = 4
+    flip: bool = True
+    normalize: bool = True
+    mean: Annotated[list[float], Field(min_length=1, max_length=8)] | None = None
+    std: Annotated[list[Annotated[float, Field(gt=0.0)]], Field(min_length=1, max_length=8)] | None = None
+    backend: Literal["auto", "torchvision", "kornia"] = "auto"
+
+
 class DataConfig(Section):
     name: str = "digits"
     path: str | None = None
+    # A held-out set read from here instead of split off by data.val_fraction (streaming sources).
+    val_path: str | None = None
+    # The user's data: "pkg.module:function" returning a map-style Dataset or a Ray Dataset (data/factory.py).
+    factory: str | None = None
+    columns: ColumnsConfig = Field(default_factory=ColumnsConfig)
+    augment: AugmentConfig | None = None
+    # tokens: windows of seq_len tokens, at random offsets or one after another (data/tokens.py).
+    windows: Literal["random", "sequential"] = "random"
+    # Streaming sources: the local shuffle buffer (rows) per worker and the batches fetched ahead.
+    shuffle_buffer: Annotated[int, Field(ge=0, le=MAX_BATCH)] = 1024
+    prefetch_batches: Annotated[int, Field(ge=0, le=1024)] = 2
     kind: Literal["image", "tokens"] = "image"
     input_shape: Annotated[list[Dim], Field(min_length=1, max_length=8)] = Field(default_factory=lambda: [3, 32, 32])
     num_classes: Annotated[int, Field(ge=2, le=MAX_DIM)] = 10
@@ -123,6 +155,21 @@ class DataConfig(Section):
     num_workers: Annotated[int, Field(ge=0, le=1024)] = 0
     pin_memory: bool | None = None
     shuffle: bool = True
+
+    @field_validator("augment", mode="before")
+    @classmethod
+    def _augment_switch(cls, value: Any) -> Any:
+        """``augment: true`` is the defaults, ``false`` is off."""
+        if value is True:
+            return {}
+        return None if value is False else value
+
+    @field_validator("factory")
+    @classmethod
+    def _factory_path(cls, value: str | None) -> str | None:
+        if value is not None and not re.fullmatch(r"[\w.]+:[\w.]+", value):
+            raise ValueError(f"must look like 'package.module:function', got {value!r}")
+        return value
 
 
 class TrainConfig(Section):
