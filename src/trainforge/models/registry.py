@@ -7,7 +7,6 @@ package ``__init__`` imports every builder module, so the table is complete befo
 from __future__ import annotations
 
 import difflib
-import importlib
 import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -18,6 +17,7 @@ from torch import nn
 from trainforge.config import ModelConfig
 from trainforge.data.spec import DataSpec
 from trainforge.errors import ModelError
+from trainforge.factories import describe, load_factory, one_line
 
 Builder = Callable[..., nn.Module]
 """``builder(spec, **kwargs) -> nn.Module``; raises ModelError when the data does not fit."""
@@ -79,52 +79,13 @@ def build_builtin(name: str, spec: DataSpec, kwargs: Mapping[str, Any]) -> nn.Mo
         ) from err
 
 
-def one_line(text: str) -> str:
-    return " ".join(text.split())
-
-
-def describe(err: BaseException) -> str:
-    return f"{type(err).__name__}: {one_line(str(err))}"
-
-
 def accepted_kwargs(builder: Builder) -> str:
     names = [p.name for p in list(inspect.signature(builder).parameters.values())[1:] if p.kind is p.KEYWORD_ONLY]
     return ", ".join(names) or "none"
 
 
 # ---------------------------------------------------------------------------------------------
-# User factories: "package.module:function", called with model.kwargs
-
-
-def load_factory(path: str, key: str = "model.factory", returns: str = "a torch.nn.Module") -> Callable[..., Any]:
-    """Import ``package.module`` and walk the attribute path after the colon; errors name ``key``."""
-    module_name, sep, attr_path = path.partition(":")
-    if not sep or not module_name or not attr_path:
-        raise ModelError(f"{key} must look like 'package.module:function', got {path!r}")
-    try:
-        target: Any = importlib.import_module(module_name)
-    except ImportError as err:
-        raise ModelError(
-            f"{key} {path!r}: cannot import module {module_name!r} ({one_line(str(err))}); "
-            "check the spelling and that it is importable on every worker (PYTHONPATH or an installed package)"
-        ) from err
-    except Exception as err:
-        raise ModelError(f"{key} {path!r}: importing module {module_name!r} raised {describe(err)}") from err
-    owner = module_name
-    for part in attr_path.split("."):
-        if not hasattr(target, part):
-            public = [n for n in dir(target) if not n.startswith("_")]
-            close = difflib.get_close_matches(part, public, n=1, cutoff=0.6)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise ModelError(f"{key} {path!r}: {owner!r} has no attribute {part!r}{hint}")
-        target = getattr(target, part)
-        owner = f"{owner}.{part}"
-    if not callable(target):
-        raise ModelError(
-            f"{key} {path!r} is not callable (got a value of type {type(target).__name__}); "
-            f"point it at a function that returns {returns}"
-        )
-    return target
+# User factories: "package.module:function" (trainforge.factories), called with model.kwargs
 
 
 def build_from_factory(path: str, kwargs: Mapping[str, Any]) -> nn.Module:
