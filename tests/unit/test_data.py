@@ -216,7 +216,15 @@ def test_cifar10_reads_both_formats(tmp_path: Path, fmt: str, point_at: str) -> 
     path = tmp_path if point_at == "parent" else folder
     train, val, spec = build_datasets(DataConfig(name="cifar10", path=str(path)), seed=0)
     assert val is not None and (len(train), len(val)) == (20, 10)
-    assert spec == DataSpec(kind="image", input_shape=(3, 32, 32), num_classes=10, train_size=20, val_size=10)
+    assert spec == DataSpec(
+        kind="image",
+        input_shape=(3, 32, 32),
+        num_classes=10,
+        train_size=20,
+        val_size=10,
+        pixel_mean=CIFAR_MEAN,
+        pixel_std=CIFAR_STD,
+    )
     data, labels = cifar_arrays(4, 8)  # data_batch_3
     x, y = train[9]
     assert x.shape == (3, 32, 32) and x.dtype == torch.float32 and int(y) == labels[1]

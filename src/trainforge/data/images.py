@@ -38,11 +38,17 @@ FOLDER_LAYOUT = "a folder with train/<class>/*.png|jpg and optionally val/<class
 
 
 class CifarImages(PairDataset):
-    """CIFAR images kept as uint8 (a quarter of the float size), normalised per item."""
+    """CIFAR images kept as uint8 (a quarter of the float size), as float in [0, 1] per item.
 
-    def __init__(self, images: torch.Tensor, labels: torch.Tensor) -> None:
+    With ``normalize`` each item is also normalised by CIFAR-10's statistics; without, the batch
+    augmenter (``data.augment``, data/augment.py) normalises after cropping and flipping, since a
+    crop's padding is black in pixel space, not in normalised space.
+    """
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, normalize: bool = True) -> None:
         self.images = images
         self.labels = labels
+        self.normalize = normalize
         self.mean = torch.tensor(CIFAR_MEAN).view(3, 1, 1)
         self.std = torch.tensor(CIFAR_STD).view(3, 1, 1)
 
@@ -51,20 +57,33 @@ class CifarImages(PairDataset):
 
     def __getitem__(self, index: int) -> Pair:
         image = self.images[index].to(torch.float32).div_(255.0)
-        return (image - self.mean) / self.std, self.labels[index]
+        if self.normalize:
+            image = (image - self.mean) / self.std
+        return image, self.labels[index]
 
 
 def build_cifar10(cfg: DataConfig, seed: int) -> Splits:
     """The 50k training and 10k test images of CIFAR-10; the test batch is the validation set.
 
-    ``seed`` and ``data.val_fraction`` are unused: the split is the data set's own.
+    ``seed`` and ``data.val_fraction`` are unused: the split is the data set's own. Items are
+    normalised by CIFAR-10's mean and std, unless ``data.augment`` is set: then the augmenter
+    normalises whole batches (with the same statistics by default, ``DataSpec.pixel_mean/std``).
     """
     folder, fmt = find_cifar_folder(require_path(cfg, CIFAR_LAYOUT))
     read = _read_cifar_bin if fmt == "bin" else _read_cifar_py
     suffix = ".bin" if fmt == "bin" else ""
-    train = _concat([read(folder / f"{name}{suffix}") for name in CIFAR_TRAIN])
-    val = read(folder / f"{CIFAR_TEST}{suffix}")
-    spec = DataSpec(kind="image", input_shape=(3, 32, 32), num_classes=10, train_size=len(train), val_size=len(val))
+    normalize = cfg.augment is None
+    train = _concat([read(folder / f"{name}{suffix}") for name in CIFAR_TRAIN], normalize)
+    val = _concat([read(folder / f"{CIFAR_TEST}{suffix}")], normalize)
+    spec = DataSpec(
+        kind="image",
+        input_shape=(3, 32, 32),
+        num_classes=10,
+        train_size=len(train),
+        val_size=len(val),
+        pixel_mean=CIFAR_MEAN,
+        pixel_std=CIFAR_STD,
+    )
     return train, val, spec
 
 
@@ -91,8 +110,8 @@ def find_cifar_folder(root: Path) -> tuple[Path, str]:
     raise DataError(f"no CIFAR-10 files under {root}: data.path must be {CIFAR_LAYOUT}")
 
 
-def _concat(parts: list[CifarImages]) -> CifarImages:
-    return CifarImages(torch.cat([p.images for p in parts]), torch.cat([p.labels for p in parts]))
+def _concat(parts: list[CifarImages], normalize: bool) -> CifarImages:
+    return CifarImages(torch.cat([p.images for p in parts]), torch.cat([p.labels for p in parts]), normalize)
 
 
 def _read_cifar_bin(path: Path) -> CifarImages:

@@ -17,3 +17,7 @@ class DataSpec:
     seq_len: int | None = None  # tokens
     train_size: int = 0
     val_size: int = 0
+    # Per-channel statistics the source publishes for normalising its images (CIFAR-10's own);
+    # None: data.augment normalises with data.augment.mean/std or 0.5 (data/augment.py).
+    pixel_mean: tuple[float, ...] | None = None
+    pixel_std: tuple[float, ...] | None = None
