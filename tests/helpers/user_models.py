@@ -84,3 +84,30 @@ def paced_tp_plan(model: nn.Module) -> dict[str, str]:
     """A user's tensor-parallel plan for ``paced_net`` (parallel.tp_plan): the hidden layer split by
     its output units, the classifier by its inputs: one all-reduce per forward."""
     return {"inner.1": "colwise", "inner.4": "rowwise"}
+
+
+class IdRecorder(nn.Module):
+    """A digits classifier for rows whose first value is the sample's id (tests.helpers.tables):
+    each training forward appends the batch's ids to ``<record_to>/<pid>.ids`` (one line per
+    forward), then classifies the other 64 values at no less than ``delay_s`` a step."""
+
+    def __init__(self, record_to: str, delay_s: float, hidden: int) -> None:
+        super().__init__()
+        self.record_to = record_to
+        self.delay_s = delay_s
+        self.inner = nn.Sequential(nn.Flatten(), nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, 10))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            import os
+
+            rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+            ids = " ".join(str(int(i)) for i in x[:, 0].tolist())
+            with open(os.path.join(self.record_to, f"rank{rank}-{os.getpid()}.ids"), "a") as out:
+                out.write(ids + "\n")
+            time.sleep(self.delay_s)
+        return self.inner(x[:, 1:])
+
+
+def id_recorder(record_to: str, delay_s: float = 0.05, hidden: int = 32) -> nn.Module:
+    return IdRecorder(record_to, delay_s, hidden)

@@ -40,10 +40,12 @@ def held_bytes(rank: int, world: int, config_dict: dict[str, Any]) -> dict[str, 
     from trainforge.worker.step import MetricSums
 
     run = build(Config.model_validate(config_dict), ranks=(rank, world))
-    run.data.sampler.set_epoch(0)
+    sampler = run.data.sampler
+    assert sampler is not None, "bench memory reads a map-style data set"
+    sampler.set_epoch(0)
     loader = make_loader(
         run.data.train_set,
-        run.data.sampler,
+        sampler,
         run.data.micro_batch,
         num_workers=0,
         pin_memory=False,

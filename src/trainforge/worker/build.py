@@ -16,6 +16,7 @@ from torch.utils.data import default_collate
 
 from trainforge.config import Config, ParallelConfig
 from trainforge.data import build_datasets
+from trainforge.data.stream import StreamFeed, StreamPlan
 from trainforge.models import Task, build_model, build_task
 from trainforge.worker import parallel
 from trainforge.worker.blocks import repeated_blocks
@@ -51,8 +52,18 @@ class WorkerRun:
         return self.plan.layout.dp
 
 
-def build(config: Config, ranks: tuple[int, int] | None = None) -> WorkerRun:
-    """One worker's run; ``ranks`` (rank, world) outside Ray Train (a test's own gloo group)."""
+def build(
+    config: Config,
+    ranks: tuple[int, int] | None = None,
+    *,
+    stream: dict[str, Any] | None = None,
+    feed: StreamFeed | None = None,
+) -> WorkerRun:
+    """One worker's run; ``ranks`` (rank, world) outside Ray Train (a test's own gloo group).
+
+    A streamed source (data/stream.py) comes as the driver's ``stream`` plan, read through Ray
+    Train's dataset shards, or (outside Ray Train) as a ready ``feed``.
+    """
     if ranks is None:
         ctx = ray.train.get_context()
         rank, world = ctx.get_world_rank(), ctx.get_world_size()
@@ -66,7 +77,17 @@ def build(config: Config, ranks: tuple[int, int] | None = None) -> WorkerRun:
 
     layout = Layout(rank, world, config.parallel.tensor_parallel)
     # A tensor-parallel group reads one batch: the data is split over the data-parallel ranks.
-    data = DataSource.build(config, layout.dp_rank, layout.dp, pin_memory=pin_memory(config, device))
+    if stream is not None and feed is None:
+        feed = StreamFeed(
+            StreamPlan.from_dict(stream),
+            ray.train.get_dataset_shard("train"),
+            ray.train.get_dataset_shard("val") if stream["val_rows"] else None,
+            config.data,
+            seed=config.seed,
+            rank=rank,
+            world=world,
+        )
+    data = DataSource.build(config, layout.dp_rank, layout.dp, pin_memory=pin_memory(config, device), feed=feed)
     # Same seed on every rank for the weights; DDP also broadcasts rank 0's copy.
     seed_all(config.seed)
     plain = build_model(config.model, data.spec)

@@ -27,6 +27,7 @@ from trainforge.checkpoint.state import Progress, capture_rng, restore_rng
 from trainforge.config import Config
 from trainforge.data import ResumableDistributedSampler, build_datasets, make_loader
 from trainforge.data.spec import DataSpec
+from trainforge.data.stream import StreamEpoch, StreamFeed
 from trainforge.errors import ConfigError, DataError
 
 
@@ -35,10 +36,10 @@ class DataSource:
     """One rank's training and validation data. The same (epoch, position) gives the same next
     batch, on any restart: the position is all a checkpoint needs to resume mid-epoch."""
 
-    train_set: Any
+    train_set: Any  # a map-style data set, or the rank's Ray Data shard of a streamed one
     val_set: Any
     spec: DataSpec
-    sampler: ResumableDistributedSampler
+    sampler: ResumableDistributedSampler | None  # map-style sets only
     steps_per_epoch: int
     config: Config
     rank: int
@@ -54,14 +55,26 @@ class DataSource:
     # Where the source stands is kept in the run's Progress (one record for checkpoints and
     # reports): ``epoch`` and ``epoch_position``, the samples this rank consumed in the epoch.
     progress: Progress = field(default_factory=Progress)
+    # Streamed sources (data/stream.py: parquet, images, jsonl): the rank's Ray Data shards.
+    feed: StreamFeed | None = None
 
     @classmethod
-    def build(cls, config: Config, rank: int, world: int, *, pin_memory: bool) -> DataSource:
-        train_set, val_set, spec = build_datasets(config.data, config.seed)
-        sampler = ResumableDistributedSampler(len(train_set), world, rank, config.data.shuffle, config.seed, even=True)
+    def build(
+        cls, config: Config, rank: int, world: int, *, pin_memory: bool, feed: StreamFeed | None = None
+    ) -> DataSource:
+        sampler: ResumableDistributedSampler | None = None
+        if feed is not None:
+            train_set, val_set, spec = feed.train, feed.val, feed.plan.spec
+            per_rank = feed.per_rank_size()
+        else:
+            train_set, val_set, spec = build_datasets(config.data, config.seed)
+            sampler = ResumableDistributedSampler(
+                len(train_set), world, rank, config.data.shuffle, config.seed, even=True
+            )
+            per_rank = sampler.per_rank_size()
         micro, accum = configured_split(config, world)
         per_step = micro * accum
-        steps_per_epoch = sampler.per_rank_size() // per_step
+        steps_per_epoch = per_rank // per_step
         if steps_per_epoch == 0:
             what = (
                 "train.global_batch_size / workers"
@@ -69,7 +82,7 @@ class DataSource:
                 else "train.batch_size x train.grad_accum_steps"
             )
             raise DataError(
-                f"{what} = {per_step} exceeds the {sampler.per_rank_size()} "
+                f"{what} = {per_step} exceeds the {per_rank} "
                 f"training samples each of {world} workers gets; lower the batch size or use fewer workers"
             )
         batch_from = "pending" if config.train.auto_batch else "config"
@@ -86,6 +99,7 @@ class DataSource:
             micro,
             accum,
             batch_from,
+            feed=feed,
         )
 
     @property
@@ -115,6 +129,9 @@ class DataSource:
 
     def batches(self) -> Iterator[Sequence[torch.Tensor]]:
         """The training batches from the current position to the end of the epoch."""
+        if self.feed is not None:
+            return self.feed.train_batches(self.epoch, self.position, self.micro_batch, pin_memory=self.pin_memory)
+        assert self.sampler is not None
         self.sampler.set_epoch(self.epoch)
         self.sampler.set_start(self.position)
         cfg = self.config
@@ -131,8 +148,11 @@ class DataSource:
         )
         return iter(loader)
 
-    def val_batches(self) -> DataLoader[Any] | None:
-        """This rank's disjoint share of the validation set, every sample once over all ranks."""
+    def val_batches(self) -> DataLoader[Any] | StreamEpoch | None:
+        """This rank's disjoint share of the validation set, every sample once over all ranks
+        (streamed: an equal share each, the remainder of fewer rows than ranks left out)."""
+        if self.feed is not None:
+            return self.feed.val_batches(self.micro_batch)
         if self.val_set is None:
             return None
         cfg = self.config

@@ -43,7 +43,7 @@ def train_loop_per_worker(payload: dict[str, Any]) -> dict[str, Any]:
 def run_worker(payload: dict[str, Any]) -> dict[str, Any]:
     config = Config.model_validate(payload["config"])
     try:
-        run = build(config)
+        run = build(config, stream=payload.get("stream"))
         checkpointing = Checkpointing(run, run_store())
         restored = restore(run, checkpointing.store)
         batch_event = choose_batch(run)  # train.batch_size: auto (a resume keeps the checkpoint's split)
