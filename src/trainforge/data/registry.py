@@ -1,7 +1,8 @@
 """Data sources by name: ``data.name`` picks a builder that turns the data config into data sets.
 
 Adding a source is one builder function with the ``SourceBuilder`` signature and one line in
-``SOURCES``.
+``SOURCES``. ``data.factory`` (the user's own data, data/factory.py) is the source ``factory``
+whether ``data.name`` says so or is left at its default.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import difflib
 from collections.abc import Callable
 
 from trainforge.config import DataConfig
+from trainforge.data.factory import build_factory, source_name
 from trainforge.data.images import build_cifar10, build_imagefolder
 from trainforge.data.sources import PairDataset, Splits, build_digits
 from trainforge.data.spec import DataSpec
@@ -24,6 +26,7 @@ SOURCES: dict[str, SourceBuilder] = {
     "digits": build_digits,
     "cifar10": build_cifar10,
     "imagefolder": build_imagefolder,
+    "factory": build_factory,
 }
 
 
@@ -33,12 +36,13 @@ def build_datasets(cfg: DataConfig, seed: int) -> tuple[PairDataset, PairDataset
     Both sets are map-style and yield ``(input, target)`` tensor pairs. The built-in sources
     ignore ``seed``: their data and splits are the same for every run seed.
     """
-    builder = SOURCES.get(cfg.name)
+    name = source_name(cfg)
+    builder = SOURCES.get(name)
     if builder is None:
-        raise DataError(unknown_source_message(cfg.name))
+        raise DataError(unknown_source_message(name))
     train, val, spec = builder(cfg, seed)
     if len(train) == 0:
-        raise DataError(f"data.name {cfg.name} built an empty training set: check data.path and data.num_samples")
+        raise DataError(f"data.name {name} built an empty training set: check data.path and data.num_samples")
     return train, val, spec
 
 
