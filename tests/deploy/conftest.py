@@ -41,7 +41,8 @@ def checkov_reports(
     rendered: dict[str, list[dict[str, Any]]], tmp_path_factory: pytest.TempPathFactory
 ) -> list[dict[str, Any]]:
     """One checkov run over: every overlay's rendered objects; every pod template in them as the
-    Pod KubeRay makes of it (checkov does not read KubeRay's custom resources); the Dockerfiles."""
+    Pod KubeRay makes of it (checkov does not read KubeRay's custom resources); the Dockerfiles.
+    The first use on a machine installs checkov (1-6 minutes), hence its tests' `slow` mark."""
     binary, why = checkov_binary()
     if binary is None:
         pytest.skip(why)

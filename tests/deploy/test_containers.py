@@ -176,6 +176,8 @@ def test_the_laptop_run_resolves_with_the_cluster_environment() -> None:
     assert config.tracking.uri == "http://mlflow:5000"
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
 def test_checkov_passes_on_the_manifests_pod_templates_and_dockerfiles(checkov_reports: list[dict[str, Any]]) -> None:
     by_type = {r["check_type"]: r for r in checkov_reports}
     assert set(by_type) == {"kubernetes", "dockerfile"}, set(by_type)
@@ -192,6 +194,8 @@ def test_checkov_passes_on_the_manifests_pod_templates_and_dockerfiles(checkov_r
     assert len(pods) == 6, pods  # head, worker group and submitter of each overlay
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
 def test_every_checkov_skip_is_justified_inline(checkov_reports: list[dict[str, Any]]) -> None:
     skipped = [c for r in checkov_reports for c in r["results"]["skipped_checks"]]
     assert skipped, "expected the documented skips (image digests, the head's token, the submitter's probes)"
