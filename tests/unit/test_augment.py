@@ -6,7 +6,6 @@ import importlib.util
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -179,11 +178,11 @@ def test_time_per_batch() -> None:
             batch = images(size)
             aug(batch)
             times = []
-            for _ in range(3):
+            for _ in range(5):
                 start = time.perf_counter()
                 aug(batch)
                 times.append(time.perf_counter() - start)
-            line.append(f"{size}: {np.median(times) * 1e3:.1f} ms")
+            line.append(f"{size}: {min(times) * 1e3:.1f} ms")  # the best of 5: the least disturbed by other load
         print(f"\naugment kornia {crop}, {torch.get_num_threads()} thread(s), per batch: {', '.join(line)}", end="")
     batch = images(256)
     start = time.perf_counter()
