@@ -11,10 +11,10 @@ import trainforge
 from tests.helpers.runs import tiny_run
 from trainforge.errors import DataError
 
-# Each test is a Ray Train run (8-11 s of start-up alone on the CI machine).
-pytestmark = [pytest.mark.usefixtures("ray_local"), pytest.mark.slow]
+pytestmark = pytest.mark.usefixtures("ray_local")
 
 
+@pytest.mark.slow  # a Ray Train run of 60 steps with validation and the run's report: over 10 s
 def test_a_user_data_factory_trains(tmp_path: Path) -> None:
     config = tiny_run(
         tmp_path,
@@ -30,6 +30,7 @@ def test_a_user_data_factory_trains(tmp_path: Path) -> None:
 
 
 def test_a_factory_returning_the_wrong_type_stops_the_run_in_one_line(tmp_path: Path) -> None:
+    """The worker's DataError reaches the caller as is, without retries (a user error, not a crash)."""
     config = tiny_run(tmp_path, data={"factory": "tests.helpers.user_data:wrong_type"}, failure={"max_failures": 2})
     with pytest.raises(DataError) as caught:
         trainforge.fit(config)
