@@ -28,6 +28,8 @@ app.add_typer(config_app, name="config")
 app.add_typer(bench_app, name="bench")
 ckpt_app = typer.Typer(help="List, verify and inspect checkpoints.", no_args_is_help=True)
 app.add_typer(ckpt_app, name="ckpt")
+data_app = typer.Typer(help="Prepare and verify token corpora for language models.", no_args_is_help=True)
+app.add_typer(data_app, name="data")
 
 err_console = Console(stderr=True)
 
@@ -379,6 +381,98 @@ def report(
     from trainforge.report import write_report
 
     typer.echo(str(write_report(run_dir)))
+
+
+@data_app.command("prepare")
+def data_prepare(
+    inputs: Annotated[
+        list[str],
+        typer.Argument(
+            help="Text files, directories (recursively), .jsonl files (a 'text' field per line), "
+            "or stdlib: the Python standard library's own sources."
+        ),
+    ],
+    output: Annotated[Path, typer.Option("--output", "-o", help="The folder to write (must be new or empty).")],
+    tokenizer: Annotated[
+        str, typer.Option(help="bytes (UTF-8 bytes), bpe:VOCAB (train a byte-level BPE) or a tokenizer.json path.")
+    ] = "bytes",
+    val_fraction: Annotated[float, typer.Option(help="Share of documents held out for validation, by content.")] = 0.05,
+    workers: Annotated[
+        int | None, typer.Option(help="Tokenizing processes for large inputs; default one per CPU.")
+    ] = None,
+    max_files: Annotated[int | None, typer.Option(help="Use at most this many input files, evenly spaced.")] = None,
+    include: Annotated[
+        list[str] | None, typer.Option(help="In directories, only file names matching this glob (repeatable).")
+    ] = None,
+    shard_tokens: Annotated[
+        int | None, typer.Option(help="Tokens per shard file; default 134217728 (256 MiB of uint16).")
+    ] = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace a corpus already prepared at --output.")] = False,
+) -> None:
+    """Tokenize INPUT... into memory-mapped token shards, an index and a manifest (SHA-256 per file) in --output."""
+    if workers is not None and not 1 <= workers <= 1024:
+        raise TrainforgeError(f"--workers {workers}: from 1 to 1024")
+    if max_files is not None and max_files < 1:
+        raise TrainforgeError(f"--max-files {max_files}: must be >= 1")
+    if shard_tokens is not None and not 1024 <= shard_tokens <= 1 << 31:
+        raise TrainforgeError(f"--shard-tokens {shard_tokens}: from 1024 to {1 << 31}")
+    from trainforge.data.corpus import DEFAULT_SHARD_TOKENS, PrepareOptions, prepare_corpus
+    from trainforge.data.tokens import describe
+
+    _setup_logging(False)
+    options = PrepareOptions(
+        inputs=inputs,
+        output=output,
+        tokenizer=tokenizer,
+        val_fraction=val_fraction,
+        workers=workers,
+        max_files=max_files,
+        include=include or [],
+        shard_tokens=shard_tokens or DEFAULT_SHARD_TOKENS,
+        force=force,
+    )
+    prepared = prepare_corpus(options, show_progress=sys.stderr.isatty())
+    skipped = f"; {prepared.skipped} files skipped (binary or not UTF-8)" if prepared.skipped else ""
+    typer.echo(f"prepared {prepared.path} in {prepared.seconds:.1f} s: {describe(prepared.manifest)}{skipped}")
+
+
+@data_app.command("verify")
+def data_verify(
+    path: Annotated[Path, typer.Argument(help="A folder written by trainforge data prepare.")],
+    quick: Annotated[bool, typer.Option("--quick", help="Check sizes only, not the SHA-256 digests.")] = False,
+) -> None:
+    """Check a prepared corpus against its manifest (sizes and SHA-256): exit 0 if valid, else one line and 2."""
+    from trainforge.data.shards import verify_corpus
+    from trainforge.data.tokens import describe
+
+    manifest = verify_corpus(path, full=not quick, origin="corpus")
+    size = sum(entry.size for entry in manifest.files.values())
+    checked = "sizes checked" if quick else "SHA-256 checked"
+    typer.echo(f"valid: {path} ({len(manifest.files)} files, {size:,} bytes, {checked}): {describe(manifest)}")
+
+
+@app.command()
+def generate(
+    run_dir: Annotated[Path, typer.Argument(help="A run directory of a language model trained on data.name tokens.")],
+    prompt: Annotated[str, typer.Option(help="The text to continue.")] = "",
+    max_tokens: Annotated[int, typer.Option(help="Tokens to generate at most (stops at an end of document).")] = 200,
+    temperature: Annotated[float, typer.Option(help="Sampling temperature; 0 picks the likeliest token.")] = 0.8,
+    top_k: Annotated[int, typer.Option(help="Sample among the k likeliest tokens; 0: all.")] = 0,
+    seed: Annotated[int, typer.Option(help="Seed of the sampling.")] = 0,
+) -> None:
+    """Print PROMPT continued by the run's final model (RUN_DIR/model.safetensors)."""
+    import math
+
+    if not 1 <= max_tokens <= 100_000:
+        raise TrainforgeError(f"--max-tokens {max_tokens}: from 1 to 100000")
+    if not (math.isfinite(temperature) and 0 <= temperature <= 100):
+        raise TrainforgeError(f"--temperature {temperature}: a number from 0 (greedy) to 100")
+    if top_k < 0:
+        raise TrainforgeError(f"--top-k {top_k}: must be >= 0 (0 keeps every token)")
+    from trainforge.generate import Sampling, load_run_model, sample
+
+    run = load_run_model(run_dir)
+    typer.echo(sample(run, prompt, Sampling(max_tokens, temperature, top_k, seed)))
 
 
 def _wide_console() -> Console:

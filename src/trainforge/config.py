@@ -130,6 +130,18 @@ class AugmentConfig(Section):
     backend: Literal["auto", "torchvision", "kornia"] = "auto"
 
 
+class PrepareConfig(Section):
+    """``data.prepare``: the token corpus ``trainforge train`` writes at ``data.path`` when it holds
+    none (data/tokens.py), as ``trainforge data prepare`` would; the same options."""
+
+    inputs: Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=4096)]
+    tokenizer: Annotated[str, Field(min_length=1)] = "bytes"  # bytes, bpe:VOCAB or a tokenizer.json path
+    val_fraction: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.05
+    max_files: Annotated[int, Field(ge=1, le=MAX_SAMPLES)] | None = None
+    include: Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=256)] = Field(default_factory=list)
+    workers: Annotated[int, Field(ge=1, le=1024)] | None = None
+
+
 class DataConfig(Section):
     name: str = "digits"
     path: str | None = None
@@ -141,6 +153,7 @@ class DataConfig(Section):
     augment: AugmentConfig | None = None
     # tokens: windows of seq_len tokens, at random offsets or one after another (data/tokens.py).
     windows: Literal["random", "sequential"] = "random"
+    prepare: PrepareConfig | None = None  # tokens: write the corpus at data.path first when it is not there
     # Streaming sources: the local shuffle buffer (rows) per worker and the batches fetched ahead.
     shuffle_buffer: Annotated[int, Field(ge=0, le=MAX_BATCH)] = 1024
     prefetch_batches: Annotated[int, Field(ge=0, le=1024)] = 2
@@ -170,6 +183,12 @@ class DataConfig(Section):
         if value is not None and not re.fullmatch(r"[\w.]+:[\w.]+", value):
             raise ValueError(f"must look like 'package.module:function', got {value!r}")
         return value
+
+    @model_validator(mode="after")
+    def _prepare_needs_tokens(self) -> DataConfig:
+        if self.prepare is not None and (self.name != "tokens" or self.path is None):
+            raise ValueError("data.prepare needs data.name: tokens and data.path (the folder it writes the corpus to)")
+        return self
 
 
 class TrainConfig(Section):

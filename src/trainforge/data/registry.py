@@ -16,6 +16,7 @@ from trainforge.data.images import build_cifar10, build_imagefolder
 from trainforge.data.sources import PairDataset, Splits, build_digits
 from trainforge.data.spec import DataSpec
 from trainforge.data.synthetic import build_synthetic
+from trainforge.data.tokens import build_tokens
 from trainforge.errors import DataError
 
 SourceBuilder = Callable[[DataConfig, int], Splits]
@@ -26,6 +27,7 @@ SOURCES: dict[str, SourceBuilder] = {
     "digits": build_digits,
     "cifar10": build_cifar10,
     "imagefolder": build_imagefolder,
+    "tokens": build_tokens,
     "factory": build_factory,
 }
 

@@ -1,0 +1,471 @@
+"""``trainforge data prepare``: text files, directories and JSONL into a token corpus (data/shards.py).
+
+What it does, in order: find the input documents (data/documents.py); train the BPE tokenizer on
+the training documents if asked; tokenize the files in parallel processes; append each split's
+tokens to its shards in input order, hashing while writing; write the indexes, the per-source
+records and, last, the manifest; rename the finished folder into place. A failure leaves nothing at
+the output: the work happens in a hidden folder beside it that is removed on any error.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from trainforge.checkpoint.hashing import SHA256, open_hashing
+from trainforge.data.documents import (
+    STDLIB,
+    Skipped,
+    Task,
+    collect_tasks,
+    in_validation,
+    read_documents,
+    training_texts,
+)
+from trainforge.data.sampler import LOADER_START_METHOD
+from trainforge.data.shards import (
+    FORMAT,
+    MANIFEST_FILE,
+    SOURCES_FILE,
+    SPLITS,
+    UINT16_VOCAB,
+    CorpusManifest,
+    FileEntry,
+    Split,
+    SplitEntry,
+    TokenizerEntry,
+)
+from trainforge.data.tokenizer import (
+    TOKENIZER_FILE,
+    ByteTokenizer,
+    FileTokenizer,
+    Tokenizer,
+    TokenizerChoice,
+    parse_tokenizer,
+    read_tokenizer_file,
+    train_bpe,
+)
+from trainforge.errors import DataError
+
+DEFAULT_SHARD_TOKENS = 1 << 27  # 256 MiB of uint16 per shard
+GROUP_BYTES = 8 << 20  # input tokenized in one batch (and sent to one process)
+# Starting processes costs seconds (each imports torch through trainforge.data): below this much
+# input, one process with the tokenizers library's threads is faster.
+PROCESSES_MIN_BYTES = 64 << 20
+
+
+@dataclass(frozen=True)
+class Names:
+    """How the options are named in messages: the CLI's flags or the config's keys."""
+
+    inputs: str = "INPUT"
+    output: str = "--output"
+    tokenizer: str = "--tokenizer"
+    val_fraction: str = "--val-fraction"
+
+
+CLI_NAMES = Names()
+CONFIG_NAMES = Names("data.prepare.inputs", "data.path", "data.prepare.tokenizer", "data.prepare.val_fraction")
+
+
+@dataclass(frozen=True)
+class PrepareOptions:
+    inputs: list[str]
+    output: Path
+    tokenizer: str = "bytes"
+    val_fraction: float = 0.05
+    workers: int | None = None  # None: one per CPU
+    max_files: int | None = None  # evenly spaced over all input files, in order
+    include: list[str] = field(default_factory=list)  # file name patterns for directories ("*.py")
+    shard_tokens: int = DEFAULT_SHARD_TOKENS
+    force: bool = False  # replace a corpus already at ``output``
+    names: Names = CLI_NAMES
+
+
+@dataclass(frozen=True)
+class Prepared:
+    manifest: CorpusManifest
+    path: Path
+    skipped: int  # files found in directories that are not UTF-8 text
+    seconds: float
+
+
+@dataclass
+class TaskResult:
+    """One task's documents, tokenized, by split; ``source`` is its line of sources.jsonl."""
+
+    source: dict[str, Any]
+    tokens: dict[Split, np.ndarray]  # per split, end-of-document ids included
+    lengths: dict[Split, np.ndarray]  # tokens of each document, per split
+    text_bytes: dict[Split, int]
+    read_bytes: int  # input the task covered, for the progress bar
+    skipped: bool = False
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizing
+
+
+@dataclass(frozen=True)
+class Tokenizing:
+    """What a tokenizing process needs: the tokenizer, the storage type and the split fraction."""
+
+    tokenizer: Tokenizer
+    dtype: np.dtype[Any]
+    val_fraction: float
+
+
+_PROCESS_STATE: Tokenizing | None = None  # set once per pool process by _start_process
+
+
+def _start_process(tokenizer_json: str | None, dtype: str, val_fraction: float) -> None:
+    global _PROCESS_STATE
+    # One thread per process: the processes are the parallelism (tokenizers would start a thread per CPU each).
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    tokenizer = ByteTokenizer() if tokenizer_json is None else FileTokenizer(tokenizer_json, "tokenizer")
+    _PROCESS_STATE = Tokenizing(tokenizer, np.dtype(dtype), val_fraction)
+
+
+def _pool_group(group: list[Task]) -> list[TaskResult]:
+    assert _PROCESS_STATE is not None, "the pool's initializer sets the tokenizer"
+    return tokenize_group(group, _PROCESS_STATE)
+
+
+def tokenize_group(group: list[Task], state: Tokenizing) -> list[TaskResult]:
+    """Read, split and tokenize a group of tasks, with one batch encode over all their documents
+    (the tokenizers library spreads a batch over threads); each document ends with the end-of-document id."""
+    read: list[tuple[Task, list[bytes], str | None, str | None]] = []
+    for task in group:
+        try:
+            documents, digest = read_documents(task)
+            read.append((task, documents, digest, None))
+        except Skipped as why:
+            read.append((task, [], None, str(why)))
+    texts = [doc.decode("utf-8") for _, documents, _, _ in read for doc in documents]
+    encoded = iter(state.tokenizer.encode_batch(texts))
+    return [
+        task_result(task, docs, [next(encoded) for _ in docs], digest, skipped, state)
+        for task, docs, digest, skipped in read
+    ]
+
+
+def task_result(
+    task: Task,
+    documents: list[bytes],
+    encoded: list[np.ndarray],
+    digest: str | None,
+    skipped: str | None,
+    state: Tokenizing,
+) -> TaskResult:
+    source: dict[str, Any] = {"path": task.shown}
+    if task.jsonl:
+        source.update(start=task.start, end=task.end)
+    if skipped is not None:
+        source["skipped"] = skipped
+    chosen: dict[Split, list[int]] = {split: [] for split in SPLITS}
+    for number, document in enumerate(documents):
+        chosen["val" if in_validation(document, state.val_fraction) else "train"].append(number)
+    tokens: dict[Split, np.ndarray] = {}
+    lengths: dict[Split, np.ndarray] = {}
+    text_bytes: dict[Split, int] = {}
+    eod = np.array([state.tokenizer.eod_id], dtype=np.int64)
+    for split, numbers in chosen.items():
+        pieces = [part for n in numbers for part in (encoded[n], eod)]
+        tokens[split] = np.concatenate(pieces).astype(state.dtype) if pieces else np.zeros(0, state.dtype)
+        lengths[split] = np.array([len(encoded[n]) + 1 for n in numbers], dtype=np.int64)
+        text_bytes[split] = sum(len(documents[n]) for n in numbers)
+    if skipped is None:
+        source.update(
+            bytes=task.read_bytes,
+            sha256=digest,
+            documents={split: len(numbers) for split, numbers in chosen.items()},
+            tokens={split: len(tokens[split]) for split in SPLITS},
+        )
+    return TaskResult(source, tokens, lengths, text_bytes, task.read_bytes, skipped is not None)
+
+
+def groups(tasks: list[Task], group_bytes: int) -> Iterator[list[Task]]:
+    """Consecutive tasks in groups of about ``group_bytes`` of input."""
+    group: list[Task] = []
+    size = 0
+    for task in tasks:
+        group.append(task)
+        size += task.read_bytes
+        if size >= group_bytes:
+            yield group
+            group, size = [], 0
+    if group:
+        yield group
+
+
+def tokenized(tasks: list[Task], state: Tokenizing, workers: int) -> Iterator[TaskResult]:
+    """Every task's result, in task order.
+
+    Small inputs (under PROCESSES_MIN_BYTES) are tokenized here, one batch encode per group (on
+    the tokenizers library's threads); larger ones in ``workers`` processes, a group at a time,
+    where reading, hashing and encoding all run in parallel. The processes come from a fork
+    server (as the data loaders' do): a fresh process that has run no tokenizer threads and holds
+    no locks of the caller's threads is what is safe to fork.
+    """
+    total = sum(task.read_bytes for task in tasks)
+    if workers <= 1 or total < PROCESSES_MIN_BYTES:
+        for group in groups(tasks, GROUP_BYTES):
+            yield from tokenize_group(group, state)
+        return
+    context = multiprocessing.get_context(LOADER_START_METHOD)
+    if LOADER_START_METHOD == "forkserver":
+        context.set_forkserver_preload(["trainforge.data.corpus"])  # no effect once the server runs
+    tokenizer = state.tokenizer
+    json_text = tokenizer.json_text if isinstance(tokenizer, FileTokenizer) else None
+    initargs = (json_text, state.dtype.str, state.val_fraction)
+    with context.Pool(workers, initializer=_start_process, initargs=initargs) as pool:
+        for results in pool.imap(_pool_group, groups(tasks, GROUP_BYTES)):
+            yield from results
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing
+
+
+class SplitWriter:
+    """Appends one split's tokens to shards of at most ``shard_tokens`` tokens, hashing as it writes."""
+
+    def __init__(self, directory: Path, split: str, dtype: np.dtype[Any], shard_tokens: int) -> None:
+        self.directory = directory
+        self.split = split
+        self.dtype = dtype
+        self.shard_tokens = shard_tokens
+        self.files: dict[str, FileEntry] = {}
+        self.shards: list[str] = []
+        self.lengths: list[np.ndarray] = []
+        self.tokens = 0
+        self.text_bytes = 0
+        self._writer: Any = None
+        self._in_shard = 0
+
+    def add(self, tokens: np.ndarray, lengths: np.ndarray, text_bytes: int) -> None:
+        self.lengths.append(lengths)
+        self.text_bytes += text_bytes
+        self.tokens += len(tokens)
+        while len(tokens):
+            if self._writer is None:
+                name = f"{self.split}_{len(self.shards):05d}.bin"
+                self.shards.append(name)
+                self._writer = open_hashing(self.directory / name, SHA256)
+                self._in_shard = 0
+            room = self.shard_tokens - self._in_shard
+            self._writer.write(np.ascontiguousarray(tokens[:room], dtype=self.dtype.newbyteorder("<")).view(np.uint8))
+            self._in_shard += min(room, len(tokens))
+            tokens = tokens[room:]
+            if self._in_shard == self.shard_tokens:
+                self._close_shard()
+
+    def _close_shard(self) -> None:
+        record = self._writer.finish()
+        self.files[self.shards[-1]] = FileEntry(size=record.size, sha256=record.digest)
+        self._writer = None
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+
+    def finish(self) -> SplitEntry:
+        if self._writer is not None:
+            self._close_shard()
+        lengths = np.concatenate(self.lengths) if self.lengths else np.zeros(0, np.int64)
+        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        index = f"{self.split}_index.npy"
+        writer = open_hashing(self.directory / index, SHA256)
+        np.save(writer, offsets, allow_pickle=False)
+        record = writer.finish()
+        self.files[index] = FileEntry(size=record.size, sha256=record.digest)
+        return SplitEntry(
+            tokens=self.tokens, documents=len(lengths), bytes=self.text_bytes, shards=self.shards, index=index
+        )
+
+
+def write_jsonl(path: Path, lines: list[dict[str, Any]], files: dict[str, FileEntry]) -> None:
+    text = "".join(json.dumps(line, separators=(",", ":")) + "\n" for line in lines)
+    write_bytes(path, text.encode(), files)
+
+
+# ---------------------------------------------------------------------------------------------
+# The whole preparation
+
+
+def prepare_corpus(options: PrepareOptions, *, show_progress: bool = False) -> Prepared:
+    """Prepare the corpus ``options`` describe at ``options.output``; DataError on bad input,
+    with nothing left at ``output``."""
+    started = time.monotonic()
+    names = options.names
+    choice = parse_tokenizer(options.tokenizer, names.tokenizer)
+    if not 0.0 <= options.val_fraction < 1.0:
+        raise DataError(f"{names.val_fraction} {options.val_fraction}: must be >= 0 and < 1")
+    if not options.inputs:
+        raise DataError(f"{names.inputs}: give at least one file, directory, .jsonl file or {STDLIB}")
+    output = options.output.expanduser()
+    check_output(output, options)
+    tasks = collect_tasks(options.inputs, options.include, options.max_files, names.inputs)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    staging = output.parent / f".{output.name}.tmp-{uuid.uuid4().hex[:8]}"
+    staging.mkdir()
+    try:
+        manifest, skipped = write_corpus(staging, tasks, choice, options, show_progress)
+        move_into_place(staging, output, options.force)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return Prepared(manifest, output, skipped, time.monotonic() - started)
+
+
+def check_output(output: Path, options: PrepareOptions) -> None:
+    """``output`` may be new, an empty folder, or (with ``force``) a corpus prepared before."""
+    if not output.exists() and not output.is_symlink():
+        return
+    flag = options.names.output
+    if not output.is_dir() or output.is_symlink():
+        raise DataError(f"{flag} {output} exists and is not a directory: give a new folder")
+    if not any(output.iterdir()):
+        return
+    if not (output / MANIFEST_FILE).is_file():
+        raise DataError(f"{flag} {output} is a folder that is not empty and holds no prepared corpus: give a new one")
+    if not options.force:
+        raise DataError(f"{flag} {output} already holds a prepared corpus: give a new folder, or --force to replace it")
+
+
+def move_into_place(staging: Path, output: Path, force: bool) -> None:
+    """Rename the finished folder to ``output``; a corpus already there (``force``) goes only after."""
+    old = None
+    if output.exists() and any(output.iterdir()) and force:
+        old = output.parent / f".{output.name}.old-{uuid.uuid4().hex[:8]}"
+        output.rename(old)
+    elif output.exists():
+        output.rmdir()  # empty (check_output)
+    staging.rename(output)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def build_tokenizer(choice: TokenizerChoice, tasks: list[Task], val_fraction: float, progress: Any) -> Tokenizer:
+    if choice.kind == "bytes":
+        return ByteTokenizer()
+    if choice.kind == "file":
+        assert choice.path is not None
+        return read_tokenizer_file(choice.path, "--tokenizer")
+    step = progress.add_task(f"training a {choice.vocab}-token BPE", total=None) if progress is not None else None
+    texts = training_texts(tasks, val_fraction)
+    first = next(texts, None)
+    if first is None:
+        raise DataError("the inputs hold no training text to train the BPE tokenizer on")
+    tokenizer = train_bpe(chain_first(first, texts), choice.vocab)
+    if progress is not None:
+        progress.remove_task(step)
+    return tokenizer
+
+
+def chain_first(first: str, rest: Iterator[str]) -> Iterator[str]:
+    yield first
+    yield from rest
+
+
+def write_corpus(
+    staging: Path, tasks: list[Task], choice: TokenizerChoice, options: PrepareOptions, show_progress: bool
+) -> tuple[CorpusManifest, int]:
+    """Tokenizer, shards, indexes, sources and, last, the manifest in ``staging``."""
+    with progress_bar(show_progress) as progress:
+        tokenizer = build_tokenizer(choice, tasks, options.val_fraction, progress)
+        dtype = np.dtype("<u2" if tokenizer.vocab_size <= UINT16_VOCAB else "<u4")
+        files: dict[str, FileEntry] = {}
+        tokenizer_file = None
+        if isinstance(tokenizer, FileTokenizer):
+            tokenizer_file = TOKENIZER_FILE
+            write_bytes(staging / TOKENIZER_FILE, tokenizer.json_text.encode(), files)
+        writers = {split: SplitWriter(staging, split, dtype, options.shard_tokens) for split in SPLITS}
+        sources, skipped = [], 0
+        total = sum(task.read_bytes for task in tasks)
+        bar = progress.add_task("tokenizing", total=total) if progress is not None else None
+        workers = options.workers or available_cpus()
+        try:
+            for result in tokenized(tasks, Tokenizing(tokenizer, dtype, options.val_fraction), workers):
+                skipped += result.skipped
+                sources.append(result.source)
+                for split, writer in writers.items():
+                    writer.add(result.tokens[split], result.lengths[split], result.text_bytes[split])
+                if progress is not None:
+                    progress.advance(bar, result.read_bytes)
+        except BaseException:
+            for writer in writers.values():
+                writer.close()
+            raise
+    splits = {split: writer.finish() for split, writer in writers.items()}
+    for writer in writers.values():
+        files.update(writer.files)
+    if splits["train"].documents == 0:
+        raise DataError(no_text_message(options, splits["val"].documents, skipped))
+    write_jsonl(staging / SOURCES_FILE, sources, files)
+    manifest = CorpusManifest(
+        format=FORMAT,
+        tokenizer=TokenizerEntry(
+            kind=choice.kind,
+            spec=options.tokenizer,
+            vocab_size=tokenizer.vocab_size,
+            eod_id=tokenizer.eod_id,
+            file=tokenizer_file,
+        ),
+        dtype="uint16" if dtype.itemsize == 2 else "uint32",
+        val_fraction=options.val_fraction,
+        inputs=list(options.inputs),
+        include=list(options.include),
+        max_files=options.max_files,
+        splits=splits,
+        files=files,
+    )
+    write_bytes(staging / MANIFEST_FILE, (manifest.model_dump_json(indent=1) + "\n").encode(), None)
+    return manifest, skipped
+
+
+def write_bytes(path: Path, data: bytes, files: dict[str, FileEntry] | None) -> None:
+    writer = open_hashing(path, SHA256)
+    writer.write(data)
+    record = writer.finish()
+    if files is not None:
+        files[path.name] = FileEntry(size=record.size, sha256=record.digest)
+
+
+def no_text_message(options: PrepareOptions, val_documents: int, skipped: int) -> str:
+    if val_documents:
+        return (
+            f"all {val_documents} documents fell into the validation split: give more documents "
+            f"or a smaller {options.names.val_fraction}"
+        )
+    why = f" ({skipped} files skipped: binary or not UTF-8)" if skipped else ""
+    return f"{options.names.inputs} {' '.join(options.inputs)}: no text documents found{why}"
+
+
+def progress_bar(show: bool) -> Any:
+    """A rich progress bar on stderr while preparing, or a null context when not shown."""
+    if not show:
+        return nullcontext(None)
+    from rich.console import Console
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+
+    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TimeRemainingColumn())
+    return Progress(*columns, console=Console(stderr=True), transient=True)
+
+
+def available_cpus() -> int:
+    """CPUs this process may run on (its affinity where the platform tells)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1

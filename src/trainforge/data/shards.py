@@ -1,0 +1,245 @@
+"""A prepared token corpus on disk: its manifest, its verification, and its token streams.
+
+Layout of a directory ``trainforge data prepare`` wrote (docs/data.md)::
+
+    manifest.json         written last: tokenizer, dtype, splits, every other file's size and SHA-256
+    train_00000.bin ...   the training documents' tokens, concatenated, each document followed by
+                          the end-of-document id; raw little-endian uint16 (vocab <= 65536) or uint32
+    val_00000.bin ...     the same for the validation documents
+    train_index.npy       int64 offsets of the documents in the train stream (documents + 1 of them)
+    val_index.npy
+    sources.jsonl         one line per input file (or JSONL chunk): path, bytes, SHA-256, documents, tokens
+    tokenizer.json        the tokenizer (absent for the bytes tokenizer)
+
+The corpus is data read back from storage, so it is not trusted: the manifest is bounded and
+schema-checked, only regular files are read, and sizes (always) and digests (``full``) must match.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import os
+import stat
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from trainforge.checkpoint.hashing import SHA256, hash_file
+from trainforge.errors import DataError
+
+MANIFEST_FILE = "manifest.json"
+SOURCES_FILE = "sources.jsonl"
+FORMAT: Literal["trainforge-tokens/1"] = "trainforge-tokens/1"
+MAX_MANIFEST_BYTES = 16 << 20
+Split = Literal["train", "val"]
+SPLITS: tuple[Split, Split] = ("train", "val")
+NAME_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}"  # a plain file name: no folders, no leading dot
+UINT16_VOCAB = 1 << 16
+DTYPES: dict[str, np.dtype[Any]] = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+
+Name = Annotated[str, Field(pattern=f"^{NAME_PATTERN}$")]
+Count = Annotated[int, Field(ge=0, le=1 << 62)]
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class FileEntry(Strict):
+    size: Count
+    sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+
+
+class SplitEntry(Strict):
+    tokens: Count
+    documents: Count
+    bytes: Count  # UTF-8 bytes of the split's documents, for bits per byte
+    shards: Annotated[list[Name], Field(max_length=1 << 20)]
+    index: Name
+
+
+class TokenizerEntry(Strict):
+    kind: Literal["bytes", "bpe", "file"]
+    spec: str  # as given: bytes, bpe:4096, or the path of the file that was copied
+    vocab_size: Annotated[int, Field(ge=2, le=1 << 32)]
+    eod_id: Annotated[int, Field(ge=0)]
+    file: Name | None = None
+
+
+class CorpusManifest(Strict):
+    """What ``manifest.json`` says; cross-field checks make a manifest that parses a consistent one."""
+
+    format: Literal["trainforge-tokens/1"]
+    tokenizer: TokenizerEntry
+    dtype: Literal["uint16", "uint32"]
+    val_fraction: Annotated[float, Field(ge=0.0, lt=1.0)]
+    inputs: list[str]
+    include: list[str] = []
+    max_files: Annotated[int, Field(ge=1)] | None = None
+    splits: dict[Split, SplitEntry]
+    files: dict[Name, FileEntry]
+
+    @model_validator(mode="after")
+    def _consistent(self) -> CorpusManifest:
+        if set(self.splits) != set(SPLITS):
+            raise ValueError("splits must be train and val")
+        if self.tokenizer.eod_id >= self.tokenizer.vocab_size:
+            raise ValueError("tokenizer.eod_id must be below tokenizer.vocab_size")
+        wanted = "uint16" if self.tokenizer.vocab_size <= UINT16_VOCAB else "uint32"
+        if self.dtype != wanted:
+            raise ValueError(f"dtype {self.dtype} does not fit vocab_size {self.tokenizer.vocab_size}")
+        if (self.tokenizer.kind == "bytes") != (self.tokenizer.file is None):
+            raise ValueError("tokenizer.file is required except for the bytes tokenizer")
+        named = [self.tokenizer.file] if self.tokenizer.file else []
+        for split in self.splits.values():
+            named += [*split.shards, split.index]
+            size = sum(self.files[s].size for s in split.shards if s in self.files)
+            if size != split.tokens * DTYPES[self.dtype].itemsize:
+                raise ValueError(f"the shards {split.shards} do not hold {split.tokens} tokens of {self.dtype}")
+        missing = sorted(set(named) - set(self.files))
+        if missing:
+            raise ValueError(f"files {missing} are named but not listed with a size and digest")
+        return self
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.vocab_size
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPES[self.dtype].itemsize
+
+
+def prepare_hint(path: Path | str) -> str:
+    return f"prepare one with: trainforge data prepare INPUT... --output {path}"
+
+
+def read_manifest(directory: Path, origin: str = "data.path") -> CorpusManifest:
+    """``manifest.json`` of a prepared corpus, bounded and schema-checked; DataError naming ``origin``."""
+    if not directory.is_dir():
+        what = "is not a directory" if directory.exists() else "does not exist"
+        raise DataError(f"{origin} {directory} {what}; {prepare_hint(directory)}")
+    path = directory / MANIFEST_FILE
+    try:
+        info = path.lstat()
+    except FileNotFoundError:
+        raise DataError(
+            f"{origin} {directory} holds no {MANIFEST_FILE}: not a prepared token corpus; {prepare_hint(directory)}"
+        ) from None
+    if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_MANIFEST_BYTES:
+        raise DataError(
+            f"{origin} {directory}: {MANIFEST_FILE} is not a regular file of at most {MAX_MANIFEST_BYTES} bytes"
+        )
+    try:
+        raw: Any = json.loads(path.read_bytes())
+        return CorpusManifest.model_validate(raw)
+    except (ValueError, UnicodeDecodeError) as err:  # json and pydantic errors are ValueErrors
+        detail = first_problem(err)
+        raise DataError(
+            f"{origin} {directory}: {MANIFEST_FILE} is not a token corpus manifest ({detail}); "
+            f"{prepare_hint(directory)}"
+        ) from None
+
+
+def first_problem(err: Exception) -> str:
+    """One line out of a pydantic or json error."""
+    if isinstance(err, ValidationError):
+        first = err.errors()[0]
+        where = ".".join(str(part) for part in first["loc"])
+        return f"{where}: {first['msg']}" if where else str(first["msg"])
+    return " ".join(str(err).split())[:300]
+
+
+def verify_corpus(directory: Path, *, full: bool, origin: str = "data.path") -> CorpusManifest:
+    """The manifest of the corpus at ``directory`` once every file it lists is a regular file of the
+    listed size and, with ``full``, the listed SHA-256; else a one-line DataError naming the file.
+
+    Sizes cost a ``stat`` per file (every training worker checks them); digests read every byte
+    (done once, on the driver, before Ray starts, and by ``trainforge data verify``).
+    """
+    manifest = read_manifest(directory, origin)
+    again = f"prepare it again: trainforge data prepare INPUT... --output {directory} --force"
+    for name, entry in sorted(manifest.files.items()):
+        try:
+            info = (directory / name).lstat()
+        except FileNotFoundError:
+            raise DataError(f"{origin} {directory}: {name} is missing; {again}") from None
+        if not stat.S_ISREG(info.st_mode):
+            raise DataError(f"{origin} {directory}: {name} is not a regular file")
+        if info.st_size != entry.size:
+            raise DataError(
+                f"{origin} {directory}: {name} is {info.st_size} bytes, the manifest says {entry.size} "
+                f"(truncated or changed); {again}"
+            )
+    if full:
+        for name, entry in sorted(manifest.files.items()):
+            if hash_file(directory / name, SHA256).digest != entry.sha256:
+                raise DataError(f"{origin} {directory}: {name} fails its SHA-256 check (corrupted); {again}")
+    return manifest
+
+
+class TokenStream:
+    """One split's tokens as one sequence over its shards, memory-mapped (read-only) on first use.
+
+    Pickling (to a DataLoader worker) carries the paths, not the mapped pages: each process maps
+    the files itself and the pages are shared through the page cache.
+    """
+
+    def __init__(self, directory: Path, shards: list[str], dtype: str, tokens: int) -> None:
+        self.paths = [directory / name for name in shards]
+        self.dtype = DTYPES[dtype]
+        self.length = tokens
+        sizes = [os.stat(path).st_size // self.dtype.itemsize for path in self.paths]
+        self.starts = [0]
+        for size in sizes:
+            self.starts.append(self.starts[-1] + size)
+        if self.starts[-1] != tokens:
+            raise DataError(f"the shards {shards} hold {self.starts[-1]} tokens, the manifest says {tokens}")
+        self._maps: list[np.ndarray] | None = None
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_maps": None}
+
+    def _mapped(self) -> list[np.ndarray]:
+        if self._maps is None:
+            self._maps = [
+                np.memmap(path, dtype=self.dtype, mode="r") if end > start else np.zeros(0, self.dtype)
+                for path, start, end in zip(self.paths, self.starts, self.starts[1:], strict=False)
+            ]
+        return self._maps
+
+    def read(self, start: int, count: int) -> np.ndarray:
+        """Tokens ``start .. start + count - 1`` as int64, across shard boundaries."""
+        if start < 0 or count < 0 or start + count > self.length:
+            raise IndexError(f"tokens {start}..{start + count} out of range for {self.length}")
+        maps = self._mapped()
+        pieces = []
+        shard = bisect.bisect_right(self.starts, start) - 1
+        while count > 0:
+            offset = start - self.starts[shard]
+            piece = maps[shard][offset : offset + count]
+            pieces.append(piece)
+            start += len(piece)
+            count -= len(piece)
+            shard += 1
+        return np.concatenate(pieces).astype(np.int64) if pieces else np.zeros(0, np.int64)
+
+
+def split_stream(directory: Path, manifest: CorpusManifest, split: Split) -> TokenStream:
+    entry = manifest.splits[split]
+    return TokenStream(directory, entry.shards, manifest.dtype, entry.tokens)
+
+
+def document_offsets(directory: Path, manifest: CorpusManifest, split: Split) -> np.ndarray:
+    """Where each document of ``split`` starts in its stream, and where the last one ends (int64)."""
+    entry = manifest.splits[split]
+    offsets = np.load(directory / entry.index, allow_pickle=False)
+    if offsets.dtype != np.int64 or offsets.shape != (entry.documents + 1,):
+        raise DataError(f"{directory / entry.index} is not {entry.documents + 1} int64 document offsets")
+    return offsets

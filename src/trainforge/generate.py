@@ -1,0 +1,127 @@
+"""``trainforge generate RUN_DIR``: text sampled from the final model of a run trained on a token corpus.
+
+The run directory holds what is needed besides the tokenizer: the resolved ``config.yaml`` (which
+model, which ``data.seq_len``, where the corpus is) and ``model.safetensors`` (the final weights).
+The tokenizer is the corpus's own, read through the config's ``data.path`` (a relative path is
+relative to the folder the run was started from, as it was for training). Sampling runs on the CPU,
+one token at a time, on the last ``data.seq_len`` tokens (the longest context the model was
+trained on), and stops at the end-of-document token or after ``max_tokens``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_model
+from torch import nn
+
+from trainforge.checkpoint.hashing import SHA256, hash_file
+from trainforge.config import Config, load_config
+from trainforge.data.shards import CorpusManifest, read_manifest
+from trainforge.data.spec import DataSpec
+from trainforge.data.tokenizer import Tokenizer, load_corpus_tokenizer
+from trainforge.errors import CheckpointError, DataError, ModelError
+from trainforge.models import build_model
+
+WEIGHTS_FILE = "model.safetensors"
+CONFIG_FILE = "config.yaml"
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How to draw each token: ``temperature`` 0 is greedy; ``top_k`` 0 keeps every token."""
+
+    max_tokens: int = 200
+    temperature: float = 0.8
+    top_k: int = 0
+    seed: int = 0
+
+
+@dataclass
+class RunModel:
+    """A finished run's language model, ready to sample from."""
+
+    model: nn.Module
+    tokenizer: Tokenizer
+    seq_len: int
+
+
+def load_run_model(run_dir: Path) -> RunModel:
+    """The final model of the run at ``run_dir`` and its corpus's tokenizer; one-line errors otherwise."""
+    config_path, weights = run_dir / CONFIG_FILE, run_dir / WEIGHTS_FILE
+    if not config_path.is_file():
+        raise CheckpointError(f"RUN_DIR {run_dir} holds no {CONFIG_FILE}: not a trainforge run directory")
+    if not weights.is_file():
+        raise CheckpointError(
+            f"RUN_DIR {run_dir} holds no {WEIGHTS_FILE}: the run has not finished (or saved no checkpoint)"
+        )
+    config = load_config(config_path)
+    tokenizer, manifest = run_tokenizer(config)
+    spec = DataSpec(
+        kind="tokens",
+        input_shape=(config.data.seq_len,),
+        vocab_size=manifest.vocab_size,
+        seq_len=config.data.seq_len,
+    )
+    model = build_model(config.model, spec)
+    try:
+        load_model(model, str(weights), strict=True)
+    except Exception as err:  # safetensors' header errors, missing or unexpected keys, shape mismatches
+        first = " ".join(str(err).split())[:300]
+        raise ModelError(
+            f"{weights} does not load into {config.model.name or config.model.factory} with the corpus's "
+            f"vocabulary of {manifest.vocab_size} ({type(err).__name__}: {first}); was data.path prepared again since?"
+        ) from None
+    model.eval()
+    return RunModel(model, tokenizer, config.data.seq_len)
+
+
+def run_tokenizer(config: Config) -> tuple[Tokenizer, CorpusManifest]:
+    """The tokenizer of the corpus the run trained on, its file checked against the manifest."""
+    if config.data.name != "tokens" or config.data.path is None:
+        raise DataError(
+            f"generate needs a run trained on data.name tokens (a prepared corpus); this one used data.name "
+            f"{config.data.name}"
+        )
+    path = Path(config.data.path).expanduser()
+    origin = "the run's data.path"
+    manifest = read_manifest(path, origin)
+    entry = manifest.tokenizer
+    if entry.file is not None:
+        file = path / entry.file
+        if not file.is_file() or hash_file(file, SHA256).digest != manifest.files[entry.file].sha256:
+            raise DataError(f"{origin} {path}: {entry.file} is missing or fails its SHA-256 check")
+    return load_corpus_tokenizer(path, entry.kind, f"{origin} {path}"), manifest
+
+
+@torch.no_grad()
+def sample(run: RunModel, prompt: str, sampling: Sampling) -> str:
+    """``prompt`` and what the model writes after it, as text.
+
+    The context starts with the end-of-document token: in training every document follows one, so
+    the prompt reads as the start of a document.
+    """
+    generator = torch.Generator().manual_seed(sampling.seed)
+    eod = run.tokenizer.eod_id
+    ids = [eod, *run.tokenizer.encode(prompt).tolist()]
+    for _ in range(sampling.max_tokens):
+        context = torch.tensor([ids[-run.seq_len :]], dtype=torch.int64)
+        logits = run.model(context)[0, -1].float()
+        token = next_token(logits, sampling, generator)
+        if token == eod:
+            break
+        ids.append(token)
+    return run.tokenizer.decode(ids[1:])
+
+
+def next_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> int:
+    if sampling.temperature == 0:
+        return int(logits.argmax())
+    logits = logits / sampling.temperature
+    if 0 < sampling.top_k < logits.numel():
+        kth = torch.topk(logits, sampling.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, -math.inf)
+    return int(torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator))
