@@ -30,6 +30,7 @@ from trainforge import errors
 from trainforge.checkpoint.storage import CheckpointStore
 from trainforge.config import Config, to_yaml
 from trainforge.data.registry import SOURCES, unknown_source_message
+from trainforge.data.tokens import prepare_or_verify
 from trainforge.display import ProgressDisplay
 from trainforge.errors import CheckpointError, ClusterError, DataError, TrainforgeError, TrainingFailed
 from trainforge.loopback import bound_to
@@ -188,6 +189,7 @@ def preflight(config: Config, *, local: bool) -> None:
         require_builtin(config.model.name)
     if not local:
         return
+    prepare_or_verify(config.data)  # data.name tokens: data.prepare's corpus written if missing, every byte checked
     if config.data.path is not None and not Path(config.data.path).expanduser().exists():
         raise DataError(f"data.path {config.data.path} does not exist (data.name {config.data.name})")
     if config.model.factory is not None:
