@@ -29,7 +29,17 @@ from rich.console import Console
 from trainforge import errors
 from trainforge.checkpoint.storage import CheckpointStore
 from trainforge.config import Config, to_yaml
+from trainforge.data.augment import check_augment
+from trainforge.data.factory import check_data_factory
 from trainforge.data.registry import SOURCES, unknown_source_message
+from trainforge.data.stream import (
+    build_stream,
+    check_stream_config,
+    is_stream,
+    list_files,
+    ordered_split_config,
+    stream_from_factory,
+)
 from trainforge.data.tokens import prepare_or_verify
 from trainforge.display import ProgressDisplay
 from trainforge.errors import CheckpointError, ClusterError, DataError, TrainforgeError, TrainingFailed
@@ -150,12 +160,30 @@ def build_trainer(config: Config, mailbox: Any, callbacks: Sequence[Any] = ()) -
     scaling = config.scaling
     resources = dict(scaling.resources_per_worker) if scaling.resources_per_worker else None
     env = worker_env()
+    payload: dict[str, Any] = {"config": config.to_dict(), "control": mailbox}
+    streamed: dict[str, Any] = {}
+    # Streamed sources (and factories returning Ray Datasets) are read by Ray Data and reach the
+    # workers as Ray Train's dataset shards.
+    stream = None
+    if is_stream(config.data):
+        stream = build_stream(config.data, progress=log.info)
+    elif config.data.factory is not None:
+        stream = stream_from_factory(config.data, config.seed)
+    if stream is not None:
+        payload["stream"] = stream.plan.to_dict()
+        streamed = {"datasets": stream.datasets(), "dataset_config": ordered_split_config()}
+        log.info(
+            "streaming %d training rows%s from %s",
+            stream.plan.train_rows,
+            f" and {stream.plan.val_rows} validation rows" if stream.plan.val_rows else "",
+            config.data.path or config.data.factory,
+        )
     if not ray.util.client.ray.is_connected():
         # Local cluster: let workers import user modules (model.factory) from the working directory.
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))
     return TorchTrainer(
         train_loop_per_worker,
-        train_loop_config={"config": config.to_dict(), "control": mailbox},
+        train_loop_config=payload,
         # The process group's timeout (gloo and NCCL collectives); rounded up, as 0 s would make
         # init_process_group itself time out.
         torch_config=TorchConfig(timeout_s=math.ceil(config.failure.collective_timeout_s)),
@@ -174,6 +202,7 @@ def build_trainer(config: Config, mailbox: Any, callbacks: Sequence[Any] = ()) -
             callbacks=[ForwardingCallback(mailbox), *callbacks],
             worker_runtime_env={"env_vars": env},
         ),
+        **streamed,
     )
 
 
@@ -183,19 +212,31 @@ def preflight(config: Config, *, local: bool) -> None:
     Paths and factories are checked only for a local Ray: a remote cluster has its own file system
     and Python path, and the workers check them there.
     """
-    if config.data.name not in SOURCES:
+    if config.data.name not in SOURCES and not is_stream(config.data):
         raise DataError(unknown_source_message(config.data.name))
+    if is_stream(config.data):
+        check_stream_config(
+            config.data, tensor_parallel=config.parallel.tensor_parallel, auto_batch=config.train.auto_batch
+        )
     if config.model.name is not None:
         require_builtin(config.model.name)
+    check_data_factory(config.data, local=False)
+    check_augment(config.data.augment)
     if not local:
         return
     prepare_or_verify(config.data)  # data.name tokens: data.prepare's corpus written if missing, every byte checked
-    if config.data.path is not None and not Path(config.data.path).expanduser().exists():
+    if is_stream(config.data):
+        for key, path in (("data.path", config.data.path), ("data.val_path", config.data.val_path)):
+            if path is not None:
+                list_files(path, config.data.name, key)
+    elif config.data.path is not None and not Path(config.data.path).expanduser().exists():
         raise DataError(f"data.path {config.data.path} does not exist (data.name {config.data.name})")
+    user_code = config.model.factory is not None or config.data.factory is not None
+    if user_code and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # as the local workers see it (build_trainer's PYTHONPATH)
     if config.model.factory is not None:
-        if os.getcwd() not in sys.path:
-            sys.path.insert(0, os.getcwd())  # as the local workers see it (build_trainer's PYTHONPATH)
         load_factory(config.model.factory)
+    check_data_factory(config.data)
     check_block_names(config)
 
 

@@ -157,3 +157,20 @@ def ray_rows() -> UserData:
     shell = ray.data.Dataset.__new__(ray.data.Dataset)
     shell._current_executor = None  # what Dataset.__del__ reads
     return UserData(train=shell, num_classes=10, input_shape=(1, 8, 8))
+
+
+def digits_ray(data: DataConfig, seed: int) -> UserData:
+    """The digits as Ray Datasets (rows of 64 pixel values and a label), the last 360 held out."""
+    import ray.data
+
+    images, labels = digits_arrays()
+    rows = [
+        {"input": (image / 16.0).astype(np.float32).ravel(), "target": int(label)}
+        for image, label in zip(images, labels, strict=True)
+    ]
+    return UserData(
+        train=ray.data.from_items(rows[:1437]),
+        val=ray.data.from_items(rows[1437:]),
+        num_classes=10,
+        input_shape=(1, 8, 8),
+    )

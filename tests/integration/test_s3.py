@@ -208,3 +208,18 @@ def test_storage_outage_with_on_save_error_fail_stops_the_run_cleanly(s3_up: S3S
     assert 40 <= summary["global_step"] < 200
     assert "checkpoint save at step 40 failed" in summary["error"]
     assert (run_dir / "error.log").is_file()
+
+
+def test_parquet_digits_stream_from_the_bucket_and_reach_95_percent(s3_up: S3Server, tmp_path: Path) -> None:
+    """data.path s3://...: listed, counted and read by Ray Data's tasks through pyarrow's S3 file system."""
+    from tests.helpers.tables import write_parquet
+    from tests.integration.test_stream import parquet_run
+
+    folder = write_parquet(tmp_path / "digits", shuffle_seed=1)
+    client = s3_up.client()
+    for path in sorted(folder.iterdir()):
+        client.upload_file(str(path), BUCKET, f"datasets/digits/{path.name}")
+    summary = trainforge.fit(parquet_run(tmp_path, f"s3://{BUCKET}/datasets/digits")).summary
+
+    assert summary["status"] == "finished"
+    assert summary["final_metrics"]["val/accuracy"] >= 0.95, summary["final_metrics"]

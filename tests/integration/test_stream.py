@@ -99,3 +99,13 @@ def test_a_worker_killed_mid_epoch_resumes_with_every_sample_of_the_epoch_once(t
             epoch_ids += step
     assert len(epoch_ids) == steps_per_epoch * 16 * 2
     assert len(set(epoch_ids)) == len(epoch_ids), "a sample was seen twice in the interrupted epoch"
+
+
+def test_a_factory_returning_ray_datasets_streams_through_the_shards(tmp_path: Path) -> None:
+    config = parquet_run(tmp_path, "unused", train={"epochs": 2})
+    config["data"] = {"factory": "tests.helpers.user_data:digits_ray"}
+    summary = trainforge.fit(config).summary
+
+    assert summary["status"] == "finished"
+    assert summary["global_step"] == 2 * (1437 // 2 // 32)  # the rows Ray Data counted, split equally
+    assert summary["final_metrics"]["val/accuracy"] >= 0.8, summary["final_metrics"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -188,3 +189,44 @@ def test_time_per_batch() -> None:
     start = time.perf_counter()
     torch.cat([aug(batch[i : i + 1]) for i in range(256)])
     print(f"\naugment kornia random_resized, 256 one sample at a time: {(time.perf_counter() - start) * 1e3:.0f} ms")
+
+
+def test_the_worker_augments_each_training_micro_batch_and_only_normalises_validation(tmp_path: Path) -> None:
+    """The step runner applies the augmenter to every micro-batch once it is on the device; the
+    validation pass calls its evaluate (normalisation only)."""
+    from tests.helpers.runs import tiny_run
+    from trainforge.config import Config
+    from trainforge.worker.build import build, evaluate
+    from trainforge.worker.step import MetricSums
+
+    cfg = Config.model_validate(
+        tiny_run(
+            tmp_path,
+            data={"name": "synthetic", "input_shape": [3, 8, 8], "num_samples": 64, "augment": {"pad": 2}},
+            train={"batch_size": 4, "grad_accum_steps": 2},
+        )
+    )
+    run = build(cfg, ranks=(0, 1))
+    augmenter = run.runner.augmenter
+    assert augmenter is not None
+    calls = {"train": 0, "eval": 0}
+
+    def counted(kind: str, apply: Any) -> Any:
+        def wrapped(images: torch.Tensor) -> torch.Tensor:
+            calls[kind] += 1
+            return apply(images)
+
+        return wrapped
+
+    run.runner.augmenter = type(
+        "Counted",
+        (),
+        {
+            "__call__": staticmethod(counted("train", augmenter)),
+            "evaluate": staticmethod(counted("eval", augmenter.evaluate)),
+        },
+    )()
+    assert run.runner.run(run.data.batches(), run.data.accum, MetricSums(run.device)) is not None
+    assert calls == {"train": 2, "eval": 0}
+    evaluate(run)
+    assert calls["train"] == 2 and calls["eval"] == len(run.data.val_batches())

@@ -358,6 +358,42 @@ def build_stream(cfg: DataConfig, *, progress: Callable[[str], None] = lambda _:
     return Stream(train, val, StreamPlan(source, train_rows, val_rows, spec, classes))
 
 
+def stream_from_factory(cfg: DataConfig, seed: int) -> Stream | None:
+    """The stream of a ``data.factory`` that returns Ray Datasets; None when it returns map-style
+    sets (the driver calls the factory once to learn which; the workers build map-style sets
+    themselves). Rows are counted with ``Dataset.count()``; without a ``val`` dataset there is no
+    validation (a Ray Dataset is not split here: that would materialise it)."""
+    from trainforge.data.factory import load_user_data
+
+    user = load_user_data(cfg, seed)
+    if not is_ray_dataset(user.train):
+        return None
+    input_col, target_col = cfg.columns.input or "input", cfg.columns.target or "target"
+    shape = user.input_shape or (tuple(cfg.input_shape) if "input_shape" in cfg.model_fields_set else None)
+    decode = Decode(input_col, target_col, shape)
+    train = user.train.map_batches(decode, batch_format="numpy", zero_copy_batch=False)
+    val = user.val.map_batches(decode, batch_format="numpy", zero_copy_batch=False) if user.val is not None else None
+    train_rows, val_rows = user.train.count(), user.val.count() if user.val is not None else 0
+    first = train.take_batch(1, batch_format="numpy")
+    tokens = user.kind == "tokens"
+    spec = DataSpec(
+        kind="tokens" if tokens else "image",
+        input_shape=tuple(int(d) for d in first["input"].shape[1:]),
+        num_classes=None if tokens else (user.num_classes or cfg.num_classes),
+        vocab_size=user.vocab_size if tokens else None,
+        seq_len=user.seq_len if tokens else None,
+        train_size=train_rows,
+        val_size=val_rows,
+    )
+    return Stream(train, val if val_rows else None, StreamPlan("factory", train_rows, val_rows, spec))
+
+
+def is_ray_dataset(obj: object) -> bool:
+    from trainforge.data.factory import is_ray_dataset as check
+
+    return check(obj)
+
+
 def first_row(source: str, files: Files, image_size: int | None) -> dict[str, Any]:
     """The first row of the first file as Ray Data would read it, read here on the driver (a few
     kilobytes) so that shapes and columns are checked before anything starts."""

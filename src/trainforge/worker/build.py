@@ -16,6 +16,7 @@ from torch.utils.data import default_collate
 
 from trainforge.config import Config, ParallelConfig
 from trainforge.data import build_datasets
+from trainforge.data.augment import build_augmenter
 from trainforge.data.stream import StreamFeed, StreamPlan
 from trainforge.models import Task, build_model, build_task
 from trainforge.worker import parallel
@@ -114,6 +115,7 @@ def build(
         plan=plan,
         channels_last=config.parallel.channels_last,
     )
+    runner.augmenter = build_augmenter(config.data.augment, data.spec)
     return WorkerRun(config, rank, world, device, model, task, runner, data, total_steps, plan)
 
 
@@ -164,6 +166,8 @@ def evaluate(run: WorkerRun) -> dict[str, float]:
             first = batch if batch is not None else default_collate([run.val_set[0]])
         inputs, targets = batch if batch is not None else first
         inputs, targets = inputs.to(run.device), targets.to(run.device)
+        if run.runner.augmenter is not None:
+            inputs = run.runner.augmenter.evaluate(inputs)
         with run.runner.autocast():
             output = model(inputs)
             loss = run.task.loss(output, targets)

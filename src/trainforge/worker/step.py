@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from trainforge.config import ParallelConfig
+from trainforge.data.augment import Augmenter
 from trainforge.models import Task
 from trainforge.worker import parallel
 from trainforge.worker.components import Optimization
@@ -88,6 +89,8 @@ class StepRunner:
         # Catch out-of-memory errors and retry the step (auto batch size, when forwards do not
         # communicate: worker/autobatch.py turns it on); otherwise they end the run.
         self.recover_oom = False
+        # data.augment (data/augment.py): each training micro-batch's inputs, once on the device.
+        self.augmenter: Augmenter | None = None
 
     @property
     def optim(self) -> Optimization:
@@ -159,9 +162,12 @@ class StepRunner:
         return times
 
     def on_device(self, batch: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """A batch's inputs and targets on the device, in the model's memory format."""
+        """A training batch's inputs (augmented, data.augment) and targets on the device, in the
+        model's memory format."""
         inputs, targets = batch
         inputs = inputs.to(self.device, non_blocking=True)
+        if self.augmenter is not None:
+            inputs = self.augmenter(inputs)
         if self.memory_format is not None and inputs.ndim == 4:
             inputs = inputs.contiguous(memory_format=self.memory_format)
         return inputs, targets.to(self.device, non_blocking=True)
