@@ -325,3 +325,62 @@ def test_cli_prepare_verify_and_force(
     (out / "val_index.npy").unlink()
     code, text = run_cli(["data", "verify", str(out), "--quick"], monkeypatch, capsys)
     assert code == 2 and f"error: corpus {out}: val_index.npy is missing" in text, text
+
+
+def test_generate_errors_are_one_line(
+    corpus: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from trainforge.config import to_yaml
+
+    def run_dir(name: str, data: dict[str, object], weights: bool) -> Path:
+        folder = tmp_path / name
+        folder.mkdir()
+        config = load_config({"model": {"name": "llama_tiny"}, "data": data, "train": {"max_steps": 1}})
+        (folder / "config.yaml").write_text(to_yaml(config))
+        if weights:
+            (folder / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ")
+        return folder
+
+    tokens = {"name": "tokens", "path": str(corpus), "seq_len": 16}
+    cases = [
+        (tmp_path, "holds no config.yaml: not a trainforge run directory"),
+        (run_dir("unfinished", tokens, False), "holds no model.safetensors: the run has not finished"),
+        (run_dir("digits", {"name": "digits"}, True), "generate needs a run trained on data.name tokens"),
+        (run_dir("moved", {**tokens, "path": str(tmp_path / "gone")}, True), "the run's data.path"),
+        (run_dir("empty_weights", tokens, True), "does not load into llama_tiny with the corpus's vocabulary of 257"),
+    ]
+    for folder, expected in cases:
+        code, err = run_cli(["generate", str(folder), "--prompt", "def "], monkeypatch, capsys)
+        assert code == 2 and len(err.strip().splitlines()) == 1 and expected in err, err
+    code, err = run_cli(["generate", str(tmp_path), "--temperature", "-1"], monkeypatch, capsys)
+    assert code == 2 and "--temperature -1.0: a number from 0 (greedy) to 100" in err, err
+
+
+def test_generate_prints_the_prompt_continued_by_the_runs_model(
+    corpus: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from safetensors.torch import save_model
+
+    from trainforge.config import to_yaml
+    from trainforge.data.spec import DataSpec
+    from trainforge.models import build_model
+
+    config = load_config(
+        {
+            "model": {"name": "llama_tiny", "kwargs": {"num_hidden_layers": 1}},
+            "data": {"name": "tokens", "path": str(corpus), "seq_len": 16},
+            "train": {"max_steps": 1},
+        }
+    )
+    (tmp_path / "config.yaml").write_text(to_yaml(config))
+    torch.manual_seed(0)
+    model = build_model(config.model, DataSpec(kind="tokens", input_shape=(16,), vocab_size=257, seq_len=16))
+    save_model(model, str(tmp_path / "model.safetensors"))
+    args = ["generate", str(tmp_path), "--prompt", "def ", "--max-tokens", "30"]
+    outputs = []
+    for extra in (["--seed", "1"], ["--seed", "1"], ["--temperature", "0"]):
+        code, out = run_cli([*args, *extra], monkeypatch, capsys)
+        assert code == 0 and out.startswith("def "), out
+        outputs.append(out)
+    assert outputs[0] == outputs[1]  # the seed decides the sample
+    assert len(outputs[0].encode()) > len(b"def \n")  # an untrained model writes bytes, rarely the end token
