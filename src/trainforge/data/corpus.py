@@ -9,7 +9,6 @@ the output: the work happens in a hidden folder beside it that is removed on any
 
 from __future__ import annotations
 
-import json
 import multiprocessing
 import os
 import shutil
@@ -23,7 +22,6 @@ from typing import Any
 
 import numpy as np
 
-from trainforge.checkpoint.hashing import SHA256, open_hashing
 from trainforge.data.documents import (
     STDLIB,
     Skipped,
@@ -43,8 +41,10 @@ from trainforge.data.shards import (
     CorpusManifest,
     FileEntry,
     Split,
-    SplitEntry,
+    SplitWriter,
     TokenizerEntry,
+    write_bytes,
+    write_jsonl,
 )
 from trainforge.data.tokenizer import (
     TOKENIZER_FILE,
@@ -235,72 +235,6 @@ def tokenized(tasks: list[Task], state: Tokenizing, workers: int) -> Iterator[Ta
 
 
 # ---------------------------------------------------------------------------------------------
-# Writing
-
-
-class SplitWriter:
-    """Appends one split's tokens to shards of at most ``shard_tokens`` tokens, hashing as it writes."""
-
-    def __init__(self, directory: Path, split: str, dtype: np.dtype[Any], shard_tokens: int) -> None:
-        self.directory = directory
-        self.split = split
-        self.dtype = dtype
-        self.shard_tokens = shard_tokens
-        self.files: dict[str, FileEntry] = {}
-        self.shards: list[str] = []
-        self.lengths: list[np.ndarray] = []
-        self.tokens = 0
-        self.text_bytes = 0
-        self._writer: Any = None
-        self._in_shard = 0
-
-    def add(self, tokens: np.ndarray, lengths: np.ndarray, text_bytes: int) -> None:
-        self.lengths.append(lengths)
-        self.text_bytes += text_bytes
-        self.tokens += len(tokens)
-        while len(tokens):
-            if self._writer is None:
-                name = f"{self.split}_{len(self.shards):05d}.bin"
-                self.shards.append(name)
-                self._writer = open_hashing(self.directory / name, SHA256)
-                self._in_shard = 0
-            room = self.shard_tokens - self._in_shard
-            self._writer.write(np.ascontiguousarray(tokens[:room], dtype=self.dtype.newbyteorder("<")).view(np.uint8))
-            self._in_shard += min(room, len(tokens))
-            tokens = tokens[room:]
-            if self._in_shard == self.shard_tokens:
-                self._close_shard()
-
-    def _close_shard(self) -> None:
-        record = self._writer.finish()
-        self.files[self.shards[-1]] = FileEntry(size=record.size, sha256=record.digest)
-        self._writer = None
-
-    def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-
-    def finish(self) -> SplitEntry:
-        if self._writer is not None:
-            self._close_shard()
-        lengths = np.concatenate(self.lengths) if self.lengths else np.zeros(0, np.int64)
-        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-        index = f"{self.split}_index.npy"
-        writer = open_hashing(self.directory / index, SHA256)
-        np.save(writer, offsets, allow_pickle=False)
-        record = writer.finish()
-        self.files[index] = FileEntry(size=record.size, sha256=record.digest)
-        return SplitEntry(
-            tokens=self.tokens, documents=len(lengths), bytes=self.text_bytes, shards=self.shards, index=index
-        )
-
-
-def write_jsonl(path: Path, lines: list[dict[str, Any]], files: dict[str, FileEntry]) -> None:
-    text = "".join(json.dumps(line, separators=(",", ":")) + "\n" for line in lines)
-    write_bytes(path, text.encode(), files)
-
-
-# ---------------------------------------------------------------------------------------------
 # The whole preparation
 
 
@@ -433,14 +367,6 @@ def write_corpus(
     )
     write_bytes(staging / MANIFEST_FILE, (manifest.model_dump_json(indent=1) + "\n").encode(), None)
     return manifest, skipped
-
-
-def write_bytes(path: Path, data: bytes, files: dict[str, FileEntry] | None) -> None:
-    writer = open_hashing(path, SHA256)
-    writer.write(data)
-    record = writer.finish()
-    if files is not None:
-        files[path.name] = FileEntry(size=record.size, sha256=record.digest)
 
 
 def no_text_message(options: PrepareOptions, val_documents: int, skipped: int) -> str:

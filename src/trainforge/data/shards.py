@@ -1,4 +1,5 @@
-"""A prepared token corpus on disk: its manifest, its verification, and its token streams.
+"""A prepared token corpus on disk: its manifest, its verification, its token streams, and the
+writers ``trainforge data prepare`` (data/corpus.py) fills it with.
 
 Layout of a directory ``trainforge data prepare`` wrote (docs/data.md)::
 
@@ -27,7 +28,7 @@ from typing import Annotated, Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from trainforge.checkpoint.hashing import SHA256, hash_file
+from trainforge.checkpoint.hashing import SHA256, hash_file, open_hashing
 from trainforge.errors import DataError
 
 MANIFEST_FILE = "manifest.json"
@@ -243,3 +244,77 @@ def document_offsets(directory: Path, manifest: CorpusManifest, split: Split) ->
     if offsets.dtype != np.int64 or offsets.shape != (entry.documents + 1,):
         raise DataError(f"{directory / entry.index} is not {entry.documents + 1} int64 document offsets")
     return offsets
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing (trainforge data prepare, data/corpus.py)
+
+
+class SplitWriter:
+    """Appends one split's tokens to shards of at most ``shard_tokens`` tokens, hashing as it writes."""
+
+    def __init__(self, directory: Path, split: str, dtype: np.dtype[Any], shard_tokens: int) -> None:
+        self.directory = directory
+        self.split = split
+        self.dtype = dtype
+        self.shard_tokens = shard_tokens
+        self.files: dict[str, FileEntry] = {}
+        self.shards: list[str] = []
+        self.lengths: list[np.ndarray] = []
+        self.tokens = 0
+        self.text_bytes = 0
+        self._writer: Any = None
+        self._in_shard = 0
+
+    def add(self, tokens: np.ndarray, lengths: np.ndarray, text_bytes: int) -> None:
+        self.lengths.append(lengths)
+        self.text_bytes += text_bytes
+        self.tokens += len(tokens)
+        while len(tokens):
+            if self._writer is None:
+                name = f"{self.split}_{len(self.shards):05d}.bin"
+                self.shards.append(name)
+                self._writer = open_hashing(self.directory / name, SHA256)
+                self._in_shard = 0
+            room = self.shard_tokens - self._in_shard
+            self._writer.write(np.ascontiguousarray(tokens[:room], dtype=self.dtype.newbyteorder("<")).view(np.uint8))
+            self._in_shard += min(room, len(tokens))
+            tokens = tokens[room:]
+            if self._in_shard == self.shard_tokens:
+                self._close_shard()
+
+    def _close_shard(self) -> None:
+        record = self._writer.finish()
+        self.files[self.shards[-1]] = FileEntry(size=record.size, sha256=record.digest)
+        self._writer = None
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+
+    def finish(self) -> SplitEntry:
+        if self._writer is not None:
+            self._close_shard()
+        lengths = np.concatenate(self.lengths) if self.lengths else np.zeros(0, np.int64)
+        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        index = f"{self.split}_index.npy"
+        writer = open_hashing(self.directory / index, SHA256)
+        np.save(writer, offsets, allow_pickle=False)
+        record = writer.finish()
+        self.files[index] = FileEntry(size=record.size, sha256=record.digest)
+        return SplitEntry(
+            tokens=self.tokens, documents=len(lengths), bytes=self.text_bytes, shards=self.shards, index=index
+        )
+
+
+def write_jsonl(path: Path, lines: list[dict[str, Any]], files: dict[str, FileEntry]) -> None:
+    text = "".join(json.dumps(line, separators=(",", ":")) + "\n" for line in lines)
+    write_bytes(path, text.encode(), files)
+
+
+def write_bytes(path: Path, data: bytes, files: dict[str, FileEntry] | None) -> None:
+    writer = open_hashing(path, SHA256)
+    writer.write(data)
+    record = writer.finish()
+    if files is not None:
+        files[path.name] = FileEntry(size=record.size, sha256=record.digest)
