@@ -2,8 +2,7 @@
 
 The run directory holds what is needed besides the tokenizer: the resolved ``config.yaml`` (which
 model, which ``data.seq_len``, where the corpus is) and ``model.safetensors`` (the final weights).
-The tokenizer is the corpus's own, read through the config's ``data.path`` (a relative path is
-relative to the folder the run was started from, as it was for training). Sampling runs on the CPU,
+The tokenizer is the corpus's own, read through the config's ``data.path``. Sampling runs on the CPU,
 one token at a time, on the last ``data.seq_len`` tokens (the longest context the model was
 trained on), and stops at the end-of-document token or after ``max_tokens``.
 """

@@ -384,3 +384,32 @@ def test_generate_prints_the_prompt_continued_by_the_runs_model(
         outputs.append(out)
     assert outputs[0] == outputs[1]  # the seed decides the sample
     assert len(outputs[0].encode()) > len(b"def \n")  # an untrained model writes bytes, rarely the end token
+
+
+def test_a_corpus_another_run_prepared_meanwhile_is_used(
+    raw: tuple[Path, list[str]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "shared"
+    section = {"name": "tokens", "path": str(path), "prepare": {"inputs": [str(raw[0])], "val_fraction": 0.2}}
+    cfg = load_config({"model": {"name": "llama_tiny"}, "data": section, "train": {"max_steps": 1}}).data
+    write_corpus = corpus_module.write_corpus
+    other: list[Prepared] = []
+
+    def finished_second(*args: object, **kwargs: object) -> object:
+        result = write_corpus(*args, **kwargs)  # type: ignore[arg-type]
+        monkeypatch.setattr(corpus_module, "write_corpus", write_corpus)
+        other.append(prepare([raw[0]], path, val_fraction=0.2, workers=1))  # renamed into place first
+        return result
+
+    monkeypatch.setattr(corpus_module, "write_corpus", finished_second)
+    manifest = prepare_or_verify(cfg)
+    assert manifest == other[0].manifest == read_manifest(path)
+    assert [p.name for p in tmp_path.iterdir()] == ["shared"]  # the loser's staging folder is gone
+
+
+def test_a_relative_corpus_path_is_refused_before_ray_starts(raw: tuple[Path, list[str]]) -> None:
+    section = {"name": "tokens", "path": "corpora/mine", "prepare": {"inputs": [str(raw[0])]}}
+    cfg = load_config({"model": {"name": "llama_tiny"}, "data": section, "train": {"max_steps": 1}}).data
+    with pytest.raises(DataError, match=r"data\.path corpora/mine is relative, but Ray's workers do not run in this"):
+        prepare_or_verify(cfg)
+    assert not Path("corpora").exists()

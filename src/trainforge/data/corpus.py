@@ -279,14 +279,21 @@ def check_output(output: Path, options: PrepareOptions) -> None:
 
 
 def move_into_place(staging: Path, output: Path, force: bool) -> None:
-    """Rename the finished folder to ``output``; a corpus already there (``force``) goes only after."""
+    """Rename the finished folder to ``output``; a corpus already there (``force``) goes only after.
+
+    Another preparation of the same ``output`` that finished first (two runs started together)
+    wins: this one fails with a DataError instead of replacing it.
+    """
     old = None
-    if output.exists() and any(output.iterdir()) and force:
-        old = output.parent / f".{output.name}.old-{uuid.uuid4().hex[:8]}"
-        output.rename(old)
-    elif output.exists():
-        output.rmdir()  # empty (check_output)
-    staging.rename(output)
+    try:
+        if output.exists() and any(output.iterdir()) and force:
+            old = output.parent / f".{output.name}.old-{uuid.uuid4().hex[:8]}"
+            output.rename(old)
+        elif output.exists():
+            output.rmdir()  # empty (check_output)
+        staging.rename(output)
+    except OSError as err:
+        raise DataError(f"{output} was written by another preparation meanwhile ({err.strerror}); kept that") from None
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 

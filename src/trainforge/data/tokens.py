@@ -113,6 +113,11 @@ def prepare_or_verify(cfg: DataConfig) -> CorpusManifest | None:
     if cfg.name != "tokens":
         return None
     path = corpus_path(cfg)
+    if not path.is_absolute():
+        raise DataError(
+            f"data.path {cfg.path} is relative, but Ray's workers do not run in this directory: give "
+            f"data.name tokens an absolute path or one under ~ (here: {path.resolve()})"
+        )
     wanted = cfg.prepare
     if wanted is None or (path / MANIFEST_FILE).exists():
         manifest = verify_corpus(path, full=True)
@@ -130,7 +135,15 @@ def prepare_or_verify(cfg: DataConfig) -> CorpusManifest | None:
         include=list(wanted.include),
         names=CONFIG_NAMES,
     )
-    prepared = prepare_corpus(options, show_progress=sys.stderr.isatty())
+    try:
+        prepared = prepare_corpus(options, show_progress=sys.stderr.isatty())
+    except DataError:
+        if not (path / MANIFEST_FILE).exists():
+            raise
+        # Another run (a search's trials start together) prepared it first: use theirs, checked.
+        manifest = verify_corpus(path, full=True)
+        check_same_preparation(path, manifest, cfg)
+        return manifest
     log.info("prepared %s in %.1f s: %s", path, prepared.seconds, describe(prepared.manifest))
     return prepared.manifest
 
