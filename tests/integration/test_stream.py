@@ -102,10 +102,10 @@ def test_a_worker_killed_mid_epoch_resumes_with_every_sample_of_the_epoch_once(t
 
 
 def test_a_factory_returning_ray_datasets_streams_through_the_shards(tmp_path: Path) -> None:
-    config = parquet_run(tmp_path, "unused", train={"epochs": 2})
+    config = parquet_run(tmp_path, "unused", train={"epochs": 1})
     config["data"] = {"factory": "tests.helpers.user_data:digits_ray"}
     summary = trainforge.fit(config).summary
 
     assert summary["status"] == "finished"
-    assert summary["global_step"] == 2 * (1437 // 2 // 32)  # the rows Ray Data counted, split equally
-    assert summary["final_metrics"]["val/accuracy"] >= 0.8, summary["final_metrics"]
+    assert summary["global_step"] == 1437 // 2 // 32  # the rows Ray Data counted, split equally
+    assert summary["final_metrics"]["val/accuracy"] >= 0.6, summary["final_metrics"]
