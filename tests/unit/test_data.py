@@ -342,9 +342,9 @@ def test_imagefolder_errors(folder: Path, tmp_path_factory: pytest.TempPathFacto
 def test_unknown_source_suggests_the_closest(name: str, hint: str) -> None:
     with pytest.raises(DataError, match=hint):
         build_datasets(DataConfig(name=name), seed=0)
-    with pytest.raises(DataError, match="choose one of cifar10, digits, factory, imagefolder, synthetic"):
+    with pytest.raises(DataError, match="choose one of cifar10, digits, factory, imagefolder, synthetic, tokens"):
         build_datasets(DataConfig(name="zzz"), seed=0)
-    assert set(SOURCES) == {"synthetic", "digits", "cifar10", "imagefolder", "factory"}
+    assert set(SOURCES) == {"synthetic", "digits", "cifar10", "imagefolder", "factory", "tokens"}
 
 
 # ---------------------------------------------------------------------------------------------
