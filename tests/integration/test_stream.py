@@ -102,7 +102,7 @@ def test_a_worker_killed_mid_epoch_resumes_with_every_sample_of_the_epoch_once(t
 
 
 def test_a_factory_returning_ray_datasets_streams_through_the_shards(tmp_path: Path) -> None:
-    config = parquet_run(tmp_path, "unused", train={"epochs": 1})
+    config = parquet_run(tmp_path, "unused", train={"epochs": 1}, schedule={"warmup_steps": 0})
     config["data"] = {"factory": "tests.helpers.user_data:digits_ray"}
     summary = trainforge.fit(config).summary
 
