@@ -18,7 +18,7 @@ pytestmark = pytest.mark.usefixtures("ray_local")
 def test_a_user_data_factory_trains(tmp_path: Path) -> None:
     config = tiny_run(
         tmp_path,
-        data={"factory": "tests.helpers.user_data:digits"},
+        data={"name": "factory", "factory": "tests.helpers.user_data:digits"},
         train={"max_steps": 60, "batch_size": 32},
         optim={"name": "adamw", "lr": 0.01},
     )
@@ -30,8 +30,10 @@ def test_a_user_data_factory_trains(tmp_path: Path) -> None:
 
 
 def test_a_factory_returning_the_wrong_type_stops_the_run_in_one_line(tmp_path: Path) -> None:
-    """The worker's DataError reaches the caller as is, without retries (a user error, not a crash)."""
-    config = tiny_run(tmp_path, data={"factory": "tests.helpers.user_data:wrong_type"}, failure={"max_failures": 2})
+    """The DataError (raised on the driver, which calls the factory once to learn whether it
+    streams) reaches the caller as is."""
+    data = {"name": "factory", "factory": "tests.helpers.user_data:wrong_type"}
+    config = tiny_run(tmp_path, data=data, failure={"max_failures": 2})
     with pytest.raises(DataError) as caught:
         trainforge.fit(config)
     message = str(caught.value)
