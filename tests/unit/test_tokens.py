@@ -413,3 +413,24 @@ def test_a_relative_corpus_path_is_refused_before_ray_starts(raw: tuple[Path, li
     with pytest.raises(DataError, match=r"data\.path corpora/mine is relative, but Ray's workers do not run in this"):
         prepare_or_verify(cfg)
     assert not Path("corpora").exists()
+
+
+def test_train_names_the_data_prepare_key_before_ray_starts(
+    raw: tuple[Path, list[str]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import yaml
+
+    config = {
+        "run": {"output_dir": str(tmp_path / "runs")},
+        "model": {"name": "llama_tiny"},
+        "data": {"name": "tokens", "path": str(tmp_path / "c"), "prepare": {"inputs": [str(raw[0])]}},
+        "train": {"max_steps": 1},
+    }
+    path = tmp_path / "lm.yaml"
+    path.write_text(yaml.safe_dump(config))
+    code, err = run_cli(["train", str(path), "--set", "data.prepare.tokenizer=bpe:1"], monkeypatch, capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "data.prepare.tokenizer 'bpe:1': the BPE vocabulary must be a whole number from 257" in err
+    code, err = run_cli(["train", str(path), "--set", "data.prepare.inputs=[nowhere]"], monkeypatch, capsys)
+    assert code == 2 and "data.prepare.inputs nowhere: no such file or directory" in err, err
+    assert not (tmp_path / "c").exists() and not (tmp_path / "runs").exists()
