@@ -9,6 +9,7 @@ the output: the work happens in a hidden folder beside it that is removed on any
 
 from __future__ import annotations
 
+import itertools
 import multiprocessing
 import os
 import shutil
@@ -298,26 +299,25 @@ def move_into_place(staging: Path, output: Path, force: bool) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def build_tokenizer(choice: TokenizerChoice, tasks: list[Task], val_fraction: float, progress: Any) -> Tokenizer:
+def build_tokenizer(choice: TokenizerChoice, tasks: list[Task], options: PrepareOptions, progress: Any) -> Tokenizer:
+    """The tokenizer ``choice`` names; a BPE is trained here on the training documents."""
     if choice.kind == "bytes":
         return ByteTokenizer()
     if choice.kind == "file":
         assert choice.path is not None
-        return read_tokenizer_file(choice.path, "--tokenizer")
+        return read_tokenizer_file(choice.path, options.names.tokenizer)
     step = progress.add_task(f"training a {choice.vocab}-token BPE", total=None) if progress is not None else None
-    texts = training_texts(tasks, val_fraction)
+    texts = training_texts(tasks, options.val_fraction)
     first = next(texts, None)
     if first is None:
-        raise DataError("the inputs hold no training text to train the BPE tokenizer on")
-    tokenizer = train_bpe(chain_first(first, texts), choice.vocab)
+        raise DataError(
+            f"{options.names.inputs} {' '.join(options.inputs)}: no training document to train the BPE on "
+            f"(no UTF-8 text, or every document fell into the validation split: see {options.names.val_fraction})"
+        )
+    tokenizer = train_bpe(itertools.chain([first], texts), choice.vocab)
     if progress is not None:
         progress.remove_task(step)
     return tokenizer
-
-
-def chain_first(first: str, rest: Iterator[str]) -> Iterator[str]:
-    yield first
-    yield from rest
 
 
 def write_corpus(
@@ -325,7 +325,7 @@ def write_corpus(
 ) -> tuple[CorpusManifest, int]:
     """Tokenizer, shards, indexes, sources and, last, the manifest in ``staging``."""
     with progress_bar(show_progress) as progress:
-        tokenizer = build_tokenizer(choice, tasks, options.val_fraction, progress)
+        tokenizer = build_tokenizer(choice, tasks, options, progress)
         dtype = np.dtype("<u2" if tokenizer.vocab_size <= UINT16_VOCAB else "<u4")
         files: dict[str, FileEntry] = {}
         tokenizer_file = None
