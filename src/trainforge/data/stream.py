@@ -368,7 +368,7 @@ def stream_from_factory(cfg: DataConfig, seed: int) -> Stream | None:
     sets (the driver calls the factory once to learn which; the workers build map-style sets
     themselves). Rows are counted with ``Dataset.count()``; without a ``val`` dataset there is no
     validation (a Ray Dataset is not split here: that would materialise it)."""
-    from trainforge.data.factory import load_user_data
+    from trainforge.data.factory import is_ray_dataset, load_user_data
 
     user = load_user_data(cfg, seed)
     if not is_ray_dataset(user.train):
@@ -391,12 +391,6 @@ def stream_from_factory(cfg: DataConfig, seed: int) -> Stream | None:
         val_size=val_rows,
     )
     return Stream(train, val if val_rows else None, StreamPlan("factory", train_rows, val_rows, spec))
-
-
-def is_ray_dataset(obj: object) -> bool:
-    from trainforge.data.factory import is_ray_dataset as check
-
-    return check(obj)
 
 
 def first_row(source: str, files: Files, image_size: int | None) -> dict[str, Any]:
