@@ -12,7 +12,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -25,7 +24,7 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import trainforge
-from tests.helpers.faults import paced_run, worker_pids
+from tests.helpers.faults import kill_a_worker_after, paced_run
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -62,23 +61,6 @@ def assert_bit_identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor])
     assert a.keys() == b.keys()
     different = [k for k in a if not torch.equal(a[k], b[k])]
     assert not different, f"differs after resume: {different[:5]}"
-
-
-def kill_a_worker_after(marker: Path, timeout_s: float = 180) -> dict[str, Any]:
-    """Start a thread that SIGKILLs one training worker once ``marker`` exists."""
-    done: dict[str, Any] = {}
-
-    def watch() -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and not marker.exists():
-            time.sleep(0.01)
-        pids = worker_pids()
-        if pids:
-            os.kill(max(pids), signal.SIGKILL)
-            done["pid"], done["at"] = max(pids), time.time()
-
-    threading.Thread(target=watch, daemon=True).start()
-    return done
 
 
 TWO_WORKERS = {

@@ -50,6 +50,23 @@ def worker_pids() -> list[int]:
     return found
 
 
+def kill_a_worker_after(marker: Path, timeout_s: float = 180) -> dict[str, Any]:
+    """Start a thread that SIGKILLs one training worker once ``marker`` exists."""
+    done: dict[str, Any] = {}
+
+    def watch() -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and not marker.exists():
+            time.sleep(0.01)
+        pids = worker_pids()
+        if pids:
+            os.kill(max(pids), signal.SIGKILL)
+            done["pid"], done["at"] = max(pids), time.time()
+
+    threading.Thread(target=watch, daemon=True).start()
+    return done
+
+
 def checkpoints(run_dir: Path) -> list[Path]:
     """Committed checkpoint directories of a run on local storage, oldest first."""
     return sorted(p for p in run_dir.glob("checkpoint_*") if (p / "manifest.json").is_file())

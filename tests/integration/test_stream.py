@@ -15,8 +15,7 @@ from typing import Any
 import pytest
 
 import trainforge
-from tests.faults.test_exact_resume import kill_a_worker_after
-from tests.helpers.faults import events
+from tests.helpers.faults import events, kill_a_worker_after
 from tests.helpers.runs import tiny_run
 from tests.helpers.tables import write_parquet
 
