@@ -154,13 +154,20 @@ def ray_session(config: Config, address: str | None, *, verbose: bool) -> Iterat
         ray.shutdown()
 
 
-def build_trainer(config: Config, mailbox: Any, callbacks: Sequence[Any] = ()) -> TorchTrainer:
+def build_trainer(
+    config: Config, mailbox: Any, callbacks: Sequence[Any] = (), *, local_ray: bool = False
+) -> TorchTrainer:
     """The run's TorchTrainer; ``callbacks`` are extra Ray Train callbacks for its controller
-    (a hyperparameter search records each trial's placement groups with one)."""
+    (a hyperparameter search records each trial's placement groups with one). On a ``local_ray``
+    (one this process started) relative data paths are made absolute for the workers."""
     scaling = config.scaling
     resources = dict(scaling.resources_per_worker) if scaling.resources_per_worker else None
     env = worker_env()
-    payload: dict[str, Any] = {"config": config.to_dict(), "control": mailbox}
+    settings = config.to_dict()
+    payload: dict[str, Any] = {
+        "config": with_absolute_data_paths(settings) if local_ray else settings,
+        "control": mailbox,
+    }
     streamed: dict[str, Any] = {}
     # Streamed sources (and factories returning Ray Datasets) are read by Ray Data and reach the
     # workers as Ray Train's dataset shards.
@@ -204,6 +211,17 @@ def build_trainer(config: Config, mailbox: Any, callbacks: Sequence[Any] = ()) -
         ),
         **streamed,
     )
+
+
+def with_absolute_data_paths(config: dict[str, Any]) -> dict[str, Any]:
+    """``data.path`` / ``data.val_path`` relative to the driver's working directory, made absolute
+    for a local Ray, whose workers do not start in that directory. URIs (``s3://``) stay as given."""
+    data = dict(config["data"])
+    for key in ("path", "val_path"):
+        value = data.get(key)
+        if value and "://" not in value and not Path(value).expanduser().is_absolute():
+            data[key] = str(Path(value).expanduser().resolve())
+    return {**config, "data": data}
 
 
 def preflight(config: Config, *, local: bool) -> None:
@@ -366,7 +384,7 @@ def _train(
         fanout.on_start(
             {"name": config.run.name, "workers": config.scaling.num_workers, "cluster": where, "run_dir": str(run_dir)}
         )
-        outcome = _fit(build_trainer(config, mailbox, callbacks), pump, started)
+        outcome = _fit(build_trainer(config, mailbox, callbacks, local_ray=address is None), pump, started)
     store = CheckpointStore.for_run(config.storage_path, config.run.name) if outcome.checkpoint else None
     summary = finish_run_dir(run_dir, run_record(config, outcome, pump), store)
     fanout.on_end(summary)

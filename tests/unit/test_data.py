@@ -461,3 +461,19 @@ def test_random_augmentation_is_exact_across_worker_counts_and_resume() -> None:
     straight = items(2, 0)
     assert all(torch.equal(a, b) for a, b in zip(items(1, 0), straight, strict=True))
     assert all(torch.equal(a, b) for a, b in zip(items(2, 12), straight[12:], strict=True))
+
+
+def test_relative_data_paths_reach_local_workers_absolute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ray Train starts each worker in its own working directory, so a ``data.path`` relative to
+    where ``trainforge train`` ran is made absolute before it is sent to a local Ray's workers."""
+    from tests.helpers.runs import tiny_run
+    from trainforge.config import Config
+    from trainforge.launch import with_absolute_data_paths
+
+    monkeypatch.chdir(tmp_path)
+    config = tiny_run(tmp_path, data={"name": "imagefolder", "path": "pets", "val_path": "s3://b/val"})
+    settings = Config.model_validate(config)
+    data = with_absolute_data_paths(settings.to_dict())["data"]
+    assert data["path"] == str(tmp_path / "pets")
+    assert data["val_path"] == "s3://b/val"
+    assert with_absolute_data_paths({"data": {"path": "/abs/x", "val_path": None}})["data"]["path"] == "/abs/x"
