@@ -291,6 +291,57 @@ def bench_switches(ctx: typer.Context) -> None:
     main(list(ctx.args))
 
 
+@bench_app.command("data")
+def bench_data(
+    size_gb: Annotated[float, typer.Option(help="Data set size in GB (10^9 bytes).")] = 10.0,
+    s3: Annotated[
+        bool, typer.Option("--s3", help="Stream from S3: moto's server on loopback, or the one at --endpoint-url.")
+    ] = False,
+    endpoint_url: Annotated[
+        str | None, typer.Option(help="With --s3: an S3-compatible server (credentials from the environment).")
+    ] = None,
+    dir_: Annotated[
+        Path | None,
+        typer.Option("--dir", help="Where to generate; default ~/.cache/trainforge/bench-data. Same spec: reused."),
+    ] = None,
+    image_size: Annotated[int, typer.Option(help="Side of the stored PNG images in pixels (trained at 32).")] = 128,
+    workers: Annotated[int, typer.Option(help="Training workers.")] = 2,
+    keep: Annotated[bool, typer.Option("--keep", help="Keep the generated data for the next run.")] = False,
+    output: Annotated[Path | None, typer.Option(help="Also write every raw figure as JSON here.")] = None,
+) -> None:
+    """One epoch of a generated parquet image data set through small_cnn: samples/s, cold read GB/s,
+    peak RSS per process, object store use and the data-wait share of step time."""
+    import math
+
+    if not (math.isfinite(size_gb) and 0 < size_gb <= 100_000):
+        raise TrainforgeError(f"--size-gb {size_gb}: a number of GB > 0 (e.g. 2 or 10)")
+    if not 8 <= image_size <= 4096:
+        raise TrainforgeError(f"--image-size {image_size}: from 8 to 4096 pixels")
+    if not 1 <= workers <= 64:
+        raise TrainforgeError(f"--workers {workers}: from 1 to 64")
+    if endpoint_url is not None and not s3:
+        raise TrainforgeError(f"--endpoint-url {endpoint_url}: only with --s3")
+    if dir_ is not None and dir_.exists() and not dir_.is_dir():
+        raise TrainforgeError(f"--dir {dir_}: not a folder")
+    if output is not None and not output.parent.is_dir():
+        raise TrainforgeError(f"--output {output}: folder {output.parent} does not exist")
+    from trainforge.bench.data import run_data_bench
+
+    _setup_logging(False)
+    logging.getLogger("trainforge").setLevel(logging.WARNING)  # the epoch's run lives in a temporary folder
+    run_data_bench(
+        size_gb=size_gb,
+        image_size=image_size,
+        workers=workers,
+        directory=dir_,
+        keep=keep,
+        s3=s3,
+        endpoint_url=endpoint_url,
+        output=output,
+        console=_wide_console(),
+    )
+
+
 CkptPathArg = Annotated[str, typer.Argument(help="A checkpoint directory: a local path or a URI (s3://...).")]
 
 
