@@ -1,0 +1,318 @@
+"""``trainforge submit`` and ``trainforge jobs`` against a real Ray head with token authentication.
+
+One ``ray start --head --block`` (dashboard included: it serves the Jobs API) on loopback for the
+module, with ``RAY_AUTH_MODE=token`` and a token of the test's own, in a private temp dir and on
+ports of its own, so that it neither joins nor disturbs another Ray on the machine. It is ended
+by killing its own process tree (never ``ray stop``, which would end every Ray on the machine).
+
+The submitted run trains a model from a factory module that exists only in the submitting
+command's working directory: the job can import it only because the directory travelled with it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import pytest
+import requests
+import yaml
+
+from tests.helpers.runs import tiny_run
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent  # ray and trainforge of this environment
+MODEL_MODULE = '''
+from torch import nn
+
+
+def build(hidden: int = 16) -> nn.Module:
+    """A digits-sized classifier: (B, 1, 8, 8) -> (B, 10)."""
+    return nn.Sequential(nn.Flatten(), nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, 10))
+'''
+
+
+@dataclass(frozen=True)
+class Head:
+    url: str
+    token: str
+
+
+def free_ports(count: int) -> list[int]:
+    """Ports free now (bound together, so distinct); Ray binds them a moment later."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def client_env(**values: str) -> dict[str, str]:
+    """The submitting user's environment: no Ray address or token of the machine's own."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "RAY_AUTH", "RAY_JOBS"))}
+    return {**env, "TERM": "dumb", **values}
+
+
+@pytest.fixture(scope="module")
+def head() -> Iterator[Head]:
+    token = uuid.uuid4().hex
+    temp_dir = tempfile.mkdtemp(prefix="tfjob-", dir="/tmp")  # short: Ray's socket paths live under it
+    gcs, dashboard, client, agent, agent_grpc, runtime_env, metrics = free_ports(7)
+    env = {
+        **client_env(),
+        "RAY_AUTH_MODE": "token",
+        "RAY_AUTH_TOKEN": token,
+        "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",  # the job's `trainforge` command
+        "OMP_NUM_THREADS": "1",
+        "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2",
+        "RAY_USAGE_STATS_ENABLED": "0",
+    }
+    log = open(Path(temp_dir) / "ray-start.log", "w")  # noqa: SIM115 (open for the module's lifetime)
+    head_process = subprocess.Popen(
+        [
+            str(BIN / "ray"),
+            "start",
+            "--head",
+            "--block",
+            f"--temp-dir={temp_dir}",
+            "--node-ip-address=127.0.0.1",
+            f"--port={gcs}",
+            "--num-cpus=4",
+            "--object-store-memory=200000000",  # the machine is shared: 200 MB instead of 30% of memory
+            "--include-dashboard=true",
+            "--dashboard-host=127.0.0.1",
+            f"--dashboard-port={dashboard}",
+            f"--ray-client-server-port={client}",
+            f"--dashboard-agent-listen-port={agent}",
+            f"--dashboard-agent-grpc-port={agent_grpc}",
+            f"--runtime-env-agent-port={runtime_env}",
+            f"--metrics-export-port={metrics}",
+        ],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{dashboard}"
+    try:
+        try:
+            wait_for_jobs_api(url, token, head_process, timeout_s=120)
+        except (RuntimeError, TimeoutError) as err:
+            raise RuntimeError(
+                f"{err}; ray start said:\n{(Path(temp_dir) / 'ray-start.log').read_text()[-3000:]}"
+            ) from None
+        yield Head(url, token)
+    finally:
+        end_process_tree(head_process)
+        log.close()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def wait_for_jobs_api(url: str, token: str, head_process: subprocess.Popen[bytes], timeout_s: float) -> None:
+    """The dashboard answers /api/jobs/ with the token (its job module starts after the server)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if head_process.poll() is not None:
+            raise RuntimeError(f"ray start exited with {head_process.returncode}")
+        try:
+            answer = requests.get(f"{url}/api/jobs/", headers={"Authorization": f"Bearer {token}"}, timeout=5)
+            if answer.status_code == 200:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"the Ray dashboard at {url} did not serve the Jobs API within {timeout_s:.0f} s")
+
+
+def end_process_tree(root: subprocess.Popen[bytes]) -> None:
+    """SIGTERM to ``ray start`` and every process under it (job drivers run in sessions of their
+    own, so a process group would miss them), SIGKILL to whatever is left after 3 s."""
+    try:
+        tree = [psutil.Process(root.pid), *psutil.Process(root.pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for process in tree:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.terminate()
+    _, alive = psutil.wait_procs(tree, timeout=3)
+    for process in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
+    psutil.wait_procs(alive, timeout=5)
+    root.wait(timeout=5)
+
+
+def trainforge(*args: str, cwd: Path, env: dict[str, str], timeout: int = 240) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(BIN / "trainforge"), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+def error_lines(result: subprocess.CompletedProcess[str]) -> list[str]:
+    assert "Traceback" not in result.stderr, result.stderr
+    return [line for line in result.stderr.splitlines() if line.startswith("error:")]
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The user's working directory: their model module and a run config that names it, with the
+    run's results in ``results/`` under it (relative: submit makes it absolute for the job, and
+    leaves it out of the upload)."""
+    where = tmp_path_factory.mktemp("project")
+    (where / "mymodels.py").write_text(MODEL_MODULE)
+    config = tiny_run(
+        Path("results"),
+        run={"name": "submitted"},
+        model={"name": None, "factory": "mymodels:build", "kwargs": {"hidden": 16}},
+        checkpoint={"every_n_steps": 10},
+        tracking={"enabled": False},  # the MLflow store costs seconds and is not what is tested
+    )
+    (where / "run.yaml").write_text(yaml.safe_dump(config))
+    return where
+
+
+@pytest.fixture(scope="module")
+def submitted(head: Head, project: Path) -> tuple[subprocess.CompletedProcess[str], float]:
+    """One submission, followed to its end: the run the tests below look at."""
+    started = time.monotonic()
+    result = trainforge(
+        "submit", "run.yaml", "--address", head.url, cwd=project, env=client_env(RAY_AUTH_TOKEN=head.token)
+    )
+    return result, time.monotonic() - started
+
+
+def job_id_of(result: subprocess.CompletedProcess[str]) -> str:
+    found = re.search(r"submitted job (\S+) to", result.stderr)
+    assert found, result.stderr
+    return found.group(1)
+
+
+def test_submit_runs_the_config_with_the_users_model_and_streams_progress(
+    submitted: tuple[subprocess.CompletedProcess[str], float], project: Path
+) -> None:
+    result, _ = submitted
+    assert result.returncode == 0, result.stdout + result.stderr
+    run_dir = project / "results" / "submitted"
+    assert f"results: {run_dir}" in result.stderr
+    # The remote run's progress display, a line per report, passed through as it arrives.
+    assert "step 20/20" in result.stderr, result.stderr
+    assert re.search(r"finished at step 20 ", result.stderr), result.stderr
+    assert result.stdout.strip().splitlines()[-1] == f"{run_dir}/summary.json"
+    summary = yaml.safe_load((run_dir / "summary.json").read_text())
+    assert summary["status"] == "finished"
+    assert summary["config"]["model"]["factory"] == "mymodels:build"
+    # The resolved config went with the job and was removed from the working directory afterwards.
+    assert not list(project.glob("trainforge-submit-*"))
+
+
+def test_ckpt_list_reads_the_submitted_runs_checkpoints(
+    submitted: tuple[subprocess.CompletedProcess[str], float], project: Path
+) -> None:
+    assert submitted[0].returncode == 0
+    run_dir = project / "results" / "submitted"
+    listed = trainforge("ckpt", "list", str(run_dir), cwd=project, env=client_env())
+    assert listed.returncode == 0, listed.stderr
+    assert "checkpoint_000000010" in listed.stdout
+    assert "checkpoint_000000020" in listed.stdout
+    assert "invalid" not in listed.stdout
+
+
+def test_jobs_list_status_and_logs_show_the_finished_job(
+    submitted: tuple[subprocess.CompletedProcess[str], float], head: Head, project: Path
+) -> None:
+    job = job_id_of(submitted[0])
+    env = client_env(RAY_JOBS_ADDRESS=head.url, RAY_AUTH_TOKEN=head.token)
+    listed = trainforge("jobs", "list", cwd=project, env=env)
+    assert listed.returncode == 0, listed.stderr
+    assert re.search(rf"{job}\s+SUCCEEDED\s+submitted", listed.stdout), listed.stdout
+    status = trainforge("jobs", "status", job, cwd=project, env=env)
+    assert status.returncode == 0, status.stderr
+    assert re.search(r"status:\s+SUCCEEDED", status.stdout), status.stdout
+    assert f"results:     {project / 'results' / 'submitted'}" in status.stdout
+    logs = trainforge("jobs", "logs", job, cwd=project, env=env)
+    assert logs.returncode == 0, logs.stderr
+    assert "step 20/20" in logs.stdout
+    missing = trainforge("jobs", "status", "raysubmit_nosuchjob", cwd=project, env=env)
+    assert missing.returncode == 2
+    assert len(error_lines(missing)) == 1 and "no job raysubmit_nosuchjob" in missing.stderr
+
+
+@pytest.mark.parametrize(
+    ("token", "expected"),
+    [("not-the-token", "refused the token from RAY_AUTH_TOKEN"), (None, "requires a token and none was found")],
+)
+def test_a_wrong_or_missing_token_is_one_line_and_exit_2(
+    head: Head, project: Path, tmp_path: Path, token: str | None, expected: str
+) -> None:
+    # HOME without ~/.ray/auth_token: only what the test gives is sent.
+    env = client_env(HOME=str(tmp_path), **({"RAY_AUTH_TOKEN": token} if token else {}))
+    started = time.monotonic()
+    result = trainforge("submit", "run.yaml", "--address", head.url, cwd=project, env=env)
+    elapsed = time.monotonic() - started
+    assert result.returncode == 2, result.stderr
+    errors = error_lines(result)
+    assert len(errors) == 1 and expected in errors[0], result.stderr
+    assert elapsed < 10, elapsed
+
+
+def test_a_token_file_is_read(head: Head, project: Path, tmp_path: Path) -> None:
+    (tmp_path / "token").write_text(head.token + "\n")
+    env = client_env(HOME=str(tmp_path), RAY_AUTH_TOKEN="not-the-token")  # --token-file comes first
+    result = trainforge(
+        "jobs", "list", "--address", head.url, "--token-file", str(tmp_path / "token"), cwd=project, env=env
+    )
+    assert result.returncode == 0, result.stderr
+
+
+def test_an_unreachable_address_is_one_line_and_exit_2(project: Path) -> None:
+    (closed,) = free_ports(1)
+    started = time.monotonic()
+    result = trainforge("submit", "run.yaml", "--address", f"http://127.0.0.1:{closed}", cwd=project, env=client_env())
+    elapsed = time.monotonic() - started
+    assert result.returncode == 2, result.stderr
+    errors = error_lines(result)
+    assert len(errors) == 1 and f"cannot reach the Ray dashboard at http://127.0.0.1:{closed}" in errors[0]
+    assert elapsed < 10, elapsed
+
+
+def test_a_bad_config_is_refused_before_anything_is_submitted(head: Head, project: Path) -> None:
+    env = client_env(RAY_AUTH_TOKEN=head.token)
+    result = trainforge(
+        "submit", "run.yaml", "--address", head.url, "--set", "train.bacth_size=3", cwd=project, env=env
+    )
+    assert result.returncode == 2
+    errors = error_lines(result)
+    assert len(errors) == 1 and "unknown key train.bacth_size" in errors[0], result.stderr
+    assert "submitted job" not in result.stderr
+
+
+def test_no_wait_prints_the_job_id_and_following_it_exits_with_the_remote_code(head: Head, project: Path) -> None:
+    env = client_env(RAY_JOBS_ADDRESS=head.url, RAY_AUTH_TOKEN=head.token)
+    # The job's driver calls a data factory before any worker starts: a missing one fails in seconds.
+    overrides = ["--set", "run.name=broken", "--set", "data.name=factory", "--set", "data.factory=mymodels:missing"]
+    result = trainforge("submit", "run.yaml", "--no-wait", *overrides, cwd=project, env=env)
+    assert result.returncode == 0, result.stderr
+    job = result.stdout.strip()
+    assert f"trainforge jobs logs {job} --follow --address {head.url}" in result.stderr
+    followed = trainforge("jobs", "logs", job, "--follow", cwd=project, env=env)
+    # The cluster's `trainforge train` found a user error (exit 2): its one line, then the same code here.
+    assert followed.returncode == 2, followed.stdout + followed.stderr
+    assert re.search(r"error: .*mymodels:missing", followed.stdout), followed.stdout
+    assert f"job {job} FAILED: exit code 2" in followed.stderr
