@@ -234,7 +234,7 @@ def test_ckpt_list_reads_the_submitted_runs_checkpoints(
     assert "invalid" not in listed.stdout
 
 
-def test_jobs_list_status_and_logs_show_the_finished_job(
+def test_jobs_list_status_logs_and_stop_on_the_finished_job(
     submitted: tuple[subprocess.CompletedProcess[str], float], head: Head, project: Path
 ) -> None:
     job = job_id_of(submitted[0])
@@ -249,6 +249,9 @@ def test_jobs_list_status_and_logs_show_the_finished_job(
     logs = trainforge("jobs", "logs", job, cwd=project, env=env)
     assert logs.returncode == 0, logs.stderr
     assert "step 20/20" in logs.stdout
+    stop = trainforge("jobs", "stop", job, cwd=project, env=env)
+    assert stop.returncode == 0, stop.stderr
+    assert f"{job} was not running (SUCCEEDED)" in stop.stdout
     missing = trainforge("jobs", "status", "raysubmit_nosuchjob", cwd=project, env=env)
     assert missing.returncode == 2
     assert len(error_lines(missing)) == 1 and "no job raysubmit_nosuchjob" in missing.stderr
