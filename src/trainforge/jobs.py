@@ -2,13 +2,14 @@
 
 A submitted run is ``trainforge train`` executed by the cluster (Ray's Jobs API on the head's
 dashboard, port 8265): the user's working directory travels as the job's ``working_dir`` (their
-model and data factories with it), together with the config resolved and validated here, so the
-cluster runs exactly what ``config show`` prints on this machine. The job's driver connects to its
-own cluster (Ray sets ``RAY_ADDRESS`` for every job), so ``cluster.address`` is dropped from it.
+model and data factories with it), together with the config resolved and validated here: the
+cluster runs what ``config show`` prints on this machine, with only the cluster's own
+``TRAINFORGE_*`` variables applied on top. The job's driver connects to its own cluster (Ray sets
+``RAY_ADDRESS`` for every job), so ``cluster.address`` is dropped from it.
 
-Every request to the dashboard is bounded: a TCP connect, then ``GET /api/version`` with the
-token, each with a short timeout, before Ray's SDK (whose requests have none) is used. A wrong
-token, a missing one or an unreachable address is a ``ClusterError`` (one line, exit code 2).
+The first contact is bounded: a TCP connect, then ``GET /api/version`` with the token, each with
+a short timeout, before Ray's SDK (whose requests have no timeout) is used. A wrong token, a
+missing one or an unreachable address is a ``ClusterError`` (one line, exit code 2).
 """
 
 from __future__ import annotations
