@@ -90,6 +90,7 @@ class ProcessPeak:
     role: str
     rss: int = 0
     anon: int = 0  # resident minus shared (file pages and the object store's shared memory)
+    cpu_s: float = 0.0  # user + system seconds so far
 
 
 @dataclass
@@ -138,6 +139,7 @@ class Sampler:
                 with process.oneshot():
                     title = "driver" if process.pid == me.pid else " ".join(process.cmdline())
                     memory = process.memory_info()
+                    cpu = process.cpu_times()
             except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
                 continue
             role = "driver" if process.pid == me.pid else role_of(title)
@@ -146,6 +148,7 @@ class Sampler:
                 peak.role = role
             peak.rss = max(peak.rss, memory.rss)
             peak.anon = max(peak.anon, memory.rss - getattr(memory, "shared", 0))
+            peak.cpu_s = max(peak.cpu_s, cpu.user + cpu.system)
             sums[peak.role] = sums.get(peak.role, 0) + memory.rss
         for role, total in sums.items():
             self.role_sum_peaks[role] = max(self.role_sum_peaks.get(role, 0), total)
@@ -156,6 +159,10 @@ class Sampler:
         except Exception as err:  # a private Ray API: a changed reply must not end the benchmark
             self.store_error = f"{type(err).__name__}: {err}"
         self.samples += 1
+
+    def cpu_s(self, role: str) -> float:
+        """CPU seconds the processes of ``role`` used, as last sampled."""
+        return sum(p.cpu_s for p in self.peaks.values() if p.role == role)
 
     def of_role(self, role: str) -> list[ProcessPeak]:
         return sorted((p for p in self.peaks.values() if p.role == role), key=lambda p: -p.rss)
@@ -426,6 +433,7 @@ def memory_figures(sampler: Sampler) -> dict[str, Any]:
         "ray_data_process_peak_rss": max((p.rss for p in data), default=0),
         "ray_data_processes": len(data),
         "peak_rss_sum_by_role": sampler.role_sum_peaks,
+        "cpu_s_by_role": {role: sampler.cpu_s(role) for role in ROLES},
         "object_store_peak": sampler.store_peak,
         "object_store_capacity": sampler.store_capacity,
         "object_store_spilled": sampler.spilled,
@@ -442,7 +450,8 @@ def results_table(report: dict[str, Any]) -> Table:
     table.add_column("value", justify="right")
     gb = [f"{rss / GB:.2f}" for rss in memory["train_worker_peak_rss"]]
     anon = [f"{rss / GB:.2f}" for rss in memory["train_worker_peak_anon"]]
-    sums = memory["peak_rss_sum_by_role"]
+    sums, cpu = memory["peak_rss_sum_by_role"], memory["cpu_s_by_role"]
+    samples = max(epoch["samples"], 1)
     rows = [
         ("files, bytes per row", f"{data['files']}, {data['bytes_per_row'] / 1000:.1f} kB"),
         ("generation", "reused" if data["reused"] else f"{data['generate_s']:.0f} s"),
@@ -471,6 +480,10 @@ def results_table(report: dict[str, Any]) -> Table:
         (
             "peak RSS, Ray's daemons / this process",
             f"{sums.get('ray daemons', 0) / GB:.2f} / {sums.get('driver', 0) / GB:.2f} GB",
+        ),
+        (
+            "CPU ms per sample: Ray Data (read, decode) / train workers",
+            f"{cpu.get('ray data', 0) * 1000 / samples:.2f} / {cpu.get('train worker', 0) * 1000 / samples:.2f}",
         ),
     ]
     for name, value in rows:
