@@ -1,0 +1,63 @@
+"""Fixtures for multi-node tests over a real network on one machine (network namespaces).
+
+* ``netns_network`` (module): namespaces ``head``, ``w1``, ``w2`` (10.213.0.1-3/24) cabled by veth
+  pairs to a bridge in a switch namespace; no Ray. Skipped, with the reason, only where a network
+  namespace cannot be created (not root, no iproute2, a container without CAP_NET_ADMIN).
+* ``shaped_link`` (function): ``with shaped_link("w2", rate="100mbit", delay="5ms"): ...`` shapes
+  both directions of a node's cable for the block. Rates work everywhere (tbf); a delay needs
+  ``tc netem`` and skips the test, with that reason, on a kernel without it.
+
+Everything a module started (namespaces and every process inside them) is killed and deleted when
+the module ends; what a crashed run left behind is removed when the next one starts. Processes
+run inside a node with ``netns_network.exec_argv(node, argv)`` (``ip netns exec``, which execs:
+the process stays this test's child).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from tests.cluster.netns import NetnsUnavailable, Network, ShapingUnavailable, probe, remove_stale
+
+NODES = ["head", "w1", "w2"]
+
+
+@pytest.fixture(scope="module")
+def netns_network() -> Iterator[Network]:
+    """The three-node namespace network (no Ray); see the module docstring."""
+    remove_stale()
+    try:
+        probe()
+    except NetnsUnavailable as err:
+        pytest.skip(f"network namespaces unavailable: {err}")
+    net = Network.create(NODES)
+    try:
+        yield net
+    finally:
+        net.delete()
+
+
+@pytest.fixture
+def shaped_link(netns_network: Network) -> Iterator[Callable[..., Any]]:
+    """``shaped_link(node, rate=None, delay=None)``: a context manager shaping ``node``'s cable."""
+    shaped: set[str] = set()
+
+    @contextlib.contextmanager
+    def shape(node: str, rate: str | None = None, delay: str | None = None) -> Iterator[str]:
+        try:
+            qdisc = netns_network.shape(node, rate=rate, delay=delay)
+        except ShapingUnavailable as err:
+            pytest.skip(str(err))
+        shaped.add(node)
+        try:
+            yield qdisc
+        finally:
+            netns_network.unshape(node)
+
+    yield shape
+    for node in shaped:  # a test that failed inside the block leaves nothing shaped
+        netns_network.unshape(node)
