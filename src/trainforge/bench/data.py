@@ -431,6 +431,7 @@ def memory_figures(sampler: Sampler) -> dict[str, Any]:
         "train_worker_peak_rss": [p.rss for p in workers],
         "train_worker_peak_anon": [p.anon for p in workers],
         "ray_data_process_peak_rss": max((p.rss for p in data), default=0),
+        "ray_data_process_peak_anon": max((p.anon for p in data), default=0),
         "ray_data_processes": len(data),
         "peak_rss_sum_by_role": sampler.role_sum_peaks,
         "cpu_s_by_role": {role: sampler.cpu_s(role) for role in ROLES},
@@ -468,8 +469,9 @@ def results_table(report: dict[str, Any]) -> Table:
         ),
         ("peak RSS per train worker (of it not shared)", f"{' / '.join(gb)} GB ({' / '.join(anon)} GB)"),
         (
-            "peak RSS of a Ray Data process",
-            f"{memory['ray_data_process_peak_rss'] / GB:.2f} GB ({memory['ray_data_processes']} processes)",
+            "peak RSS of a Ray Data process (not shared), processes",
+            f"{memory['ray_data_process_peak_rss'] / GB:.2f} GB ({memory['ray_data_process_peak_anon'] / GB:.2f} GB), "
+            f"{memory['ray_data_processes']}",
         ),
         ("peak RSS, all Ray Data processes", f"{sums.get('ray data', 0) / GB:.2f} GB"),
         (
