@@ -3,6 +3,11 @@
 * ``netns_network`` (module): namespaces ``head``, ``w1``, ``w2`` (10.213.0.1-3/24) cabled by veth
   pairs to a bridge in a switch namespace; no Ray. Skipped, with the reason, only where a network
   namespace cannot be created (not root, no iproute2, a container without CAP_NET_ADMIN).
+* ``netns_cluster`` (module): a real Ray cluster in that network (``raycluster.RayCluster``): head
+  (0 CPUs; drivers run in its namespace) and two 1-CPU worker nodes, each with a custom resource
+  named after it, Ray token auth on, health checks short enough that a node cut off is declared
+  dead within about 2 s; worker nodes are restarted by the harness when their ``ray start`` ends.
+  Starting it costs about 15 s.
 * ``shaped_link`` (function): ``with shaped_link("w2", rate="100mbit", delay="5ms"): ...`` shapes
   both directions of a node's cable for the block. Rates work everywhere (tbf); a delay needs
   ``tc netem`` and skips the test, with that reason, on a kernel without it.
@@ -22,8 +27,10 @@ from typing import Any
 import pytest
 
 from tests.cluster.netns import NetnsUnavailable, Network, ShapingUnavailable, probe, remove_stale
+from tests.cluster.raycluster import FAST_HEALTH_CHECKS, NodeSpec, RayCluster, ray_cluster
 
 NODES = ["head", "w1", "w2"]
+SPECS = [NodeSpec("head", num_cpus=0, head=True), NodeSpec("w1", num_cpus=1), NodeSpec("w2", num_cpus=1)]
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +46,13 @@ def netns_network() -> Iterator[Network]:
         yield net
     finally:
         net.delete()
+
+
+@pytest.fixture(scope="module")
+def netns_cluster(netns_network: Network) -> Iterator[RayCluster]:
+    """A Ray cluster on ``netns_network``; see the module docstring."""
+    with ray_cluster(netns_network, SPECS, system_config=FAST_HEALTH_CHECKS) as cluster:
+        yield cluster
 
 
 @pytest.fixture
