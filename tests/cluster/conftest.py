@@ -7,6 +7,7 @@
   (0 CPUs; drivers run in its namespace) and two 1-CPU worker nodes, each with a custom resource
   named after it, Ray token auth on, health checks short enough that a node cut off is declared
   dead within about 2 s; worker nodes are restarted by the harness when their ``ray start`` ends.
+  The head runs the dashboard (Ray's Jobs API at ``netns_cluster.dashboard_url``) for ``submit``.
   Starting it costs about 15 s.
 * ``shaped_link`` (function): ``with shaped_link("w2", rate="100mbit", delay="5ms"): ...`` shapes
   both directions of a node's cable for the block. Rates work everywhere (tbf); a delay needs
@@ -51,7 +52,7 @@ def netns_network() -> Iterator[Network]:
 @pytest.fixture(scope="module")
 def netns_cluster(netns_network: Network) -> Iterator[RayCluster]:
     """A Ray cluster on ``netns_network``; see the module docstring."""
-    with ray_cluster(netns_network, SPECS, system_config=FAST_HEALTH_CHECKS) as cluster:
+    with ray_cluster(netns_network, SPECS, system_config=FAST_HEALTH_CHECKS, dashboard=True) as cluster:
         yield cluster
 
 

@@ -106,6 +106,11 @@ class RayCluster:
             "PYTHONPATH": str(ROOT),  # workers import tests.helpers (paced_net) from the checkout
             "OMP_NUM_THREADS": "1",
             "RAY_USAGE_STATS_ENABLED": "0",
+            # Every namespace shares the machine's hostname, which resolves to 127.0.0.1: gloo would
+            # advertise that to the other ranks. Each node's cable is its eth0.
+            "GLOO_SOCKET_IFNAME": "eth0",
+            # A submitted job's entrypoint is `trainforge train`: on the PATH of every node's Ray.
+            "PATH": os.pathsep.join([str(BIN), os.environ.get("PATH", "")]),
             # Ray's token authentication, on as for a real cluster: every node, driver and query
             # of this cluster carries the token (never the machine's ~/.ray/auth_token).
             "RAY_AUTH_MODE": "token",
