@@ -379,6 +379,49 @@ class TuneConfig(Section):
     time_budget_s: Annotated[float, Field(gt=0, le=366 * 24 * 3600.0)] | None = None
 
 
+Price = Annotated[float, Field(ge=0.0, le=1e6)]
+
+
+class CostConfig(Section):
+    """``cost``: what the run's hardware costs per hour, to show cost so far and projected to the end.
+
+    Off while no price is set. Billed: workers x (GPUs or CPUs per worker, from ``scaling``) x wall
+    hours (``trainforge.cost``); docs/configuration.md.
+    """
+
+    price_per_gpu_hour: Price | None = None  # per GPU, with scaling.use_gpu
+    price_per_cpu_hour: Price | None = None  # per CPU (worker CPUs from scaling.resources_per_worker, else 1)
+    currency: str = "USD"
+
+    @field_validator("currency")
+    @classmethod
+    def _currency_code(cls, value: str) -> str:
+        if not re.fullmatch(r"[A-Z]{3}", value):
+            raise ValueError("must be a 3-letter ISO 4217 currency code in capitals, e.g. USD, EUR, GBP")
+        return value
+
+    @property
+    def enabled(self) -> bool:
+        return self.price_per_gpu_hour is not None or self.price_per_cpu_hour is not None
+
+
+class ProfileConfig(Section):
+    """``profile``: a torch.profiler trace of optimizer steps START..END (1-based, inclusive) on the
+    listed ranks, with a top-operators table and the communication share (worker/profiling.py)."""
+
+    steps: tuple[Steps, Steps]
+    ranks: Annotated[list[Annotated[int, Field(ge=0, lt=MAX_WORKERS)]], Field(min_length=1, max_length=64)] = Field(
+        default_factory=lambda: [0]
+    )
+
+    @field_validator("steps")
+    @classmethod
+    def _start_le_end(cls, value: tuple[int, int]) -> tuple[int, int]:
+        if value[0] > value[1]:
+            raise ValueError(f"[START, END] needs START <= END, got {list(value)}")
+        return value
+
+
 class Config(Section):
     """The whole run: one section per component plus a few run-wide scalars."""
 
@@ -396,6 +439,8 @@ class Config(Section):
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     tune: TuneConfig = Field(default_factory=TuneConfig)
+    cost: CostConfig = Field(default_factory=CostConfig)
+    profile: ProfileConfig | None = None
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     seed: Annotated[int, Field(ge=0, le=2**32 - 1)] = 0
     deterministic: bool = False
@@ -444,6 +489,18 @@ class Config(Section):
                 "parallel.fsdp.mixed_precision and precision both set compute precision; "
                 "use one (mixed_precision: bf16 with precision: fp32, or mixed_precision: none)"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _profile_ranks(self) -> Config:
+        if self.profile is not None:
+            workers = self.scaling.max_workers
+            outside = [rank for rank in self.profile.ranks if rank >= workers]
+            if outside:
+                raise ValueError(
+                    f"profile.ranks {outside} are outside the {workers} worker(s) of scaling.num_workers "
+                    f"(ranks 0..{workers - 1})"
+                )
         return self
 
     @property
