@@ -2,15 +2,15 @@
 a head (no CPUs, the drivers run in its namespace) and two 1-CPU worker nodes, one training
 worker each, every byte between them crossing the bridge.
 
-* Two workers, one per node, end with the same weights, bit for bit, as the same config on one
-  node (a local Ray): DDP with gloo sums the same two gradients in the same way.
 * A worker node whose cable is pulled mid-run (``ip link set ... down`` at the switch) is
   declared dead by the GCS's health checks and the run's worker group fails. Fixed size: the run
   waits; the cable is plugged back, the node's raylet (told it is dead) exits, the harness starts
   the node again (like a pod restart) and the run resumes from its newest checkpoint with 2
   workers. Elastic ``[1, 2]``: the run resumes on the node that is left.
 * ``trainforge submit`` from the head's namespace to the head's Jobs API (token auth on) runs the
-  config as a Ray job whose workers are on the two worker nodes.
+  config as a Ray job whose workers are on the two worker nodes, one each; it ends with the same
+  weights, bit for bit, as the same config on one node (a local Ray): DDP with gloo sums the same
+  two gradients in the same way.
 
 Each partition test prints its detection and recovery times (docs/operations.md, "Network
 partition (namespace cluster)"); they are measured, never asserted.
@@ -104,26 +104,6 @@ def whole(netns_cluster: RayCluster) -> Iterator[RayCluster]:
 def nodes_of(run_dir: Path) -> set[str]:
     """Addresses of the nodes the run's workers reported system metrics from (``system/<node IP>/...``)."""
     return {key.split("/")[1] for report in reports(run_dir) for key in report if key.startswith("system/")}
-
-
-def test_two_workers_one_per_node_end_with_the_weights_of_one_node(whole: RayCluster, tmp_path: Path) -> None:
-    sections: dict[str, Any] = {"scaling": {"num_workers": 2}, "train": {"max_steps": 20}}
-    spread = start_run(tmp_path / "cluster", tiny_run(tmp_path / "cluster", **sections), whole)
-    spread_summary = spread.wait(300)
-    local = start_run(tmp_path / "local", tiny_run(tmp_path / "local", **sections), None)
-    local_summary = local.wait(300)
-
-    workers = {whole.nodes[n].address for n in ("w1", "w2")}
-    assert nodes_of(spread.run_dir) == workers, f"workers did not run one per worker node: {nodes_of(spread.run_dir)}"
-    assert spread_summary["num_workers"] == local_summary["num_workers"] == 2
-    assert spread_summary["global_step"] == local_summary["global_step"] == 20
-    across = load_file(str(spread.run_dir / "model.safetensors"))
-    one_node = load_file(str(local.run_dir / "model.safetensors"))
-    assert across.keys() == one_node.keys()
-    different = [name for name in across if not torch.equal(across[name], one_node[name])]
-    assert not different, f"tensors differ between two nodes and one: {different}"
-    loss = spread_summary["final_metrics"]["train/loss"]
-    print(f"\nsame weights across the network and on one node: {sorted(across)}; final loss {loss}")
 
 
 @dataclass
@@ -231,21 +211,35 @@ def test_elastic_run_continues_on_the_node_left(whole: RayCluster, tmp_path: Pat
     print(partition_line("elastic [1, 2]", cut, run.run_dir, failed_at, summary))
 
 
-def test_submit_to_the_namespaced_head_runs_on_the_worker_nodes(whole: RayCluster, tmp_path: Path) -> None:
+def test_submitted_run_uses_both_worker_nodes_and_ends_with_the_weights_of_one_node(
+    whole: RayCluster, tmp_path: Path
+) -> None:
+    """``trainforge submit`` from the head's namespace to its Jobs API; the same config on one node
+    (a local Ray in this machine's namespace) runs at the same time and is compared bit for bit."""
+    sections: dict[str, Any] = {"scaling": {"num_workers": 2}, "checkpoint": {"every_n_steps": 10}}
     project = tmp_path / "project"  # the working directory that travels with the job
     project.mkdir()
-    (project / "run.yaml").write_text(
-        yaml.safe_dump(tiny_run(tmp_path / "results", scaling={"num_workers": 2}, checkpoint={"every_n_steps": 10}))
-    )
+    (project / "run.yaml").write_text(yaml.safe_dump(tiny_run(tmp_path / "results", **sections)))
+    local = start_run(tmp_path / "local", tiny_run(tmp_path / "local", **sections), None)
     argv = [TRAINFORGE, "submit", "run.yaml", "--address", whole.dashboard_url]
     env = {**whole.env, "RAY_ADDRESS": ""}
     done = subprocess.run(
         whole.net.exec_argv("head", argv), cwd=project, env=env, capture_output=True, text=True, timeout=300
     )
+    local_summary = local.wait(300)
 
     assert done.returncode == 0, done.stderr[-4000:]
     run_dir = tmp_path / "results" / "t"
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "finished" and summary["global_step"] == 20
-    assert nodes_of(run_dir) == {whole.nodes[n].address for n in ("w1", "w2")}
     assert "step 20/20" in done.stderr or "finished" in done.stderr, done.stderr[-2000:]
+    workers = {whole.nodes[n].address for n in ("w1", "w2")}
+    assert nodes_of(run_dir) == workers, f"workers did not run one per worker node: {nodes_of(run_dir)}"
+    assert summary["num_workers"] == local_summary["num_workers"] == 2
+    assert local_summary["global_step"] == 20
+    across = load_file(str(run_dir / "model.safetensors"))
+    one_node = load_file(str(local.run_dir / "model.safetensors"))
+    assert across.keys() == one_node.keys()
+    different = [name for name in across if not torch.equal(across[name], one_node[name])]
+    assert not different, f"tensors differ between two nodes and one: {different}"
+    print(f"\nsame weights across the network and on one node: {sorted(across)}")
