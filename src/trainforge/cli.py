@@ -485,6 +485,54 @@ def bench_data(
     )
 
 
+@bench_app.command("collectives")
+def bench_collectives(
+    sizes: Annotated[
+        str, typer.Option(help="Message sizes LO..HI, every power of 2 between (units B, KB, MB, GB of 1024).")
+    ] = "1KB..256MB",
+    workers: Annotated[int, typer.Option(help="Local ranks (gloo on CPU, NCCL when CUDA has enough GPUs).")] = 2,
+    iters: Annotated[int, typer.Option(help="Timed iterations per size after 2 warm-up ones; median shown.")] = 10,
+    output: Annotated[
+        Path | None,
+        typer.Option(help="Also write the figures and fits as JSON (predict --link measured reads it)."),
+    ] = None,
+) -> None:
+    """All-reduce, reduce-scatter, all-gather and broadcast: time, algbw and busbw per size, and an alpha-beta fit."""
+    from trainforge.bench.collectives import parse_sizes
+
+    parsed = parse_sizes(sizes)
+    if not 2 <= workers <= 64:
+        raise TrainforgeError(f"--workers {workers}: from 2 to 64")
+    if not 1 <= iters <= 10_000:
+        raise TrainforgeError(f"--iters {iters}: from 1 to 10000")
+    if output is not None and not output.parent.is_dir():
+        raise TrainforgeError(f"--output {output}: folder {output.parent} does not exist")
+    from trainforge.bench.collectives import run_collectives_bench
+
+    _setup_logging(False)
+    run_collectives_bench(parsed, workers=workers, iters=iters, output=output, console=_wide_console())
+
+
+@bench_app.command("gpu")
+def bench_gpu(
+    output: Annotated[Path | None, typer.Option(help="Also write the figures as JSON here.")] = None,
+    peak_tflops: Annotated[
+        float | None, typer.Option(help="The GPU's peak dense bf16 TFLOPS for MFU, when its name is not in the table.")
+    ] = None,
+) -> None:
+    """ResNet-50 bf16 channels-last images/s (eager and compiled) and llama_1b FSDP tokens/s and MFU
+    on this machine's GPUs; refuses without CUDA."""
+    from trainforge.bench.gpu import require_cuda, run_gpu_bench
+
+    require_cuda()  # before anything else is checked or written
+    if peak_tflops is not None and not 0 < peak_tflops <= 100_000:
+        raise TrainforgeError(f"--peak-tflops {peak_tflops}: a number of TFLOPS > 0 (e.g. 989 for an H100 SXM)")
+    if output is not None and not output.parent.is_dir():
+        raise TrainforgeError(f"--output {output}: folder {output.parent} does not exist")
+    _setup_logging(False)
+    run_gpu_bench(output=output, console=_wide_console(), peak_tflops=peak_tflops)
+
+
 CkptPathArg = Annotated[str, typer.Argument(help="A checkpoint directory: a local path or a URI (s3://...).")]
 
 
@@ -565,6 +613,84 @@ def plan(
         typer.echo(json.dumps(result, indent=1))
     else:
         render_plan(result, _wide_console())
+
+
+@app.command()
+def predict(
+    config: ConfigArg,
+    gpus: Annotated[str, typer.Option(help="Comma-separated GPU counts to predict.")] = "1,2,4,8,64,512",
+    link: Annotated[
+        str,
+        typer.Option(
+            help="Link between nodes: nvlink, ib200, ib400, eth25, eth50, eth100 (presets, docs/benchmarks.md) "
+            "or measured (--collectives)."
+        ),
+    ] = "ib200",
+    collectives: Annotated[
+        Path | None, typer.Option(help="With --link measured: the JSON of trainforge bench collectives --output.")
+    ] = None,
+    step_time: Annotated[
+        float | None,
+        typer.Option(help="Compute seconds of one optimizer step on one GPU; default: measured here on the model."),
+    ] = None,
+    model_params: Annotated[
+        int | None,
+        typer.Option(help="The model as a parameter count (float32), not built; needs --step-time."),
+    ] = None,
+    gpus_per_node: Annotated[int, typer.Option(help="GPUs per node, joined by NVLink inside it.")] = 8,
+    nics_per_node: Annotated[int, typer.Option(help="Links of --link per node (8: a NIC per GPU).")] = 1,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead.")] = False,
+    set_: SetOpt = None,
+) -> None:
+    """Step time, samples/s, efficiency and exposed communication of CONFIG per GPU count, before renting them.
+
+    DDP's bucketed all-reduce or FSDP's all-gathers and reduce-scatters, as rings over the link's
+    latency and bandwidth, overlapped with the backward; the per-GPU batch is fixed. With a cost
+    section (cost.price_per_gpu_hour), also the cost of an epoch.
+    """
+    import math
+
+    from trainforge.config import load_config
+    from trainforge.predict.links import resolve_link
+
+    counts = _parse_gpu_counts(gpus)
+    if step_time is not None and not (math.isfinite(step_time) and 0 < step_time <= 86_400):
+        raise TrainforgeError(f"--step-time {step_time}: seconds > 0 (e.g. 0.25)")
+    if model_params is not None and not 1 <= model_params <= 10**13:
+        raise TrainforgeError(f"--model-params {model_params}: a parameter count from 1 to 10^13 (e.g. 25557032)")
+    if model_params is not None and step_time is None:
+        raise TrainforgeError("--model-params needs --step-time (a model that is not built cannot be timed)")
+    for flag, value in (("--gpus-per-node", gpus_per_node), ("--nics-per-node", nics_per_node)):
+        if not 1 <= value <= 1024:
+            raise TrainforgeError(f"{flag} {value}: from 1 to 1024")
+    chosen = resolve_link(link, collectives)
+    resolved = load_config(resolve_config_path(config), set_ or [])
+    from trainforge.predict.render import render, run_predict
+
+    result = run_predict(
+        resolved,
+        config,
+        counts,
+        chosen,
+        step_time=step_time,
+        model_params=model_params,
+        gpus_per_node=gpus_per_node,
+        nics_per_node=nics_per_node,
+    )
+    if as_json:
+        typer.echo(json.dumps(result, indent=1))
+    else:
+        render(result, _wide_console())
+
+
+def _parse_gpu_counts(text: str) -> list[int]:
+    try:
+        counts = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise TrainforgeError(f"--gpus {text!r}: expected comma-separated integers such as 1,2,4,8,64,512") from None
+    if not counts or not all(1 <= count <= 1_000_000 for count in counts):
+        raise TrainforgeError(f"--gpus {text!r}: GPU counts from 1 to 1000000")
+    return counts
 
 
 @app.command()

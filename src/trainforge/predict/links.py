@@ -1,0 +1,86 @@
+"""Links as alpha-beta pairs: ``alpha_s`` per ring step (latency) and ``bandwidth_Bps`` per direction.
+
+A ring collective over n ranks makes ``2(n-1)`` steps (all-reduce) or ``n-1`` (reduce-scatter,
+all-gather), each moving ``1/n`` of the buffer, so its time is ``steps * (alpha + bytes / (n *
+bandwidth))``. Bandwidths of the presets are the links' specified line rates (what nccl-tests'
+busbw approaches on a healthy fabric); the alphas are assumptions of the right order, not measured
+here. docs/benchmarks.md lists each figure with its source and says which is which.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from trainforge.errors import TrainforgeError
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Link:
+    name: str
+    alpha_s: float  # per ring step
+    bandwidth_Bps: float
+    source: str
+
+
+PRESETS: dict[str, Link] = {
+    "nvlink": Link("nvlink", 3e-6, 450 * GB, "NVLink 4 (H100 SXM): 900 GB/s bidirectional = 450 GB/s per direction"),
+    "ib200": Link("ib200", 5e-6, 25 * GB, "InfiniBand HDR: 200 Gbit/s = 25 GB/s per direction"),
+    "ib400": Link("ib400", 5e-6, 50 * GB, "InfiniBand NDR: 400 Gbit/s = 50 GB/s per direction"),
+    "eth25": Link("eth25", 25e-6, 3.125 * GB, "25 Gbit/s Ethernet = 3.125 GB/s per direction"),
+    "eth50": Link("eth50", 20e-6, 6.25 * GB, "50 Gbit/s Ethernet = 6.25 GB/s per direction"),
+    "eth100": Link("eth100", 15e-6, 12.5 * GB, "100 Gbit/s Ethernet = 12.5 GB/s per direction"),
+}
+LINK_CHOICES = (*PRESETS, "measured")
+INTRA_NODE = PRESETS["nvlink"]
+
+
+def measured_link(path: Path) -> Link:
+    """The link a ``bench collectives --output`` JSON measured, from its all-reduce fit.
+
+    Its all-reduce over n ranks took ``alpha + bytes * beta``; a ring makes ``2(n-1)`` steps
+    moving ``2(n-1)/n`` of the buffer, so ``alpha_step = alpha / 2(n-1)`` and ``bandwidth =
+    2(n-1) / (n * beta)`` (the fitted busbw's asymptote).
+    """
+    where = f"--collectives {path}"
+    try:
+        report = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise TrainforgeError(f"{where}: no such file (write one with trainforge bench collectives --output)") from None
+    except (OSError, ValueError) as err:
+        raise TrainforgeError(f"{where}: not a readable JSON file ({err})") from None
+    try:
+        workers = int(report["workers"])
+        fit = report["fits"]["all_reduce"]
+        alpha, beta = float(fit["alpha_s"]), float(fit["beta_s_per_byte"])
+    except (KeyError, TypeError, ValueError):
+        raise TrainforgeError(
+            f"{where}: expected the JSON of trainforge bench collectives --output (workers, fits.all_reduce)"
+        ) from None
+    if workers < 2 or beta <= 0:
+        raise TrainforgeError(f"{where}: needs an all-reduce over >= 2 workers with a positive beta")
+    steps = 2 * (workers - 1)
+    return Link(
+        "measured",
+        max(alpha, 0.0) / steps,
+        steps / (workers * beta),
+        f"bench collectives all-reduce fit over {workers} {report.get('backend', '?')} ranks "
+        f"on {report.get('machine', {}).get('device', '?')} ({path.name})",
+    )
+
+
+def resolve_link(name: str, collectives: Path | None) -> Link:
+    if name == "measured":
+        if collectives is None:
+            raise TrainforgeError(
+                "--link measured needs --collectives F.json (from trainforge bench collectives --output)"
+            )
+        return measured_link(collectives)
+    if collectives is not None:
+        raise TrainforgeError(f"--collectives {collectives}: only with --link measured")
+    if name not in PRESETS:
+        raise TrainforgeError(f"--link {name!r}: one of {', '.join(LINK_CHOICES)}")
+    return PRESETS[name]

@@ -1,0 +1,169 @@
+"""The step time of data-parallel training on N GPUs: compute, ring collectives, and their overlap.
+
+Assumptions, each a choice a reader may disagree with (docs/benchmarks.md repeats them):
+
+* the per-GPU batch is fixed, so the global batch grows with the GPUs (weak scaling); one GPU
+  communicates nothing, and efficiency is ``step time on 1 GPU / step time on N``;
+* GPUs sit ``gpus_per_node`` to a node, joined by the intra-node link (NVLink); nodes are joined
+  by the chosen link, ``nics_per_node`` of it per node. A collective is hierarchical: a ring inside
+  the node over the full buffer, then a ring across the nodes over the full buffer on the node's
+  links (the node's GPUs run parallel rings on their shares, sharing its NICs). With one node
+  only the intra-node ring runs; with one GPU per node only the inter-node ring;
+* the forward is 1/3 of a micro-batch's compute and the backward 2/3; the optimizer step is
+  counted in the measured compute and not modelled apart;
+* DDP: gradients fill buckets of ``bucket_bytes`` in the backward's order at a uniform rate;
+  each bucket's all-reduce starts when it is full and the previous one is done (one stream), so
+  communication hides behind the rest of the backward and the last bucket is always exposed.
+  With gradient accumulation only the last micro-batch communicates (DDP's ``no_sync``);
+* FSDP: the model is ``units`` equal units. Every micro-batch's forward all-gathers each unit's
+  parameters, one unit ahead of compute; the backward all-gathers them again when the forward
+  resharded them, and the last micro-batch reduce-scatters each unit's gradients after its
+  backward, all on one stream in issue order (next unit's gather before this unit's scatter).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from trainforge.predict.links import Link
+
+BACKWARD_SHARE = 2 / 3
+DDP_BUCKET_BYTES = 25 * 1024 * 1024  # torch DDP's bucket_cap_mb=25 (MiB)
+Collective = Literal["all_reduce", "reduce_scatter", "all_gather"]
+
+
+@dataclass(frozen=True)
+class Topology:
+    gpus_per_node: int
+    intra: Link
+    inter: Link
+    nics_per_node: int = 1
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One optimizer step of one GPU: what it computes and what it must exchange."""
+
+    strategy: Literal["ddp", "fsdp"]
+    compute_s: float  # forward + backward (+ optimizer) of every micro-batch of a step, one GPU
+    samples_per_gpu: int  # per optimizer step: micro-batch x micro_batches
+    grad_bytes: int  # reduced per step: DDP all-reduce, FSDP reduce-scatter
+    param_bytes: int = 0  # FSDP: all-gathered per pass, in the dtype the forward computes with
+    micro_batches: int = 1
+    bucket_bytes: int = DDP_BUCKET_BYTES
+    units: int = 1
+    reshard_after_forward: bool = True
+
+
+@dataclass(frozen=True)
+class Point:
+    gpus: int
+    step_time_s: float
+    samples_per_s: float
+    efficiency: float
+    comm_exposed_s: float
+    comm_total_s: float  # every collective's time, hidden or not
+
+
+def ring_time(kind: Collective, nbytes: float, ranks: int, link: Link, links: int = 1) -> float:
+    """A ring collective of an ``nbytes`` buffer over ``ranks``: steps x (alpha + bytes/ranks over the link)."""
+    if ranks <= 1 or nbytes <= 0:
+        return 0.0
+    steps = 2 * (ranks - 1) if kind == "all_reduce" else ranks - 1
+    return steps * (link.alpha_s + nbytes / (ranks * link.bandwidth_Bps * links))
+
+
+def collective_time(kind: Collective, nbytes: float, gpus: int, topology: Topology) -> float:
+    """Inside each node over the intra-node link, then across nodes over the chosen link."""
+    per_node = max(1, min(gpus, topology.gpus_per_node))
+    nodes = math.ceil(gpus / per_node)
+    inside = ring_time(kind, nbytes, per_node, topology.intra)
+    across = ring_time(kind, nbytes, nodes, topology.inter, topology.nics_per_node)
+    return inside + across
+
+
+def buckets(total: int, cap: int) -> list[int]:
+    """``total`` bytes in buckets of ``cap``, the remainder last."""
+    full, rest = divmod(total, cap)
+    return [cap] * full + ([rest] if rest else [])
+
+
+def ddp_step(work: Workload, gpus: int, topology: Topology) -> tuple[float, float]:
+    """(step time, communication time) under DDP's bucketed all-reduce."""
+    if gpus == 1 or work.grad_bytes <= 0:
+        return work.compute_s, 0.0
+    micro = work.compute_s / work.micro_batches
+    backward = BACKWARD_SHARE * micro
+    backward_start = work.compute_s - backward  # the last micro-batch's backward: the only one that syncs
+    filled, free_at, total = 0, 0.0, 0.0
+    for size in buckets(work.grad_bytes, work.bucket_bytes):
+        filled += size
+        ready = backward_start + backward * filled / work.grad_bytes
+        took = collective_time("all_reduce", size, gpus, topology)
+        free_at = max(ready, free_at) + took
+        total += took
+    return max(work.compute_s, free_at), total
+
+
+def fsdp_step(work: Workload, gpus: int, topology: Topology) -> tuple[float, float]:
+    """(step time, communication time) under FSDP: per-unit all-gathers and reduce-scatters."""
+    if gpus == 1:
+        return work.compute_s, 0.0
+    units = max(1, work.units)
+    micro = work.compute_s / work.micro_batches
+    forward_unit = (1 - BACKWARD_SHARE) * micro / units
+    backward_unit = BACKWARD_SHARE * micro / units
+    gather = collective_time("all_gather", work.param_bytes / units, gpus, topology)
+    scatter = collective_time("reduce_scatter", work.grad_bytes / units, gpus, topology)
+    clock = Streams()
+    for index in range(work.micro_batches):
+        clock.pass_(units, forward_unit, gather)
+        backward_gather = gather if work.reshard_after_forward else 0.0
+        sync = index == work.micro_batches - 1
+        clock.pass_(units, backward_unit, backward_gather, scatter if sync else 0.0)
+    return max(clock.compute, clock.comm), clock.comm_total
+
+
+class Streams:
+    """One compute stream and one communication stream, as FSDP issues work on them."""
+
+    def __init__(self) -> None:
+        self.compute = 0.0  # when the compute stream is free
+        self.comm = 0.0  # when the communication stream is free
+        self.comm_total = 0.0
+
+    def _send(self, after: float, took: float) -> float:
+        self.comm = max(self.comm, after) + took
+        self.comm_total += took
+        return self.comm
+
+    def pass_(self, units: int, per_unit: float, gather: float, scatter: float = 0.0) -> None:
+        """A forward or backward over ``units``: unit i+1's gather is issued when unit i starts."""
+        gathered = [self._send(self.compute, gather) if gather else 0.0]
+        for unit in range(units):
+            if gather and unit + 1 < units:
+                gathered.append(self._send(self.compute, gather))
+            self.compute = max(self.compute, gathered[unit] if gather else 0.0) + per_unit
+            if scatter:
+                self._send(self.compute, scatter)
+
+
+def predict_points(work: Workload, gpu_counts: list[int], topology: Topology) -> list[Point]:
+    """One point per GPU count; efficiency against linear scaling of the 1-GPU step."""
+    step_of = fsdp_step if work.strategy == "fsdp" else ddp_step
+    points = []
+    for gpus in gpu_counts:
+        step, comm = step_of(work, gpus, topology)
+        points.append(
+            Point(
+                gpus=gpus,
+                step_time_s=step,
+                samples_per_s=gpus * work.samples_per_gpu / step,
+                efficiency=work.compute_s / step,
+                comm_exposed_s=step - work.compute_s,
+                comm_total_s=comm,
+            )
+        )
+    return points

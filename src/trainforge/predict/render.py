@@ -1,0 +1,139 @@
+"""``trainforge predict``'s result: the inputs used, a point per GPU count, cost per epoch; a table or JSON."""
+
+from __future__ import annotations
+
+import platform
+from dataclasses import asdict
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from trainforge.bench import cpu_model
+from trainforge.config import Config
+from trainforge.predict import inputs as measured
+from trainforge.predict.links import GB, INTRA_NODE, Link
+from trainforge.predict.model import BACKWARD_SHARE, Topology, predict_points
+
+ASSUMPTIONS = (
+    "per-GPU batch fixed: the global batch grows with the GPUs (weak scaling); efficiency = 1-GPU step / N-GPU step",
+    f"forward 1/3 and backward {BACKWARD_SHARE:.2f} of a micro-batch's compute; the optimizer is inside the measure",
+    "ring collectives; across nodes a hierarchical ring (intra-node ring on nvlink, then inter-node ring on the link)",
+    "DDP: buckets all-reduced in backward order on one stream as they fill; the last bucket is exposed",
+    "FSDP: per-unit all-gathers one unit ahead (forward, and backward when resharded), reduce-scatter after each "
+    "unit's backward, one stream",
+    "no data loading, stragglers or network contention from other jobs",
+)
+
+
+def link_record(link: Link) -> dict[str, Any]:
+    return {
+        "name": link.name,
+        "alpha_s": link.alpha_s,
+        "bandwidth_GBps": link.bandwidth_Bps / GB,
+        "source": link.source,
+    }
+
+
+def run_predict(
+    config: Config,
+    config_name: str,
+    gpu_counts: list[int],
+    link: Link,
+    *,
+    step_time: float | None = None,
+    model_params: int | None = None,
+    gpus_per_node: int = 8,
+    nics_per_node: int = 1,
+) -> dict[str, Any]:
+    """The ``--json`` object: ``points`` (one per GPU count) plus the ``inputs`` and ``assumptions`` used."""
+    micro, accumulate = measured.per_gpu_batch(config)
+    sizes = measured.model_bytes(config, model_params)
+    if step_time is None:
+        compute_s = measured.measure_compute(config)
+        compute_source = f"measured here: median of 3 steps after 1 warm-up on {platform.machine()} ({_device(config)})"
+    else:
+        compute_s, compute_source = step_time, "--step-time"
+    work = measured.workload_of(config, sizes, compute_s)
+    topology = Topology(gpus_per_node, INTRA_NODE, link, nics_per_node)
+    points = [asdict(p) for p in predict_points(work, gpu_counts, topology)]
+    report: dict[str, Any] = {
+        "points": points,
+        "inputs": {
+            "config": config_name,
+            "strategy": work.strategy,
+            "model": sizes.source,
+            "parameters": sizes.parameters,
+            "grad_bytes": work.grad_bytes,
+            "param_bytes": work.param_bytes,
+            "bucket_bytes": work.bucket_bytes,
+            "units": work.units,
+            "micro_batch": micro,
+            "micro_batches": accumulate,
+            "samples_per_gpu": work.samples_per_gpu,
+            "compute_s": compute_s,
+            "compute_source": compute_source,
+            "gpus_per_node": gpus_per_node,
+            "nics_per_node": nics_per_node,
+            "intra_node_link": link_record(INTRA_NODE),
+            "link": link_record(link),
+        },
+        "assumptions": list(ASSUMPTIONS),
+    }
+    price = config.cost.price_per_gpu_hour
+    samples = measured.train_samples(config) if price is not None else None
+    if price is not None and samples:
+        report["cost"] = {"price_per_gpu_hour": price, "currency": config.cost.currency, "train_samples": samples}
+        for point in points:
+            point["epoch_s"] = samples / point["samples_per_s"]
+            point["cost_per_epoch"] = point["epoch_s"] / 3600 * point["gpus"] * price
+    return report
+
+
+def _device(config: Config) -> str:
+    if config.scaling.use_gpu and torch.cuda.is_available():
+        return torch.cuda.get_device_name(0)
+    return cpu_model()
+
+
+def render(report: dict[str, Any], console: Console) -> None:
+    given = report["inputs"]
+    link, intra = given["link"], given["intra_node_link"]
+    console.print(
+        f"predict {given['config']}: {given['strategy']}, {given['parameters'] / 1e6:.2f} M parameters "
+        f"({given['model']}), {given['grad_bytes'] / 1e6:.1f} MB of gradients per step, "
+        f"{given['samples_per_gpu']} samples per GPU per step, compute {given['compute_s'] * 1e3:.1f} ms "
+        f"({given['compute_source']})",
+        highlight=False,
+        soft_wrap=True,
+    )
+    console.print(
+        f"links: {given['gpus_per_node']} GPUs per node over {intra['name']} ({intra['bandwidth_GBps']:.3g} GB/s, "
+        f"alpha {intra['alpha_s'] * 1e6:.3g} us); nodes over {given['nics_per_node']} x {link['name']} "
+        f"({link['bandwidth_GBps']:.3g} GB/s, alpha {link['alpha_s'] * 1e6:.3g} us: {link['source']})",
+        highlight=False,
+        soft_wrap=True,
+    )
+    cost = report.get("cost")
+    table = Table(title="Predicted scaling (per-GPU batch fixed; efficiency against linear from 1 GPU)")
+    columns = ["GPUs", "step (ms)", "samples/s", "efficiency", "comm exposed (ms)", "comm total (ms)"]
+    if cost:
+        columns += ["epoch (h)", f"cost/epoch ({cost['currency']})"]
+    for column in columns:
+        table.add_column(column, justify="right")
+    for point in report["points"]:
+        cells = [
+            str(point["gpus"]),
+            f"{point['step_time_s'] * 1e3:.2f}",
+            f"{point['samples_per_s']:,.1f}",
+            f"{point['efficiency']:.1%}",
+            f"{point['comm_exposed_s'] * 1e3:.2f}",
+            f"{point['comm_total_s'] * 1e3:.2f}",
+        ]
+        if cost:
+            cells += [f"{point['epoch_s'] / 3600:.3f}", f"{point['cost_per_epoch']:,.2f}"]
+        table.add_row(*cells)
+    console.print(table)
+    for line in report["assumptions"]:
+        console.print(f"  assumes {line}", highlight=False, soft_wrap=True)
