@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from trainforge.cost import CURRENCY_KEY, PROJECTED_KEY, SO_FAR_KEY
 from trainforge.redact import redact_text
 
 
@@ -25,7 +26,15 @@ def describe(metrics: dict[str, Any]) -> str:
     ):
         if key in metrics:
             parts.append(f"{label} {fmt.format(metrics[key])}")
+    if SO_FAR_KEY in metrics:
+        parts.append(describe_cost(metrics[SO_FAR_KEY], metrics.get(PROJECTED_KEY), str(metrics.get(CURRENCY_KEY, ""))))
     return "  ".join(parts)
+
+
+def describe_cost(so_far: float, projected: float | None, currency: str) -> str:
+    """``cost 1.23 USD (projected 4.56)``: the bill so far and at the end of the run at this pace."""
+    text = f"cost {so_far:,.2f} {currency}".rstrip()
+    return text + (f" (projected {projected:,.2f})" if projected is not None else "")
 
 
 class ProgressDisplay:
@@ -84,6 +93,10 @@ class ProgressDisplay:
         if self.progress is not None:
             self.progress.stop()
         final = {**summary.get("final_metrics", {}), "epoch": summary["epoch"]}
+        cost = summary.get("cost")
+        if isinstance(cost, dict):  # the whole session's bill, not the last report's
+            final.update({SO_FAR_KEY: cost["so_far"], CURRENCY_KEY: cost["currency"]})
+            final.pop(PROJECTED_KEY, None)
         colour = {"finished": "green", "stopped": "yellow"}.get(summary["status"], "red")
         self.console.print(
             f"[{colour}]{summary['status']}[/] at step {summary['global_step']} in {summary['wall_time_s']:.1f} s · "

@@ -29,6 +29,7 @@ from rich.console import Console
 from trainforge import errors
 from trainforge.checkpoint.storage import CheckpointStore
 from trainforge.config import Config, to_yaml
+from trainforge.cost import CostMeter
 from trainforge.data.augment import check_augment
 from trainforge.data.factory import check_data_factory
 from trainforge.data.registry import SOURCES, unknown_source_message
@@ -55,6 +56,7 @@ from trainforge.summary import RunRecord, finish_run_dir
 from trainforge.tracking import make_tracker
 from trainforge.worker.build import check_block_names
 from trainforge.worker.loop import train_loop_per_worker, worker_env
+from trainforge.worker.profiling import fetch_profiles
 
 log = logging.getLogger("trainforge")
 install_on_logger()  # every driver-side line of the "trainforge" logger, on every handler, redacted
@@ -380,17 +382,28 @@ def _train(
         ray_session(config, address, verbose=verbose) as where,
     ):
         mailbox = start_mailbox()
-        pump = Pump(mailbox, fanout)
+        pump = Pump(mailbox, fanout, CostMeter.for_config(config, started))
         fanout.on_start(
             {"name": config.run.name, "workers": config.scaling.num_workers, "cluster": where, "run_dir": str(run_dir)}
         )
         outcome = _fit(build_trainer(config, mailbox, callbacks, local_ray=address is None), pump, started)
     store = CheckpointStore.for_run(config.storage_path, config.run.name) if outcome.checkpoint else None
+    if config.profile is not None:
+        copy_profiles(config, run_dir)
     summary = finish_run_dir(run_dir, run_record(config, outcome, pump), store)
     fanout.on_end(summary)
     if outcome.status == "failed":
         (run_dir / "error.log").write_text(redact_text(outcome.error or ""))
     return summary
+
+
+def copy_profiles(config: Config, run_dir: Path) -> None:
+    """The workers wrote their profiles beside the checkpoints (worker/profiling.py); the report and
+    MLflow read them from the run directory. A copy that fails is a warning: the run stands."""
+    try:
+        fetch_profiles(CheckpointStore.for_run(config.storage_path, config.run.name), run_dir)
+    except OSError as err:
+        log.warning("could not copy the profile into %s: %s", run_dir, redact_text(str(err)))
 
 
 def _fit(trainer: TorchTrainer, pump: Pump, started: float) -> Outcome:
@@ -480,15 +493,17 @@ def _user_error(err: Exception) -> TrainforgeError | None:
 
 def run_record(config: Config, outcome: Outcome, pump: Pump) -> RunRecord:
     """What summary.json says about this driver's run (summary.build_summary)."""
+    final = outcome.final_metrics or pump.last_metrics
     return RunRecord(
         status=outcome.status,
-        final=outcome.final_metrics or pump.last_metrics,
+        final=final,
         recovery=pump.recovery,
         wall_time_s=outcome.wall_time_s,
         checkpoint=outcome.checkpoint,
         config=config.to_dict(),
         num_workers=config.scaling.max_workers,
         error=outcome.error,
+        cost=pump.cost.final(final, outcome.wall_time_s).to_dict() if pump.cost is not None else None,
     )
 
 

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 import ray
 from ray.train.v2.api.callback import UserCallback
 
+from trainforge.cost import CostMeter
 from trainforge.summary import DRIVER_START, Recovery
 
 log = logging.getLogger("trainforge")
@@ -132,9 +133,10 @@ class Pump:
     the same ``summary.Recovery`` that a replay of metrics.jsonl gives.
     """
 
-    def __init__(self, mailbox: Any, observers: Observers) -> None:
+    def __init__(self, mailbox: Any, observers: Observers, cost: CostMeter | None = None) -> None:
         self.mailbox = mailbox
         self.observers = observers
+        self.cost = cost  # with a price set, every report gains cost/so_far and cost/projected_total
         self.last_metrics: dict[str, Any] = {}
         self.recovery = Recovery()
 
@@ -154,6 +156,8 @@ class Pump:
                 self.observers.on_log(event["lines"])
 
     def _on_report(self, metrics: dict[str, Any]) -> None:
+        if self.cost is not None:
+            metrics = self.cost.on_report(metrics)
         self.recovery.reported(metrics)
         self.last_metrics = metrics
         self.observers.on_report(metrics)

@@ -113,6 +113,7 @@ class RunRecord:
     error: str | None = None
     stopped_early: bool = False  # a search's scheduler stopped the trial before its budget
     written_by: str = RUN_DRIVER
+    cost: Mapping[str, Any] | None = None  # cost.CostEstimate.to_dict(), when a price is set
 
 
 def _number(value: Any) -> bool:
@@ -137,6 +138,7 @@ def build_summary(record: RunRecord) -> dict[str, Any]:
         "stopped_early": record.stopped_early,
         "written_by": record.written_by,
         **({"batch": batch_choice(final, record.config)} if "batch/micro_batch_size" in final else {}),
+        **({"cost": dict(record.cost)} if record.cost is not None else {}),
         **({"error": redact_text(record.error.strip().splitlines()[-1])} if record.error else {}),
     }
 

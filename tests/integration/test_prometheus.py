@@ -148,6 +148,7 @@ def monitored(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Monitored]:
             checkpoint={"every_n_steps": 20},
             metrics={"export_interval_s": 1.0},
             tracking={"enabled": False},
+            cost={"price_per_cpu_hour": 0.5},
         )
     )
     if ray.is_initialized():
@@ -234,6 +235,25 @@ def test_driver_exports_restarts_progress_and_the_run_s_end(monitored: Monitored
     assert float(active["value"][1]) == 1
     ended = 'last_over_time(trainforge_run_active{run="prom"}[10m]) == 0'
     wait_for(lambda: len(monitored.prometheus.query(ended)) == 1, 30, "the driver to export the run's end")
+
+
+def test_the_cost_is_in_every_report_summary_json_the_report_and_prometheus(monitored: Monitored) -> None:
+    run_dir = monitored.result.run_dir
+    cost = json.loads((run_dir / "summary.json").read_text())["cost"]
+    # 2 workers of 1 CPU each, billed for the driver's whole session at 0.5 per CPU-hour.
+    assert cost["currency"] == "USD" and cost["price_per_cpu_hour"] == 0.5 and cost["gpu_hours"] == 0
+    assert cost["cpu_hours"] > 0 and cost["so_far"] == pytest.approx(cost["cpu_hours"] * 0.5, rel=1e-4)
+    assert cost["projected_total"] == cost["so_far"]  # finished: nothing left to project
+    reports = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    billed = [r["cost/so_far"] for r in reports if "step" in r]
+    assert billed and billed == sorted(billed) and billed[-1] <= cost["so_far"]
+    assert "<h2>Cost</h2>" in (run_dir / "report" / "report.html").read_text()
+
+    def exported() -> float | None:
+        samples = monitored.last('trainforge_run_cost{run="prom",currency="USD"}')
+        return float(samples[0]["value"][1]) if len(samples) == 1 else None
+
+    wait_for(lambda: exported() == pytest.approx(cost["so_far"], rel=1e-9), 30, "the run's final cost")
 
 
 def test_exported_values_are_the_reported_ones(monitored: Monitored) -> None:

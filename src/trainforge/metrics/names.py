@@ -104,6 +104,19 @@ DRIVER = (
         RUN_LABELS,
         "driver",
     ),
+    MetricDef(
+        "trainforge_run_cost",
+        "What the run's workers cost so far in this driver session, in `currency` (the cost section's "
+        "prices x reserved GPUs/CPUs x wall hours); only with a price set.",
+        (*RUN_LABELS, "currency"),
+        "driver",
+    ),
+    MetricDef(
+        "trainforge_run_cost_projected",
+        "The cost projected to the end of the run at this session's pace, in `currency`; only with a price set.",
+        (*RUN_LABELS, "currency"),
+        "driver",
+    ),
 )
 RESTART_REASONS = ("oom", "node", "error")
 

@@ -6,6 +6,9 @@
 * ``trainforge_run_last_report_timestamp_seconds`` and ``trainforge_run_active``: the stall
   alert's input. A run that waits for workers (a lost node, no capacity) has no worker series at
   all; the driver's keep saying that the run is on and when it last made progress.
+* ``trainforge_run_cost{currency}`` and ``trainforge_run_cost_projected{currency}``: with a price
+  in the ``cost`` section, the figures the driver adds to each report (cost.py), and at the end the
+  session's whole bill as summary.json states it.
 
 The driver records with ``ray.util.metrics`` like any Ray worker; its node's metrics agent
 exports them.
@@ -19,6 +22,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from trainforge.config import Config
+from trainforge.cost import CURRENCY_KEY, PROJECTED_KEY, SO_FAR_KEY
 from trainforge.metrics.export import Gauges
 from trainforge.metrics.names import DRIVER, RESTART_REASONS
 
@@ -59,6 +63,8 @@ class RunMetrics:
             self.gauges.set(
                 "trainforge_run_last_report_timestamp_seconds", float(metrics.get("time/unix", time.time()))
             )
+            if SO_FAR_KEY in metrics:
+                self._record_cost(metrics[SO_FAR_KEY], metrics.get(PROJECTED_KEY), str(metrics[CURRENCY_KEY]))
 
     def on_worker_error(self, errors: dict[int, str], at: float | None = None) -> None:
         reason = failure_reason(errors.values())
@@ -67,7 +73,17 @@ class RunMetrics:
 
     def on_end(self, summary: dict[str, Any]) -> None:
         if self.gauges is not None:
+            cost = summary.get("cost")
+            if isinstance(cost, dict):  # the session's whole bill, as summary.json states it
+                self._record_cost(cost["so_far"], cost.get("projected_total"), str(cost["currency"]))
             self.gauges.set("trainforge_run_active", 0)
+
+    def _record_cost(self, so_far: float, projected: float | None, currency: str) -> None:
+        if self.gauges is None:
+            return
+        self.gauges.set("trainforge_run_cost", so_far, currency=currency)
+        if projected is not None:
+            self.gauges.set("trainforge_run_cost_projected", projected, currency=currency)
 
     def _record_restarts(self, reason: str) -> None:
         if self.gauges is not None:

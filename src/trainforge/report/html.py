@@ -13,6 +13,7 @@ from html import escape
 from typing import Any
 
 from trainforge.report.data import Event, RunData, finite, step_of
+from trainforge.report.extras import cost_section, profile_section
 from trainforge.report.plots import Plot
 
 STYLE = """
@@ -72,7 +73,9 @@ def render_page(data: RunData, plots: list[Plot]) -> str:
         f'<p class="sub">{escape(str(data.run_dir))}</p>',
         summary_section(data),
         metrics_section(data),
+        cost_section(data),
         plots_section(data, plots),
+        profile_section(data.run_dir),
         events_section(data.events, data.skipped_lines),
         config_section(data.config_text),
         f"<footer>Written by <code>trainforge report</code> on {_now()} from metrics.jsonl, summary.json "

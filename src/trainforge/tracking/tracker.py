@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from trainforge.cost import PROJECTED_KEY, SO_FAR_KEY
 from trainforge.tracking.outbox import Leftover, Outbox
 from trainforge.tracking.records import (
     clean_tags,
@@ -26,6 +27,7 @@ from trainforge.tracking.runs import (
     tags_call,
 )
 from trainforge.tracking.store import TrackingError, probe, resolve_uri
+from trainforge.worker.profiling import PROFILE_DIR, read_summaries
 
 if TYPE_CHECKING:
     from trainforge.config import Config
@@ -99,7 +101,12 @@ class MlflowTracker:
         step = int(summary.get("global_step", 0))
         self.outbox.add_points(
             metric_points(
-                {"step": step, "run/wall_time_s": summary.get("wall_time_s"), "run/restarts": summary.get("restarts")}
+                {
+                    "step": step,
+                    "run/wall_time_s": summary.get("wall_time_s"),
+                    "run/restarts": summary.get("restarts"),
+                    **end_figures(summary, self.run_dir),
+                }
             )
         )
         for name in ARTIFACT_FILES:
@@ -107,6 +114,8 @@ class MlflowTracker:
                 self.outbox.add_call(f"artifact {name}", artifact_call(self.run_dir / name))
         if (self.run_dir / REPORT_DIR).is_dir():
             self.outbox.add_call("report artifacts", artifact_call(self.run_dir / REPORT_DIR, REPORT_DIR))
+        if (self.run_dir / PROFILE_DIR).is_dir():
+            self.outbox.add_call("profile artifacts", artifact_call(self.run_dir / PROFILE_DIR, PROFILE_DIR))
         self.outbox.add_call(f"final status {summary.get('status')}", end_call(str(summary.get("status"))))
         self._close()
 
@@ -128,6 +137,20 @@ class MlflowTracker:
                 f"training ended ({self.run_dir / 'summary.json'}) but tracking.required is set and MLflow at "
                 f"{self.uri} is missing: {self.leftover.describe()}"
             )
+
+
+def end_figures(summary: dict[str, Any], run_dir: Path) -> dict[str, Any]:
+    """The session's whole bill (summary.json's ``cost``) and each profiled rank's communication
+    share (``profile/comm_share`` for rank 0, ``profile/rank<R>/comm_share`` for the others)."""
+    figures: dict[str, Any] = {}
+    cost = summary.get("cost")
+    if isinstance(cost, dict):
+        figures[SO_FAR_KEY] = cost.get("so_far")
+        figures[PROJECTED_KEY] = cost.get("projected_total")
+    for profiled in read_summaries(run_dir):
+        rank = int(profiled.get("rank", 0))
+        figures["profile/comm_share" if rank == 0 else f"profile/rank{rank}/comm_share"] = profiled.get("comm_share")
+    return {key: value for key, value in figures.items() if value is not None}
 
 
 def cluster_info() -> dict[str, str]:

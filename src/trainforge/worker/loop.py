@@ -27,6 +27,7 @@ from trainforge.worker.build import WorkerRun, build, evaluate
 from trainforge.worker.hooks import Hooks, build_hooks
 from trainforge.worker.logs import shipped_logs
 from trainforge.worker.metrics import IntervalHistory, Throughput, reduce_metrics
+from trainforge.worker.profiling import StepProfiler
 from trainforge.worker.saving import Checkpointing, Restored, restore, run_store
 from trainforge.worker.step import MetricSums, StepOutOfMemory
 
@@ -117,6 +118,7 @@ class Session:
         self.progress = self.restored.progress
         self.run.data.progress = self.progress  # the data source's position is the progress record's
         self.first_step = self.progress.global_step
+        self.profiler = StepProfiler.for_run(self.run, self.checkpointing.store)  # off without `profile`
         # Right after a restore, report after the first step: the driver times recovery from it.
         stride = 1 if self.restored.source else cfg.train.log_every_n_steps
         self.next_report = self.first_step + stride
@@ -138,6 +140,7 @@ class Session:
     def train(self) -> dict[str, Any]:
         run, progress = self.run, self.progress
         stopped = False
+        self.profiler.at_step(progress.global_step)
         while progress.global_step < run.total_steps and not stopped:
             stopped = self.epoch()
         return self.finish("stopped" if stopped else "finished")
@@ -160,6 +163,7 @@ class Session:
                 data.finish_epoch()
                 break
             progress.global_step += 1
+            self.profiler.at_step(progress.global_step)
             data.advance()
             progress.samples_seen += self.per_step * run.data_world
             self.meter.step_done()
@@ -293,6 +297,7 @@ class Session:
     def finish(self, status: str) -> dict[str, Any]:
         """Final validation, final checkpoint (waited for), final report; rank 0's summary."""
         run = self.run
+        self.profiler.finish()
         if status == "finished" and run.val_set is not None:
             self.val_metrics = self.timed_evaluate()
         metrics, control = self.report(final=True)

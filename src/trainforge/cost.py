@@ -1,0 +1,165 @@
+"""What a run costs: the hardware Ray reserves for its workers, times wall hours, at the ``cost`` prices.
+
+Billed: workers x (GPUs and CPUs each worker reserves, as Ray's ScalingConfig reserves them) x wall
+hours since the driver started, at ``cost.price_per_gpu_hour`` and ``cost.price_per_cpu_hour``.
+The worker count is the reported ``world_size`` (an elastic run's changes are integrated over time);
+the driver's time before the first report (Ray starting, placement) is billed at the configured
+count, since rented machines cost money while they wait too. The projection to the end of the run
+extends the current hourly rate over the steps left at the pace of this driver session.
+
+One meter per driver session: a resumed run's earlier sessions are not in ``so_far``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from trainforge.config import Config, CostConfig, ScalingConfig
+from trainforge.summary import RESUMED_PREFIX
+
+# The report keys the driver adds (observe.Pump) for the progress line, MLflow, metrics.jsonl and Prometheus.
+SO_FAR_KEY = "cost/so_far"
+PROJECTED_KEY = "cost/projected_total"
+CURRENCY_KEY = "cost/currency"
+
+
+@dataclass(frozen=True)
+class Units:
+    """What one worker reserves, and so what is billed for it."""
+
+    gpus: float
+    cpus: float
+
+
+def units_per_worker(scaling: ScalingConfig) -> Units:
+    """Ray's own defaults (ray.train.ScalingConfig): one GPU and no CPU with ``use_gpu`` and no
+    ``resources_per_worker``, one CPU without; a GPU worker with resources given reserves 1 GPU
+    unless it says otherwise."""
+    given = scaling.resources_per_worker
+    if given is None:
+        return Units(gpus=1.0, cpus=0.0) if scaling.use_gpu else Units(gpus=0.0, cpus=1.0)
+    gpus = float(given.get("GPU", 1.0)) if scaling.use_gpu else float(given.get("GPU", 0.0))
+    return Units(gpus=gpus, cpus=float(given.get("CPU", 0.0)))
+
+
+@dataclass(frozen=True)
+class CostEstimate:
+    """summary.json's ``cost``: the cost so far, projected to the end, and what it was billed on."""
+
+    currency: str
+    so_far: float
+    projected_total: float | None
+    price_per_gpu_hour: float | None
+    price_per_cpu_hour: float | None
+    gpu_hours: float
+    cpu_hours: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {key: round(value, 6) if isinstance(value, float) else value for key, value in asdict(self).items()}
+
+
+def hourly_rate(prices: CostConfig, units: Units, workers: float) -> float:
+    """What ``workers`` workers cost per hour."""
+    gpu = (prices.price_per_gpu_hour or 0.0) * units.gpus
+    cpu = (prices.price_per_cpu_hour or 0.0) * units.cpus
+    return workers * (gpu + cpu)
+
+
+def project(so_far: float, rate_per_hour: float, elapsed_s: float, steps_done: int, steps_left: int) -> float | None:
+    """``so_far`` plus the remaining steps at this session's pace (``steps_done`` in ``elapsed_s``)
+    at ``rate_per_hour``; None before any step has been timed."""
+    if steps_left <= 0:
+        return so_far
+    if steps_done <= 0 or elapsed_s <= 0:
+        return None
+    remaining_s = steps_left * elapsed_s / steps_done
+    return so_far + rate_per_hour * remaining_s / 3600.0
+
+
+class CostMeter:
+    """The driver's running bill: worker-hours integrated between reports, projected from progress."""
+
+    def __init__(self, prices: CostConfig, units: Units, workers: int, now: float | None = None) -> None:
+        self.prices = prices
+        self.units = units
+        self.workers = float(workers)
+        self.started = self.last = time.monotonic() if now is None else now
+        self.worker_hours = 0.0
+        self.first_step: int | None = None
+        self.first_seen = self.started
+
+    @classmethod
+    def for_config(cls, config: Config, now: float | None = None) -> CostMeter | None:
+        """The run's meter, or None when no price is set."""
+        if not config.cost.enabled:
+            return None
+        return cls(config.cost, units_per_worker(config.scaling), config.scaling.max_workers, now)
+
+    def advance(self, now: float, workers: float | None = None) -> None:
+        """Bill the time since the last call at the worker count that held over it, then take ``workers``."""
+        self.worker_hours += self.workers * max(0.0, now - self.last) / 3600.0
+        self.last = now
+        if workers is not None and workers > 0:
+            self.workers = float(workers)
+
+    def estimate(
+        self, now: float, step: int, total_steps: int | None, workers: float | None = None, *, resumed: bool = False
+    ) -> CostEstimate:
+        """The bill at ``now``, with the projection to ``total_steps`` (None: not projected).
+        The pace is counted from step 0 at the driver's start, or for a ``resumed`` run from its
+        first report (whose steps were trained by earlier sessions)."""
+        self.advance(now, workers)
+        if self.first_step is None:
+            self.first_step, self.first_seen = (step, now) if resumed else (0, self.started)
+        gpu_hours = self.worker_hours * self.units.gpus
+        cpu_hours = self.worker_hours * self.units.cpus
+        so_far = gpu_hours * (self.prices.price_per_gpu_hour or 0.0) + cpu_hours * (
+            self.prices.price_per_cpu_hour or 0.0
+        )
+        projected = None
+        if total_steps is not None:
+            rate = hourly_rate(self.prices, self.units, self.workers)
+            projected = project(so_far, rate, now - self.first_seen, step - self.first_step, total_steps - step)
+        return CostEstimate(
+            currency=self.prices.currency,
+            so_far=so_far,
+            projected_total=projected,
+            price_per_gpu_hour=self.prices.price_per_gpu_hour,
+            price_per_cpu_hour=self.prices.price_per_cpu_hour,
+            gpu_hours=gpu_hours,
+            cpu_hours=cpu_hours,
+        )
+
+    def final(self, metrics: dict[str, Any], wall_time_s: float) -> CostEstimate:
+        """The bill for the whole driver session (``wall_time_s`` from the meter's start), for summary.json."""
+        return self.estimate(
+            self.started + wall_time_s,
+            int(metrics.get("step", 0)),
+            _int_or_none(metrics.get("total_steps")),
+            _float_or_none(metrics.get("world_size")),
+        )
+
+    def on_report(self, metrics: dict[str, Any], now: float | None = None) -> dict[str, Any]:
+        """The report with ``cost/so_far`` and ``cost/projected_total`` added (a new dict)."""
+        resumed = any(str(event).startswith(RESUMED_PREFIX) for event in metrics.get("events", []) or [])
+        estimate = self.estimate(
+            time.monotonic() if now is None else now,
+            int(metrics.get("step", 0)),
+            _int_or_none(metrics.get("total_steps")),
+            _float_or_none(metrics.get("world_size")),
+            resumed=resumed,
+        )
+        figures: dict[str, Any] = {SO_FAR_KEY: estimate.so_far, CURRENCY_KEY: estimate.currency}
+        if estimate.projected_total is not None:
+            figures[PROJECTED_KEY] = estimate.projected_total
+        return {**metrics, **figures}
+
+
+def _int_or_none(value: Any) -> int | None:
+    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _float_or_none(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
