@@ -524,11 +524,11 @@ def bench_gpu(
     on this machine's GPUs; refuses without CUDA."""
     from trainforge.bench.gpu import require_cuda, run_gpu_bench
 
-    require_cuda()  # before anything else is checked or written
     if peak_tflops is not None and not 0 < peak_tflops <= 100_000:
         raise TrainforgeError(f"--peak-tflops {peak_tflops}: a number of TFLOPS > 0 (e.g. 989 for an H100 SXM)")
     if output is not None and not output.parent.is_dir():
         raise TrainforgeError(f"--output {output}: folder {output.parent} does not exist")
+    require_cuda()  # before anything runs or is written
     _setup_logging(False)
     run_gpu_bench(output=output, console=_wide_console(), peak_tflops=peak_tflops)
 

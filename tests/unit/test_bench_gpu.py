@@ -30,6 +30,26 @@ def test_without_cuda_it_refuses_in_one_line_with_exit_code_2_and_writes_nothing
 
 
 @pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (["--peak-tflops", "-5"], "--peak-tflops -5.0: a number of TFLOPS > 0"),
+        (
+            ["--output", "/nonexistent-dir/gpu.json"],
+            "--output /nonexistent-dir/gpu.json: folder /nonexistent-dir does not exist",
+        ),
+    ],
+)
+def test_bad_flags_are_one_line_with_exit_code_2(
+    flags: list[str], expected: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "gpu", *flags])
+    assert exit_.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and expected in lines[0]
+
+
+@pytest.mark.parametrize(
     ("device", "expected"),
     [
         ("NVIDIA H100 80GB HBM3", 989.0),
