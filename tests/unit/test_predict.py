@@ -257,3 +257,15 @@ def test_bad_flags_are_one_line_and_exit_code_2(
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and expected in errors[0], done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_more_nics_per_node_shorten_the_inter_node_collectives(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = write_config(tmp_path)
+    args = ["--gpus", "64", "--step-time", "0.1", "--model-params", "100000000", "--link", "eth25", "--json"]
+    one = json.loads(run(capsys, "predict", config, *args).stdout)
+    eight = json.loads(run(capsys, "predict", config, *args, "--nics-per-node", "8").stdout)
+    assert (one["inputs"]["nics_per_node"], eight["inputs"]["nics_per_node"]) == (1, 8)
+    assert eight["points"][0]["comm_total_s"] < one["points"][0]["comm_total_s"]
+    assert eight["points"][0]["efficiency"] > one["points"][0]["efficiency"]
