@@ -14,6 +14,14 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
 ROOT = Path(__file__).resolve().parent.parent
 
+# Under pytest-xdist (the README's test command runs two workers), each worker's local Rays keep
+# their sessions, sockets and Prometheus discovery file in a directory of their own: Ray's shared
+# default (/tmp/ray) would let one worker's session_latest and discovery file stand for another's.
+if "PYTEST_XDIST_WORKER" in os.environ and "RAY_TMPDIR" not in os.environ:
+    _ray_tmp = Path("/tmp") / f"tfray-{os.environ['PYTEST_XDIST_WORKER']}-{os.getpid()}"
+    _ray_tmp.mkdir(parents=True, exist_ok=True)
+    os.environ["RAY_TMPDIR"] = str(_ray_tmp)  # short: Ray's socket paths live under it
+
 
 @pytest.fixture(scope="module")
 def ray_local() -> Iterator[None]:
@@ -78,3 +86,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     ray = sys.modules.get("ray")
     if ray is not None and ray.is_initialized():
         ray.shutdown()
+    if "_ray_tmp" in globals():
+        import shutil
+
+        shutil.rmtree(_ray_tmp, ignore_errors=True)
