@@ -275,6 +275,25 @@ class FSDPConfig(Section):
     cpu_offload: bool = False  # sharded parameters, gradients and optimizer state live in host memory
 
 
+class PowerSGDConfig(Section):
+    """``parallel.powersgd``: PowerSGD gradient compression (torch's ``PowerSGDState``)."""
+
+    rank: Annotated[int, Field(ge=1, le=1024)] = 1  # matrix_approximation_rank
+    # start_powerSGD_iter: plain all-reduce for the first steps (DDP rebuilds its buckets after
+    # the first; torch needs at least 2).
+    warmup_steps: Annotated[int, Field(ge=2, le=MAX_STEPS)] = 1000
+
+
+class SyncConfig(Section):
+    """``parallel.sync``: local SGD / DiLoCo. Workers step without gradient communication and
+    meet every ``every_n_steps`` steps (worker/sync.py, docs/parallelism.md)."""
+
+    every_n_steps: Steps
+    outer_optimizer: Literal["sgd", "nesterov"] = "sgd"
+    outer_lr: Annotated[float, Field(gt=0, le=10.0)] = 1.0
+    momentum: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.9  # nesterov only (DiLoCo's 0.9)
+
+
 class ParallelConfig(Section):
     """How the model is spread over the workers, and the memory/speed switches of its blocks."""
 
@@ -288,6 +307,35 @@ class ParallelConfig(Section):
     activation_checkpointing_every_n: Annotated[int, Field(ge=1, le=1024)] = 2
     compile: bool = False
     channels_last: bool = False
+    # DDP communication (worker/compression.py): the gradient all-reduce's hook, bucket size, graph.
+    grad_compression: Literal["none", "bf16", "fp16", "powersgd"] = "none"
+    powersgd: PowerSGDConfig = Field(default_factory=PowerSGDConfig)
+    bucket_cap_mb: Annotated[float, Field(gt=0, le=1 << 16)] | None = None  # None: DDP's default, 25
+    static_graph: bool = False
+    sync: SyncConfig | None = None  # local SGD / DiLoCo instead of a gradient all-reduce every step
+
+    @model_validator(mode="after")
+    def _communication(self) -> ParallelConfig:
+        ddp_only = {
+            "parallel.grad_compression": self.grad_compression != "none",
+            "parallel.bucket_cap_mb": self.bucket_cap_mb is not None,
+            "parallel.static_graph": self.static_graph,
+            "parallel.sync": self.sync is not None,
+        }
+        for key, used in ddp_only.items():
+            if used and self.strategy != "ddp":
+                raise ValueError(f"{key} needs parallel.strategy: ddp (fsdp has no DDP gradient all-reduce)")
+            if used and self.tensor_parallel > 1:
+                raise ValueError(f"{key} needs parallel.tensor_parallel: 1 (tensor-parallel replicas are not DDP)")
+        if self.sync is not None and self.grad_compression != "none":
+            raise ValueError(
+                "parallel.sync and parallel.grad_compression exclude each other (sync has no gradient all-reduce)"
+            )
+        if self.sync is not None and (self.bucket_cap_mb is not None or self.static_graph):
+            raise ValueError(
+                "parallel.bucket_cap_mb and parallel.static_graph are DDP's options; parallel.sync does not use DDP"
+            )
+        return self
 
     @field_validator("tp_plan")
     @classmethod

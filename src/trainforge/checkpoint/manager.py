@@ -36,6 +36,7 @@ class Snapshot:
     model_state: dict[str, torch.Tensor]
     optimizer_state: dict[str, Any]
     trainer_state: TrainerState
+    extra: dict[str, Any] = field(default_factory=dict)  # more torch files by name (sync.pt)
 
 
 @dataclass
@@ -144,7 +145,9 @@ class CheckpointManager:
         try:
             staging = self.store.staging_dir(name, self.scratch)
             # Every file is hashed while written and fsynced: the manifest vouches for durable bytes.
-            files = write_state(staging, snapshot.model_state, snapshot.optimizer_state, snapshot.trainer_state)
+            files = write_state(
+                staging, snapshot.model_state, snapshot.optimizer_state, snapshot.trainer_state, extra=snapshot.extra
+            )
             meta = {
                 "global_step": snapshot.step,
                 "epoch": snapshot.epoch,

@@ -37,6 +37,7 @@ MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
 STATE_FILE = "trainer_state.json"
 SHARDED_DIR = "sharded"
+SYNC_FILE = "sync.pt"  # parallel.sync's state (worker/sync.py): anchor, outer optimizer, every rank's own
 SHARDED_METADATA = f"{SHARDED_DIR}/.metadata"  # torch.distributed.checkpoint's metadata (rank 0)
 # Format 1: {size, sha256} per file, the full layout only. Format 2 names its hash ("hash") and its
 # layout ("layout": "full" or "sharded"), with {size, digest} per file. Both are read.

@@ -31,6 +31,7 @@ from trainforge.checkpoint.schema import (
     MODEL_FILE,
     OPTIMIZER_FILE,
     STATE_FILE,
+    SYNC_FILE,
     open_regular,
     parse_trainer_state,
 )
@@ -135,13 +136,17 @@ def write_state(
     state: TrainerState,
     *,
     algorithm: str = DEFAULT_HASH,
+    extra: dict[str, Any] | None = None,
 ) -> dict[str, FileRecord]:
     """Write model, optimizer and trainer state files (not the manifest) into ``directory``, each
-    hashed as it is written and fsynced, the two large ones in parallel; ``{file name: record}``."""
+    hashed as it is written and fsynced, the large ones in parallel; ``{file name: record}``.
+    ``extra``: more ``torch.save`` files by name (``sync.pt``), read back with ``weights_only``."""
     directory.mkdir(parents=True, exist_ok=True)
     jobs = {MODEL_FILE: lambda: write_safetensors(directory / MODEL_FILE, model_state, algorithm)}
     if optimizer_state is not None:
         jobs[OPTIMIZER_FILE] = lambda: write_torch(directory / OPTIMIZER_FILE, optimizer_state, algorithm)
+    for name, tree in (extra or {}).items():
+        jobs[name] = lambda name=name, tree=tree: write_torch(directory / name, tree, algorithm)  # type: ignore[misc]
     jobs[STATE_FILE] = lambda: write_trainer_state(directory, state, algorithm)
     return dict(zip(jobs, in_parallel(jobs.values()), strict=True))
 
@@ -240,17 +245,20 @@ def check_loadable(directory: Path) -> str | None:
     """Why a verified checkpoint still cannot be loaded safely (None if it can), without loading tensors.
 
     A manifest proves the files are the ones written, not that whoever wrote them was benign:
-    ``optimizer.pt`` must unpickle under ``weights_only`` (tensors and plain containers only).
-    (``trainer_state.json`` is checked against its schema by the verification itself.)
+    ``optimizer.pt`` (and ``sync.pt``, parallel.sync) must unpickle under ``weights_only``
+    (tensors and plain containers only). (``trainer_state.json`` is checked against its schema by
+    the verification itself.)
     """
+    name = MODEL_FILE
     try:
         with safe_open(str(directory / MODEL_FILE), framework="pt") as handle:
             handle.keys()
-        if (directory / OPTIMIZER_FILE).exists():
-            torch.load(directory / OPTIMIZER_FILE, map_location="cpu", weights_only=True, mmap=True)
+        for name in (OPTIMIZER_FILE, SYNC_FILE):
+            if (directory / name).exists():
+                torch.load(directory / name, map_location="cpu", weights_only=True, mmap=True)
     except pickle.UnpicklingError:
         return (
-            f"refused to load: {OPTIMIZER_FILE} holds pickled objects other than tensors and plain "
+            f"refused to load: {name} holds pickled objects other than tensors and plain "
             "containers (it could run code); it was not unpickled"
         )
     except Exception as err:  # safetensors header errors, torch's unpickler errors

@@ -12,6 +12,10 @@ gives two honest figures:
   after compute has finished. Collectives on one process group run in order, so the last
   bucket finishes last.
 
+DDP allows one hook per model. When the plan chose a compression hook (``parallel.grad_compression``,
+worker/compression.py), it registers it through :func:`register_hook`, and the timer later wraps that
+hook instead of adding its own: both the compression and the timing stay on.
+
 On CPU (gloo) the completion callback runs when the all-reduce is done, and wall clock is exact.
 On CUDA (NCCL) it runs as soon as the collective is enqueued, so both ends are CUDA events
 recorded on the streams involved, read only at report time (when they have long completed).
@@ -21,6 +25,8 @@ recorded on the streams involved, read only at report time (when they have long 
 # and wants the real ``dist.GradBucket`` and ``Future[Tensor]`` objects, not strings.
 import logging
 import time
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -29,6 +35,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 log = logging.getLogger("trainforge.worker")
+
+# A communication hook as DDP calls it: (state, bucket) -> future of the bucket's reduced gradients.
+HookFn = Callable[[Any, dist.GradBucket], "torch.futures.Future[torch.Tensor]"]
 
 
 class CommTimer:
@@ -46,6 +55,10 @@ class CommTimer:
         if not isinstance(model, DistributedDataParallel):
             return None
         timer = cls(cuda=device.type == "cuda")
+        chosen = _CHOSEN.get(model)
+        if chosen is not None:  # the plan's compression hook: time it rather than replace it
+            chosen.timer = timer
+            return timer
         try:
             model.register_comm_hook(None, timer.hook)
         except RuntimeError as err:
@@ -65,19 +78,29 @@ class CommTimer:
     ) -> torch.futures.Future[torch.Tensor]:
         """DDP's default all-reduce (as its ``allreduce_hook``: divide by the world size, then sum),
         timed. Timing never fails the collective: on any error it stops timing for the run."""
+        group = process_group if process_group is not None else dist.group.WORLD
+
+        def launch() -> torch.futures.Future[Any]:
+            buffer = bucket.buffer()
+            buffer.div_(group.size())  # type: ignore[union-attr]  # before the sum: no fp16 overflow
+            return dist.all_reduce(buffer, group=group, async_op=True).get_future()
+
+        return self.timed(bucket, launch)
+
+    def timed(self, bucket: dist.GradBucket, launch: Callable[[], Any]) -> torch.futures.Future[torch.Tensor]:
+        """``launch()``'s communication of ``bucket`` (a future of the tensor, or of a list holding
+        it, as ``all_reduce`` gives), with its launch and completion times recorded."""
         launched = None if self.broken else self._safe_mark()
         is_last = bucket.is_last()
-        group = process_group if process_group is not None else dist.group.WORLD
-        buffer = bucket.buffer()
-        buffer.div_(group.size())  # type: ignore[union-attr]  # before the sum: no fp16 overflow
-        future = dist.all_reduce(buffer, group=group, async_op=True).get_future()
+        future = launch()
 
-        def done(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+        def done(fut: torch.futures.Future[Any]) -> torch.Tensor:
             if launched is not None and not self.broken:
                 finished = self._safe_mark()
                 if finished is not None:
                     self.spans.append((launched, finished, is_last))
-            return fut.value()[0]
+            value = fut.value()
+            return value[0] if isinstance(value, list) else value
 
         return future.then(done)
 
@@ -105,6 +128,36 @@ class CommTimer:
         for _, end, _ in spans:
             end.synchronize()  # long done by now (the optimizer step waited for them); cheap
         return [(reference.elapsed_time(start) / 1e3, reference.elapsed_time(end) / 1e3) for start, end, _ in spans]
+
+
+class ChosenHook:
+    """The communication hook the plan chose (compression), registered on DDP through this object
+    so that a :class:`CommTimer` attached later wraps it instead of being refused."""
+
+    def __init__(self, state: Any, fn: HookFn) -> None:
+        self.state = state
+        self.fn = fn
+        self.timer: CommTimer | None = None
+
+    def hook(
+        self, process_group: dist.ProcessGroup | None, bucket: dist.GradBucket
+    ) -> torch.futures.Future[torch.Tensor]:
+        timer = self.timer
+        if timer is None or timer.broken:
+            return self.fn(self.state, bucket)
+        return timer.timed(bucket, lambda: self.fn(self.state, bucket))
+
+
+# DDP model -> the hook the plan registered on it (weak: a model that goes away takes its entry).
+_CHOSEN: "weakref.WeakKeyDictionary[DistributedDataParallel, ChosenHook]" = weakref.WeakKeyDictionary()
+
+
+def register_hook(model: DistributedDataParallel, state: Any, fn: HookFn) -> ChosenHook:
+    """Register ``fn`` (with its ``state``) as ``model``'s communication hook, timeable later."""
+    chosen = ChosenHook(state, fn)
+    model.register_comm_hook(None, chosen.hook)
+    _CHOSEN[model] = chosen
+    return chosen
 
 
 def union_length(spans: list[tuple[float, float]]) -> float:

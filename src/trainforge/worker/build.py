@@ -25,6 +25,7 @@ from trainforge.worker.components import DataSource
 from trainforge.worker.optim import build_optimizer, build_scheduler, effective_lr
 from trainforge.worker.plan import ParallelPlan, all_reduce_max, build_plan
 from trainforge.worker.step import MetricSums, StepRunner
+from trainforge.worker.sync import LocalSync
 from trainforge.worker.tp import Layout, check_tensor_parallel
 
 
@@ -42,6 +43,7 @@ class WorkerRun:
     data: DataSource
     total_steps: int
     plan: ParallelPlan = field(default_factory=lambda: ParallelPlan(ParallelConfig(), torch.device("cpu")))
+    sync: LocalSync | None = None  # parallel.sync: local SGD / DiLoCo (worker/sync.py)
 
     @property
     def val_set(self) -> Any:
@@ -116,7 +118,8 @@ def build(
         channels_last=config.parallel.channels_last,
     )
     runner.augmenter = build_augmenter(config.data.augment, data.spec)
-    return WorkerRun(config, rank, world, device, model, task, runner, data, total_steps, plan)
+    sync = LocalSync(config.parallel.sync, model, optimizer, rank) if config.parallel.sync is not None else None
+    return WorkerRun(config, rank, world, device, model, task, runner, data, total_steps, plan, sync)
 
 
 def check_block_names(config: Config) -> None:

@@ -163,6 +163,8 @@ class Session:
                 data.finish_epoch()
                 break
             progress.global_step += 1
+            if run.sync is not None:  # local SGD / DiLoCo: the workers meet every H steps
+                run.sync.after_step(progress.global_step)
             self.profiler.at_step(progress.global_step)
             data.advance()
             progress.samples_seen += self.per_step * run.data_world
@@ -298,6 +300,8 @@ class Session:
         """Final validation, final checkpoint (waited for), final report; rank 0's summary."""
         run = self.run
         self.profiler.finish()
+        if status == "finished" and run.sync is not None:
+            run.sync.finish(self.progress.global_step)  # one model at the end, not one per worker
         if status == "finished" and run.val_set is not None:
             self.val_metrics = self.timed_evaluate()
         metrics, control = self.report(final=True)

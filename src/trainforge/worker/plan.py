@@ -38,6 +38,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from trainforge.config import ParallelConfig
 from trainforge.worker.blocks import apply_activation_checkpointing, compile_blocks, repeated_blocks, to_channels_last
+from trainforge.worker.compression import Compression, compress, ddp_options
 from trainforge.worker.parallel import world_size
 from trainforge.worker.tp import Layout, apply_tensor_parallel
 
@@ -56,6 +57,7 @@ class ParallelPlan:
     notes: list[str] = field(default_factory=list)  # what the plan did, for the run's log
     layout: Layout = field(default_factory=lambda: Layout(0, 1))
     mesh: Any = None  # the ("dp", "tp") DeviceMesh, with tensor parallelism
+    compression: Compression | None = None  # parallel.grad_compression's DDP hook (worker/compression.py)
     name = "ddp"
 
     @property
@@ -98,9 +100,18 @@ class ParallelPlan:
             # dimension by gradient_sync; replicas start identical (same seed, same split).
             self.notes.append(f"ddp over {self.layout.dp} tensor-parallel groups")
             return model
+        if self.cfg.sync is not None:
+            # Local SGD / DiLoCo (worker/sync.py): no gradient all-reduce; replicas start identical
+            # (same seed), and meet every parallel.sync.every_n_steps steps.
+            self.notes.append(f"local steps, parameters synchronised every {self.cfg.sync.every_n_steps} steps")
+            return model
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         # DDP broadcasts rank 0's parameters and buffers here, so every rank starts identical.
-        return DistributedDataParallel(model, device_ids=device_ids)
+        ddp = DistributedDataParallel(model, device_ids=device_ids, **ddp_options(self.cfg))
+        self.compression = compress(ddp, self.cfg)
+        if self.compression is not None:
+            self.notes.append(self.compression.describe())
+        return ddp
 
     def make_scaler(self, enabled: bool) -> Scaler:
         """Loss scaling (fp16 only): the found-inf decision must be the same on every rank."""

@@ -24,7 +24,7 @@ from torch import nn
 
 from trainforge.checkpoint.manager import CheckpointManager, RotationPolicy, SaveOutcome, Snapshot
 from trainforge.checkpoint.names import name_of_uri, staging_name
-from trainforge.checkpoint.schema import SHARDED_DIR
+from trainforge.checkpoint.schema import SHARDED_DIR, SYNC_FILE
 from trainforge.checkpoint.sharded import ShardedSave, load_sharded
 from trainforge.checkpoint.state import (
     MODEL_FILE,
@@ -91,6 +91,8 @@ class Checkpointing:
         if progress.global_step == self.last_saved_step:
             return
         rng = parallel.all_gather_objects(RngState().state_dict())
+        # parallel.sync: every rank's own model and optimizer state, gathered to rank 0 (a collective).
+        sync_state = self.run.sync.gather_state() if self.run.sync is not None else None
         self.last_saved_step = progress.global_step
         state = self.trainer_state(progress, metrics, rng)
         if self.run.plan.sharded:
@@ -113,6 +115,7 @@ class Checkpointing:
                 runner.optimizer.state_dict(), previous.optimizer_state if previous else None
             ),
             trainer_state=state,
+            extra={SYNC_FILE: sync_state} if sync_state is not None else {},
         )
         self.manager.save_async(snapshot)
         self.previous = snapshot
@@ -360,6 +363,11 @@ def load_into(run: WorkerRun, directory: Path, notes: list[str] | None = None) -
         "micro_batch_size": progress.micro_batch_size,  # auto batch size reuses the saved split
     }
     run.data.load_state_dict(position)
+    if run.sync is not None:  # local SGD / DiLoCo: anchor, outer optimizer, this rank's own state
+        note = run.sync.restore(directory, progress.global_step, run.world)
+        notes.extend([note] if note else [])
+    if run.plan.compression is not None:
+        run.plan.compression.resume_at(progress.global_step)
     if written_by == run.world and saved_tp == run.plan.layout.tp:
         RngState().load_state_dict(state.rng[run.rank])
     elif run.rank == 0:
