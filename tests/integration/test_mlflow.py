@@ -75,14 +75,21 @@ class MlflowServer:
         self.proc = None
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MlflowServer]:
+@pytest.fixture(scope="module", autouse=True)
+def server_starting(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MlflowServer]:
+    """Started with the module, not waited for: it boots while the first test (the local store,
+    which needs no server) trains."""
     started = MlflowServer(tmp_path_factory.mktemp("mlflow-server")).start()
     try:
-        started.wait_healthy()
         yield started
     finally:
         started.kill()
+
+
+@pytest.fixture
+def server(server_starting: MlflowServer) -> MlflowServer:
+    server_starting.wait_healthy()
+    return server_starting
 
 
 def only_run(client: MlflowClient, experiment: str) -> Any:
@@ -104,39 +111,6 @@ def reported_steps(run_dir: Path) -> list[int]:
     return sorted(point["step"] for point in points if "train/loss" in point)
 
 
-def test_two_workers_make_one_run_and_a_resume_continues_it(tmp_path: Path, server: MlflowServer) -> None:
-    tracking = {"uri": server.url, "experiment": "two-workers"}
-    result = trainforge.fit(tiny_run(tmp_path, scaling={"num_workers": 2}, tracking=tracking))
-    assert result.status == "finished"
-    client = MlflowClient(server.url)
-    run = only_run(client, "two-workers")
-    run_id = run.info.run_id
-    assert json.loads((result.run_dir / RESUME_FILE).read_text())["run_id"] == run_id
-    assert run.info.status == "FINISHED"
-    assert run.data.params["optim.lr"] == "0.05"
-    assert run.data.params["scaling.num_workers"] == "2"
-    assert run.data.params["tracking.uri"] == server.url
-    tags = run.data.tags
-    assert tags["trainforge.world_size"] == "2" and tags["trainforge.accelerator"] == "cpu"
-    assert tags["trainforge.version.ray"] and tags["trainforge.cluster.nodes"] == "1"
-    assert steps(client, run_id) == [5, 10, 15, 20]
-    assert {"val/accuracy", "train/lr", "train/grad_norm", "perf/samples_per_s", "perf/data_wait_s"} <= set(
-        run.data.metrics
-    )
-    system = [key for key in run.data.metrics if key.startswith("system/")]
-    assert any(key.endswith("/cpu_percent") for key in system) and any(key.endswith("/net_recv_mb_s") for key in system)
-    assert {a.path for a in client.list_artifacts(run_id)} >= RUN_FILES
-    assert {"report/report.html", "report/loss.png"} <= {a.path for a in client.list_artifacts(run_id, "report")}
-
-    # The same run directory with more steps: training resumes from step 20, tracking continues the run.
-    resumed = trainforge.fit(tiny_run(tmp_path, scaling={"num_workers": 2}, train={"max_steps": 30}, tracking=tracking))
-    assert resumed.summary["global_step"] == 30
-    run = only_run(client, "two-workers")
-    assert run.info.run_id == run_id and run.info.status == "FINISHED"
-    assert steps(client, run_id) == reported_steps(result.run_dir) and max(steps(client, run_id)) == 30
-    assert run.data.tags["trainforge.resume_changed.train.max_steps"] == "30 (was 20)"
-
-
 def test_without_a_uri_the_run_lands_in_the_local_store(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -153,18 +127,41 @@ def test_without_a_uri_the_run_lands_in_the_local_store(
     assert run.info.artifact_uri.startswith((tmp_path.resolve() / "mlartifacts").as_uri())
 
 
-def test_the_server_dying_mid_run_stops_nothing_and_what_was_buffered_arrives_when_it_is_back(
+def test_two_workers_make_one_run_and_a_resume_continues_it_through_a_server_outage(
     tmp_path: Path, server: MlflowServer, caplog: pytest.LogCaptureFixture
 ) -> None:
-    config = paced_run(
-        tmp_path,
-        scaling={"num_workers": 2},
-        tracking={"uri": server.url, "experiment": "outage", "flush_timeout_s": 400},
+    """One run of 2 workers, then the same run directory with more steps: the resume continues the
+    MLflow run, and the server dying mid-way through it stops nothing (what was buffered arrives
+    when it is back). The resume and the outage share one fit: each Ray Train fit costs ~18 s."""
+    tracking = {"uri": server.url, "experiment": "two-workers", "flush_timeout_s": 400}
+    result = trainforge.fit(paced_run(tmp_path, scaling={"num_workers": 2}, train={"max_steps": 20}, tracking=tracking))
+    assert result.status == "finished"
+    client = MlflowClient(server.url)
+    run = only_run(client, "two-workers")
+    run_id = run.info.run_id
+    assert json.loads((result.run_dir / RESUME_FILE).read_text())["run_id"] == run_id
+    assert run.info.status == "FINISHED"
+    assert run.data.params["optim.lr"] == "0.003"
+    assert run.data.params["scaling.num_workers"] == "2"
+    assert run.data.params["tracking.uri"] == server.url
+    tags = run.data.tags
+    assert tags["trainforge.world_size"] == "2" and tags["trainforge.accelerator"] == "cpu"
+    assert tags["trainforge.version.ray"] and tags["trainforge.cluster.nodes"] == "1"
+    assert steps(client, run_id) == [5, 10, 15, 20]
+    assert {"val/accuracy", "train/lr", "train/grad_norm", "perf/samples_per_s", "perf/data_wait_s"} <= set(
+        run.data.metrics
     )
-    run_dir = tmp_path / "t"
+    system = [key for key in run.data.metrics if key.startswith("system/")]
+    assert any(key.endswith("/cpu_percent") for key in system) and any(key.endswith("/net_recv_mb_s") for key in system)
+    assert {a.path for a in client.list_artifacts(run_id)} >= RUN_FILES
+    assert {"report/report.html", "report/loss.png"} <= {a.path for a in client.list_artifacts(run_id, "report")}
 
-    def tracked_and_past_step_10() -> bool:
-        return (run_dir / RESUME_FILE).is_file() and any(r.get("step", 0) >= 10 for r in reports(run_dir))
+    # The same run directory with more steps: training resumes from step 20, tracking continues the
+    # run; once the resumed run has reported (step 25), the server is killed and started again.
+    run_dir = result.run_dir
+
+    def resumed_and_reporting() -> bool:
+        return any(r.get("step", 0) >= 25 for r in reports(run_dir))
 
     def kill_and_restart() -> dict[str, Any]:
         server.kill()
@@ -172,18 +169,20 @@ def test_the_server_dying_mid_run_stops_nothing_and_what_was_buffered_arrives_wh
         server.start()  # comes back in tens of seconds; training does not wait for it
         return {"at": killed}
 
-    with caplog.at_level(logging.INFO, logger="trainforge"), Fault(tracked_and_past_step_10, kill_and_restart) as fault:
-        result = trainforge.fit(config)
+    longer = paced_run(tmp_path, scaling={"num_workers": 2}, train={"max_steps": 70}, tracking=tracking)
+    with caplog.at_level(logging.INFO, logger="trainforge"), Fault(resumed_and_reporting, kill_and_restart) as fault:
+        resumed = trainforge.fit(longer)
         killed_at = fault.join()["at"]
-    assert result.status == "finished" and result.summary["global_step"] == 60
+    assert resumed.status == "finished" and resumed.summary["global_step"] == 70
     assert any(r.get("time/unix", 0) > killed_at for r in reports(run_dir)), "training stopped with the server"
     unreachable = [r for r in caplog.records if "is unreachable" in r.getMessage()]
     assert len(unreachable) == 1, [r.getMessage() for r in unreachable]
     assert "training continues" in unreachable[0].getMessage()
 
-    # on_end waited for the server: everything buffered during the outage is there.
-    client = MlflowClient(server.url)
-    run = only_run(client, "outage")
-    assert run.info.status == "FINISHED"
-    assert steps(client, run.info.run_id) == reported_steps(run_dir)
-    assert {a.path for a in client.list_artifacts(run.info.run_id)} >= RUN_FILES
+    # on_end waited for the server: the one run holds both fits' points, those buffered during the
+    # outage included.
+    run = only_run(client, "two-workers")
+    assert run.info.run_id == run_id and run.info.status == "FINISHED"
+    assert steps(client, run_id) == reported_steps(run_dir) and max(steps(client, run_id)) == 70
+    assert run.data.tags["trainforge.resume_changed.train.max_steps"] == "70 (was 20)"
+    assert {a.path for a in client.list_artifacts(run_id)} >= RUN_FILES
