@@ -247,6 +247,10 @@ def test_a_measured_link_from_bench_collectives_json(tmp_path: Path, capsys: pyt
         (["--model-params", "1000"], "--model-params needs --step-time"),
         (["--gpus-per-node", "0"], "--gpus-per-node 0: from 1 to 1024"),
         (["--set", "train.batch_size=auto", "--set", "train.global_batch_size=64"], "train.batch_size: auto"),
+        (
+            ["--set", "data.name=imagefolder", "--set", "data.path=/absent"],
+            "data.path /absent does not exist",
+        ),
     ],
 )
 def test_bad_flags_are_one_line_and_exit_code_2(
@@ -257,6 +261,8 @@ def test_bad_flags_are_one_line_and_exit_code_2(
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and expected in errors[0], done.stderr
     assert "Traceback" not in done.stderr
+    if "data.path" in expected:
+        assert "--model-params N and --step-time S" in errors[0]  # what works without the data
 
 
 def test_more_nics_per_node_shorten_the_inter_node_collectives(

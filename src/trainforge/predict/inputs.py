@@ -17,7 +17,7 @@ import torch
 from torch.utils.data import default_collate
 
 from trainforge.config import Config
-from trainforge.data import build_datasets
+from trainforge.data import DataSpec, PairDataset, build_datasets
 from trainforge.errors import TrainforgeError
 from trainforge.models import build_model, build_task
 from trainforge.predict.model import DDP_BUCKET_BYTES, Workload
@@ -35,6 +35,15 @@ class ModelBytes:
     param_bytes: int  # FSDP: gathered per pass
     units: int  # FSDP units: repeated blocks plus the root
     source: str  # "config model <name>" or "--model-params"
+
+
+def datasets(config: Config, otherwise: str) -> tuple[PairDataset, DataSpec]:
+    """The training set and its spec (the model's shapes), or one line saying what else works."""
+    try:
+        train_set, _, spec = build_datasets(config.data, config.seed)
+    except TrainforgeError as err:
+        raise TrainforgeError(f"{err} ({otherwise})") from None
+    return train_set, spec
 
 
 def per_gpu_batch(config: Config) -> tuple[int, int]:
@@ -62,7 +71,7 @@ def model_bytes(config: Config, model_params: int | None) -> ModelBytes:
             max(1, math.ceil(grad / DDP_BUCKET_BYTES)),
             "--model-params (float32)",
         )
-    _, _, spec = build_datasets(config.data, config.seed)
+    _, spec = datasets(config, "or describe the model with --model-params N and --step-time S")
     with torch.random.fork_rng(devices=[]), torch.device("meta"):
         model = build_model(config.model, spec)
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -81,7 +90,7 @@ def model_bytes(config: Config, model_params: int | None) -> ModelBytes:
 def measure_compute(config: Config, steps: int = 3) -> float:
     """Median seconds of one optimizer step of the config's model on this machine, at the per-GPU batch."""
     micro, accumulate = per_gpu_batch(config)
-    train_set, _, spec = build_datasets(config.data, config.seed)
+    train_set, spec = datasets(config, "or give --step-time: predict then times nothing")
     use_cuda = config.scaling.use_gpu and torch.cuda.is_available()
     device = torch.device("cuda" if use_cuda else "cpu")
     with torch.random.fork_rng(devices=[]):

@@ -109,7 +109,7 @@ def render(report: dict[str, Any], console: Console) -> None:
         soft_wrap=True,
     )
     console.print(
-        f"links: {given['gpus_per_node']} GPUs per node over {intra['name']} ({intra['bandwidth_GBps']:.3g} GB/s, "
+        f"links: {given['gpus_per_node']} GPU(s) per node over {intra['name']} ({intra['bandwidth_GBps']:.3g} GB/s, "
         f"alpha {intra['alpha_s'] * 1e6:.3g} us); nodes over {given['nics_per_node']} x {link['name']} "
         f"({link['bandwidth_GBps']:.3g} GB/s, alpha {link['alpha_s'] * 1e6:.3g} us: {link['source']})",
         highlight=False,
