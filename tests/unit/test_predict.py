@@ -18,7 +18,7 @@ import yaml
 from tests.helpers.runs import tiny_run
 from trainforge.config import Config, ParallelConfig
 from trainforge.errors import TrainforgeError
-from trainforge.predict.inputs import model_bytes
+from trainforge.predict.inputs import model_bytes, workload_of
 from trainforge.predict.links import PRESETS, Link, measured_link, resolve_link
 from trainforge.predict.model import (
     Topology,
@@ -27,6 +27,7 @@ from trainforge.predict.model import (
     collective_time,
     ddp_step,
     fsdp_step,
+    local_sgd_step,
     predict_points,
     ring_time,
 )
@@ -98,6 +99,14 @@ def test_fsdp_gathers_before_each_pass_and_scatters_after_the_backward() -> None
     assert fsdp_step(kept, 2, flat(SLOW)) == pytest.approx((0.4, 0.1))  # no second gather
 
 
+def test_local_sgd_pays_one_parameter_all_reduce_every_h_steps() -> None:
+    # 2 ranks at 1e7 B/s: all-reducing 1 MB of parameters takes 0.1 s, once every 4 steps
+    work = Workload("ddp", compute_s=0.3, samples_per_gpu=8, grad_bytes=1_000_000, sync_every_n_steps=4)
+    assert local_sgd_step(work, 2, flat(SLOW)) == pytest.approx((0.325, 0.025))
+    (point,) = predict_points(work, [2], flat(SLOW))
+    assert point.comm_exposed_s == pytest.approx(0.025)
+
+
 def test_points_report_throughput_efficiency_and_exposed_communication() -> None:
     work = Workload("ddp", compute_s=0.3, samples_per_gpu=8, grad_bytes=2_000_000, bucket_bytes=1_000_000)
     one, two = predict_points(work, [1, 2], flat(SLOW))
@@ -165,6 +174,9 @@ def test_model_bytes_count_trainable_parameters_of_the_config_model(tmp_path: Pa
     fsdp = Config.model_validate(tiny_run(tmp_path, parallel={"strategy": "fsdp", "fsdp": {"mixed_precision": "bf16"}}))
     assert model_bytes(fsdp, None).param_bytes == 2 * expected  # bf16 parameters gathered
     assert model_bytes(config, 1_000_000).grad_bytes == 4_000_000
+    if "sync" in ParallelConfig.model_fields:  # parallel.sync (#14 section 3)
+        synced = Config.model_validate(tiny_run(tmp_path, parallel={"sync": {"every_n_steps": 8}}))
+        assert workload_of(synced, found, 0.1).sync_every_n_steps == 8
     assert torch.get_default_device().type == "cpu"  # the meta device did not leak
 
 

@@ -134,6 +134,7 @@ def train_samples(config: Config) -> int | None:
 def workload_of(config: Config, model: ModelBytes, compute_s: float) -> Workload:
     micro, accumulate = per_gpu_batch(config)
     cap_mb = getattr(config.parallel, "bucket_cap_mb", None)
+    sync = getattr(config.parallel, "sync", None)
     return Workload(
         strategy=config.parallel.strategy,
         compute_s=compute_s,
@@ -144,4 +145,5 @@ def workload_of(config: Config, model: ModelBytes, compute_s: float) -> Workload
         bucket_bytes=int(cap_mb * MIB) if cap_mb else DDP_BUCKET_BYTES,
         units=model.units,
         reshard_after_forward=config.parallel.fsdp.reshard_after_forward,
+        sync_every_n_steps=sync.every_n_steps if sync is not None else 0,
     )

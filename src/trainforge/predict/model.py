@@ -15,6 +15,9 @@ Assumptions, each a choice a reader may disagree with (docs/benchmarks.md repeat
   each bucket's all-reduce starts when it is full and the previous one is done (one stream), so
   communication hides behind the rest of the backward and the last bucket is always exposed.
   With gradient accumulation only the last micro-batch communicates (DDP's ``no_sync``);
+* local SGD / DiLoCo (``parallel.sync``): no gradient communication; every ``sync_every_n_steps``
+  steps one all-reduce of the parameters (one flat buffer) after the step, exposed whole, so a
+  step pays 1/H of it on average;
 * FSDP: the model is ``units`` equal units. Every micro-batch's forward all-gathers each unit's
   parameters, one unit ahead of compute; the backward all-gathers them again when the forward
   resharded them, and the last micro-batch reduce-scatters each unit's gradients after its
@@ -55,6 +58,7 @@ class Workload:
     bucket_bytes: int = DDP_BUCKET_BYTES
     units: int = 1
     reshard_after_forward: bool = True
+    sync_every_n_steps: int = 0  # parallel.sync: parameters averaged every H steps instead (0: off)
 
 
 @dataclass(frozen=True)
@@ -107,6 +111,14 @@ def ddp_step(work: Workload, gpus: int, topology: Topology) -> tuple[float, floa
     return max(work.compute_s, free_at), total
 
 
+def local_sgd_step(work: Workload, gpus: int, topology: Topology) -> tuple[float, float]:
+    """(average step time, average communication time) when parameters are averaged every H steps."""
+    if gpus == 1:
+        return work.compute_s, 0.0
+    average = collective_time("all_reduce", work.grad_bytes, gpus, topology) / work.sync_every_n_steps
+    return work.compute_s + average, average
+
+
 def fsdp_step(work: Workload, gpus: int, topology: Topology) -> tuple[float, float]:
     """(step time, communication time) under FSDP: per-unit all-gathers and reduce-scatters."""
     if gpus == 1:
@@ -153,6 +165,8 @@ class Streams:
 def predict_points(work: Workload, gpu_counts: list[int], topology: Topology) -> list[Point]:
     """One point per GPU count; efficiency against linear scaling of the 1-GPU step."""
     step_of = fsdp_step if work.strategy == "fsdp" else ddp_step
+    if work.sync_every_n_steps:
+        step_of = local_sgd_step
     points = []
     for gpus in gpu_counts:
         step, comm = step_of(work, gpus, topology)

@@ -21,6 +21,7 @@ ASSUMPTIONS = (
     f"forward 1/3 and backward {BACKWARD_SHARE:.2f} of a micro-batch's compute; the optimizer is inside the measure",
     "ring collectives; across nodes a hierarchical ring (intra-node ring on nvlink, then inter-node ring on the link)",
     "DDP: buckets all-reduced in backward order on one stream as they fill; the last bucket is exposed",
+    "parallel.sync (local SGD / DiLoCo): one parameter all-reduce every H steps after the step, exposed whole",
     "FSDP: per-unit all-gathers one unit ahead (forward, and backward when resharded), reduce-scatter after each "
     "unit's backward, one stream",
     "no data loading, stragglers or network contention from other jobs",
@@ -69,6 +70,7 @@ def run_predict(
             "param_bytes": work.param_bytes,
             "bucket_bytes": work.bucket_bytes,
             "units": work.units,
+            "sync_every_n_steps": work.sync_every_n_steps,
             "micro_batch": micro,
             "micro_batches": accumulate,
             "samples_per_gpu": work.samples_per_gpu,
