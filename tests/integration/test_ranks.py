@@ -1,4 +1,9 @@
-"""Inside real Ray Train workers: ranks stay bit-identical and see disjoint data."""
+"""Ranks of a 2-rank gloo group (the worker's own build and step runner, without Ray) stay
+bit-identical after every step and see disjoint data.
+
+A property of the step's arithmetic, so it runs in local ranks (tests/helpers/ranks.spawn_ranks)
+rather than Ray Train workers, which would add ~18 s of start-up and check nothing more here.
+"""
 
 from __future__ import annotations
 
@@ -7,15 +12,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import ray.train
 import torch
-from ray.train.torch import TorchTrainer
 
+from tests.helpers.ranks import spawn_ranks
 from tests.helpers.runs import tiny_run
 from trainforge.config import load_config
 from trainforge.data import build_datasets
-
-pytestmark = [pytest.mark.usefixtures("ray_local"), pytest.mark.slow]
 
 
 def _param_digest(model: torch.nn.Module) -> str:
@@ -25,16 +27,15 @@ def _param_digest(model: torch.nn.Module) -> str:
     return digest.hexdigest()
 
 
-def _steps_and_digests(config_dict: dict[str, Any]) -> dict[str, Any]:
-    """Runs trainforge's own build and step runner; records every rank's digest after every step."""
+def _steps_and_digests(rank: int, world: int, config_dict: dict[str, Any]) -> dict[str, Any]:
+    """Runs trainforge's own build and step runner; records this rank's digest after every step."""
     from trainforge.config import Config
     from trainforge.data import make_loader
-    from trainforge.worker import parallel
-    from trainforge.worker.loop import build
+    from trainforge.worker.build import build
     from trainforge.worker.step import MetricSums
 
     config = Config.model_validate(config_dict)
-    run = build(config)
+    run = build(config, ranks=(rank, world))
     run.data.sampler.set_epoch(0)
     seen = list(iter(run.data.sampler))
     loader = make_loader(
@@ -52,7 +53,7 @@ def _steps_and_digests(config_dict: dict[str, Any]) -> dict[str, Any]:
     for _ in range(6):
         run.runner.run(batches, config.train.grad_accum_steps, sums)
         digests.append(_param_digest(run.plan.eval_model(run.model)))
-    return {"digests": parallel.all_gather_objects(digests), "seen": parallel.all_gather_objects(seen)}
+    return {"digests": digests, "seen": seen}
 
 
 @pytest.mark.parametrize("model", ["mlp", "small_cnn"])
@@ -64,19 +65,13 @@ def test_parameters_identical_on_all_ranks_after_every_step(tmp_path: Path, mode
         optim={"name": "adamw", "lr": 0.01},
         scaling={"num_workers": 2},
     )
-    trainer = TorchTrainer(
-        _steps_and_digests,
-        train_loop_config=config,
-        scaling_config=ray.train.ScalingConfig(num_workers=2),
-        run_config=ray.train.RunConfig(name="ranks", storage_path=str(tmp_path / "storage")),
-    )
-    out = trainer.fit().return_value
-    rank0, rank1 = out["digests"]
+    out = spawn_ranks(_steps_and_digests, 2, config)
+    rank0, rank1 = (o["digests"] for o in out)
     assert len(rank0) == 6
     assert rank0 == rank1, "parameters diverged between ranks"
     assert len(set(rank0)) == 6, "every step must change the parameters"
 
-    seen0, seen1 = (set(s) for s in out["seen"])
+    seen0, seen1 = (set(o["seen"]) for o in out)
     assert not seen0 & seen1, "ranks share samples"
     assert len(seen0) == len(seen1)
     # An even split over 2 ranks leaves at most world_size - 1 = 1 sample out.

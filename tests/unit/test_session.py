@@ -18,31 +18,10 @@ import torch
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from tests.helpers.ranks import spawn_ranks
 from tests.helpers.runs import tiny_run
-from trainforge.checkpoint.storage import CheckpointStore
+from tests.helpers.sessions import train
 
 STEPS = 24
-
-
-class Crash(Exception):
-    pass
-
-
-class ListChannel:
-    """Reports kept in a list; raises at ``crash_at`` (a step) as a lost worker would end the loop."""
-
-    def __init__(self, crash_at: int | None = None) -> None:
-        self.reports: list[dict[str, Any]] = []
-        self.crash_at = crash_at
-
-    def report(self, metrics: dict[str, Any]) -> None:
-        self.reports.append(metrics)
-        if self.crash_at is not None and metrics.get("step", 0) >= self.crash_at:
-            raise Crash(f"crashed at step {metrics['step']}")
-
-    def preempted(self) -> bool:
-        return False
 
 
 def config(tmp: Path, strategy: str, workers: int = 2, tp: int = 1) -> dict[str, Any]:
@@ -57,27 +36,6 @@ def config(tmp: Path, strategy: str, workers: int = 2, tp: int = 1) -> dict[str,
         checkpoint={"every_n_steps": 8, "keep_last": 5},
         seed=3,
     )
-
-
-def session(rank: int, world: int, config_dict: dict[str, Any], crash_at: int | None) -> dict[str, Any]:
-    from trainforge.config import Config
-    from trainforge.worker.build import build
-    from trainforge.worker.loop import Session
-    from trainforge.worker.saving import Checkpointing, restore
-
-    cfg = Config.model_validate(config_dict)
-    run = build(cfg, ranks=(rank, world))
-    checkpointing = Checkpointing(run, CheckpointStore.for_run(cfg.storage_path, cfg.run.name))
-    restored = restore(run, checkpointing.store)
-    channel = ListChannel(crash_at)
-    try:
-        final = Session(run, checkpointing, restored, channel=channel).train()
-    except Crash as err:
-        final = {"crashed": str(err)}
-    finally:
-        checkpointing.close()
-    events = [e for r in channel.reports for e in r.get("events", [])]
-    return {"final": {k: v for k, v in final.items() if isinstance(v, (int, float, str))}, "events": events}
 
 
 def final_state(run_dir: Path, tmp: Path) -> dict[str, Any]:
@@ -102,23 +60,25 @@ def final_state(run_dir: Path, tmp: Path) -> dict[str, Any]:
     return state
 
 
-# Under tensor parallelism the same holds in Ray workers with a killed worker
-# (tests/faults/test_exact_resume.py[2-workers-tp2]).
+# The same in-process pattern for 1 worker and tensor parallelism:
+# tests/faults/test_exact_resume.py::test_session_crashed_mid_epoch_restarts_bit_identical;
+# a real worker killed under Ray: test_worker_killed_mid_epoch_resumes_bit_identical there.
+# This test is the FSDP variant of those.
 def test_fsdp_session_crashed_and_restarted_is_bit_identical(tmp_path: Path) -> None:
     strategy, tp = "fsdp", 1
-    straight = spawn_ranks(session, 2, config(tmp_path / "straight", strategy, tp=tp), None)
-    assert straight[0]["final"]["status"] == "finished"
-    crashed = spawn_ranks(session, 2, config(tmp_path / "crashed", strategy, tp=tp), 12)
-    assert "crashed" in crashed[0]["final"]
+    straight = train(config(tmp_path / "straight", strategy, tp=tp), 2)
+    assert straight[0].final["status"] == "finished"
+    crashed = train(config(tmp_path / "crashed", strategy, tp=tp), 2, crash_at=12)
+    assert crashed[0].crashed
     run_dir = tmp_path / "crashed" / "t"
     assert [p.name for p in sorted(run_dir.glob("checkpoint_*"))] == ["checkpoint_000000008"]
     manifest = json.loads((run_dir / "checkpoint_000000008" / "manifest.json").read_text())
     assert manifest["layout"] == "sharded" and manifest["world_size"] == 2
     assert {"sharded/__0_0.distcp", "sharded/__1_0.distcp", "sharded/.metadata"} <= set(manifest["files"])
 
-    resumed = spawn_ranks(session, 2, config(tmp_path / "crashed", strategy, tp=tp), None)
-    assert resumed[0]["final"]["status"] == "finished"
-    assert any(e.startswith("resumed from") and "checkpoint_000000008" in e for e in resumed[0]["events"])
+    resumed = train(config(tmp_path / "crashed", strategy, tp=tp), 2)
+    assert resumed[0].final["status"] == "finished"
+    assert any(e.startswith("resumed from") and "checkpoint_000000008" in e for e in resumed[0].events)
     a = final_state(tmp_path / "straight" / "t", tmp_path / "a")
     b = final_state(run_dir, tmp_path / "b")
     assert a.keys() == b.keys()
@@ -128,14 +88,14 @@ def test_fsdp_session_crashed_and_restarted_is_bit_identical(tmp_path: Path) -> 
 
 @pytest.mark.slow
 def test_fsdp_checkpoint_resumes_under_ddp_and_with_one_worker_and_says_so(tmp_path: Path) -> None:
-    spawn_ranks(session, 2, config(tmp_path / "crashed", "fsdp"), 12)
+    train(config(tmp_path / "crashed", "fsdp"), 2, crash_at=12)
     for strategy, workers in (("ddp", 2), ("fsdp", 1)):
         # Each resume from a copy of the crashed run: the same sharded checkpoint at step 8.
         copy = tmp_path / f"{strategy}-{workers}"
         shutil.copytree(tmp_path / "crashed", copy)
-        resumed = spawn_ranks(session, workers, config(copy, strategy, workers), None)
-        events = resumed[0]["events"]
-        assert resumed[0]["final"]["status"] == "finished", resumed[0]
+        resumed = train(config(copy, strategy, workers), workers)
+        events = resumed[0].events
+        assert resumed[0].final["status"] == "finished", resumed[0]
         assert any(e.startswith("resumed from") and "checkpoint_000000008" in e for e in events), events
         if strategy != "fsdp":
             assert any("resharded: the checkpoint was written by fsdp, this run uses ddp" in e for e in events)
