@@ -1,29 +1,34 @@
-"""FSDP2 and tensor parallelism in real Ray Train workers (gloo on CPU): the same losses as DDP,
-a final ``model.safetensors`` that loads into the plain module, and a corrupt shard detected at
-restore.
+"""FSDP2 and tensor parallelism in the worker's Session, in gloo ranks without Ray (CPU): the same
+losses as DDP, final full weights that load into the plain module, a corrupt shard detected at
+restore, a tensor-parallel run resumed on one worker.
 
-Each run (a layout) is trained once per module, when a test first asks for it, and shared.
+These are properties of the loop, the plans and the checkpoints, not of Ray: the runs go through
+tests/helpers/sessions (the Session a Ray Train worker runs, restored the same way) and save the
+~18 s of Ray start-up per run. A sharded run resumed after a crash, bit-identical, is
+tests/unit/test_session.py; a real worker killed under Ray is tests/faults/test_exact_resume.py.
+
+Each layout is trained once per module and shared.
 """
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-import trainforge
-from tests.helpers.faults import checkpoints, events, reports
+from tests.helpers.faults import checkpoints
 from tests.helpers.runs import tiny_run
+from tests.helpers.sessions import Trained, final_weights, train, train_each_once
 from trainforge.checkpoint.storage import CheckpointStore
 from trainforge.config import load_config
 from trainforge.data import build_datasets
 from trainforge.models import build_model
 
-pytestmark = [pytest.mark.usefixtures("ray_local"), pytest.mark.slow]
+pytestmark = pytest.mark.slow
 
 STEPS = 30
 LLAMA = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2}
@@ -43,16 +48,6 @@ def lm_config(tmp: Path, strategy: str, workers: int = 2, tp: int = 1, **train: 
     )
 
 
-def step_losses(run_dir: Path) -> dict[int, float]:
-    """train/loss at every step, from the history points of the run's reports."""
-    found = {}
-    for report in reports(run_dir):
-        for point in report.get("history", []):
-            if "train/loss" in point:
-                found[int(point["step"])] = float(point["train/loss"])
-    return found
-
-
 # name -> (strategy, workers, tensor_parallel). A tensor-parallel pair reads one batch of 8, as one
 # worker does ("tp2" vs "ddp-1"); two pairs read two, as two workers do ("fsdp-tp2" vs "ddp").
 LAYOUTS = {
@@ -64,22 +59,16 @@ LAYOUTS = {
 }
 
 
-class Runs(dict[str, trainforge.RunResult]):
-    """Trains a layout the first time a test asks for it."""
-
-    def __init__(self, factory: pytest.TempPathFactory) -> None:
-        super().__init__()
-        self.factory = factory
-
-    def __missing__(self, name: str) -> trainforge.RunResult:
-        strategy, workers, tp = LAYOUTS[name]
-        self[name] = trainforge.fit(lm_config(self.factory.mktemp(name), strategy, workers, tp))
-        return self[name]
-
-
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
-    return Runs(tmp_path_factory)
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Trained]:
+    """Every layout once per module, shared; the reference and sharded runs of one world size in
+    the same ranks (one process start-up)."""
+    return train_each_once(
+        {
+            name: lm_config(tmp_path_factory.mktemp(name), strategy, workers, tp)
+            for name, (strategy, workers, tp) in LAYOUTS.items()
+        }
+    )
 
 
 def largest_gap(a: dict[int, float], b: dict[int, float]) -> float:
@@ -92,22 +81,24 @@ def largest_gap(a: dict[int, float], b: dict[int, float]) -> float:
     [("fsdp", "ddp"), ("tp2", "ddp-1"), ("fsdp-tp2", "ddp")],
     ids=["fsdp-2-vs-ddp-2", "tp2-2-vs-ddp-1", "fsdp-x-tp2-4-vs-ddp-2"],
 )
-def test_sharded_losses_equal_the_reference_losses(runs: Runs, layout: str, reference: str) -> None:
-    gap = largest_gap(step_losses(runs[reference].run_dir), step_losses(runs[layout].run_dir))
-    print(f"\nllama_tiny in Ray workers: largest relative loss gap {layout}/{reference} in {STEPS} steps {gap:.2e}")
+def test_sharded_losses_equal_the_reference_losses(runs: dict[str, Trained], layout: str, reference: str) -> None:
+    gap = largest_gap(runs[reference].outcome.losses, runs[layout].outcome.losses)
+    print(f"\nllama_tiny in gloo ranks: largest relative loss gap {layout}/{reference} in {STEPS} steps {gap:.2e}")
     assert gap <= 1e-5
-    assert runs[layout].summary["status"] == "finished"
+    assert runs[layout].outcome.final["status"] == "finished"
 
 
 @pytest.mark.parametrize("layout", ["fsdp", "fsdp-tp2"])
-def test_sharded_final_weights_load_into_the_plain_module(runs: Runs, tmp_path: Path, layout: str) -> None:
-    result = runs[layout]
-    final = checkpoints(result.run_dir)[-1]
+def test_sharded_final_weights_load_into_the_plain_module(
+    runs: dict[str, Trained], tmp_path: Path, layout: str
+) -> None:
+    trained = runs[layout]
+    final = checkpoints(trained.run_dir)[-1]
     assert (final / "sharded" / "__1_0.distcp").is_file()
     # The shards of the last checkpoint, merged on one process, and the exported full weights.
     dcp_to_torch_save(final / "sharded", tmp_path / "merged.pt")
     sharded = torch.load(tmp_path / "merged.pt", weights_only=False)["model"]
-    full = load_file(str(result.model_path))
+    full = final_weights(trained.config)  # what the driver copies to model.safetensors
     config = load_config(lm_config(tmp_path, "fsdp"))
     _, _, spec = build_datasets(config.data, config.seed)
     tokens = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(0))
@@ -121,8 +112,15 @@ def test_sharded_final_weights_load_into_the_plain_module(runs: Runs, tmp_path: 
     assert torch.equal(outputs[0], outputs[1])
 
 
-def test_corrupt_shard_is_skipped_and_the_previous_checkpoint_used(runs: Runs, tmp_path: Path) -> None:
-    run_dir = runs["fsdp"].run_dir
+def copy_of(trained: Trained, tmp_path: Path) -> Path:
+    """A copy of a trained layout's output directory: the module's runs stay as trained."""
+    shutil.copytree(trained.run_dir.parent, tmp_path / "copy")
+    return tmp_path / "copy"
+
+
+def test_corrupt_shard_is_skipped_and_the_previous_checkpoint_used(runs: dict[str, Trained], tmp_path: Path) -> None:
+    output = copy_of(runs["fsdp"], tmp_path)
+    run_dir = output / "t"
     newest = checkpoints(run_dir)[-1]
     shard = newest / "sharded" / "__1_0.distcp"
     data = bytearray(shard.read_bytes())
@@ -132,18 +130,17 @@ def test_corrupt_shard_is_skipped_and_the_previous_checkpoint_used(runs: Runs, t
     check = store.verify(newest.name)
     assert not check.ok and any("__1_0.distcp" in p for p in check.problems), check.problems
 
-    config = lm_config(run_dir.parent, "fsdp", max_steps=STEPS + 5)
-    resumed = trainforge.fit(config)
-    assert resumed.summary["status"] == "finished" and resumed.summary["global_step"] == STEPS + 5
-    said = events(run_dir)
+    resumed = train(lm_config(output, "fsdp", max_steps=STEPS + 5), 2)[0]
+    assert resumed.final["status"] == "finished" and resumed.final["step"] == STEPS + 5
+    said = resumed.events
     assert any(e.startswith(f"skipped checkpoint {newest.name}") for e in said), said
     assert any(e.startswith("resumed from") and "checkpoint_000000020" in e for e in said), said
 
 
-def test_tensor_parallel_run_continues_on_one_worker_without_it(runs: Runs) -> None:
-    run_dir = runs["tp2"].run_dir
-    resumed = trainforge.fit(lm_config(run_dir.parent, "ddp", workers=1, max_steps=STEPS + 5))
-    assert resumed.summary["status"] == "finished" and resumed.summary["global_step"] == STEPS + 5
-    said = events(run_dir)
+def test_tensor_parallel_run_continues_on_one_worker_without_it(runs: dict[str, Trained], tmp_path: Path) -> None:
+    output = copy_of(runs["tp2"], tmp_path)
+    resumed = train(lm_config(output, "ddp", workers=1, max_steps=STEPS + 5), 1)[0]
+    assert resumed.final["status"] == "finished" and resumed.final["step"] == STEPS + 5
+    said = resumed.events
     assert any(e.startswith("resumed from") and f"checkpoint_{STEPS:09d}" in e for e in said), said
     assert any("resharded: the checkpoint was written by ddp x tp2, this run uses ddp" in e for e in said), said
