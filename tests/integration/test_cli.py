@@ -1,4 +1,9 @@
-"""The command line: bad input gets one line and exit code 2, never a traceback."""
+"""The command line: bad input gets one line and exit code 2, never a traceback.
+
+Validation is checked through main(argv) in this process (``in_process``): the same code path from
+argv to the error line and exit code, without a fresh interpreter's imports per case. A few cases
+run as real processes (``trainforge``, ``entry_point``) for what only a process shows: the exit code
+of ``python -m trainforge`` and of the console script, and a Ray address that cannot be reached."""
 
 from __future__ import annotations
 
@@ -31,6 +36,27 @@ def trainforge(*args: str, cwd: Path = ROOT, timeout: int = 240) -> subprocess.C
     )
 
 
+def in_process(*args: str, capsys: pytest.CaptureFixture[str]) -> subprocess.CompletedProcess[str]:
+    """``trainforge ARGS`` as main(argv) in this process: its exit code, stdout and stderr (ANSI
+    colour codes removed, as on a terminal that is not one). A command that starts Ray fails the call."""
+    from trainforge.cli import main
+
+    def ray_up() -> bool:
+        ray = sys.modules.get("ray")
+        return ray is not None and ray.is_initialized()
+
+    ray_before = ray_up()  # the test module's own Ray (ray_local), if it has one
+    capsys.readouterr()  # what the test printed before is not the command's
+    try:
+        main(list(args))
+        code = 0
+    except SystemExit as exited:
+        code = exited.code if isinstance(exited.code, int) else 1
+    out, err = capsys.readouterr()
+    assert ray_before or not ray_up(), "the command started Ray"
+    return subprocess.CompletedProcess(list(args), code, out, re.sub(r"\x1b\[[0-9;]*m", "", err))
+
+
 def write_config(tmp_path: Path, **sections: object) -> Path:
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(tiny_run(tmp_path, **sections)))  # type: ignore[arg-type]
@@ -45,8 +71,8 @@ def assert_user_error(result: subprocess.CompletedProcess[str], expected: str) -
     assert expected in errors[0], errors[0]
 
 
-def test_config_show_prints_the_resolved_config(tmp_path: Path) -> None:
-    result = trainforge("config", "show", str(write_config(tmp_path)), "--set", "train.batch_size=7")
+def test_config_show_prints_the_resolved_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    result = in_process("config", "show", str(write_config(tmp_path)), "--set", "train.batch_size=7", capsys=capsys)
     assert result.returncode == 0, result.stderr
     assert yaml.safe_load(result.stdout)["train"]["batch_size"] == 7
 
@@ -62,7 +88,6 @@ def test_config_show_prints_the_resolved_config(tmp_path: Path) -> None:
         (["--set", "model.name=resnet19"], "resnet18"),
         (["--set", "model.name=null", "--set", "model.factory=no_such_pkg.models:net"], "no_such_pkg.models"),
         (["--set", "model.name=null", "--set", "model.factory=tests.helpers.user_models:nope"], "nope"),
-        (["--address", "127.0.0.1:9"], "cannot reach the Ray cluster at 127.0.0.1:9"),
         (["--set", "parallel.strategy=zero3"], "parallel.strategy = 'zero3': Input should be 'ddp' or 'fsdp'"),
         (["--set", "parallel.fsdp.cpu_offload=true"], "parallel.fsdp.cpu_offload needs parallel.strategy: fsdp"),
         (
@@ -81,14 +106,23 @@ def test_config_show_prints_the_resolved_config(tmp_path: Path) -> None:
         ),
     ],
 )
-def test_bad_input_is_one_line_and_exit_code_2(tmp_path: Path, args: list[str], expected: str) -> None:
-    result = trainforge("train", str(write_config(tmp_path)), *args)
+def test_bad_input_is_one_line_and_exit_code_2(
+    tmp_path: Path, args: list[str], expected: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    result = in_process("train", str(write_config(tmp_path)), *args, capsys=capsys)
     assert_user_error(result, expected)
     assert not (tmp_path / "t" / "summary.json").exists()
 
 
-def test_missing_config_file(tmp_path: Path) -> None:
-    assert_user_error(trainforge("train", str(tmp_path / "absent.yaml")), "does not exist")
+def test_an_unreachable_ray_address_is_one_line_and_exit_code_2(tmp_path: Path) -> None:
+    """A real ``python -m trainforge`` process: its exit code, and the one line once Ray is tried."""
+    result = trainforge("train", str(write_config(tmp_path)), "--address", "127.0.0.1:9")
+    assert_user_error(result, "cannot reach the Ray cluster at 127.0.0.1:9")
+    assert not (tmp_path / "t" / "summary.json").exists()
+
+
+def test_missing_config_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert_user_error(in_process("train", str(tmp_path / "absent.yaml"), capsys=capsys), "does not exist")
 
 
 def entry_point(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -101,21 +135,27 @@ def entry_point(*args: str, cwd: Path, env: dict[str, str] | None = None) -> sub
     )
 
 
-@pytest.mark.parametrize(
-    ("args", "expected"),
-    [
-        (["deploy"], "Error: No such command 'deploy'."),
-        (["train", "quickstart", "--sett", "x=1"], "Error: No such option: --sett"),
-        (["ckpt", "verify"], "Error: Missing argument 'path'."),
-    ],
-)
-def test_usage_errors_print_click_usage_and_exit_2(tmp_path: Path, args: list[str], expected: str) -> None:
-    result = entry_point(*args, cwd=tmp_path)
+def assert_usage_error(result: subprocess.CompletedProcess[str], expected: str) -> None:
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr + result.stdout
     lines = result.stderr.strip().splitlines()
     assert lines[0].startswith("Usage: trainforge") and lines[-1].startswith(expected), result.stderr
     assert len(lines) <= 4, result.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["deploy"], "Error: No such command 'deploy'."),  # the console script, as a real process
+        (["train", "quickstart", "--sett", "x=1"], "Error: No such option: --sett"),
+        (["ckpt", "verify"], "Error: Missing argument 'path'."),
+    ],
+)
+def test_usage_errors_print_click_usage_and_exit_2(
+    tmp_path: Path, args: list[str], expected: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    result = entry_point(*args, cwd=tmp_path) if args == ["deploy"] else in_process(*args, capsys=capsys)
+    assert_usage_error(result, expected)
 
 
 def test_version_names_trainforge_torch_and_ray(tmp_path: Path) -> None:
@@ -145,18 +185,25 @@ HOSTILE = {
 
 
 @pytest.mark.parametrize("case", list(HOSTILE))
-def test_hostile_config_is_one_line_before_ray_starts(tmp_path: Path, case: str) -> None:
+def test_hostile_config_is_one_line_before_ray_starts(
+    tmp_path: Path, case: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``binary`` runs the console script as a real process; the others main(argv) in this process."""
     content, expected = HOSTILE[case]
     path = tmp_path / "configs"
     if content is None:
         path.mkdir()
     else:
         path.write_bytes(content)
+    args = ("train", str(path), "--set", "run.output_dir=runs")
     start = time.monotonic()
     # An unreachable RAY_ADDRESS: had the command got as far as Ray, the error would say so instead.
-    result = entry_point(
-        "train", str(path), "--set", "run.output_dir=runs", cwd=tmp_path, env={"RAY_ADDRESS": "127.0.0.1:9"}
-    )
+    if case == "binary":
+        result = entry_point(*args, cwd=tmp_path, env={"RAY_ADDRESS": "127.0.0.1:9"})
+    else:
+        monkeypatch.chdir(tmp_path)
+        monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:9")
+        result = in_process(*args, capsys=capsys)
     elapsed = time.monotonic() - start
     assert result.returncode == 2, result.stderr
     assert result.stdout == "" and "Traceback" not in result.stderr
@@ -164,17 +211,6 @@ def test_hostile_config_is_one_line_before_ray_starts(tmp_path: Path, case: str)
     assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], result.stderr
     assert not (tmp_path / "runs").exists()  # no run directory, no ray.log: Ray never started
     assert elapsed < 15, f"{elapsed:.1f} s (the loader's own time is held to 1 s in tests/unit/test_config_hostile.py)"
-
-
-@pytest.mark.slow
-def test_factory_that_returns_no_module_fails_once_without_retries(tmp_path: Path) -> None:
-    config = write_config(
-        tmp_path,
-        model={"name": None, "factory": "tests.helpers.user_models:not_a_module"},
-        failure={"max_failures": 3},
-    )
-    result = trainforge("train", str(config))
-    assert_user_error(result, "not_a_module")
 
 
 @pytest.mark.slow
@@ -187,3 +223,14 @@ def test_train_command_runs_and_prints_the_summary_path(tmp_path: Path) -> None:
     assert "Traceback" not in result.stderr
     assert "step 20/20" in result.stderr  # one progress line per report when not on a terminal
     assert (summary_path.parent / "ray.log").exists()
+
+
+@pytest.mark.slow
+def test_factory_that_returns_no_module_fails_once_without_retries(tmp_path: Path) -> None:
+    config = write_config(
+        tmp_path,
+        model={"name": None, "factory": "tests.helpers.user_models:not_a_module"},
+        failure={"max_failures": 3},
+    )
+    result = trainforge("train", str(config))
+    assert_user_error(result, "not_a_module")

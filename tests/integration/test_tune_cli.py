@@ -1,5 +1,6 @@
 """``trainforge tune`` on the command line: a bad space file or tune setting is one line, exit code 2,
-before Ray starts."""
+before Ray starts. Checked through main(argv) in this process (test_cli.in_process, which fails a
+command that starts Ray); one case runs as a real ``python -m trainforge`` process."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 import yaml
 
 from tests.helpers.runs import tiny_run
-from tests.integration.test_cli import assert_user_error, trainforge
+from tests.integration.test_cli import assert_user_error, in_process, trainforge
 
 
 def tune_command(tmp_path: Path, space: str, *extra: str) -> list[str]:
@@ -33,8 +34,10 @@ def tune_command(tmp_path: Path, space: str, *extra: str) -> list[str]:
         ("- optim.lr\n", "expected a mapping of config keys to domains"),
     ],
 )
-def test_bad_space_files_are_one_line_and_exit_2(tmp_path: Path, space: str, expected: str) -> None:
-    result = trainforge(*tune_command(tmp_path, space))
+def test_bad_space_files_are_one_line_and_exit_2(
+    tmp_path: Path, space: str, expected: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    result = in_process(*tune_command(tmp_path, space), capsys=capsys)
     assert_user_error(result, expected)
     assert expected in result.stderr  # rich printed the brackets instead of taking them for markup
     assert not (tmp_path / "t").exists()  # nothing ran
@@ -52,15 +55,19 @@ def test_bad_space_files_are_one_line_and_exit_2(tmp_path: Path, space: str, exp
         (["--set", "tune.scheduler_params.asha={grace: 3}", "--scheduler", "asha"], "did you mean grace_period?"),
     ],
 )
-def test_bad_search_settings_are_one_line_and_exit_2(tmp_path: Path, extra: list[str], expected: str) -> None:
-    result = trainforge(*tune_command(tmp_path, "optim.lr: {loguniform: [1.0e-4, 0.1]}\n", *extra))
+def test_bad_search_settings_are_one_line_and_exit_2(
+    tmp_path: Path, extra: list[str], expected: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    result = in_process(*tune_command(tmp_path, "optim.lr: {loguniform: [1.0e-4, 0.1]}\n", *extra), capsys=capsys)
     assert_user_error(result, expected)
 
 
 def test_a_missing_space_file_is_a_user_error(tmp_path: Path) -> None:
+    """A real process: ``python -m trainforge tune`` exits 2 with the one line."""
     command = tune_command(tmp_path, "")
     command[3] = str(tmp_path / "missing.yaml")
     assert_user_error(trainforge(*command), "space file")
+    assert not (tmp_path / "t").exists()
 
 
 @pytest.mark.parametrize(
@@ -71,5 +78,7 @@ def test_a_missing_space_file_is_a_user_error(tmp_path: Path) -> None:
         (["--output", "/nonexistent/dir/x.json"], "folder /nonexistent/dir does not exist"),
     ],
 )
-def test_bench_tune_refuses_bad_flags_before_it_starts(args: list[str], expected: str) -> None:
-    assert_user_error(trainforge("bench", "tune", *args), expected)
+def test_bench_tune_refuses_bad_flags_before_it_starts(
+    args: list[str], expected: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert_user_error(in_process("bench", "tune", *args, capsys=capsys), expected)
