@@ -63,7 +63,7 @@ def test_an_interrupted_search_continues_when_the_command_runs_again(tmp_path: P
         run={"name": "interrupted"},
         model={"kwargs": {"delay_s": 0.1}},
         tracking={"enabled": False},
-        tune={"num_trials": 2, "max_concurrent": 1},
+        tune={"num_trials": 2, "max_concurrent": 2},  # both at once: one start-up's wait, not two
     )
     (tmp_path / "search.yaml").write_text(yaml.safe_dump(config))
     (tmp_path / "space.yaml").write_text(yaml.safe_dump(SPACE))
@@ -79,15 +79,15 @@ def test_an_interrupted_search_continues_when_the_command_runs_again(tmp_path: P
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TERM": "dumb"}
     search_dir = tmp_path / "interrupted"
 
+    def first_checkpointed_trial() -> Path | None:
+        """The trial directory that saved first, once the search has recorded its state."""
+        if not list(search_dir.glob("experiment_state-*.json")):
+            return None
+        return next((d for d in trial_dirs(search_dir) if checkpoints(d)), None)
+
     driver = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        wait_until(
-            lambda: (
-                list(search_dir.glob("experiment_state-*.json")) and any(checkpoints(d) for d in trial_dirs(search_dir))
-            ),
-            300,
-            "the first trial's first checkpoint",
-        )
+        interrupted: Path = wait_until(first_checkpointed_trial, 300, "a trial's first checkpoint")
         ray_processes = psutil.Process(driver.pid).children(recursive=True)
         driver.send_signal(signal.SIGKILL)
         driver.wait(timeout=30)
@@ -98,7 +98,6 @@ def test_an_interrupted_search_continues_when_the_command_runs_again(tmp_path: P
         with contextlib.suppress(psutil.Error):
             leftover.kill()
     assert not (search_dir / "tune_summary.json").exists()
-    interrupted = trial_dirs(search_dir)[0]
 
     again = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900, check=False)
 
