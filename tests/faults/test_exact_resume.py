@@ -2,7 +2,12 @@
 
 Faults are real: SIGKILL of one Ray Train worker process (Ray restarts the group, trainforge
 restores the newest valid checkpoint), and SIGTERM of the driver followed by re-running the
-same command.
+same command. Both on the richest variant (2 workers, accumulation, bf16, loader workers).
+
+The other layouts resume bit-identical in the worker's Session in gloo ranks without Ray, crashed
+by an exception out of the loop and restarted in new processes (the restore and the arithmetic
+are the same code; Ray would add ~18 s of start-up per run): 1 worker and tensor parallel below,
+FSDP in tests/unit/test_session.py.
 """
 
 from __future__ import annotations
@@ -21,10 +26,11 @@ import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import trainforge
 from tests.helpers.faults import kill_a_worker_after, paced_run
+from tests.helpers.ranks import spawn_ranks
+from tests.helpers.sessions import assert_bit_identical, checkpoint_state, run_dir_of, sessions, train
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -38,31 +44,6 @@ def paced_config(tmp_path: Path, **sections: Any) -> dict[str, Any]:
     return config
 
 
-def final_state(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
-    """Model and optimizer tensors of the checkpoint at ``step``, flattened to one dict (a sharded
-    checkpoint's shards merged on this process)."""
-    checkpoint = run_dir / f"checkpoint_{step:09d}"
-    state = {f"model/{k}": v for k, v in load_file(str(checkpoint / "model.safetensors")).items()}
-    if (checkpoint / "sharded").is_dir():
-        merged = run_dir / f"merged-{step}.pt"
-        dcp_to_torch_save(checkpoint / "sharded", merged)
-        sharded = torch.load(merged, weights_only=False)
-        state.update({f"shards/model/{k}": v for k, v in sharded["model"].items()})
-        slots_by_param = sharded["optim"]["state"]
-    else:
-        slots_by_param = torch.load(checkpoint / "optimizer.pt", weights_only=True)["state"]
-    for index, slots in slots_by_param.items():
-        for key, value in slots.items():
-            state[f"optim/{index}/{key}"] = torch.as_tensor(value)
-    return state
-
-
-def assert_bit_identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert a.keys() == b.keys()
-    different = [k for k in a if not torch.equal(a[k], b[k])]
-    assert not different, f"differs after resume: {different[:5]}"
-
-
 TWO_WORKERS = {
     "scaling": {"num_workers": 2},
     "train": {"grad_accum_steps": 2},
@@ -71,7 +52,6 @@ TWO_WORKERS = {
 }
 
 
-TWO_WORKERS_FSDP = {"scaling": {"num_workers": 2}, "parallel": {"strategy": "fsdp"}}
 # Tensor parallel over both workers, with the user's own plan for the paced model.
 TWO_WORKERS_TP = {
     "scaling": {"num_workers": 2},
@@ -94,18 +74,10 @@ def straight(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, dict], 
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("ray_local")
-@pytest.mark.parametrize(
-    ("label", "sections"),
-    [
-        ("1-worker", {"scaling": {"num_workers": 1}}),
-        ("2-workers-accum-bf16-loader-workers", TWO_WORKERS),
-        ("2-workers-fsdp", TWO_WORKERS_FSDP),
-        ("2-workers-tp2", TWO_WORKERS_TP),
-    ],
-)
 def test_worker_killed_mid_epoch_resumes_bit_identical(
-    tmp_path: Path, label: str, sections: dict, straight: Callable[[str, dict], trainforge.RunResult]
+    tmp_path: Path, straight: Callable[[str, dict], trainforge.RunResult]
 ) -> None:
+    label, sections = "2-workers-accum-bf16-loader-workers", TWO_WORKERS
     reference = straight(label, sections)
     run_dir = tmp_path / "killed" / "t"
     killed = kill_a_worker_after(run_dir / "checkpoint_000000020")
@@ -120,7 +92,7 @@ def test_worker_killed_mid_epoch_resumes_bit_identical(
     events = [e for line in lines for e in json.loads(line).get("events", [])]
     assert any(e.startswith("resumed from") and "checkpoint_0000000" in e for e in events), events
     # The epoch is 1438 / world / (batch x accum) steps long: step 20 is mid-epoch in every variant.
-    assert_bit_identical(final_state(reference.run_dir, 60), final_state(run_dir, 60))
+    assert_bit_identical(checkpoint_state(reference.run_dir, 60), checkpoint_state(run_dir, 60))
     assert torch.equal(
         load_file(str(reference.model_path))["inner.4.weight"], load_file(str(resumed.model_path))["inner.4.weight"]
     )
@@ -157,4 +129,27 @@ def test_driver_stopped_and_rerun_resumes_bit_identical(
     assert finished["status"] == "finished" and finished["global_step"] == 60
 
     reference = straight("2-workers-accum-bf16-loader-workers", TWO_WORKERS)
-    assert_bit_identical(final_state(reference.run_dir, 60), final_state(run_dir, 60))
+    assert_bit_identical(checkpoint_state(reference.run_dir, 60), checkpoint_state(run_dir, 60))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "sections", [{"scaling": {"num_workers": 1}}, TWO_WORKERS_TP], ids=["1-worker", "2-workers-tp2"]
+)
+def test_session_crashed_mid_epoch_restarts_bit_identical(tmp_path: Path, sections: dict) -> None:
+    def config(where: str) -> dict[str, Any]:
+        unpaced = paced_config(tmp_path / where, **sections)
+        unpaced["model"]["kwargs"] = {"delay_s": 0.0}  # nothing acts mid-run from outside
+        return unpaced
+
+    straight, crashed = config("straight"), config("crashed")
+    workers = sections["scaling"]["num_workers"]
+    # The straight run, then the same run crashing at its first report after step 20's checkpoint.
+    first = spawn_ranks(sessions, workers, [(straight, None), (crashed, 21)])[0]
+    assert first[0].final["status"] == "finished"
+    assert first[1].crashed and first[1].final["crashed"] == "crashed at step 25"
+    resumed = train(crashed, workers)[0]
+
+    assert resumed.final["status"] == "finished" and resumed.final["step"] == 60
+    assert any(e.startswith("resumed from") and "checkpoint_000000020" in e for e in resumed.events), resumed.events
+    assert_bit_identical(checkpoint_state(run_dir_of(straight), 60), checkpoint_state(run_dir_of(crashed), 60))
