@@ -1,7 +1,9 @@
 """Checkpoints of real runs: the ``trainforge ckpt`` tools name every corruption, restore walks back
 past a corrupt newest checkpoint, and rotation holds across restarts.
 
-One tiny run is trained once per module; tests that change a run work on a copy of it.
+One tiny run is trained once per module; tests that change a run work on a copy of it. The ``ckpt``
+tools run through main(argv) in this process (test_cli.in_process); one verify of a corrupt and one
+of a missing checkpoint, and the checkpoint bench, run as real ``python -m trainforge`` processes.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from rich.console import Console
 
 import trainforge
 from tests.helpers.runs import tiny_run
+from tests.integration.test_cli import in_process
 from tests.unit.test_checkpoint import CORRUPTIONS, flip_byte
 from trainforge.checkpoint.inspect import list_checkpoints
 from trainforge.checkpoint.storage import CheckpointStore, checkpoint_name
@@ -55,8 +58,8 @@ def cli(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def ckpt(*args: str) -> subprocess.CompletedProcess[str]:
-    return cli("ckpt", *args)
+def ckpt(*args: str, capsys: pytest.CaptureFixture[str]) -> subprocess.CompletedProcess[str]:
+    return in_process("ckpt", *args, capsys=capsys)
 
 
 def events(run_dir: Path) -> list[str]:
@@ -93,7 +96,9 @@ def trained(ray_local: None, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.slow
-def test_ckpt_verify_and_list_name_every_corruption(trained: Path, tmp_path: Path) -> None:
+def test_ckpt_verify_and_list_name_every_corruption(
+    trained: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     cases = tmp_path / "cases"
     source = trained / checkpoint_name(15)
     for index, (corrupt, _) in enumerate(CORRUPTIONS.values(), start=1):
@@ -101,7 +106,7 @@ def test_ckpt_verify_and_list_name_every_corruption(trained: Path, tmp_path: Pat
         corrupt(cases / checkpoint_name(index))
     shutil.copytree(source, cases / checkpoint_name(99))
 
-    listing = ckpt("list", str(cases))
+    listing = ckpt("list", str(cases), capsys=capsys)
     assert listing.returncode == 0, listing.stderr
     rows = {line.split()[1]: line for line in listing.stdout.splitlines() if line.startswith("│ checkpoint_")}
     for index, (_, reason) in enumerate(CORRUPTIONS.values(), start=1):
@@ -110,20 +115,22 @@ def test_ckpt_verify_and_list_name_every_corruption(trained: Path, tmp_path: Pat
     assert "1 valid of 6 checkpoint(s)" in listing.stdout
 
     for index, (kind, (_, reason)) in enumerate(CORRUPTIONS.items(), start=1):
-        result = ckpt("verify", str(cases / checkpoint_name(index)))
+        # The first as a real process: exit code 1 from the command itself.
+        args = ("verify", str(cases / checkpoint_name(index)))
+        result = cli("ckpt", *args) if index == 1 else ckpt(*args, capsys=capsys)
         assert result.returncode == 1, (kind, result.stdout, result.stderr)
         lines = result.stdout.splitlines()
         assert lines[0] == f"invalid: {cases / checkpoint_name(index)}"
         assert any(reason in line for line in lines[1:]), (kind, lines)
 
-    valid = ckpt("verify", str(trained / checkpoint_name(20)))
+    valid = ckpt("verify", str(trained / checkpoint_name(20)), capsys=capsys)
     assert valid.returncode == 0 and valid.stdout.startswith("valid: "), valid.stdout
 
-    missing = ckpt("verify", str(tmp_path / "absent"))
+    missing = cli("ckpt", "verify", str(tmp_path / "absent"))  # a real process: exit code 2
     assert missing.returncode == 2 and "Traceback" not in missing.stderr
     assert missing.stderr.strip() == f"error: {tmp_path / 'absent'} does not exist"
 
-    inspected = ckpt("inspect", "--json", str(trained / checkpoint_name(20)))
+    inspected = ckpt("inspect", "--json", str(trained / checkpoint_name(20)), capsys=capsys)
     assert inspected.returncode == 0, inspected.stderr
     report = json.loads(inspected.stdout)
     assert report["progress"]["global_step"] == 20 and report["progress"]["world_size"] == 1
@@ -136,33 +143,39 @@ def test_ckpt_verify_and_list_name_every_corruption(trained: Path, tmp_path: Pat
 
 
 @pytest.mark.slow
-def test_resume_walks_back_past_a_corrupt_newest_checkpoint(trained: Path, tmp_path: Path) -> None:
+def test_resume_walks_back_past_a_corrupt_newest_checkpoint_and_rotation_holds_across_restarts(
+    trained: Path, tmp_path: Path
+) -> None:
+    """One fit for both (each Ray Train fit costs ~18 s): a copy of the fixture's run (keep_last 2
+    plus the worst train/loss) with its newest checkpoint corrupt and a half-written save, re-run
+    with more steps and the same rotation."""
     run_dir = tmp_path / trained.name
     shutil.copytree(trained, run_dir)
     flip_byte(run_dir / checkpoint_name(20))
     half_written = run_dir / ".tmp-checkpoint_000000025-0badf00d"
     half_written.mkdir()
     (half_written / "model.safetensors").write_bytes(b"\x00" * 1000)
-    before = saved_steps(run_dir)
 
-    result = fit(run_config(tmp_path, 30))  # keep_last 10: nothing rotates out
+    result = fit(run_config(tmp_path, 30, **ROTATION))
 
-    assert result.summary["global_step"] == 30
+    assert result.run_dir == run_dir and result.summary["global_step"] == 30
     seen = events(run_dir)
     skipped = [e for e in seen if e.startswith("skipped checkpoint ")]
     assert skipped == ["skipped checkpoint checkpoint_000000020: model.safetensors fails its BLAKE3 check (corrupted)"]
     resumed = [e for e in seen if e.startswith("resumed from ")]
     assert resumed == [f"resumed from {run_dir / checkpoint_name(15)} at step 15"]
     # The half-written save was not restored, and the first save of the new run removed it (it
-    # predates the run); the corrupt one was set aside when step 20 was saved again, and
-    # everything the new run wrote verifies.
+    # predates the run); the corrupt one was set aside when step 20 was saved again.
     assert not half_written.exists()
     rows = {row.name: row for row in list_checkpoints(str(run_dir))}
     assert not [row for row in rows.values() if row.kind == "incomplete"]
     [retired] = [row for row in rows.values() if row.kind == "retired"]
     assert retired.name.startswith(".invalid-checkpoint_000000020-")
-    valid = sorted({*before, 20, 25, 30})
-    assert [name for name, row in rows.items() if row.valid] == [checkpoint_name(s) for s in valid]
+    # Rotation counted the first run's checkpoints with the new run's: the newest 2 and the one with
+    # the highest train/loss of all saved steps are kept, and every one kept verifies.
+    best = best_saved_step(run_dir, [5, 10, 15, 20, 25, 30], "train/loss")
+    assert saved_steps(run_dir) == sorted({best, 25, 30})
+    assert [name for name, row in rows.items() if row.valid] == [checkpoint_name(s) for s in sorted({best, 25, 30})]
 
 
 @pytest.mark.slow
@@ -185,19 +198,6 @@ def test_a_run_whose_checkpoints_do_not_load_into_its_model_stops_once_in_one_li
     assert not summary.exists() or json.loads(summary.read_text())["restarts"] == 0
 
 
-@pytest.mark.slow
-def test_rotation_keeps_last_and_best_across_restarts(trained: Path, tmp_path: Path) -> None:
-    # The first run is the fixture's (keep_last 2 + best); this re-runs a copy with more steps.
-    run_dir = tmp_path / trained.name
-    shutil.copytree(trained, run_dir)
-    second = fit(run_config(tmp_path, 30, **ROTATION))
-    assert second.run_dir == run_dir
-    assert any(e.startswith("resumed from ") and e.endswith("at step 20") for e in events(run_dir))
-    best = best_saved_step(run_dir, [5, 10, 15, 20, 25, 30], "train/loss")
-    assert saved_steps(run_dir) == sorted({best, 25, 30})
-    assert all(row.valid for row in list_checkpoints(str(run_dir)))
-
-
 def test_bench_checkpoint_measures_through_the_real_code_paths(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     result = cli("bench", "checkpoint", "--size-mb", "4", "--repeats=1", "--dir", str(tmp_path), "--output", str(out))
@@ -218,7 +218,7 @@ def test_bench_checkpoint_measures_through_the_real_code_paths(tmp_path: Path) -
 
 
 @pytest.mark.slow
-def test_ckpt_tools_read_checkpoints_on_s3(trained: Path, tmp_path: Path) -> None:
+def test_ckpt_tools_read_checkpoints_on_s3(trained: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The same tools on an S3-compatible server (moto on loopback), through pyarrow's S3 file system."""
     moto_server = pytest.importorskip("moto.server")
     import socket
@@ -249,17 +249,17 @@ def test_ckpt_tools_read_checkpoints_on_s3(trained: Path, tmp_path: Path) -> Non
         with fs.open_output_stream(f"ckpt-bucket/runs/t/{checkpoint_name(20)}/optimizer.pt") as stream:
             stream.write(b"cut short")
 
-        listing = ckpt("list", "s3://ckpt-bucket/runs/t")
+        listing = ckpt("list", "s3://ckpt-bucket/runs/t", capsys=capsys)
         assert listing.returncode == 0, listing.stderr
         rows = {line.split()[1]: line for line in listing.stdout.splitlines() if line.startswith("│ checkpoint_")}
         assert rows[checkpoint_name(15)].split("│")[-2].strip() == "valid"
         assert "optimizer.pt has 9 bytes" in rows[checkpoint_name(20)]
-        bad = ckpt("verify", f"s3://ckpt-bucket/runs/t/{checkpoint_name(20)}")
+        bad = ckpt("verify", f"s3://ckpt-bucket/runs/t/{checkpoint_name(20)}", capsys=capsys)
         assert bad.returncode == 1 and "optimizer.pt has 9 bytes" in bad.stdout
-        inspected = ckpt("inspect", "--json", f"s3://ckpt-bucket/runs/t/{checkpoint_name(15)}")
+        inspected = ckpt("inspect", "--json", f"s3://ckpt-bucket/runs/t/{checkpoint_name(15)}", capsys=capsys)
         assert inspected.returncode == 0, inspected.stderr
         assert json.loads(inspected.stdout)["progress"]["global_step"] == 15
-        missing = ckpt("list", "s3://ckpt-bucket/runs/absent")
+        missing = ckpt("list", "s3://ckpt-bucket/runs/absent", capsys=capsys)
         assert missing.returncode == 2
         assert missing.stderr.strip() == "error: s3://ckpt-bucket/runs/absent does not exist"
     finally:
