@@ -287,3 +287,14 @@ def test_more_nics_per_node_shorten_the_inter_node_collectives(
     assert (one["inputs"]["nics_per_node"], eight["inputs"]["nics_per_node"]) == (1, 8)
     assert eight["points"][0]["comm_total_s"] < one["points"][0]["comm_total_s"]
     assert eight["points"][0]["efficiency"] > one["points"][0]["efficiency"]
+
+
+def test_only_the_runs_own_strategy_is_listed_among_the_assumptions() -> None:
+    from trainforge.predict.render import assumptions_for
+
+    ddp, fsdp, sync = assumptions_for("ddp", None), assumptions_for("fsdp", None), assumptions_for("ddp", 8)
+    assert any(line.startswith("DDP:") for line in ddp)
+    assert not any(line.startswith(("FSDP:", "parallel.sync")) for line in ddp)
+    assert any(line.startswith("FSDP:") for line in fsdp) and not any(line.startswith("DDP:") for line in fsdp)
+    assert any(line.startswith("parallel.sync") for line in sync) and not any(line.startswith("DDP:") for line in sync)
+    assert ddp[0].startswith("per-GPU batch fixed") and ddp[-1].startswith("no data loading")

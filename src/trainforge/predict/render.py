@@ -16,16 +16,26 @@ from trainforge.predict import inputs as measured
 from trainforge.predict.links import GB, INTRA_NODE, Link
 from trainforge.predict.model import BACKWARD_SHARE, Topology, predict_points
 
-ASSUMPTIONS = (
+COMMON_ASSUMPTIONS = (
     "per-GPU batch fixed: the global batch grows with the GPUs (weak scaling); efficiency = 1-GPU step / N-GPU step",
     f"forward 1/3 and backward {BACKWARD_SHARE:.2f} of a micro-batch's compute; the optimizer is inside the measure",
     "ring collectives; across nodes a hierarchical ring (intra-node ring on nvlink, then inter-node ring on the link)",
-    "DDP: buckets all-reduced in backward order on one stream as they fill; the last bucket is exposed",
-    "parallel.sync (local SGD / DiLoCo): one parameter all-reduce every H steps after the step, exposed whole",
-    "FSDP: per-unit all-gathers one unit ahead (forward, and backward when resharded), reduce-scatter after each "
-    "unit's backward, one stream",
     "no data loading, stragglers or network contention from other jobs",
 )
+# what is assumed about the run's own way of communicating, by inputs["strategy"]
+STRATEGY_ASSUMPTIONS = {
+    "ddp": "DDP: buckets all-reduced in backward order on one stream as they fill; the last bucket is exposed",
+    "sync": "parallel.sync (local SGD / DiLoCo): one parameter all-reduce every H steps after the step, exposed whole",
+    "fsdp": "FSDP: per-unit all-gathers one unit ahead (forward, and backward when resharded), reduce-scatter after "
+    "each unit's backward, one stream",
+}
+
+
+def assumptions_for(strategy: str, sync_every_n_steps: int | None) -> list[str]:
+    """The assumptions that apply to this run: the common ones and its strategy's."""
+    key = "sync" if sync_every_n_steps else strategy
+    own = STRATEGY_ASSUMPTIONS.get(key)
+    return [*COMMON_ASSUMPTIONS[:3], *([own] if own else []), COMMON_ASSUMPTIONS[3]]
 
 
 def link_record(link: Link) -> dict[str, Any]:
@@ -81,7 +91,7 @@ def run_predict(
             "intra_node_link": link_record(INTRA_NODE),
             "link": link_record(link),
         },
-        "assumptions": list(ASSUMPTIONS),
+        "assumptions": assumptions_for(work.strategy, work.sync_every_n_steps),
     }
     price = config.cost.price_per_gpu_hour
     samples = measured.train_samples(config) if price is not None else None
