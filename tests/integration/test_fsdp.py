@@ -4,7 +4,9 @@ restore, a tensor-parallel run resumed on one worker.
 
 These are properties of the loop, the plans and the checkpoints, not of Ray: the runs go through
 tests/helpers/sessions (the Session a Ray Train worker runs, restored the same way) and save the
-~18 s of Ray start-up per run. A sharded run resumed after a crash, bit-identical, is
+~18 s of Ray start-up per run. One FSDP run goes through Ray Train workers, to show that the
+Session in gloo ranks stands for them: the same losses, and sharded checkpoints saved through Ray
+Train's storage that verify. A sharded run resumed after a crash, bit-identical, is
 tests/unit/test_session.py; a real worker killed under Ray is tests/faults/test_exact_resume.py.
 
 Each layout is trained once per module and shared.
@@ -20,7 +22,8 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from tests.helpers.faults import checkpoints
+import trainforge
+from tests.helpers.faults import checkpoints, reports
 from tests.helpers.runs import tiny_run
 from tests.helpers.sessions import Trained, final_weights, train, train_each_once
 from trainforge.checkpoint.storage import CheckpointStore
@@ -144,3 +147,23 @@ def test_tensor_parallel_run_continues_on_one_worker_without_it(runs: dict[str, 
     said = resumed.events
     assert any(e.startswith("resumed from") and f"checkpoint_{STEPS:09d}" in e for e in said), said
     assert any("resharded: the checkpoint was written by ddp x tp2, this run uses ddp" in e for e in said), said
+
+
+@pytest.mark.usefixtures("ray_local")
+def test_fsdp_in_ray_train_workers_has_the_losses_of_the_session_in_gloo_ranks(
+    runs: dict[str, Trained], tmp_path: Path
+) -> None:
+    result = trainforge.fit(lm_config(tmp_path, "fsdp"))
+    assert result.status == "finished"
+
+    run_dir = tmp_path / "t"
+    points = [point for report in reports(run_dir) for point in report.get("history", [report])]
+    in_ray = {int(p["step"]): float(p["train/loss"]) for p in points if "train/loss" in p}
+    assert largest_gap(runs["fsdp"].outcome.losses, in_ray) == 0.0
+    saved = checkpoints(run_dir)
+    assert [c.name for c in saved] == [f"checkpoint_{step:09d}" for step in (10, 20, 30)]
+    store = CheckpointStore.from_uri(str(run_dir))
+    for checkpoint in saved:
+        check = store.verify(checkpoint.name)
+        assert check.ok, check.problems
+        assert (checkpoint / "sharded" / "__1_0.distcp").is_file()
