@@ -44,6 +44,7 @@ class PlacementGroupLedger:
     def __init__(self) -> None:
         self.groups: dict[str, list[str]] = {}
         self.controllers: dict[str, list[Any]] = {}
+        self.killed: set[str] = set()  # hex ids of every controller handed out to be killed
 
     def add_controller(self, trial_id: str, controller: Any) -> None:
         self.controllers.setdefault(trial_id, []).append(controller)
@@ -53,9 +54,14 @@ class PlacementGroupLedger:
 
     def take(self, trial_ids: list[str] | None = None) -> tuple[list[Any], list[str]]:
         """Forget and return the controllers and groups of these trials (all trials when None)."""
-        chosen = list(self.groups) if trial_ids is None else trial_ids
+        chosen = list(self.groups | self.controllers) if trial_ids is None else trial_ids
         controllers = [actor for trial in chosen for actor in self.controllers.pop(trial, [])]
+        self.killed.update(actor._actor_id.hex() for actor in controllers)
         return controllers, [group for trial in chosen for group in self.groups.pop(trial, [])]
+
+    def killed_ids(self) -> set[str]:
+        """Every controller taken so far: one killed by an earlier release may still be dying."""
+        return set(self.killed)
 
 
 def start_ledger() -> Any:
@@ -91,13 +97,13 @@ def _group_records() -> list[Any]:
     return [PlacementGroupTableData.FromString(raw) for raw in accessor.get_placement_group_table()]
 
 
-def orphaned_groups(dying: Collection[str] = ()) -> tuple[list[str], int]:
-    """Hex ids of this job's live placement groups whose creator actor is dead, and how many
-    groups created by the actors in ``dying`` (hex actor ids) still wait for their creator's death.
+def orphaned_groups(dying: Collection[str] = ()) -> tuple[list[str], list[str]]:
+    """Hex ids of this job's live placement groups whose creator actor is dead, and of those
+    created by the actors in ``dying`` (hex actor ids) that still wait for their creator's death.
     Groups the driver itself created (Tune's, for its trial actors) have no creator actor: the GCS
     marks them with a nil id and ``creator_actor_dead`` set, so the nil id is what excludes them."""
     job = ray.get_runtime_context().get_job_id()
-    orphans, waiting = [], 0
+    orphans, waiting = [], []
     for record in _group_records():
         if record.state == PlacementGroupTableData.REMOVED or record.is_detached:
             continue
@@ -106,7 +112,7 @@ def orphaned_groups(dying: Collection[str] = ()) -> tuple[list[str], int]:
         if record.creator_actor_dead:
             orphans.append(record.placement_group_id.hex())
         elif record.creator_actor_id.hex() in dying:
-            waiting += 1
+            waiting.append(record.placement_group_id.hex())
     return orphans, waiting
 
 
@@ -119,18 +125,21 @@ def _remove(group_id: str) -> bool:
         return False
 
 
-def release(ledger: Any, trial_ids: list[str] | None = None, *, settle_s: float = 10.0) -> int:
+def release(ledger: Any, trial_ids: list[str] | None = None, *, settle_s: float = 10.0, final: bool = False) -> int:
     """Kill the Ray Train controllers of trials whose actors have ended (all when None), remove
     their recorded placement groups and every orphaned group of this job; the number removed.
 
     ``ray.kill`` returns before the actor is dead, and a group is an orphan only once the GCS has
     marked its creator dead: wait up to ``settle_s`` for that, so groups the killed controllers
-    created but never recorded go too."""
+    created but never recorded go too. Controllers killed by an earlier call count as well: on a
+    loaded machine one can take longer to die than that call waited. ``final`` (the search has
+    ended, no trial runs): what killed controllers still hold after the wait is removed anyway."""
     try:
         controllers, group_ids = ray.get(ledger.take.remote(trial_ids), timeout=30)
+        dying = ray.get(ledger.killed_ids.remote(), timeout=30)
     except (ray.exceptions.RayError, TimeoutError) as err:
         log.warning("could not read the placement group ledger: %s", err)
-        controllers, group_ids = [], []
+        controllers, group_ids, dying = [], [], set()
     for controller in controllers:
         try:
             ray.kill(controller, no_restart=True)
@@ -138,7 +147,6 @@ def release(ledger: Any, trial_ids: list[str] | None = None, *, settle_s: float 
             log.debug("controller %s: %s", controller, err)
     live = {gid for gid, info in ray.util.placement_group_table().items() if info.get("state") != "REMOVED"}
     removed = sum(_remove(group_id) for group_id in group_ids if group_id in live)
-    dying = {controller._actor_id.hex() for controller in controllers}
     deadline = time.monotonic() + settle_s
     while True:
         orphans, waiting = orphaned_groups(dying)
@@ -146,8 +154,11 @@ def release(ledger: Any, trial_ids: list[str] | None = None, *, settle_s: float 
         if not waiting or time.monotonic() >= deadline:
             break
         time.sleep(0.2)
-    if waiting:
-        log.warning("%d placement group(s) of killed trial controllers are still held after %.0f s", waiting, settle_s)
+    if waiting and final:
+        log.info("removing %d placement group(s) of killed trial controllers not yet marked dead", len(waiting))
+        removed += sum(_remove(group_id) for group_id in waiting)
+    elif waiting:
+        log.info("%d placement group(s) of killed trial controllers still held after %.0f s", len(waiting), settle_s)
     if removed:
         log.info("removed %d placement group(s) that ended trials left holding resources", removed)
     return removed

@@ -233,7 +233,7 @@ def _run_tuner(
             with quiet_tune():
                 grid = tuner.fit()
         # Every trial's actor has ended: no worker group of the search may hold resources now.
-        release(ledger)
+        release(ledger, settle_s=30.0, final=True)
     return grid, setup, concurrency
 
 
