@@ -57,7 +57,8 @@ def one_run(rank: int, world: int, config_dict: dict[str, Any], crash_at: int | 
 
     cfg = Config.model_validate(config_dict)
     run = build(cfg, ranks=(rank, world))
-    timer = CommTimer.attach(run.model, run.device)  # as the Prometheus hook does, after the plan's hook
+    compression = run.plan.compression  # as the Prometheus hook does: the timer wraps the plan's hook
+    timer = CommTimer.attach(run.model, run.device, compression.hook if compression is not None else None)
     checkpointing = Checkpointing(run, CheckpointStore.for_run(cfg.storage_path, cfg.run.name))
     restored = restore(run, checkpointing.store)
     channel = ListChannel(crash_at)
@@ -157,10 +158,12 @@ def test_ddp_options_and_powersgd_state_follow_the_config() -> None:
     assert ddp_options(par) == {"bucket_cap_mb": 4, "static_graph": True}
     assert ddp_options(load_config(BASE).parallel) == {}
 
-    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
+    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
+
+    from trainforge.metrics.comm import ChosenHook
 
     state = PowerSGDState(process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=100)
-    compression = Compression("powersgd", state, 100)
+    compression = Compression("powersgd", ChosenHook(state, powerSGD_hook), state, 100)
     compression.resume_at(40)  # inside the warm-up: the counter continues, the start stays
     assert (state.iter, state.start_powerSGD_iter) == (40, 100)
     compression.resume_at(99)  # too late for the buckets: two plain steps first
@@ -383,7 +386,7 @@ def timer_around_compression(rank: int, world: int) -> dict[str, Any]:
     torch.manual_seed(0)
     ddp = DistributedDataParallel(nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4)))
     compression = compress(ddp, ParallelConfig(grad_compression="bf16"))
-    timer = CommTimer.attach(ddp, torch.device("cpu"))
+    timer = CommTimer.attach(ddp, torch.device("cpu"), compression.hook if compression else None)
     ddp(torch.randn(8, 16)).square().sum().backward()
     grads = [p.grad for p in ddp.parameters() if p.grad is not None]
     in_flight, _ = timer.take(1.0) if timer is not None else (0.0, 0.0)

@@ -13,8 +13,8 @@ gives two honest figures:
   bucket finishes last.
 
 DDP allows one hook per model. When the plan chose a compression hook (``parallel.grad_compression``,
-worker/compression.py), it registers it through :func:`register_hook`, and the timer later wraps that
-hook instead of adding its own: both the compression and the timing stay on.
+worker/compression.py), it registers it through :func:`register_hook`; the timer is handed that
+:class:`ChosenHook` and wraps it instead of adding its own: both the compression and the timing stay on.
 
 On CPU (gloo) the completion callback runs when the all-reduce is done, and wall clock is exact.
 On CUDA (NCCL) it runs as soon as the collective is enqueued, so both ends are CUDA events
@@ -25,7 +25,6 @@ recorded on the streams involved, read only at report time (when they have long 
 # and wants the real ``dist.GradBucket`` and ``Future[Tensor]`` objects, not strings.
 import logging
 import time
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -49,13 +48,12 @@ class CommTimer:
         self.broken = False
 
     @classmethod
-    def attach(cls, model: nn.Module, device: torch.device) -> "CommTimer | None":
+    def attach(cls, model: nn.Module, device: torch.device, chosen: "ChosenHook | None" = None) -> "CommTimer | None":
         """Register on a DDP model; None for a single worker (no gradient communication) or when
         another communication hook is already registered (DDP allows one)."""
         if not isinstance(model, DistributedDataParallel):
             return None
         timer = cls(cuda=device.type == "cuda")
-        chosen = _CHOSEN.get(model)
         if chosen is not None:  # the plan's compression hook: time it rather than replace it
             chosen.timer = timer
             return timer
@@ -148,15 +146,10 @@ class ChosenHook:
         return timer.timed(bucket, lambda: self.fn(self.state, bucket))
 
 
-# DDP model -> the hook the plan registered on it (weak: a model that goes away takes its entry).
-_CHOSEN: "weakref.WeakKeyDictionary[DistributedDataParallel, ChosenHook]" = weakref.WeakKeyDictionary()
-
-
 def register_hook(model: DistributedDataParallel, state: Any, fn: HookFn) -> ChosenHook:
     """Register ``fn`` (with its ``state``) as ``model``'s communication hook, timeable later."""
     chosen = ChosenHook(state, fn)
     model.register_comm_hook(None, chosen.hook)
-    _CHOSEN[model] = chosen
     return chosen
 
 

@@ -13,7 +13,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from trainforge.metrics.comm import CommTimer
+from trainforge.metrics.comm import ChosenHook, CommTimer
 from trainforge.metrics.export import Gauges
 from trainforge.metrics.gpu import NodeGpus
 from trainforge.metrics.names import CHECKPOINT, TRAINING
@@ -103,10 +103,17 @@ class PrometheusHook:
 
 
 def metrics_hooks(
-    config: Config, *, rank: int, world: int, model: nn.Module, device: torch.device
+    config: Config,
+    *,
+    rank: int,
+    world: int,
+    model: nn.Module,
+    device: torch.device,
+    chosen: ChosenHook | None = None,
 ) -> list[PrometheusHook]:
     """The Prometheus hook for this worker (``model``: the wrapped model whose gradient all-reduce
-    is timed), when ``metrics.enabled``; none if it cannot be built (observing a run never stops it)."""
+    is timed; ``chosen``: the communication hook the plan registered on it, which the timer wraps),
+    when ``metrics.enabled``; none if it cannot be built (observing a run never stops it)."""
     import ray
     import ray.train
 
@@ -117,7 +124,7 @@ def metrics_hooks(
         labels = {"run": config.run.name, "trial": config.metrics.trial or "", "rank": str(rank), "node": node}
         first_on_node = ray.train.get_context().get_local_rank() == 0
         timing = config.metrics.comm_timing
-        timer = CommTimer.attach(model, device) if timing else None
+        timer = CommTimer.attach(model, device, chosen) if timing else None
         hook = PrometheusHook(
             labels,
             rank=rank,

@@ -10,8 +10,9 @@
   vectors (biases, norms) are all-reduced whole. For ``parallel.powersgd.warmup_steps`` steps it
   all-reduces plainly (torch's ``start_powerSGD_iter``).
 
-The hook goes through ``metrics.comm.register_hook``, so the all-reduce timer (``metrics.comm_timing``)
-wraps it rather than being refused: DDP takes one hook per model.
+The hook goes through ``metrics.comm.register_hook`` and the plan keeps it (``Compression.hook``):
+the all-reduce timer (``metrics.comm_timing``) is handed it and wraps it rather than being refused,
+as DDP takes one hook per model.
 
 Resume: PowerSGD's step counter is set from the checkpoint's step; its error feedback and Q
 matrices are not saved. A checkpoint written at least two steps before the warm-up ends resumes
@@ -29,7 +30,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDSt
 from torch.nn.parallel import DistributedDataParallel
 
 from trainforge.config import ParallelConfig
-from trainforge.metrics.comm import register_hook
+from trainforge.metrics.comm import ChosenHook, register_hook
 
 CAST_HOOKS = {"bf16": default_hooks.bf16_compress_hook, "fp16": default_hooks.fp16_compress_hook}
 
@@ -46,9 +47,11 @@ def ddp_options(cfg: ParallelConfig) -> dict[str, Any]:
 
 @dataclass
 class Compression:
-    """The compression hook registered on the model, and its state (PowerSGD's, or None)."""
+    """The compression hook registered on the model (the all-reduce timer wraps it), and its state
+    (PowerSGD's, or None)."""
 
     name: str
+    hook: ChosenHook
     state: PowerSGDState | None = None
     warmup_steps: int = 0
 
@@ -73,12 +76,10 @@ def compress(model: DistributedDataParallel, cfg: ParallelConfig) -> Compression
     if name == "none":
         return None
     if name != "powersgd":
-        register_hook(model, None, CAST_HOOKS[name])  # None: the default process group
-        return Compression(name)
+        return Compression(name, register_hook(model, None, CAST_HOOKS[name]))  # None: the default group
     state = PowerSGDState(
         process_group=None,
         matrix_approximation_rank=cfg.powersgd.rank,
         start_powerSGD_iter=cfg.powersgd.warmup_steps,
     )
-    register_hook(model, state, powerSGD_hook)
-    return Compression(name, state, cfg.powersgd.warmup_steps)
+    return Compression(name, register_hook(model, state, powerSGD_hook), state, cfg.powersgd.warmup_steps)

@@ -68,5 +68,15 @@ def build_hooks(run: WorkerRun) -> Hooks:
     """The hooks this run's config asks for."""
     hooks: list[WorkerHook] = []
     hooks.extend(system_hooks(run.config))
-    hooks.extend(metrics_hooks(run.config, rank=run.rank, world=run.world, model=run.model, device=run.device))
+    compression = run.plan.compression
+    hooks.extend(
+        metrics_hooks(
+            run.config,
+            rank=run.rank,
+            world=run.world,
+            model=run.model,
+            device=run.device,
+            chosen=compression.hook if compression is not None else None,
+        )
+    )
     return Hooks(hooks)
