@@ -298,3 +298,19 @@ def test_only_the_runs_own_strategy_is_listed_among_the_assumptions() -> None:
     assert any(line.startswith("FSDP:") for line in fsdp) and not any(line.startswith("DDP:") for line in fsdp)
     assert any(line.startswith("parallel.sync") for line in sync) and not any(line.startswith("DDP:") for line in sync)
     assert ddp[0].startswith("per-GPU batch fixed") and ddp[-1].startswith("no data loading")
+
+
+def test_the_training_set_is_built_once_and_a_missing_one_says_what_works_without_it(tmp_path: Path) -> None:
+    from trainforge.config import load_config
+    from trainforge.predict.inputs import TrainingSet, train_samples
+
+    data = TrainingSet(load_config(tiny_run(tmp_path)))
+    first = data.get("unused")
+    assert data.get("unused") is first  # the same objects: built once for bytes, compute and cost
+    assert train_samples(data.config, data) == len(first[0])
+
+    missing = TrainingSet(load_config(tiny_run(tmp_path, data={"name": "cifar10", "path": str(tmp_path / "none")})))
+    for otherwise in ("give --step-time", "use --model-params"):
+        with pytest.raises(TrainforgeError, match=re.escape(f"({otherwise})")):
+            missing.get(otherwise)
+    assert train_samples(missing.config, missing) is None

@@ -37,13 +37,27 @@ class ModelBytes:
     source: str  # "config model <name>" or "--model-params"
 
 
-def datasets(config: Config, otherwise: str) -> tuple[PairDataset, DataSpec]:
-    """The training set and its spec (the model's shapes), or one line saying what else works."""
-    try:
-        train_set, _, spec = build_datasets(config.data, config.seed)
-    except TrainforgeError as err:
-        raise TrainforgeError(f"{err} ({otherwise})") from None
-    return train_set, spec
+class TrainingSet:
+    """The config's training set and its spec (the model's shapes), built at most once and only
+    when something needs it: the model's bytes, the compute measure and the epoch's size share it."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self._built: tuple[PairDataset, DataSpec] | None = None
+        self._error: TrainforgeError | None = None
+
+    def get(self, otherwise: str) -> tuple[PairDataset, DataSpec]:
+        """The set and its spec, or one line saying what works without it (``otherwise``)."""
+        if self._built is None and self._error is None:
+            try:
+                train_set, _, spec = build_datasets(self.config.data, self.config.seed)
+                self._built = (train_set, spec)
+            except TrainforgeError as err:
+                self._error = err
+        if self._error is not None:
+            raise TrainforgeError(f"{self._error} ({otherwise})") from None
+        assert self._built is not None
+        return self._built
 
 
 def per_gpu_batch(config: Config) -> tuple[int, int]:
@@ -56,11 +70,11 @@ def per_gpu_batch(config: Config) -> tuple[int, int]:
     return int(config.train.batch_size), config.train.grad_accum_steps
 
 
-def model_bytes(config: Config, model_params: int | None) -> ModelBytes:
+def model_bytes(config: Config, model_params: int | None, data: TrainingSet | None = None) -> ModelBytes:
     """Trainable parameters and the bytes DDP or FSDP exchange for them per step."""
     parallel = config.parallel
-    compression = getattr(parallel, "grad_compression", "none")
-    halved = parallel.strategy == "ddp" and compression in ("bf16", "fp16")  # the hook sends 16-bit gradients
+    # the bf16/fp16 hooks send 16-bit gradients
+    halved = parallel.strategy == "ddp" and parallel.grad_compression in ("bf16", "fp16")
     gathered = 2 if parallel.strategy == "fsdp" and parallel.fsdp.mixed_precision == "bf16" else None
     if model_params is not None:
         grad = model_params * FP32_BYTES
@@ -71,7 +85,7 @@ def model_bytes(config: Config, model_params: int | None) -> ModelBytes:
             max(1, math.ceil(grad / DDP_BUCKET_BYTES)),
             "--model-params (float32)",
         )
-    _, spec = datasets(config, "or describe the model with --model-params N and --step-time S")
+    _, spec = (data or TrainingSet(config)).get("or describe the model with --model-params N and --step-time S")
     with torch.random.fork_rng(devices=[]), torch.device("meta"):
         model = build_model(config.model, spec)
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -87,10 +101,10 @@ def model_bytes(config: Config, model_params: int | None) -> ModelBytes:
     )
 
 
-def measure_compute(config: Config, steps: int = 3) -> float:
+def measure_compute(config: Config, steps: int = 3, data: TrainingSet | None = None) -> float:
     """Median seconds of one optimizer step of the config's model on this machine, at the per-GPU batch."""
     micro, accumulate = per_gpu_batch(config)
-    train_set, spec = datasets(config, "or give --step-time: predict then times nothing")
+    train_set, spec = (data or TrainingSet(config)).get("or give --step-time: predict then times nothing")
     use_cuda = config.scaling.use_gpu and torch.cuda.is_available()
     device = torch.device("cuda" if use_cuda else "cpu")
     with torch.random.fork_rng(devices=[]):
@@ -122,10 +136,10 @@ def measure_compute(config: Config, steps: int = 3) -> float:
     return statistics.median(seconds)
 
 
-def train_samples(config: Config) -> int | None:
+def train_samples(config: Config, data: TrainingSet | None = None) -> int | None:
     """Samples in one epoch of the config's training set, or None when it cannot be built here."""
     try:
-        train_set, _, _ = build_datasets(config.data, config.seed)
+        train_set, _ = (data or TrainingSet(config)).get("")
     except TrainforgeError:
         return None
     return len(train_set)
@@ -133,8 +147,8 @@ def train_samples(config: Config) -> int | None:
 
 def workload_of(config: Config, model: ModelBytes, compute_s: float) -> Workload:
     micro, accumulate = per_gpu_batch(config)
-    cap_mb = getattr(config.parallel, "bucket_cap_mb", None)
-    sync = getattr(config.parallel, "sync", None)
+    cap_mb = config.parallel.bucket_cap_mb
+    sync = config.parallel.sync
     return Workload(
         strategy=config.parallel.strategy,
         compute_s=compute_s,

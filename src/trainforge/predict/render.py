@@ -60,9 +60,10 @@ def run_predict(
 ) -> dict[str, Any]:
     """The ``--json`` object: ``points`` (one per GPU count) plus the ``inputs`` and ``assumptions`` used."""
     micro, accumulate = measured.per_gpu_batch(config)
-    sizes = measured.model_bytes(config, model_params)
+    data = measured.TrainingSet(config)  # built once, if anything below needs it
+    sizes = measured.model_bytes(config, model_params, data)
     if step_time is None:
-        compute_s = measured.measure_compute(config)
+        compute_s = measured.measure_compute(config, data=data)
         compute_source = f"measured here: median of 3 steps after 1 warm-up on {platform.machine()} ({_device(config)})"
     else:
         compute_s, compute_source = step_time, "--step-time"
@@ -94,7 +95,7 @@ def run_predict(
         "assumptions": assumptions_for(work.strategy, work.sync_every_n_steps),
     }
     price = config.cost.price_per_gpu_hour
-    samples = measured.train_samples(config) if price is not None else None
+    samples = measured.train_samples(config, data) if price is not None else None
     if price is not None and samples:
         report["cost"] = {"price_per_gpu_hour": price, "currency": config.cost.currency, "train_samples": samples}
         for point in points:
