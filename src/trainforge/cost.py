@@ -115,9 +115,7 @@ class CostMeter:
             self.first_step, self.first_seen = (step, now) if resumed else (0, self.started)
         gpu_hours = self.worker_hours * self.units.gpus
         cpu_hours = self.worker_hours * self.units.cpus
-        so_far = gpu_hours * (self.prices.price_per_gpu_hour or 0.0) + cpu_hours * (
-            self.prices.price_per_cpu_hour or 0.0
-        )
+        so_far = hourly_rate(self.prices, self.units, self.worker_hours)  # worker-hours at one worker's rate
         projected = None
         if total_steps is not None:
             rate = hourly_rate(self.prices, self.units, self.workers)
