@@ -24,15 +24,15 @@ def cost_section(data: RunData) -> str:
             "currency": last.get("cost/currency", ""),
         }
     currency = str(cost.get("currency", ""))
-    cards = [_card("Cost so far", _money(cost.get("so_far"), currency), "this driver session's wall time")]
-    cards.append(_card("Projected total", _money(cost.get("projected_total"), currency), "at this session's pace"))
+    cards = [card("Cost so far", _money(cost.get("so_far"), currency), "this driver session's wall time")]
+    cards.append(card("Projected total", _money(cost.get("projected_total"), currency), "at this session's pace"))
     for key, title, price in (
         ("gpu_hours", "GPU hours", "price_per_gpu_hour"),
         ("cpu_hours", "CPU hours", "price_per_cpu_hour"),
     ):
         hours, rate = finite(cost.get(key)), finite(cost.get(price))
         if hours is not None and rate is not None:
-            cards.append(_card(title, f"{hours:,.4g}", f"at {rate:,.4g} {currency}/h"))
+            cards.append(card(title, f"{hours:,.4g}", f"at {rate:,.4g} {currency}/h"))
     return f'<h2>Cost</h2><div class="cards">{"".join(cards)}</div>'
 
 
@@ -70,11 +70,10 @@ def profile_section(run_dir: Path) -> str:
     return "".join(parts)
 
 
-def _card(title: str, value: str, note: str) -> str:
-    return (
-        f'<div class="card"><div class="k">{escape(title)}</div><div class="v">{escape(value)}</div>'
-        f'<div class="n">{escape(note)}</div></div>'
-    )
+def card(title: str, value: str, note: str = "") -> str:
+    """One summary card (the report's ``.card`` style); every section's cards are made here."""
+    extra = f'<div class="n">{escape(note)}</div>' if note else ""
+    return f'<div class="card"><div class="k">{escape(title)}</div><div class="v">{escape(value)}</div>{extra}</div>'
 
 
 def _money(value: Any, currency: str) -> str:

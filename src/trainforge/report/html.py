@@ -13,7 +13,7 @@ from html import escape
 from typing import Any
 
 from trainforge.report.data import Event, RunData, finite, step_of
-from trainforge.report.extras import cost_section, profile_section
+from trainforge.report.extras import card, cost_section, profile_section
 from trainforge.report.plots import Plot
 
 STYLE = """
@@ -90,26 +90,26 @@ def summary_section(data: RunData) -> str:
     last = data.reports[-1] if data.reports else {}
     if not summary:
         note = "no summary.json: the run is still going, or its driver was stopped before writing it"
-        cards = [_card("Status", "unknown", note)]
+        cards = [card("Status", "unknown", note)]
     else:
         cards = []
     steps = _int(_pick(summary.get("global_step"), last.get("step")))
     total = _int(last.get("total_steps"))
-    cards.append(_card("Steps", _fmt_int(steps), f"of {_fmt_int(total)} planned" if total is not None else ""))
-    cards.append(_card("Epochs", _fmt_int(_int(_pick(summary.get("epoch"), last.get("epoch"))))))
-    cards.append(_card("Workers", _fmt_int(_int(_pick(summary.get("num_workers"), last.get("world_size"))))))
+    cards.append(card("Steps", _fmt_int(steps), f"of {_fmt_int(total)} planned" if total is not None else ""))
+    cards.append(card("Epochs", _fmt_int(_int(_pick(summary.get("epoch"), last.get("epoch"))))))
+    cards.append(card("Workers", _fmt_int(_int(_pick(summary.get("num_workers"), last.get("world_size"))))))
     cards.append(_restarts_card(data))
     throughput = finite(_pick(summary.get("throughput_samples_per_s"), last.get("perf/steady_samples_per_s")))
     samples = _int(last.get("samples_seen"))
     cards.append(
-        _card(
+        card(
             "Throughput",
             f"{throughput:,.0f}/s" if throughput is not None else "–",
             "samples per second, steady" + (f"; {samples:,} samples seen" if samples is not None else ""),
         )
     )
     wall = finite(summary.get("wall_time_s"))
-    cards.append(_card("Wall time", _duration(wall) if wall is not None else "–", "driver start to end"))
+    cards.append(card("Wall time", _duration(wall) if wall is not None else "–", "driver start to end"))
     html = f'<h2>Summary</h2><div class="cards">{"".join(cards)}</div>'
     checkpoint = summary.get("checkpoint") or last.get("checkpoint/path")
     rows = [("Last valid checkpoint", str(checkpoint) if checkpoint else "none")]
@@ -136,7 +136,7 @@ def _restarts_card(data: RunData) -> str:
     resumes = sum(1 for marker in data.markers if marker.kind == "resume")
     if resumes and not count:
         note = f"resumed {resumes}× from a checkpoint"
-    return _card("Restarts", _fmt_int(count), note)
+    return card("Restarts", _fmt_int(count), note)
 
 
 def metrics_section(data: RunData) -> str:
@@ -236,11 +236,6 @@ def config_section(config_text: str) -> str:
     if not config_text.strip():
         return '<h2>Resolved config</h2><p class="muted">No config.yaml in the run directory.</p>'
     return f"<h2>Resolved config</h2><pre>{escape(config_text)}</pre>"
-
-
-def _card(title: str, value: str, note: str = "") -> str:
-    extra = f'<div class="n">{escape(note)}</div>' if note else ""
-    return f'<div class="card"><div class="k">{escape(title)}</div><div class="v">{escape(value)}</div>{extra}</div>'
 
 
 def _int(value: Any) -> int | None:
