@@ -25,26 +25,9 @@ from safetensors.torch import load_file
 
 from tests.helpers.ranks import spawn_ranks
 from tests.helpers.runs import tiny_run
+from tests.helpers.sessions import Crash, ListChannel
 from trainforge.config import load_config
 from trainforge.errors import ConfigError
-
-
-class Crash(Exception):
-    pass
-
-
-class ListChannel:
-    def __init__(self, crash_at: int | None) -> None:
-        self.reports: list[dict[str, Any]] = []
-        self.crash_at = crash_at
-
-    def report(self, metrics: dict[str, Any]) -> None:
-        self.reports.append(metrics)
-        if self.crash_at is not None and metrics.get("step", 0) >= self.crash_at:
-            raise Crash(f"crashed at step {metrics['step']}")
-
-    def preempted(self) -> bool:
-        return False
 
 
 def one_run(rank: int, world: int, config_dict: dict[str, Any], crash_at: int | None) -> dict[str, Any]:

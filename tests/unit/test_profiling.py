@@ -11,40 +11,13 @@ from typing import Any
 
 import pytest
 
-from tests.helpers.ranks import spawn_ranks
 from tests.helpers.runs import tiny_run
+from tests.helpers.sessions import train
 from trainforge.checkpoint.storage import CheckpointStore
 from trainforge.config import load_config
 from trainforge.errors import ConfigError
 from trainforge.report import write_report
 from trainforge.worker.profiling import Interval, fetch_profiles, merged_length, read_summaries
-
-
-class ListChannel:
-    def __init__(self) -> None:
-        self.reports: list[dict[str, Any]] = []
-
-    def report(self, metrics: dict[str, Any]) -> None:
-        self.reports.append(metrics)
-
-    def preempted(self) -> bool:
-        return False
-
-
-def session(rank: int, world: int, config_dict: dict[str, Any]) -> dict[str, Any]:
-    from trainforge.config import Config
-    from trainforge.worker.build import build
-    from trainforge.worker.loop import Session
-    from trainforge.worker.saving import Checkpointing, restore
-
-    cfg = Config.model_validate(config_dict)
-    run = build(cfg, ranks=(rank, world))
-    checkpointing = Checkpointing(run, CheckpointStore.for_run(cfg.storage_path, cfg.run.name))
-    try:
-        final = Session(run, checkpointing, restore(run, checkpointing.store), channel=ListChannel()).train()
-    finally:
-        checkpointing.close()
-    return {"step": final["step"]}
 
 
 def test_a_profiled_run_writes_a_trace_and_a_summary_for_the_listed_rank_only(tmp_path: Path) -> None:
@@ -60,8 +33,8 @@ def test_a_profiled_run_writes_a_trace_and_a_summary_for_the_listed_rank_only(tm
             tracking={"enabled": False},
         )
     )
-    results = spawn_ranks(session, 2, cfg.to_dict())
-    assert [r["step"] for r in results] == [8, 8]
+    outcomes = train(cfg.to_dict(), 2)
+    assert [o.final["step"] for o in outcomes] == [8, 8]
     written = store / "prof" / "profile"
     assert sorted(p.name for p in written.iterdir()) == ["rank1.summary.json", "rank1.trace.json"]
 
