@@ -303,6 +303,12 @@ def config_show(config: ConfigArg, set_: SetOpt = None) -> None:
     typer.echo(to_yaml(load_config(resolve_config_path(config), set_ or [])), nl=False)
 
 
+def check_output_folder(output: Path | None) -> None:
+    """``--output FILE``: its folder must exist (checked before any work starts)."""
+    if output is not None and not output.parent.is_dir():
+        raise TrainforgeError(f"--output {output}: folder {output.parent} does not exist")
+
+
 @bench_app.command("peers")
 def bench_peers(
     workers: Annotated[str, typer.Option(help="Comma-separated worker counts.")] = "1,2",
@@ -322,8 +328,7 @@ def bench_peers(
     for flag, value, least in (("--steps", steps, 10), ("--batch-size", batch_size, 1), ("--repeats", repeats, 1)):
         if value < least:
             raise TrainforgeError(f"{flag} {value}: must be >= {least}")
-    if output is not None and not output.parent.is_dir():
-        raise TrainforgeError(f"--output {output}: folder {output.parent} does not exist")
+    check_output_folder(output)
     from trainforge.bench.peers import run_peers
 
     _setup_logging(False)
@@ -350,8 +355,7 @@ def bench_checkpoint(
         raise TrainforgeError(f"--repeats {repeats}: must be >= 1")
     if dir_ is not None and not dir_.is_dir():
         raise TrainforgeError(f"--dir {dir_}: folder does not exist")
-    if output is not None and not output.parent.is_dir():
-        raise TrainforgeError(f"--output {output}: folder {output.parent} does not exist")
+    check_output_folder(output)
     from trainforge.bench.checkpoint import run_checkpoint_bench
 
     _setup_logging(False)
@@ -386,8 +390,7 @@ def bench_tune(
     ):
         if value < 1:
             raise TrainforgeError(f"{flag} {value}: must be >= 1")
-    if output is not None and not output.parent.is_dir():
-        raise TrainforgeError(f"--output {output}: folder {output.parent} does not exist")
+    check_output_folder(output)
     _setup_logging(False)
     logging.getLogger("trainforge").setLevel(logging.WARNING)
     run_tune_bench(
@@ -417,8 +420,7 @@ def bench_memory(
         raise TrainforgeError(f"--kwargs {kwargs!r}: must be a JSON object")
     if not 2 <= workers <= 64:
         raise TrainforgeError(f"--workers {workers}: from 2 to 64")
-    if output is not None and not output.parent.is_dir():
-        raise TrainforgeError(f"--output {output}: folder {output.parent} does not exist")
+    check_output_folder(output)
     from trainforge.bench.memory import run_memory_bench
 
     _setup_logging(False)
@@ -466,8 +468,7 @@ def bench_data(
         raise TrainforgeError(f"--endpoint-url {endpoint_url}: only with --s3")
     if dir_ is not None and dir_.exists() and not dir_.is_dir():
         raise TrainforgeError(f"--dir {dir_}: not a folder")
-    if output is not None and not output.parent.is_dir():
-        raise TrainforgeError(f"--output {output}: folder {output.parent} does not exist")
+    check_output_folder(output)
     from trainforge.bench.data import run_data_bench
 
     _setup_logging(False)
@@ -505,8 +506,7 @@ def bench_collectives(
         raise TrainforgeError(f"--workers {workers}: from 2 to 64")
     if not 1 <= iters <= 10_000:
         raise TrainforgeError(f"--iters {iters}: from 1 to 10000")
-    if output is not None and not output.parent.is_dir():
-        raise TrainforgeError(f"--output {output}: folder {output.parent} does not exist")
+    check_output_folder(output)
     from trainforge.bench.collectives import run_collectives_bench
 
     _setup_logging(False)
@@ -526,8 +526,7 @@ def bench_gpu(
 
     if peak_tflops is not None and not 0 < peak_tflops <= 100_000:
         raise TrainforgeError(f"--peak-tflops {peak_tflops}: a number of TFLOPS > 0 (e.g. 989 for an H100 SXM)")
-    if output is not None and not output.parent.is_dir():
-        raise TrainforgeError(f"--output {output}: folder {output.parent} does not exist")
+    check_output_folder(output)
     require_cuda()  # before anything runs or is written
     _setup_logging(False)
     run_gpu_bench(output=output, console=_wide_console(), peak_tflops=peak_tflops)
