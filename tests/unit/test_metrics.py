@@ -7,6 +7,7 @@ import copy
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ from tests.helpers.runs import tiny_run
 from trainforge.config import MetricsConfig, load_config
 from trainforge.errors import ConfigError
 from trainforge.metrics import names
-from trainforge.metrics.comm import CommTimer, union_length
+from trainforge.metrics.comm import CommReport, CommTimer, comm_hooks, union_length
 from trainforge.metrics.gpu import gpu_readings
 from trainforge.metrics.observer import failure_reason
 from trainforge.metrics.session import check_cluster_options, link, local_ray_options, write_targets
@@ -76,6 +77,37 @@ def test_comm_timer_steps_aside_for_a_hook_already_registered(gloo: None) -> Non
     ddp.register_comm_hook(None, allreduce_hook)
     assert CommTimer.attach(ddp, torch.device("cpu")) is None
     assert CommTimer.attach(small_model(), torch.device("cpu")) is None  # one worker: nothing to time
+
+
+def test_every_report_carries_its_ranks_communication_per_step(gloo: None) -> None:
+    ddp = DistributedDataParallel(small_model(), bucket_cap_mb=0.04)
+    (hook,) = comm_hooks(True, world=2, model=ddp, device=torch.device("cpu"), chosen=None)
+    train_steps(ddp, 4)
+    metrics: dict[str, Any] = {}
+    local = {"steps": 4.0, "compute_s": 0.01}
+    hook.on_report(metrics, local)
+    assert 0 < metrics["perf/comm_exposed_s"] <= metrics["perf/comm_s"]
+    assert (local["comm_s"], local["comm_exposed_s"]) == (metrics["perf/comm_s"], metrics["perf/comm_exposed_s"])
+    hook.on_report(metrics, {"steps": 0.0})  # a report without steps (the final one): says nothing new
+    assert metrics["perf/comm_s"] == local["comm_s"]
+
+
+def test_communication_figures_only_where_they_are_measured(gloo: None) -> None:
+    one = small_model()
+    (single,) = comm_hooks(True, world=1, model=one, device=torch.device("cpu"), chosen=None)
+    metrics: dict[str, Any] = {}
+    single.on_report(metrics, {"steps": 3.0})
+    assert (metrics["perf/comm_s"], metrics["perf/comm_exposed_s"]) == (0.0, 0.0)  # one worker: nothing to send
+    assert (
+        comm_hooks(
+            False, world=2, model=DistributedDataParallel(small_model()), device=torch.device("cpu"), chosen=None
+        )
+        == []
+    )
+    taken = DistributedDataParallel(small_model())
+    taken.register_comm_hook(None, allreduce_hook)  # another hook: no timer, no figures (not a made-up 0)
+    assert comm_hooks(True, world=2, model=taken, device=torch.device("cpu"), chosen=None) == []
+    assert isinstance(single, CommReport)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine where CUDA events cannot be recorded")

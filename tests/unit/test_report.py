@@ -59,6 +59,8 @@ def metrics(step: int, total: int, *, lm: bool = False, val: bool = False, seed:
     }
     if lm:
         report["train/perplexity"] = math.exp(loss)
+        report["perf/comm_s"] = 0.011 + rng.uniform(0, 0.002)  # rank 0's (metrics.comm.CommReport)
+        report["perf/comm_exposed_s"] = 0.003 + rng.uniform(0, 0.001)
     if val:
         report["val/loss"] = loss * 1.3
         report["val/accuracy"] = accuracy * 0.98
@@ -169,7 +171,7 @@ def pngs(page: Path) -> dict[str, Path]:
         ("no_val", {"loss", "accuracy", "throughput", "step_time", "lr"}),
         ("failed", {"loss", "accuracy", "throughput", "step_time", "lr"}),
         ("failed_early", set()),
-        ("lm", {"loss", "perplexity", "accuracy", "throughput", "step_time", "lr"}),
+        ("lm", {"loss", "perplexity", "accuracy", "throughput", "step_time", "communication", "lr"}),
         ("single", {"loss", "accuracy", "throughput", "step_time", "lr"}),
     ],
 )

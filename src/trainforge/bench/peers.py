@@ -189,7 +189,7 @@ def measure_trainforge(workload: Workload, workers: int, scratch: Path, *, obser
     """(d) ``trainforge.fit``; its progress display goes to a buffer so the bench output stays readable."""
     config = workload.trainforge_config(workers, name=scratch.name, output_dir=str(scratch.parent))
     config["tracking"] = {"enabled": observed}
-    config["metrics"] = {"enabled": observed}
+    config["metrics"] = {"enabled": observed, "comm_timing": observed}
     result = trainforge.fit(config, console=Console(file=io.StringIO()))
     rate = float(result.summary["throughput_samples_per_s"])
     if rate <= 0:

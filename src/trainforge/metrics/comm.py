@@ -16,6 +16,11 @@ DDP allows one hook per model. When the plan chose a compression hook (``paralle
 worker/compression.py), it registers it through :func:`register_hook`; the timer is handed that
 :class:`ChosenHook` and wraps it instead of adding its own: both the compression and the timing stay on.
 
+:class:`CommReport` (a worker hook) puts both figures into every report, as this rank's mean per
+step over the report's span: ``perf/comm_s`` and ``perf/comm_exposed_s`` (rank 0's reach
+metrics.jsonl, MLflow, the HTML report and ``trainforge bench scaling``; every rank's reach
+Prometheus through ``local``).
+
 On CPU (gloo) the completion callback runs when the all-reduce is done, and wall clock is exact.
 On CUDA (NCCL) it runs as soon as the collective is enqueued, so both ends are CUDA events
 recorded on the streams involved, read only at report time (when they have long completed).
@@ -126,6 +131,41 @@ class CommTimer:
         for _, end, _ in spans:
             end.synchronize()  # long done by now (the optimizer step waited for them); cheap
         return [(reference.elapsed_time(start) / 1e3, reference.elapsed_time(end) / 1e3) for start, end, _ in spans]
+
+
+class CommReport:
+    """Worker hook: this rank's gradient communication per step since the last report, into the
+    report (``perf/comm_s``, ``perf/comm_exposed_s``) and into ``local`` (``comm_s``,
+    ``comm_exposed_s``) for the hooks after it (Prometheus). Without a timer nothing is said,
+    except with one worker, where 0 s is a measurement (there is no gradient communication)."""
+
+    def __init__(self, timer: CommTimer | None) -> None:
+        self.timer = timer
+
+    def on_report(self, metrics: dict[str, Any], local: dict[str, float]) -> None:
+        steps = local.get("steps", 0.0)
+        if not steps:
+            return
+        in_flight, exposed = self.timer.take(steps) if self.timer is not None else (0.0, 0.0)
+        local["comm_s"], local["comm_exposed_s"] = in_flight, exposed
+        metrics["perf/comm_s"], metrics["perf/comm_exposed_s"] = in_flight, exposed
+
+    def on_save(self, outcome: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def comm_hooks(
+    timing: bool, *, world: int, model: nn.Module, device: torch.device, chosen: "ChosenHook | None"
+) -> list[CommReport]:
+    """The communication figures' hook when ``metrics.comm_timing`` is on and there is something to
+    say: a timer on the DDP model (wrapping ``chosen``, the plan's compression hook), or one worker."""
+    if not timing:
+        return []
+    timer = CommTimer.attach(model, device, chosen)
+    return [CommReport(timer)] if timer is not None or world == 1 else []
 
 
 class ChosenHook:

@@ -13,15 +13,11 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from trainforge.metrics.comm import ChosenHook, CommTimer
 from trainforge.metrics.export import Gauges
 from trainforge.metrics.gpu import NodeGpus
 from trainforge.metrics.names import CHECKPOINT, TRAINING
 
 if TYPE_CHECKING:
-    import torch
-    from torch import nn
-
     from trainforge.checkpoint.manager import SaveOutcome
     from trainforge.config import Config
 
@@ -51,16 +47,11 @@ class PrometheusHook:
         labels: dict[str, str],
         *,
         rank: int,
-        comm: CommTimer | None = None,
-        comm_measured: bool = True,
         gpus: NodeGpus | None = None,
     ) -> None:
         self.gauges = Gauges(TRAINING, labels)
         self.checkpoint = Gauges(CHECKPOINT, labels) if rank == 0 else None
-        self.comm = comm
         self.gpus = gpus
-        # Without a timer there is nothing to say, unless there is no communication (one worker).
-        self.comm_measured = comm_measured
         self.save_failures = 0
 
     def on_report(self, metrics: dict[str, Any], local: dict[str, float]) -> None:
@@ -74,10 +65,9 @@ class PrometheusHook:
             gauges.set("trainforge_step_seconds", local["step_s"])
             for key, phase in PHASES.items():
                 gauges.set("trainforge_step_phase_seconds", local.get(key, 0.0), phase=phase)
-            if self.comm_measured:
-                in_flight, exposed = self.comm.take(steps) if self.comm is not None else (0.0, 0.0)
-                gauges.set("trainforge_comm_seconds", in_flight)
-                gauges.set("trainforge_comm_exposed_seconds", exposed)
+            if "comm_s" in local:  # from metrics.comm.CommReport, the hook before this one
+                gauges.set("trainforge_comm_seconds", local["comm_s"])
+                gauges.set("trainforge_comm_exposed_seconds", local["comm_exposed_s"])
         if self.checkpoint is not None:
             self.checkpoint.set("trainforge_checkpoint_save_failures", self.save_failures)
             stall = metrics.get("checkpoint/stall_s")
@@ -102,18 +92,9 @@ class PrometheusHook:
             self.gpus.close()
 
 
-def metrics_hooks(
-    config: Config,
-    *,
-    rank: int,
-    world: int,
-    model: nn.Module,
-    device: torch.device,
-    chosen: ChosenHook | None = None,
-) -> list[PrometheusHook]:
-    """The Prometheus hook for this worker (``model``: the wrapped model whose gradient all-reduce
-    is timed; ``chosen``: the communication hook the plan registered on it, which the timer wraps),
-    when ``metrics.enabled``; none if it cannot be built (observing a run never stops it)."""
+def metrics_hooks(config: Config, *, rank: int) -> list[PrometheusHook]:
+    """The Prometheus hook for this worker when ``metrics.enabled``; none if it cannot be built
+    (observing a run never stops it). Its communication gauges come from ``metrics.comm.CommReport``."""
     import ray
     import ray.train
 
@@ -123,16 +104,7 @@ def metrics_hooks(
         node = ray.util.get_node_ip_address()
         labels = {"run": config.run.name, "trial": config.metrics.trial or "", "rank": str(rank), "node": node}
         first_on_node = ray.train.get_context().get_local_rank() == 0
-        timing = config.metrics.comm_timing
-        timer = CommTimer.attach(model, device, chosen) if timing else None
-        hook = PrometheusHook(
-            labels,
-            rank=rank,
-            comm=timer,
-            # One worker has no gradient communication: 0 s is then a measurement, not a guess.
-            comm_measured=timing and (timer is not None or world == 1),
-            gpus=NodeGpus(labels) if first_on_node else None,
-        )
+        hook = PrometheusHook(labels, rank=rank, gpus=NodeGpus(labels) if first_on_node else None)
     except Exception as err:
         log.warning("Prometheus metrics disabled for this worker: %s", err)
         return []

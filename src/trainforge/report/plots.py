@@ -334,6 +334,33 @@ def _draw_phase_bars(ax: Axes, piece: Piece, scale: float) -> None:
         bottom = [b + h for b, h in zip(bottom, stacks[column], strict=True)]
 
 
+COMM = (
+    ("perf/compute_s", "forward + backward", "#3182bd", "-"),
+    ("perf/comm_s", "all-reduce in flight", "#9467bd", "--"),
+    ("perf/comm_exposed_s", "all-reduce exposed", "#d62728", "-"),
+)
+
+
+def plot_comm(data: RunData, out: Path) -> Plot | None:
+    """Rank 0's gradient communication per step, per report, against the compute it hides behind."""
+    if not any(v > 0 for v in values(data, "perf/comm_s")):
+        return None  # not timed, or one worker (nothing sent)
+    unit, scale = ("s", 1.0) if max(values(data, *(key for key, *_ in COMM))) >= 1.0 else ("ms", 1000.0)
+    fig, ax = new_figure("Gradient communication", f"{unit} per step (report mean)")
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value * scale:g}"))
+    for key, label, color, style in COMM:
+        draw_series(ax, data, key, label, color, linestyle=style)
+    ax.set_ylim(bottom=0)
+    path = out / "communication.png"
+    finish(fig, ax, data, path)
+    return Plot(
+        "Gradient communication",
+        path,
+        "Rank 0's gradient all-reduce per step over each report: in flight (overlapping the backward) and "
+        "exposed (the step waiting for it after compute, inside forward + backward's time).",
+    )
+
+
 def plot_lr(data: RunData, out: Path) -> Plot | None:
     fig, ax = new_figure("Learning rate", "learning rate")
     if not draw_series(ax, data, "train/lr", "learning rate (first parameter group)", "#6a3d9a"):
@@ -351,6 +378,7 @@ PLOTTERS: list[Callable[[RunData, Path], Plot | None]] = [
     plot_accuracy,
     plot_throughput,
     plot_step_time,
+    plot_comm,
     plot_lr,
 ]
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any, Protocol
 
+from trainforge.metrics.comm import comm_hooks
 from trainforge.metrics.hook import metrics_hooks
 from trainforge.metrics.system import system_hooks
 
@@ -69,14 +70,14 @@ def build_hooks(run: WorkerRun) -> Hooks:
     hooks: list[WorkerHook] = []
     hooks.extend(system_hooks(run.config))
     compression = run.plan.compression
-    hooks.extend(
-        metrics_hooks(
-            run.config,
-            rank=run.rank,
+    hooks.extend(  # before Prometheus' hook, which exports the figures it adds to ``local``
+        comm_hooks(
+            run.config.metrics.comm_timing,
             world=run.world,
             model=run.model,
             device=run.device,
             chosen=compression.hook if compression is not None else None,
         )
     )
+    hooks.extend(metrics_hooks(run.config, rank=run.rank))
     return Hooks(hooks)
