@@ -322,7 +322,9 @@ def bench_peers(
     output: Annotated[Path | None, typer.Option(help="Also write every raw figure as JSON here.")] = None,
 ) -> None:
     """Samples/s of plain PyTorch, torchrun+DDP, plain Ray Train and trainforge (observed and not) on one workload."""
-    counts = _parse_counts(workers)
+    from trainforge.config import MAX_WORKERS
+
+    counts = _parse_counts("--workers", workers, MAX_WORKERS, "1,2")
     if not peers or set(peers) - set("abcde"):
         raise TrainforgeError(f"--peers {peers!r}: letters from abcde, e.g. --peers de")
     for flag, value, least in (("--steps", steps, 10), ("--batch-size", batch_size, 1), ("--repeats", repeats, 1)):
@@ -513,6 +515,68 @@ def bench_collectives(
     run_collectives_bench(parsed, workers=workers, iters=iters, output=output, console=_wide_console())
 
 
+@bench_app.command("scaling")
+def bench_scaling(
+    config: ConfigArg,
+    workers: Annotated[str, typer.Option(help="Comma-separated worker counts, each trained in turn.")] = "1,2,4",
+    steps: Annotated[int, typer.Option(help="Optimizer steps per count (the first report's are warm-up).")] = 60,
+    link: Annotated[
+        str | None,
+        typer.Option(
+            help="Also check trainforge predict's communication model: each count's efficiency predicted "
+            "from its measured compute and this link (a preset or a rate such as 1gbit), with the error."
+        ),
+    ] = None,
+    workers_per_node: Annotated[int, typer.Option(help="With --link: workers per node (joined by NVLink).")] = 1,
+    dir_: Annotated[
+        Path | None,
+        typer.Option("--dir", help="Folder for the runs, scaling.json and report.html; default under run.output_dir."),
+    ] = None,
+    output: Annotated[Path | None, typer.Option(help="Also write the figures as JSON here.")] = None,
+    address: Annotated[
+        str | None, typer.Option(help="Ray cluster to run on (host:port or ray://host:10001); default RAY_ADDRESS.")
+    ] = None,
+    set_: SetOpt = None,
+) -> None:
+    """Throughput, efficiency against linear and each step's compute / exposed communication / data
+    wait at every worker count, measured by training CONFIG briefly at each; with a report."""
+    from trainforge.config import MAX_WORKERS, load_config
+
+    counts = _parse_counts("--workers", workers, MAX_WORKERS, "1,2,4")
+    if len(set(counts)) != len(counts):
+        raise TrainforgeError(f"--workers {workers!r}: each count once")
+    if not 10 <= steps <= 100_000:
+        raise TrainforgeError(f"--steps {steps}: from 10 to 100000 (the first report's steps are warm-up)")
+    if not 1 <= workers_per_node <= 1024:
+        raise TrainforgeError(f"--workers-per-node {workers_per_node}: from 1 to 1024")
+    check_output_folder(output)
+    if dir_ is not None and dir_.exists() and not dir_.is_dir():
+        raise TrainforgeError(f"--dir {dir_}: exists and is not a folder")
+    from trainforge.predict.links import resolve_link
+
+    chosen = resolve_link(link, None) if link is not None else None
+    resolved = load_config(resolve_config_path(config), set_ or [])
+    if resolved.parallel.strategy != "ddp" or resolved.parallel.tensor_parallel > 1:
+        raise TrainforgeError(
+            "bench scaling times DDP's gradient all-reduce: parallel.strategy must be ddp and "
+            "parallel.tensor_parallel 1 (--set parallel.strategy=ddp)"
+        )
+    from trainforge.bench.scaling import run_scaling_bench
+
+    _setup_logging(False)
+    run_scaling_bench(
+        resolved,
+        counts,
+        steps=steps,
+        folder=dir_.resolve() if dir_ is not None else None,
+        link=chosen,
+        workers_per_node=workers_per_node,
+        address=address,
+        output=output,
+        console=_wide_console(),
+    )
+
+
 @bench_app.command("gpu")
 def bench_gpu(
     output: Annotated[Path | None, typer.Option(help="Also write the figures as JSON here.")] = None,
@@ -621,8 +685,9 @@ def predict(
     link: Annotated[
         str,
         typer.Option(
-            help="Link between nodes: nvlink, ib200, ib400, eth25, eth50, eth100 (presets, docs/benchmarks.md) "
-            "or measured (--collectives)."
+            help="Link between nodes: nvlink, ib200, ib400, eth25, eth50, eth100 (presets, docs/benchmarks.md), "
+            "measured (--collectives), or a rate as tc writes it with an optional latency per ring step "
+            "(100mbit, 10gbit@30us)."
         ),
     ] = "ib200",
     collectives: Annotated[
@@ -652,7 +717,7 @@ def predict(
     from trainforge.config import load_config
     from trainforge.predict.links import resolve_link
 
-    counts = _parse_gpu_counts(gpus)
+    counts = _parse_counts("--gpus", gpus, 1_000_000, "1,2,4,8,64,512")
     if step_time is not None and not (math.isfinite(step_time) and 0 < step_time <= 86_400):
         raise TrainforgeError(f"--step-time {step_time}: seconds > 0 (e.g. 0.25)")
     if model_params is not None and not 1 <= model_params <= 10**13:
@@ -682,13 +747,13 @@ def predict(
         render(result, _wide_console())
 
 
-def _parse_gpu_counts(text: str) -> list[int]:
+def _parse_counts(flag: str, text: str, most: int, example: str) -> list[int]:
     try:
         counts = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
-        raise TrainforgeError(f"--gpus {text!r}: expected comma-separated integers such as 1,2,4,8,64,512") from None
-    if not counts or not all(1 <= count <= 1_000_000 for count in counts):
-        raise TrainforgeError(f"--gpus {text!r}: GPU counts from 1 to 1000000")
+        raise TrainforgeError(f"{flag} {text!r}: expected comma-separated integers such as {example}") from None
+    if not counts or not all(1 <= count <= most for count in counts):
+        raise TrainforgeError(f"{flag} {text!r}: counts from 1 to {most}")
     return counts
 
 
@@ -797,16 +862,6 @@ def generate(
 def _wide_console() -> Console:
     """Rich's console, 200 columns wide when stdout is a file or pipe (instead of 80), so tables keep their rows."""
     return Console() if sys.stdout.isatty() else Console(width=200)
-
-
-def _parse_counts(text: str) -> list[int]:
-    try:
-        counts = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise TrainforgeError(f"--workers {text!r}: expected comma-separated integers such as 1,2") from None
-    if not counts or min(counts) < 1:
-        raise TrainforgeError(f"--workers {text!r}: worker counts must be >= 1")
-    return counts
 
 
 def _setup_logging(verbose: bool) -> None:

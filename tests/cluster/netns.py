@@ -190,9 +190,10 @@ class Network:
             )
         else:
             assert rate is not None
-            # burst: 10 ms of traffic at the rate (at least a few packets), so the limit holds on
-            # any timescale a test measures; latency: how long a packet may queue before a drop.
-            burst = max(rate_bits(rate) // 8 // 100, 16 * 1024)
+            # burst: 1 ms of traffic at the rate (at least a few packets), so the limit holds on
+            # any timescale a test measures (10 ms at 1gbit let a whole 1.2 MB all-reduce through
+            # unshaped); latency: how long a packet may queue before a drop.
+            burst = max(rate_bits(rate) // 8 // 1000, 16 * 1024)
             qdisc = ["tbf", "rate", rate, "burst", str(burst), "latency", "400ms"]
         for ns, dev in self.cable(node):
             command(["ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev, "root", *qdisc])

@@ -76,7 +76,7 @@ def test_ci_sized_run_measures_every_peer_and_prints_the_table(tmp_path: Path) -
         (["--repeats", "0"], "--repeats 0: must be >= 1"),
         (["--steps", "5"], "--steps 5: must be >= 10"),
         (["--batch-size", "0"], "--batch-size 0: must be >= 1"),
-        (["--workers", "0,2"], "worker counts must be >= 1"),
+        (["--workers", "0,2"], "--workers '0,2': counts from 1 to 10000"),
         (["--workers", "one"], "expected comma-separated integers"),
         (["--output", "/nonexistent-dir/out.json"], "folder /nonexistent-dir does not exist"),
         (["--peers", "dx"], "--peers 'dx': letters from abcde"),

@@ -157,6 +157,21 @@ def test_a_measured_link_is_derived_from_the_all_reduce_fit(tmp_path: Path) -> N
         measured_link(path)
 
 
+@pytest.mark.parametrize(
+    ("text", "alpha_s", "bandwidth_Bps"),
+    [
+        ("100mbit", 50e-6, 12.5e6),
+        ("1gbit", 50e-6, 125e6),
+        ("10gbit@30us", 30e-6, 1.25e9),
+        ("2.5Gbit@1ms", 1e-3, 312.5e6),
+    ],
+)
+def test_a_link_given_by_its_rate_as_tc_writes_it(text: str, alpha_s: float, bandwidth_Bps: float) -> None:
+    link = resolve_link(text, None)
+    assert link.alpha_s == pytest.approx(alpha_s) and link.bandwidth_Bps == pytest.approx(bandwidth_Bps)
+    assert ("assumed" in link.source) == ("@" not in text)
+
+
 def test_model_bytes_count_trainable_parameters_of_the_config_model(tmp_path: Path) -> None:
     import torch
 
@@ -250,8 +265,9 @@ def test_a_measured_link_from_bench_collectives_json(tmp_path: Path, capsys: pyt
     ("args", "expected"),
     [
         (["--gpus", "1,x"], "--gpus '1,x': expected comma-separated integers"),
-        (["--gpus", "0,2"], "--gpus '0,2': GPU counts from 1"),
+        (["--gpus", "0,2"], "--gpus '0,2': counts from 1 to 1000000"),
         (["--link", "carrier-pigeon"], "--link 'carrier-pigeon': one of nvlink, ib200, ib400, eth25, eth50, eth100"),
+        (["--link", "0.1kbit"], "--link '0.1kbit': a rate from 1kbit to 10000gbit"),
         (["--link", "measured"], "--link measured needs --collectives"),
         (["--collectives", "x.json"], "--collectives x.json: only with --link measured"),
         (["--link", "measured", "--collectives", "absent.json"], "--collectives absent.json: no such file"),

@@ -1,17 +1,3 @@
 """Benchmarks behind ``trainforge bench``: ``peers`` compares trainforge with the tools it builds on,
-``checkpoint`` measures checkpoint I/O against the disk's own bandwidth."""
-
-from __future__ import annotations
-
-import contextlib
-import platform
-from pathlib import Path
-
-
-def cpu_model() -> str:
-    """The CPU's model name, for the machine line every benchmark prints."""
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown"
+``checkpoint`` measures checkpoint I/O against the disk's own bandwidth, ``scaling`` what more
+workers buy, and the others as ``trainforge bench --help`` lists them."""

@@ -39,7 +39,6 @@ from rich.table import Table
 from torch import nn
 
 import trainforge
-from trainforge.bench import cpu_model
 from trainforge.checkpoint.format import write_manifest_of
 from trainforge.checkpoint.hashing import DEFAULT_HASH
 from trainforge.checkpoint.manager import CheckpointManager, RotationPolicy, Snapshot
@@ -56,6 +55,7 @@ from trainforge.checkpoint.state import (
 )
 from trainforge.checkpoint.storage import CheckpointStore, checkpoint_name, fsync_path
 from trainforge.errors import TrainforgeError
+from trainforge.machine import cpu_model
 
 MB = 1_000_000
 WIDTH = 1024

@@ -31,9 +31,9 @@ from rich.console import Console
 from rich.table import Table
 
 import trainforge
-from trainforge.bench import cpu_model
 from trainforge.bench.workload import WARMUP_STEPS, Workload
 from trainforge.errors import TrainforgeError
+from trainforge.machine import cpu_model
 
 PEERS: dict[str, str] = {
     "a": "(a) PyTorch, 1 process",

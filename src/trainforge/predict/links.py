@@ -10,6 +10,7 @@ here. docs/benchmarks.md lists each figure with its source and says which is whi
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,8 +35,27 @@ PRESETS: dict[str, Link] = {
     "eth50": Link("eth50", 20e-6, 6.25 * GB, "50 Gbit/s Ethernet = 6.25 GB/s per direction"),
     "eth100": Link("eth100", 15e-6, 12.5 * GB, "100 Gbit/s Ethernet = 12.5 GB/s per direction"),
 }
-LINK_CHOICES = (*PRESETS, "measured")
+LINK_CHOICES = (*PRESETS, "measured", "RATE[@LATENCY]")
 INTRA_NODE = PRESETS["nvlink"]
+RATE_UNITS = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}  # tc's units: decimal bits per second
+LATENCY_UNITS = {"us": 1e-6, "ms": 1e-3}
+RATE_ALPHA_S = 50e-6  # per ring step over TCP when no latency is given: an assumption of the right order
+RATE_LINK = re.compile(r"(\d+(?:\.\d+)?)(kbit|mbit|gbit)(?:@(\d+(?:\.\d+)?)(us|ms))?")
+
+
+def rate_link(text: str) -> Link | None:
+    """A link given by its rate, as ``tc`` writes it, and optionally its latency per ring step:
+    ``100mbit``, ``10gbit@30us``; None when ``text`` is not of that form."""
+    match = RATE_LINK.fullmatch(text.strip().lower())
+    if match is None:
+        return None
+    bits = float(match.group(1)) * RATE_UNITS[match.group(2)]
+    latency = match.group(3)
+    alpha = float(latency) * LATENCY_UNITS[match.group(4)] if latency else RATE_ALPHA_S
+    if not (1e3 <= bits <= 1e13 and 0 <= alpha <= 1.0):
+        raise TrainforgeError(f"--link {text!r}: a rate from 1kbit to 10000gbit and a latency up to 1000ms")
+    assumed = "" if latency else f", {RATE_ALPHA_S * 1e6:g} µs per ring step assumed"
+    return Link(text.strip().lower(), alpha, bits / 8, f"given: {bits / 8 / 1e6:g} MB/s per direction{assumed}")
 
 
 def measured_link(path: Path) -> Link:
@@ -81,6 +101,11 @@ def resolve_link(name: str, collectives: Path | None) -> Link:
         return measured_link(collectives)
     if collectives is not None:
         raise TrainforgeError(f"--collectives {collectives}: only with --link measured")
-    if name not in PRESETS:
-        raise TrainforgeError(f"--link {name!r}: one of {', '.join(LINK_CHOICES)}")
-    return PRESETS[name]
+    if name in PRESETS:
+        return PRESETS[name]
+    given = rate_link(name)
+    if given is None:
+        raise TrainforgeError(
+            f"--link {name!r}: one of {', '.join(PRESETS)}, measured, or a rate such as 100mbit or 10gbit@30us"
+        )
+    return given

@@ -10,8 +10,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from trainforge.bench import cpu_model
 from trainforge.config import Config
+from trainforge.machine import cpu_model
 from trainforge.predict import inputs as measured
 from trainforge.predict.links import GB, INTRA_NODE, Link
 from trainforge.predict.model import BACKWARD_SHARE, Topology, predict_points

@@ -78,7 +78,7 @@ def render_page(data: RunData, plots: list[Plot]) -> str:
         profile_section(data.run_dir),
         events_section(data.events, data.skipped_lines),
         config_section(data.config_text),
-        f"<footer>Written by <code>trainforge report</code> on {_now()} from metrics.jsonl, summary.json "
+        f"<footer>Written by <code>trainforge report</code> on {now()} from metrics.jsonl, summary.json "
         "and config.yaml in the run directory.</footer>",
         "</main></body></html>",
     ]
@@ -206,6 +206,17 @@ def rate_unit(key: str) -> str | None:
 def plots_section(data: RunData, plots: list[Plot]) -> str:
     if not plots:
         return '<h2>Plots</h2><p class="muted">No plots: the run has no reports in metrics.jsonl.</p>'
+    note = ""
+    if data.markers:
+        note = (
+            '<p class="muted">Vertical lines: worker failures (solid red) and resumes from a checkpoint '
+            "(dashed orange). Faded dotted curves are steps that ran and were then lost to a restart.</p>"
+        )
+    return "<h2>Plots</h2>" + note + figures_html(plots)
+
+
+def figures_html(plots: list[Plot]) -> str:
+    """Each plot as a figure with its caption, the PNG inline (a data URI)."""
     figures = []
     for plot in plots:
         encoded = base64.b64encode(plot.path.read_bytes()).decode("ascii")
@@ -213,13 +224,7 @@ def plots_section(data: RunData, plots: list[Plot]) -> str:
             f'<figure><img alt="{escape(plot.title)}" src="data:image/png;base64,{encoded}">'
             f"<figcaption>{escape(plot.caption)}</figcaption></figure>"
         )
-    note = ""
-    if data.markers:
-        note = (
-            '<p class="muted">Vertical lines: worker failures (solid red) and resumes from a checkpoint '
-            "(dashed orange). Faded dotted curves are steps that ran and were then lost to a restart.</p>"
-        )
-    return "<h2>Plots</h2>" + note + "".join(figures)
+    return "".join(figures)
 
 
 def events_section(events: list[Event], skipped_lines: int) -> str:
@@ -258,5 +263,5 @@ def _duration(seconds: float) -> str:
     return f"{minutes // 60} h {minutes % 60} min"
 
 
-def _now() -> str:
+def now() -> str:
     return datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
