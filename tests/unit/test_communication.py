@@ -168,8 +168,9 @@ def test_compression_hooks_bucket_size_and_static_graph(tmp_path: Path) -> None:
         (config(tmp_path, "fp16", grad_compression="fp16"), None),
         (config(tmp_path, "powersgd", grad_compression="powersgd", powersgd={"rank": 1, "warmup_steps": 4}), None),
         (config(tmp_path, "buckets", bucket_cap_mb=0.01, static_graph=True), None),
+        (two_buckets(config(tmp_path, "wide", steps=6, grad_compression="powersgd", powersgd=QUICK_POWERSGD)), None),
     ]
-    none, bf16, fp16, powersgd, buckets = spawn_ranks(runs, 2, plans)[0]
+    none, bf16, fp16, powersgd, buckets, wide = spawn_ranks(runs, 2, plans)[0]
     print(
         f"\nlargest weight difference to fp32: bf16 {max_diff(bf16['params'], none['params']):.2e}, "
         f"fp16 {max_diff(fp16['params'], none['params']):.2e}; final loss none {none['final']['train/loss']:.4f}, "
@@ -187,6 +188,17 @@ def test_compression_hooks_bucket_size_and_static_graph(tmp_path: Path) -> None:
     assert loss < powersgd["first_loss"] - 0.2, (powersgd["first_loss"], loss)
     assert loss < none["final"]["train/loss"] + 0.5, (loss, none["final"]["train/loss"])
     assert identical(buckets["params"], none["params"])
+    # Over 1 MiB of gradients, DDP's buckets are two (its first is 1 MiB); on gloo, torch's PowerSGD
+    # hook with two buckets in flight deadlocked (found on the namespace cluster). Compressed steps ran:
+    assert wide["final"]["step"] == 6 and wide["comm_s"] > 0
+
+
+QUICK_POWERSGD = {"rank": 1, "warmup_steps": 2}
+
+
+def two_buckets(run: dict[str, Any]) -> dict[str, Any]:
+    """The mlp widened to 64-512-512-10: 1.2 MB of gradients, two DDP buckets."""
+    return {**run, "model": {"name": "mlp", "kwargs": {"hidden_sizes": [512, 512]}}}
 
 
 def test_powersgd_crashed_inside_its_warmup_and_restarted_is_bit_identical(tmp_path: Path) -> None:

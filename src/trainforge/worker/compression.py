@@ -14,6 +14,12 @@ The hook goes through ``metrics.comm.register_hook`` and the plan keeps it (``Co
 the all-reduce timer (``metrics.comm_timing``) is handed it and wraps it rather than being refused,
 as DDP takes one hook per model.
 
+On gloo (CPU) PowerSGD runs one bucket at a time: torch's hook waits, inside gloo's worker
+threads, for the all-reduces it starts, so two buckets in flight take both of gloo's threads and
+the all-reduces they wait for never run. DDP's first bucket is 1 MiB, so any model with more
+gradient bytes than that has two; on the namespace cluster such a run hung in its first
+compressed step. Waiting for each bucket in the hook costs its overlap with the backward.
+
 Resume: PowerSGD's step counter is set from the checkpoint's step; its error feedback and Q
 matrices are not saved. A checkpoint written at least two steps before the warm-up ends resumes
 bit-identically; one written later continues with two plain steps (DDP rebuilds its buckets after
@@ -25,12 +31,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
 from trainforge.config import ParallelConfig
-from trainforge.metrics.comm import ChosenHook, register_hook
+from trainforge.metrics.comm import ChosenHook, HookFn, register_hook
 
 CAST_HOOKS = {"bf16": default_hooks.bf16_compress_hook, "fp16": default_hooks.fp16_compress_hook}
 
@@ -82,4 +90,18 @@ def compress(model: DistributedDataParallel, cfg: ParallelConfig) -> Compression
         matrix_approximation_rank=cfg.powersgd.rank,
         start_powerSGD_iter=cfg.powersgd.warmup_steps,
     )
-    return Compression(name, register_hook(model, state, powerSGD_hook), state, cfg.powersgd.warmup_steps)
+    hook = one_bucket_at_a_time(powerSGD_hook) if dist.get_backend() == "gloo" else powerSGD_hook
+    return Compression(name, register_hook(model, state, hook), state, cfg.powersgd.warmup_steps)
+
+
+def one_bucket_at_a_time(hook: HookFn) -> HookFn:
+    """``hook`` with each bucket's communication finished before the hook returns (see the module
+    docstring: PowerSGD on gloo)."""
+
+    def finished(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        reduced = hook(state, bucket).wait()
+        done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        done.set_result(reduced)
+        return done
+
+    return finished
