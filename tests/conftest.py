@@ -40,6 +40,7 @@ LONGEST_FIRST = (
     "integration/test_mlflow.py",  # 142
     "integration/test_cli.py",  # 129
     "faults/test_hang.py",  # 100
+    "cluster/test_scaling.py",  # 100 (alone)
     "faults/test_disk_full.py",  # 97
     "integration/test_ckpt_cli.py",  # 95
     "integration/test_submit.py",  # 89
