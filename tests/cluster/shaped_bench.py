@@ -86,8 +86,9 @@ def main() -> None:
                 path.write_text(yaml.safe_dump(config(folder, name, parallel, args.steps)))
                 log_path = folder / f"{name}.log"
                 print(f"{label} ...", flush=True)
+                argv = [TRAINFORGE, "train", str(path), "--address", cluster.gcs_address]
                 with open(log_path, "wb") as log:
-                    code = cluster.driver([TRAINFORGE, "train", str(path), "--address", cluster.gcs_address], log).wait()
+                    code = cluster.driver(argv, log).wait()
                 if code != 0:
                     print(log_path.read_text(errors="replace")[-3000:])
                     raise SystemExit(f"{label}: exit {code}")
