@@ -7,13 +7,19 @@ the driver's time before the first report (Ray starting, placement) is billed at
 count, since rented machines cost money while they wait too. The projection to the end of the run
 extends the current hourly rate over the steps left at the pace of this driver session.
 
-One meter per driver session: a resumed run's earlier sessions are not in ``so_far``.
+One meter per driver session. A run that resumes (its first report says "resumed from") carries
+the bill of its earlier driver sessions: the last ``cost/so_far`` in the run's metrics.jsonl when
+this session started (every session's figure includes the ones before it), so the money spent on
+steps that a crash then lost stays on the bill. A run that starts over is billed from zero.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 from trainforge.config import Config, CostConfig, ScalingConfig
@@ -81,7 +87,9 @@ def project(so_far: float, rate_per_hour: float, elapsed_s: float, steps_done: i
 class CostMeter:
     """The driver's running bill: worker-hours integrated between reports, projected from progress."""
 
-    def __init__(self, prices: CostConfig, units: Units, workers: int, now: float | None = None) -> None:
+    def __init__(
+        self, prices: CostConfig, units: Units, workers: int, now: float | None = None, *, earlier: float = 0.0
+    ) -> None:
         self.prices = prices
         self.units = units
         self.workers = float(workers)
@@ -89,13 +97,16 @@ class CostMeter:
         self.worker_hours = 0.0
         self.first_step: int | None = None
         self.first_seen = self.started
+        self.earlier = earlier  # earlier sessions' bill, carried once the run turns out to resume
+        self.carried = 0.0
 
     @classmethod
     def for_config(cls, config: Config, now: float | None = None) -> CostMeter | None:
         """The run's meter, or None when no price is set."""
         if not config.cost.enabled:
             return None
-        return cls(config.cost, units_per_worker(config.scaling), config.scaling.max_workers, now)
+        earlier = earlier_sessions_cost(config.run_dir / "metrics.jsonl")
+        return cls(config.cost, units_per_worker(config.scaling), config.scaling.max_workers, now, earlier=earlier)
 
     def advance(self, now: float, workers: float | None = None) -> None:
         """Bill the time since the last call at the worker count that held over it, then take ``workers``."""
@@ -113,9 +124,11 @@ class CostMeter:
         self.advance(now, workers)
         if self.first_step is None:
             self.first_step, self.first_seen = (step, now) if resumed else (0, self.started)
+            self.carried = self.earlier if resumed else 0.0
         gpu_hours = self.worker_hours * self.units.gpus
         cpu_hours = self.worker_hours * self.units.cpus
-        so_far = hourly_rate(self.prices, self.units, self.worker_hours)  # worker-hours at one worker's rate
+        # worker-hours at one worker's rate, plus what earlier sessions of a resumed run cost
+        so_far = self.carried + hourly_rate(self.prices, self.units, self.worker_hours)
         projected = None
         if total_steps is not None:
             rate = hourly_rate(self.prices, self.units, self.workers)
@@ -153,6 +166,26 @@ class CostMeter:
         if estimate.projected_total is not None:
             figures[PROJECTED_KEY] = estimate.projected_total
         return {**metrics, **figures}
+
+
+def earlier_sessions_cost(metrics_path: Path) -> float:
+    """The last ``cost/so_far`` a run directory's metrics.jsonl holds (0 without one): what the
+    run's earlier driver sessions cost, each session's figure including those before it."""
+    last = 0.0
+    try:
+        lines = metrics_path.read_text(errors="replace").splitlines()
+    except OSError:
+        return 0.0
+    for line in lines:
+        if SO_FAR_KEY not in line:
+            continue
+        try:
+            value = json.loads(line).get(SO_FAR_KEY)
+        except (ValueError, AttributeError):
+            continue  # a line cut short by a crash
+        if isinstance(value, (int, float)) and math.isfinite(value) and value >= 0:
+            last = float(value)
+    return last
 
 
 def _int_or_none(value: Any) -> int | None:

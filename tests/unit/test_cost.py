@@ -10,7 +10,7 @@ from mlflow import MlflowClient
 
 from tests.helpers.runs import tiny_run
 from trainforge.config import load_config
-from trainforge.cost import CostMeter, Units, hourly_rate, project, units_per_worker
+from trainforge.cost import CostMeter, Units, earlier_sessions_cost, hourly_rate, project, units_per_worker
 from trainforge.display import describe
 from trainforge.errors import ConfigError
 from trainforge.summary import Recovery, RunRecord, build_summary
@@ -95,6 +95,26 @@ def test_a_resumed_run_is_paced_from_its_first_report() -> None:
     # 100 steps per 100 s, 399 left: 399 s more at 3.6 per hour.
     assert later["cost/projected_total"] == pytest.approx(0.2 + 0.399)
     assert later["cost/currency"] == "USD"
+
+
+def test_a_resumed_run_carries_the_bill_of_its_earlier_sessions(tmp_path: Path) -> None:
+    metrics = tmp_path / "metrics.jsonl"
+    assert earlier_sessions_cost(metrics) == 0.0  # a new run
+    lines = [{"step": 10, "cost/so_far": 0.5}, {"event": "worker_error"}, {"step": 20, "cost/so_far": 1.25}]
+    metrics.write_text("".join(json.dumps(line) + "\n" for line in lines) + '{"step": 30, "cost/so_')  # cut short
+    assert earlier_sessions_cost(metrics) == pytest.approx(1.25)
+
+    config = load_config(tiny_run(tmp_path, cost={"price_per_cpu_hour": 3.6}))
+    config.run_dir.mkdir(parents=True)
+    (config.run_dir / "metrics.jsonl").write_text(metrics.read_text())
+    resumed = CostMeter.for_config(config, now=1000.0)
+    assert resumed is not None
+    first = resumed.on_report({"step": 21, "total_steps": 40, "events": ["resumed from x at step 20"]}, now=1100.0)
+    assert first["cost/so_far"] == pytest.approx(1.25 + 0.1)  # earlier sessions + 100 s of one CPU at 3.6/h
+    assert resumed.final(first, wall_time_s=200.0).so_far == pytest.approx(1.25 + 0.2)
+    fresh = CostMeter.for_config(config, now=1000.0)
+    assert fresh is not None  # the same directory, but the run started over: billed from zero
+    assert fresh.on_report({"step": 1, "total_steps": 40}, now=1100.0)["cost/so_far"] == pytest.approx(0.1)
 
 
 def test_project_needs_a_timed_step() -> None:

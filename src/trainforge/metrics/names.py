@@ -106,8 +106,8 @@ DRIVER = (
     ),
     MetricDef(
         "trainforge_run_cost",
-        "What the run's workers cost so far in this driver session, in `currency` (the cost section's "
-        "prices x reserved GPUs/CPUs x wall hours); only with a price set.",
+        "What the run's workers cost so far (a resumed run's earlier driver sessions included), in "
+        "`currency` (the cost section's prices x reserved GPUs/CPUs x wall hours); only with a price set.",
         (*RUN_LABELS, "currency"),
         "driver",
     ),

@@ -24,7 +24,7 @@ def cost_section(data: RunData) -> str:
             "currency": last.get("cost/currency", ""),
         }
     currency = str(cost.get("currency", ""))
-    cards = [card("Cost so far", _money(cost.get("so_far"), currency), "this driver session's wall time")]
+    cards = [card("Cost so far", _money(cost.get("so_far"), currency), "wall time of every driver session")]
     cards.append(card("Projected total", _money(cost.get("projected_total"), currency), "at this session's pace"))
     for key, title, price in (
         ("gpu_hours", "GPU hours", "price_per_gpu_hour"),
