@@ -63,7 +63,9 @@ class CostEstimate:
     cpu_hours: float
 
     def to_dict(self) -> dict[str, Any]:
-        return {key: round(value, 6) if isinstance(value, float) else value for key, value in asdict(self).items()}
+        # 9 decimals: a short run's bill is a few thousandths, and 6 decimals left it (and its hours)
+        # off by up to 1e-4 relative, more than the figures' own precision
+        return {key: round(value, 9) if isinstance(value, float) else value for key, value in asdict(self).items()}
 
 
 def hourly_rate(prices: CostConfig, units: Units, workers: float) -> float:
