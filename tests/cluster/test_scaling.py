@@ -95,7 +95,9 @@ def test_predicted_efficiency_is_within_10_points_of_the_measured_one_at_two_lin
         )
     print("\n" + "\n".join(lines))
     fast, slow = (results[rate]["points"][1] for rate in RATES)
-    assert slow["efficiency"] < fast["efficiency"], "the slower link did not cost efficiency"
+    # Not efficiency: a loaded machine slows the one-worker run too, and once made the 100mbit
+    # run look the more efficient. The time the step waits for the link does not depend on that.
+    assert slow["comm_exposed_s"] > 3 * fast["comm_exposed_s"], "the slower link did not cost more waiting"
     for rate, result in results.items():
         two = result["points"][1]
         assert abs(two["error_points"]) <= TOLERANCE_POINTS, f"{rate}: {lines}"
