@@ -15,7 +15,6 @@ Prints a Markdown table (docs/benchmarks.md records it).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 from pathlib import Path
@@ -25,6 +24,7 @@ import yaml
 
 from tests.cluster.netns import network
 from tests.cluster.raycluster import FAST_HEALTH_CHECKS, NodeSpec, ray_cluster
+from trainforge.report.data import load_run
 
 TRAINFORGE = str(Path(sys.executable).parent / "trainforge")
 SPECS = [NodeSpec("head", num_cpus=0, head=True), NodeSpec("w1", num_cpus=1), NodeSpec("w2", num_cpus=1)]
@@ -56,17 +56,16 @@ def config(folder: Path, name: str, parallel: dict[str, Any], steps: int) -> dic
 
 def time_to_target(run_dir: Path, target: float) -> tuple[float | None, int | None, float, float]:
     """(seconds to the first validation <= target, its step, the best validation loss, the run's wall time)."""
-    reports = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    run = load_run(run_dir)
     reached, step, best = None, None, float("inf")
-    for report in reports:
+    for report in run.reports:
         loss = report.get("val/loss")
         if isinstance(loss, (int, float)):
             best = min(best, loss)
             if reached is None and loss <= target:
                 reached, step = float(report["time/elapsed_s"]), int(report["step"])
-    summary = json.loads((run_dir / "summary.json").read_text())
-    best = min(best, float(summary.get("final_metrics", {}).get("val/loss", best)))
-    return reached, step, best, float(summary["wall_time_s"])
+    best = min(best, float(run.summary.get("final_metrics", {}).get("val/loss", best)))
+    return reached, step, best, float(run.summary["wall_time_s"])
 
 
 def main() -> None:

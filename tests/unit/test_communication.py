@@ -40,7 +40,7 @@ def one_run(rank: int, world: int, config_dict: dict[str, Any], crash_at: int | 
 
     cfg = Config.model_validate(config_dict)
     run = build(cfg, ranks=(rank, world))
-    compression = run.plan.compression  # as the Prometheus hook does: the timer wraps the plan's hook
+    compression = run.plan.compression  # as worker/hooks does: the timer wraps the plan's hook
     timer = CommTimer.attach(run.model, run.device, compression.hook if compression is not None else None)
     checkpointing = Checkpointing(run, CheckpointStore.for_run(cfg.storage_path, cfg.run.name))
     restored = restore(run, checkpointing.store)

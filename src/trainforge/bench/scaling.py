@@ -32,7 +32,7 @@ import json
 import os
 import platform
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -41,10 +41,10 @@ from rich.table import Table
 
 from trainforge.config import Config, load_config
 from trainforge.errors import TrainforgeError
-from trainforge.history import HISTORY_KEY
+from trainforge.history import curve_points
 from trainforge.machine import cpu_model
 from trainforge.predict.links import INTRA_NODE, Link
-from trainforge.report.data import finite
+from trainforge.report.data import finite, load_run
 
 SCHEMA = "trainforge.bench.scaling/1"
 DEFAULT_STEPS = 60
@@ -109,19 +109,19 @@ def weighted_means(points: list[dict[str, Any]], keys: Sequence[str]) -> tuple[d
     return {k: sum((finite(p.get(k)) or 0.0) * span for p, span in spans) / total for k in keys}, total
 
 
+STEP_KEYS = ("perf/step_time_s", "perf/data_wait_s", "perf/compute_s", "perf/optimizer_s")  # per log interval
+COMM_KEYS = ("perf/comm_s", "perf/comm_exposed_s")  # per report (rank 0 measures them at each)
+
+
 def step_breakdown(reports: list[dict[str, Any]]) -> dict[str, float]:
-    """Where a step's time went, from a run's reports (metrics.jsonl lines): the step's parts from
-    every log interval (the reports' ``history``), the communication from the reports themselves
-    (rank 0 measures it per report)."""
-    intervals = [
-        point for report in reports for point in report.get(HISTORY_KEY) or [report] if isinstance(point, dict)
-    ]
-    parts, steps = weighted_means(
-        intervals, ("perf/step_time_s", "perf/data_wait_s", "perf/compute_s", "perf/optimizer_s")
-    )
+    """Where a step's time went, from a run's reports as metrics.jsonl holds them: the step's parts
+    from every log interval (each report's ``history``), the communication from the reports'
+    own points (``history.curve_points`` gives both)."""
+    points = [point for report in reports for point in curve_points(report)]
+    parts, steps = weighted_means(points, STEP_KEYS)
     if not steps:
         raise TrainforgeError("the run wrote no timed reports to metrics.jsonl; raise --steps")
-    comm, _ = weighted_means(reports, ("perf/comm_s", "perf/comm_exposed_s"))
+    comm, _ = weighted_means(points, COMM_KEYS)
     exposed = comm["perf/comm_exposed_s"]
     return {
         "step_time_s": parts["perf/step_time_s"],
@@ -132,18 +132,6 @@ def step_breakdown(reports: list[dict[str, Any]]) -> dict[str, float]:
         "comm_s": comm["perf/comm_s"],
         "steps_measured": steps,
     }
-
-
-def read_reports(run_dir: Path) -> list[dict[str, Any]]:
-    reports = []
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        try:
-            report = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(report, dict) and "event" not in report:
-            reports.append(report)
-    return reports
 
 
 def efficiencies(counts: Sequence[int], rates: Sequence[float]) -> list[float]:
@@ -219,7 +207,7 @@ def run_scaling_bench(
         rate = float(result.summary.get("throughput_samples_per_s") or 0.0)
         if rate <= 0:
             raise TrainforgeError(f"the {workers}-worker run measured no throughput (raise --steps); see {run.run_dir}")
-        parts = step_breakdown(read_reports(run.run_dir))
+        parts = step_breakdown(load_run(run.run_dir).reports)
         rates.append(rate)
         measured.append((workers, parts, run.run_dir))
         console.print(
@@ -232,7 +220,7 @@ def run_scaling_bench(
     ]
     if link is not None:
         points = [
-            Point(**{**asdict(p), "predicted_efficiency": expected, "error_points": error})
+            replace(p, predicted_efficiency=expected, error_points=error)
             for p, (expected, error) in zip(points, predicted(config, points, link, workers_per_node), strict=True)
         ]
     figures = {

@@ -15,7 +15,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import PercentFormatter
 
 from trainforge.report.html import STYLE, figures_html, now
-from trainforge.report.plots import DPI, HEIGHT_IN, WIDTH_IN, Plot
+from trainforge.report.plots import Plot, new_figure
 
 # (key, label, color), stacked bottom to top: the parts of a step
 BREAKDOWN = (
@@ -27,16 +27,9 @@ BREAKDOWN = (
 
 
 def _figure(title: str, ylabel: str) -> tuple[Figure, Axes]:
-    """A figure on the Agg canvas (matplotlib's object API, no pyplot: no global state changed)."""
-    fig = Figure(figsize=(WIDTH_IN, HEIGHT_IN), dpi=DPI, layout="constrained")
-    ax = fig.add_subplot()
-    ax.set_title(title, loc="left", fontsize=12, fontweight="bold")
+    """The run report's figure (``plots.new_figure``) with workers, not steps, along x."""
+    fig, ax = new_figure(title, ylabel)
     ax.set_xlabel("workers")
-    ax.set_ylabel(ylabel)
-    ax.grid(True, color="#e5e5e5", linewidth=0.8)
-    ax.set_axisbelow(True)
-    for side in ("top", "right"):
-        ax.spines[side].set_visible(False)
     return fig, ax
 
 

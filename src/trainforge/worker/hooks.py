@@ -28,7 +28,8 @@ class WorkerHook(Protocol):
         """Every rank, just before ``ray.train.report``. ``metrics`` is the all-reduced report (the
         same on every rank; a hook may add keys to it, which reach the driver's callback with this
         rank's report); ``local`` is this rank's own per-step times over the interval
-        (``data_s``, ``compute_s``, ``optim_s``, ``comm_s``, ``step_s``) and its ``steps``."""
+        (``data_s``, ``compute_s``, ``optim_s``, ``step_s``) and its ``steps``, to which the
+        communication hook, which runs first, adds ``comm_s`` and ``comm_exposed_s``."""
         ...
 
     def on_save(self, outcome: SaveOutcome) -> None:
