@@ -7,7 +7,9 @@ efficiency of the two against linear, and sets beside it the efficiency ``trainf
 communication model gives: the two-worker run's own measured compute plus the predicted
 all-reduce over that link (the two workers share this machine's two cores, which slows their
 compute; that is not the link's doing). At two rates the prediction must be within 10 points of
-the measurement. The figures are printed (docs/benchmarks.md records them).
+the measurement. The figures are printed (docs/benchmarks.md records them). 400mbit rather than
+1gbit: at 1 Gbit/s the all-reduce takes about 10 ms and gloo's own CPU time on the shared cores
+moved the error by up to 7 points between runs.
 
 The model is sized so that communication and compute are of the same order at the faster rate
 and communication dominates at the slower one: where efficiency is middling, a prediction that
@@ -30,7 +32,7 @@ from tests.cluster.raycluster import RayCluster
 pytestmark = pytest.mark.slow
 
 TRAINFORGE = str(Path(sys.executable).parent / "trainforge")
-RATES = ("1gbit", "100mbit")
+RATES = ("400mbit", "100mbit")
 TOLERANCE_POINTS = 10.0
 
 CONFIG: dict[str, Any] = {
