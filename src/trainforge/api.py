@@ -15,8 +15,8 @@ from typing import Any
 from rich.console import Console
 
 from trainforge.config import Config, load_config
-from trainforge.launch import train
-from trainforge.observe import Observer
+from trainforge.driver.events import Observer
+from trainforge.driver.run import train
 from trainforge.tune.search import TuneResult
 from trainforge.tune.search import search as tune
 

@@ -18,7 +18,7 @@ import pytest
 import ray
 
 from trainforge.config import load_config
-from trainforge.launch import ray_session
+from trainforge.driver.ray_session import ray_session
 
 pytestmark = pytest.mark.slow
 

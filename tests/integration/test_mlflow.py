@@ -21,7 +21,7 @@ from mlflow import MlflowClient
 import trainforge
 from tests.helpers.faults import Fault, free_port, paced_run, reports, wait_until
 from tests.helpers.runs import tiny_run
-from trainforge.history import curve_points
+from trainforge.protocol import curve_points
 from trainforge.tracking.runs import RESUME_FILE
 
 pytestmark = [pytest.mark.usefixtures("ray_local"), pytest.mark.slow]

@@ -32,8 +32,8 @@ import trainforge
 from tests.helpers.runs import tiny_run
 from trainforge.config import Config, load_config
 from trainforge.metrics import names
-from trainforge.metrics.promql import deploy_expressions, unresolved_names
-from trainforge.metrics.session import DISCOVERY_FILE
+from trainforge.metrics.driver.promql import deploy_expressions, unresolved_names
+from trainforge.metrics.driver.session import DISCOVERY_FILE
 
 ROOT = Path(__file__).resolve().parents[2]
 MONITORING = ROOT / "deploy" / "monitoring"
@@ -134,7 +134,7 @@ class Monitored:
 def monitored(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Monitored]:
     import ray
 
-    from trainforge.launch import ray_session
+    from trainforge.driver.ray_session import ray_session
 
     tmp = tmp_path_factory.mktemp("prometheus")
     config = load_config(

@@ -15,7 +15,7 @@ import yaml
 
 from tests.helpers.mounts import tmpfs
 from tests.helpers.runs import tiny_run
-from trainforge.runlock import acquire
+from trainforge.driver.runlock import acquire
 
 ROOT = Path(__file__).resolve().parents[2]
 CLI = Path(sys.executable).parent / "trainforge"

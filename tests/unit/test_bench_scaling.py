@@ -16,8 +16,8 @@ import yaml
 from tests.helpers.runs import tiny_run
 from trainforge.bench.scaling import Point, efficiencies, predicted, run_config, step_breakdown
 from trainforge.config import load_config
-from trainforge.history import HISTORY_KEY
 from trainforge.predict.links import resolve_link
+from trainforge.protocol import HISTORY_KEY
 from trainforge.report.scaling import write_scaling_report
 
 

@@ -33,7 +33,7 @@ from trainforge.errors import ConfigError
 def one_run(rank: int, world: int, config_dict: dict[str, Any], crash_at: int | None) -> dict[str, Any]:
     from trainforge.checkpoint.storage import CheckpointStore
     from trainforge.config import Config
-    from trainforge.metrics.comm import CommTimer
+    from trainforge.metrics.worker.comm import CommTimer
     from trainforge.worker.build import build
     from trainforge.worker.loop import Session
     from trainforge.worker.saving import Checkpointing, restore
@@ -143,7 +143,7 @@ def test_ddp_options_and_powersgd_state_follow_the_config() -> None:
 
     from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
 
-    from trainforge.metrics.comm import ChosenHook
+    from trainforge.metrics.worker.comm import ChosenHook
 
     state = PowerSGDState(process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=100)
     compression = Compression("powersgd", ChosenHook(state, powerSGD_hook), state, 100)
@@ -375,7 +375,7 @@ def timer_around_compression(rank: int, world: int) -> dict[str, Any]:
     from torch.nn.parallel import DistributedDataParallel
 
     from trainforge.config import ParallelConfig
-    from trainforge.metrics.comm import CommTimer
+    from trainforge.metrics.worker.comm import CommTimer
     from trainforge.worker.compression import compress
 
     torch.manual_seed(0)

@@ -126,7 +126,7 @@ def test_resolved_config_round_trips_through_yaml(tmp_path: Path) -> None:
 
 
 def test_bundled_quickstart_is_valid() -> None:
-    from trainforge.cli import resolve_config_path
+    from trainforge.cli.common import resolve_config_path
 
     config = load_config(resolve_config_path("quickstart"), env={})
     assert config.data.name == "digits"

@@ -14,8 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from trainforge.config import Config, load_config, parse_override, to_yaml
+from trainforge.config.safeyaml import MAX_DEPTH, MAX_FILE_BYTES, MAX_NODES, load_yaml, read_yaml_file
 from trainforge.errors import ConfigError, TrainforgeError
-from trainforge.safeyaml import MAX_DEPTH, MAX_FILE_BYTES, MAX_NODES, load_yaml, read_yaml_file
 
 BASE = "model: {name: mlp}\ntrain: {max_steps: 10}\n"
 BASE_DICT: dict[str, Any] = {"model": {"name": "mlp"}, "train": {"max_steps": 10}}

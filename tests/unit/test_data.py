@@ -468,7 +468,7 @@ def test_relative_data_paths_reach_local_workers_absolute(tmp_path: Path, monkey
     where ``trainforge train`` ran is made absolute before it is sent to a local Ray's workers."""
     from tests.helpers.runs import tiny_run
     from trainforge.config import Config
-    from trainforge.launch import with_absolute_data_paths
+    from trainforge.driver.run import with_absolute_data_paths
 
     monkeypatch.chdir(tmp_path)
     config = tiny_run(tmp_path, data={"name": "imagefolder", "path": "pets", "val_path": "s3://b/val"})

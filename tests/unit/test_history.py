@@ -14,8 +14,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from trainforge.checkpoint.state import Progress
-from trainforge.history import HISTORY_KEY, curve_points, merge_points
 from trainforge.models.tasks import ClassificationTask
+from trainforge.protocol import HISTORY_KEY, curve_points, merge_points
 from trainforge.worker.metrics import IntervalHistory, Throughput, reduce_metrics
 from trainforge.worker.step import MetricSums
 

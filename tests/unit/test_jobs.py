@@ -1,4 +1,4 @@
-"""trainforge.jobs without a cluster: address and token resolution, the shipped config, exit codes.
+"""trainforge.driver.jobs without a cluster: address and token resolution, the shipped config, exit codes.
 Against a real Ray head: tests/integration/test_submit.py."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 
 from tests.helpers.runs import tiny_run
 from trainforge.config import load_config
+from trainforge.driver.jobs import EXCLUDES, Token, dashboard_address, excludes, exit_code, find_token, job_config
 from trainforge.errors import ConfigError
-from trainforge.jobs import EXCLUDES, Token, dashboard_address, excludes, exit_code, find_token, job_config
 
 CLEAN = ("RAY_ADDRESS", "RAY_JOBS_ADDRESS", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from trainforge.metrics.promql import Expression, dashboard_expressions, referenced_names, unresolved_names
+from trainforge.metrics.driver.promql import Expression, dashboard_expressions, referenced_names, unresolved_names
 
 
 @pytest.mark.parametrize(

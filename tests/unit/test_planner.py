@@ -93,7 +93,7 @@ def test_plan_json_has_every_strategy_its_terms_and_a_recommendation(
 
 def test_max_micro_batch_is_the_boundary_of_the_estimate() -> None:
     from trainforge.config import load_config
-    from trainforge.worker.memory import GPU_RESERVE, max_micro_batch, profile_model, rank_breakdown
+    from trainforge.worker.capacity.estimate import GPU_RESERVE, max_micro_batch, profile_model, rank_breakdown
 
     config = load_config({**SMALL, "parallel": {"strategy": "fsdp", "activation_checkpointing": "full"}})
     profile = profile_model(config)
@@ -134,7 +134,7 @@ def measured() -> dict[str, Any]:
 @pytest.mark.parametrize("name", list(MEASURED))
 def test_planned_bytes_are_within_5_percent_of_what_each_rank_holds(name: str, measured: dict[str, Any]) -> None:
     from trainforge.config import Config
-    from trainforge.worker.memory import rank_breakdown
+    from trainforge.worker.capacity.estimate import rank_breakdown
 
     planned = rank_breakdown(Config.model_validate(measured["configs"][name]), 2)
     for rank, by_name in enumerate(measured["held"]):
@@ -149,7 +149,7 @@ def test_planned_bytes_are_within_5_percent_of_what_each_rank_holds(name: str, m
 def test_planned_bytes_of_fsdp_x_tensor_parallel_at_4_ranks_are_within_5_percent() -> None:
     from trainforge.bench.memory import bench_config
     from trainforge.config import Config
-    from trainforge.worker.memory import rank_breakdown
+    from trainforge.worker.capacity.estimate import rank_breakdown
 
     config = {**bench_config("llama_tiny", {}, "fsdp", 4), "parallel": {"strategy": "fsdp", "tensor_parallel": 2}}
     planned = rank_breakdown(Config.model_validate(config), 4)
@@ -191,7 +191,7 @@ def test_a_10b_llama_on_8_x_80_gb_needs_fsdp_and_activation_checkpointing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from trainforge.config import load_config
-    from trainforge.planning import plan_memory
+    from trainforge.worker.capacity.render import plan_memory
 
     started = time.perf_counter()
     report = plan_memory(load_config(LLAMA_10B), gpus=8, gpu_memory_gb=80)

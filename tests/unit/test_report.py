@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from trainforge.history import HISTORY_KEY
+from trainforge.protocol import HISTORY_KEY
 from trainforge.report import ReportError, ReportWriter, load_run, write_report
 from trainforge.report.html import format_metric
 from trainforge.report.plots import pieces, xy

@@ -18,8 +18,8 @@ import pytest
 
 from tests.helpers.runs import tiny_run
 from trainforge.config import Config, validate
+from trainforge.driver.runlock import LOCK_FILE, RunLock, acquire, check_writable, run_locks
 from trainforge.errors import ConfigError, RunLockedError
-from trainforge.runlock import LOCK_FILE, RunLock, acquire, check_writable, run_locks
 
 ROOT = Path(__file__).resolve().parents[2]
 ADVICE = "choose another run.name"
@@ -28,7 +28,7 @@ ADVICE = "choose another run.name"
 HOLDER = """
 import sys, time
 from pathlib import Path
-from trainforge.runlock import acquire
+from trainforge.driver.runlock import acquire
 lock = acquire(Path(sys.argv[1]), what="run directory", advice="wait")
 print("locked", flush=True)
 time.sleep(600)

@@ -18,7 +18,7 @@ from trainforge.config import DataConfig
 from trainforge.data.spec import DataSpec
 from trainforge.data.stream import (
     Decode,
-    StreamPlan,
+    StreamShape,
     check_stream_config,
     count_rows,
     first_row,
@@ -130,10 +130,10 @@ def test_streams_refuse_tensor_parallel_and_auto_batch_in_one_line() -> None:
 
 def test_the_plan_travels_to_the_workers_as_plain_data() -> None:
     spec = DataSpec(kind="image", input_shape=(1, 8, 8), num_classes=10, train_size=11, val_size=5)
-    plan = StreamPlan("parquet", 11, 5, spec, ("a", "b"))
-    again = StreamPlan.from_dict(json.loads(json.dumps(plan.to_dict())))
-    assert again == plan
-    assert plan.rows_per_rank(2) == 5 and plan.rows_per_rank(4, val=True) == 1
+    shape = StreamShape("parquet", 11, 5, spec, ("a", "b"))
+    again = StreamShape.from_dict(json.loads(json.dumps(shape.to_dict())))
+    assert again == shape
+    assert shape.rows_per_rank(2) == 5 and shape.rows_per_rank(4, val=True) == 1
 
 
 def _png_bytes() -> bytes:

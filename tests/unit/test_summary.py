@@ -12,10 +12,18 @@ from typing import Any
 import pytest
 
 from tests.helpers.runs import tiny_run
-from trainforge import observe
 from trainforge.config import Config, to_yaml, validate
-from trainforge.launch import Outcome, run_record
-from trainforge.summary import DRIVER_START, RUN_DRIVER, SEARCH_DRIVER, Recovery, RunLog, RunRecord, build_summary
+from trainforge.driver import events as observe
+from trainforge.driver.run import Outcome, run_record
+from trainforge.driver.summary import (
+    DRIVER_START,
+    RUN_DRIVER,
+    SEARCH_DRIVER,
+    Recovery,
+    RunLog,
+    RunRecord,
+    build_summary,
+)
 from trainforge.tune.summary import complete_run_dir
 from trainforge.tune.trial import TrialOutcome
 

@@ -20,7 +20,7 @@ from tests.helpers.runs import tiny_run
 from trainforge.config import load_config
 from trainforge.errors import ConfigError
 from trainforge.metrics.nvml import Gpus
-from trainforge.metrics.system import SystemMetrics
+from trainforge.metrics.worker.system import SystemMetrics
 from trainforge.tracking import SearchRun, TrackingError, make_tracker
 from trainforge.tracking.outbox import Outbox, is_transient
 from trainforge.tracking.records import (

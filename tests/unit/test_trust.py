@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from trainforge.config import ConfigError, load_config
+from trainforge.config import load_config
+from trainforge.errors import ConfigError
 from trainforge.tracking.records import git_tags
 
 needs_git = pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
@@ -87,7 +88,7 @@ def test_bound_to_loopback_switches_rays_node_address_lookup_only_while_ray_star
 ) -> None:
     from ray._private import ray_constants, services
 
-    from trainforge.loopback import CLUSTER_ENV, bound_to
+    from trainforge.driver.ray_session import CLUSTER_ENV, bound_to
 
     monkeypatch.delenv(CLUSTER_ENV, raising=False)
     before = ray_constants.ENABLE_RAY_CLUSTER

@@ -1,4 +1,4 @@
-"""Search space files and the search plan: every mistake is one ConfigError that names the key."""
+"""Search space files and the search settings: every mistake is one ConfigError that names the key."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from ray import tune
 from trainforge.config import load_config
 from trainforge.errors import ConfigError
 from trainforge.tune.runner import default_concurrency, trial_demand
-from trainforge.tune.schedulers import default_metric, make_plan
+from trainforge.tune.schedulers import default_metric, make_settings
 from trainforge.tune.space import apply_params, load_space, parse_space
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -108,15 +108,15 @@ def test_pbt_perturbations_are_clamped_into_the_domain() -> None:
 
 def test_grid_search_runs_every_point_and_num_trials_must_fit_the_grid() -> None:
     space = parse_space(DEMO_SPACE, config())
-    plan = make_plan(config(search="grid"), space)
-    assert (plan.num_samples, plan.num_trials) == (1, 2)
-    assert make_plan(config(search="grid", num_trials=6), space).num_samples == 3
+    settings = make_settings(config(search="grid"), space)
+    assert (settings.num_samples, settings.num_trials) == (1, 2)
+    assert make_settings(config(search="grid", num_trials=6), space).num_samples == 3
     with pytest.raises(ConfigError, match="num_trials must be a multiple of 2"):
-        make_plan(config(search="grid", num_trials=3), space)
+        make_settings(config(search="grid", num_trials=3), space)
     no_grid = parse_space({"optim.lr": {"uniform": [0.01, 0.1]}}, config())
     with pytest.raises(ConfigError, match="needs at least one"):
-        make_plan(config(search="grid"), no_grid)
-    assert make_plan(config(), space).num_trials == 8  # random: the default trial count
+        make_settings(config(search="grid"), no_grid)
+    assert make_settings(config(), space).num_trials == 8  # random: the default trial count
 
 
 @pytest.mark.parametrize(
@@ -139,31 +139,31 @@ def test_grid_search_runs_every_point_and_num_trials_must_fit_the_grid() -> None
 def test_bad_scheduler_settings_are_config_errors(tune_section: dict, message: str) -> None:
     space = parse_space({"optim.lr": {"uniform": [0.01, 0.1]}}, config())
     with pytest.raises(ConfigError) as caught:
-        make_plan(config(**tune_section), space)
+        make_settings(config(**tune_section), space)
     assert message in str(caught.value)
 
 
 def test_schedulers_need_a_step_budget_and_default_to_it() -> None:
     space = parse_space({"optim.lr": {"uniform": [0.01, 0.1]}}, config())
-    plan = make_plan(config(scheduler="asha"), space)
-    assert plan.scheduler_params == {"max_t": 90, "grace_period": 10, "reduction_factor": 3.0, "brackets": 1}
+    settings = make_settings(config(scheduler="asha"), space)
+    assert settings.scheduler_params == {"max_t": 90, "grace_period": 10, "reduction_factor": 3.0, "brackets": 1}
     both = {"asha": {"grace_period": 30}, "pbt": {"perturbation_interval": 45}}
-    assert make_plan(config(scheduler="asha", scheduler_params=both), space).scheduler_params["grace_period"] == 30
-    assert make_plan(config(scheduler="none", scheduler_params=both), space).scheduler_params == {}
+    assert make_settings(config(scheduler="asha", scheduler_params=both), space).scheduler_params["grace_period"] == 30
+    assert make_settings(config(scheduler="none", scheduler_params=both), space).scheduler_params == {}
     epochs_only = load_config({**BASE, "train": {"epochs": 3}, "tune": {"scheduler": "median"}}, env={})
     with pytest.raises(ConfigError, match="needs a step budget"):
-        make_plan(epochs_only, space)
+        make_settings(epochs_only, space)
 
 
 def test_pbt_checkpoints_at_every_perturbation_step() -> None:
     space = parse_space({"optim.lr": {"uniform": [0.01, 0.1]}}, config())
     params = {"pbt": {"perturbation_interval": 30}}
-    assert make_plan(config(scheduler="pbt", scheduler_params=params), space).checkpoint_every == 30
+    assert make_settings(config(scheduler="pbt", scheduler_params=params), space).checkpoint_every == 30
     with_every = load_config(
         {**BASE, "checkpoint": {"every_n_steps": 20}, "tune": {"scheduler": "pbt", "scheduler_params": params}}, env={}
     )
     with pytest.raises(ConfigError, match=r"must be a multiple of checkpoint\.every_n_steps 20"):
-        make_plan(with_every, space)
+        make_settings(with_every, space)
 
 
 def test_the_default_metric_is_validation_loss_where_there_is_validation_data() -> None:
@@ -197,7 +197,7 @@ def test_every_scheduler_is_built_with_the_step_as_its_clock(scheduler: str, kin
     from trainforge.tune.schedulers import build_scheduler
 
     space = parse_space(DEMO_SPACE, config())
-    built = build_scheduler(make_plan(config(scheduler=scheduler), space), space)
+    built = build_scheduler(make_settings(config(scheduler=scheduler), space), space)
     assert type(built).__name__ == kind
     if scheduler != "none":
         assert built._time_attr == "step"
@@ -208,7 +208,7 @@ def test_searchers_cap_their_own_concurrency(search: str, kind: str) -> None:
     from trainforge.tune.schedulers import build_search_alg
 
     space = parse_space({"optim.lr": {"uniform": [0.01, 0.1]}}, config())
-    built = build_search_alg(make_plan(config(search=search), space), max_concurrent=3)
+    built = build_search_alg(make_settings(config(search=search), space), max_concurrent=3)
     assert type(built).__name__ == kind
     assert built.max_concurrent == 3
 

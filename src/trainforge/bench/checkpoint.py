@@ -39,6 +39,7 @@ from rich.table import Table
 from torch import nn
 
 import trainforge
+from trainforge.bench.machine import cpu_model
 from trainforge.checkpoint.format import write_manifest_of
 from trainforge.checkpoint.hashing import DEFAULT_HASH
 from trainforge.checkpoint.manager import CheckpointManager, RotationPolicy, Snapshot
@@ -55,7 +56,6 @@ from trainforge.checkpoint.state import (
 )
 from trainforge.checkpoint.storage import CheckpointStore, checkpoint_name, fsync_path
 from trainforge.errors import TrainforgeError
-from trainforge.machine import cpu_model
 
 MB = 1_000_000
 WIDTH = 1024

@@ -35,9 +35,9 @@ import torch.distributed as dist
 from rich.console import Console
 from rich.table import Table
 
+from trainforge.bench.machine import cpu_model
 from trainforge.bench.ranks import spawn_ranks
 from trainforge.errors import TrainforgeError
-from trainforge.machine import cpu_model
 
 SCHEMA = "trainforge.bench.collectives/1"
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")

@@ -290,7 +290,7 @@ def local_ray(workers: int, env: dict[str, str]) -> Iterator[None]:
     every worker sees it."""
     import ray
 
-    from trainforge.loopback import LOOPBACK, bound_to
+    from trainforge.driver.ray_session import LOOPBACK, bound_to
 
     saved = {name: os.environ.get(name) for name in env}
     os.environ.update(env)

@@ -224,7 +224,7 @@ def s3_endpoint(endpoint_url: str | None) -> Iterator[dict[str, str]]:
             "--s3 without --endpoint-url starts moto's S3 server on loopback, and moto is not installed: "
             "pip install 'moto[server]', or give --endpoint-url"
         ) from None
-    from trainforge.loopback import LOOPBACK
+    from trainforge.driver.ray_session import LOOPBACK
 
     with contextlib.closing(socket.socket()) as probe:
         probe.bind((LOOPBACK, 0))

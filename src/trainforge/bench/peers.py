@@ -31,9 +31,9 @@ from rich.console import Console
 from rich.table import Table
 
 import trainforge
+from trainforge.bench.machine import cpu_model
 from trainforge.bench.workload import WARMUP_STEPS, Workload
 from trainforge.errors import TrainforgeError
-from trainforge.machine import cpu_model
 
 PEERS: dict[str, str] = {
     "a": "(a) PyTorch, 1 process",
@@ -262,7 +262,7 @@ def local_ray() -> Iterator[None]:
     """
     import ray
 
-    from trainforge.loopback import LOOPBACK, bound_to
+    from trainforge.driver.ray_session import LOOPBACK, bound_to
 
     saved = {name: os.environ.get(name) for name in (POLL_ENV, "PYTHONPATH")}
     os.environ[POLL_ENV] = POLL_INTERVAL_S

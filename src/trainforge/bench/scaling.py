@@ -39,11 +39,11 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from trainforge.bench.machine import cpu_model
 from trainforge.config import Config, load_config
 from trainforge.errors import TrainforgeError
-from trainforge.history import curve_points
-from trainforge.machine import cpu_model
 from trainforge.predict.links import INTRA_NODE, Link
+from trainforge.protocol import curve_points
 from trainforge.report.data import finite, load_run
 
 SCHEMA = "trainforge.bench.scaling/1"

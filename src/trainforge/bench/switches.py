@@ -45,7 +45,7 @@ from rich.console import Console
 from rich.table import Table
 
 from trainforge.bench.checkpoint import worker_threads
-from trainforge.machine import cpu_model
+from trainforge.bench.machine import cpu_model
 
 MB = 1_000_000
 SWITCHES = ("activation_checkpointing", "compile", "channels_last")

@@ -34,7 +34,7 @@ import psutil
 from rich.console import Console
 
 import trainforge
-from trainforge.machine import cpu_model
+from trainforge.bench.machine import cpu_model
 from trainforge.tune.table import fmt_value
 
 CONFIGS = Path(trainforge.__file__).parent / "configs"

@@ -31,10 +31,10 @@ from torch import Tensor
 from torch.utils.data import Dataset, IterableDataset
 
 from trainforge.config import DataConfig
+from trainforge.config.factories import describe, load_factory
 from trainforge.data.sources import Pair, PairDataset, Splits, split_indices, val_count
 from trainforge.data.spec import DataSpec
 from trainforge.errors import ConfigError, DataError, TrainforgeError
-from trainforge.factories import describe, load_factory
 
 FACTORY_SOURCE = "factory"  # data.name of a factory; data.name may also be left at its default
 DEFAULT_SOURCE: str = DataConfig.model_fields["name"].default

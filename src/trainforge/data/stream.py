@@ -62,7 +62,7 @@ def is_stream(cfg: DataConfig) -> bool:
 
 
 @dataclass(frozen=True)
-class StreamPlan:
+class StreamShape:
     """What the workers need to know about the streamed data: rows per split and the DataSpec.
 
     Built on the driver, sent to every worker with the config (the file lists stay on the driver).
@@ -78,7 +78,7 @@ class StreamPlan:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, state: dict[str, Any]) -> StreamPlan:
+    def from_dict(cls, state: dict[str, Any]) -> StreamShape:
         spec = dict(state["spec"])
         spec["input_shape"] = tuple(spec["input_shape"])
         return cls(
@@ -97,11 +97,11 @@ class StreamPlan:
 
 @dataclass
 class Stream:
-    """The driver's side: the Ray datasets to hand to the trainer, and the plan for the workers."""
+    """The driver's side: the Ray datasets to hand to the trainer, and the stream's shape for the workers."""
 
     train: Any  # ray.data.Dataset
     val: Any  # ray.data.Dataset | None
-    plan: StreamPlan
+    shape: StreamShape
 
     def datasets(self) -> dict[str, Any]:
         return {"train": self.train} | ({"val": self.val} if self.val is not None else {})
@@ -306,7 +306,7 @@ class Decode:
 
 
 def build_stream(cfg: DataConfig, *, progress: Callable[[str], None] = lambda _: None) -> Stream:
-    """The Ray datasets and the plan for ``cfg`` (``data.name`` parquet, images or jsonl)."""
+    """The Ray datasets and the stream's shape for ``cfg`` (``data.name`` parquet, images or jsonl)."""
     import ray.data
 
     source = cfg.name
@@ -360,7 +360,7 @@ def build_stream(cfg: DataConfig, *, progress: Callable[[str], None] = lambda _:
     spec = DataSpec(
         kind="image", input_shape=input_shape, num_classes=num_classes, train_size=train_rows, val_size=val_rows
     )
-    return Stream(train, val, StreamPlan(source, train_rows, val_rows, spec, classes))
+    return Stream(train, val, StreamShape(source, train_rows, val_rows, spec, classes))
 
 
 def stream_from_factory(cfg: DataConfig, seed: int) -> Stream | None:
@@ -390,7 +390,7 @@ def stream_from_factory(cfg: DataConfig, seed: int) -> Stream | None:
         train_size=train_rows,
         val_size=val_rows,
     )
-    return Stream(train, val if val_rows else None, StreamPlan("factory", train_rows, val_rows, spec))
+    return Stream(train, val if val_rows else None, StreamShape("factory", train_rows, val_rows, spec))
 
 
 def first_row(source: str, files: Files, image_size: int | None) -> dict[str, Any]:
@@ -486,9 +486,9 @@ class StreamFeed:
     """A rank's streamed batches: its shard of each dataset, read in the same order on every run."""
 
     def __init__(
-        self, plan: StreamPlan, train: Any, val: Any, cfg: DataConfig, *, seed: int, rank: int, world: int
+        self, shape: StreamShape, train: Any, val: Any, cfg: DataConfig, *, seed: int, rank: int, world: int
     ) -> None:
-        self.plan = plan
+        self.shape = shape
         self.train = train  # ray.data.DataIterator
         self.val = val
         self.cfg = cfg
@@ -497,7 +497,7 @@ class StreamFeed:
         self.world = world
 
     def per_rank_size(self) -> int:
-        return self.plan.rows_per_rank(self.world)
+        return self.shape.rows_per_rank(self.world)
 
     def train_batches(self, epoch: int, position: int, micro_batch: int, *, pin_memory: bool) -> Iterator[list[Any]]:
         """Training batches of the epoch from ``position`` (rows this rank already consumed) on."""
@@ -517,7 +517,7 @@ class StreamFeed:
     def val_batches(self, micro_batch: int) -> StreamEpoch | None:
         if self.val is None:
             return None
-        rows = self.plan.rows_per_rank(self.world, val=True)
+        rows = self.shape.rows_per_rank(self.world, val=True)
 
         def batches() -> Iterator[list[Any]]:
             loader = self.val.iter_torch_batches(

@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 from trainforge.config import ModelConfig
+from trainforge.config.factories import describe, load_factory, one_line
 from trainforge.data.spec import DataSpec
 from trainforge.errors import ModelError
-from trainforge.factories import describe, load_factory, one_line
 
 Builder = Callable[..., nn.Module]
 """``builder(spec, **kwargs) -> nn.Module``; raises ModelError when the data does not fit."""
@@ -85,7 +85,7 @@ def accepted_kwargs(builder: Builder) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# User factories: "package.module:function" (trainforge.factories), called with model.kwargs
+# User factories: "package.module:function" (trainforge.config.factories), called with model.kwargs
 
 
 def build_from_factory(path: str, kwargs: Mapping[str, Any]) -> nn.Module:

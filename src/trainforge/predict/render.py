@@ -6,12 +6,10 @@ import platform
 from dataclasses import asdict
 from typing import Any
 
-import torch
 from rich.console import Console
 from rich.table import Table
 
 from trainforge.config import Config
-from trainforge.machine import cpu_model
 from trainforge.predict import inputs as measured
 from trainforge.predict.links import GB, INTRA_NODE, Link
 from trainforge.predict.model import BACKWARD_SHARE, Topology, predict_points
@@ -57,14 +55,16 @@ def run_predict(
     model_params: int | None = None,
     gpus_per_node: int = 8,
     nics_per_node: int = 1,
+    device: str = "this machine",
 ) -> dict[str, Any]:
-    """The ``--json`` object: ``points`` (one per GPU count) plus the ``inputs`` and ``assumptions`` used."""
+    """The ``--json`` object: ``points`` (one per GPU count) plus the ``inputs`` and ``assumptions`` used.
+    ``device``: what the compute is measured on, for the record (``bench.machine.device_name``)."""
     micro, accumulate = measured.per_gpu_batch(config)
     data = measured.TrainingSet(config)  # built once, if anything below needs it
     sizes = measured.model_bytes(config, model_params, data)
     if step_time is None:
         compute_s = measured.measure_compute(config, data=data)
-        compute_source = f"measured here: median of 3 steps after 1 warm-up on {platform.machine()} ({_device(config)})"
+        compute_source = f"measured here: median of 3 steps after 1 warm-up on {platform.machine()} ({device})"
     else:
         compute_s, compute_source = step_time, "--step-time"
     work = measured.workload_of(config, sizes, compute_s)
@@ -102,12 +102,6 @@ def run_predict(
             point["epoch_s"] = samples / point["samples_per_s"]
             point["cost_per_epoch"] = point["epoch_s"] / 3600 * point["gpus"] * price
     return report
-
-
-def _device(config: Config) -> str:
-    if config.scaling.use_gpu and torch.cuda.is_available():
-        return torch.cuda.get_device_name(0)
-    return cpu_model()
 
 
 def render(report: dict[str, Any], console: Console) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from trainforge.errors import TrainforgeError
-from trainforge.history import curve_points
+from trainforge.protocol import curve_points
 from trainforge.redact import redact_config, redact_text
 
 REPORT_DIR = "report"

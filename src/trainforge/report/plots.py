@@ -4,7 +4,7 @@ Figures are built with matplotlib's object API on the Agg canvas (no pyplot), so
 never changes the backend or global state of a program that called ``trainforge.fit``.
 
 Curves have one point per log interval (``train.log_every_n_steps``): a report carries the
-intervals since the previous one in its ``history`` (``trainforge.history``); older run directories
+intervals since the previous one in its ``history`` (``trainforge.protocol``); older run directories
 without it give one point per report. After a restart the run replays the steps between its last
 checkpoint and the failure. Curves are split at every resume so they restart at the resumed step
 instead of folding back; the steps that were run and then lost are drawn faded.
@@ -22,7 +22,7 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.ticker import EngFormatter, FuncFormatter, LogLocator, MaxNLocator, NullFormatter, PercentFormatter
 
-from trainforge.history import curve_points
+from trainforge.protocol import curve_points
 from trainforge.report.data import Marker, RunData, finite, is_resume, resume_point, step_of
 
 TRAIN_COLOR, VAL_COLOR = "#1f77b4", "#d62728"

@@ -17,7 +17,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from trainforge.history import COORDINATES, curve_points
+from trainforge.protocol import COORDINATES, curve_points
 from trainforge.redact import redact_config
 
 # MLflow's own limits (mlflow.utils.validation); a longer value is refused by the server.
@@ -75,7 +75,7 @@ def sanitize_key(name: str) -> str:
 def metric_points(report: Mapping[str, Any]) -> list[Point]:
     """Every numeric key of a report as MLflow points: one per log interval from the report's
     ``history`` (each at its own step and time), the rest at ``step = report["step"]`` and the
-    report's time (``trainforge.history.curve_points``)."""
+    report's time (``trainforge.protocol.curve_points``)."""
     points = []
     for record in curve_points(report):
         step = int(record.get("step", 0))

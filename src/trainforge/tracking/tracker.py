@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from trainforge.cost import PROJECTED_KEY, SO_FAR_KEY
+from trainforge.protocol import PROJECTED_KEY, SO_FAR_KEY
 from trainforge.tracking.outbox import Leftover, Outbox
 from trainforge.tracking.records import (
     clean_tags,

@@ -26,13 +26,13 @@ from rich.console import Console
 from trainforge.checkpoint.format import write_json_atomic
 from trainforge.checkpoint.storage import join_uri
 from trainforge.config import Config
+from trainforge.driver.run import preflight, ray_logs_to, ray_session, resolve_address
+from trainforge.driver.runlock import acquire, check_writable
 from trainforge.errors import ConfigError
-from trainforge.launch import preflight, ray_logs_to, ray_session, resolve_address
 from trainforge.redact import redact_config
-from trainforge.runlock import acquire, check_writable
 from trainforge.tune.placement import Releaser, release, start_ledger
 from trainforge.tune.relay import relayed
-from trainforge.tune.schedulers import SearchPlan, build_scheduler, build_search_alg, make_plan
+from trainforge.tune.schedulers import SearchSettings, build_scheduler, build_search_alg, make_settings
 from trainforge.tune.space import SearchSpace
 from trainforge.tune.summary import write_outputs
 from trainforge.tune.table import TrialWatch
@@ -54,13 +54,13 @@ def tune_trial_dirname(trial: Any) -> str:
     return f"{TUNE_DIR_PREFIX}{trial.trial_id}"
 
 
-def search_base(config: Config, plan: SearchPlan) -> dict[str, Any]:
+def search_base(config: Config, settings: SearchSettings) -> dict[str, Any]:
     """The config every trial starts from: runs live under the search dir, each trial has
     ``tune.workers_per_trial`` workers, checkpoints go under the search's own storage folder
     (and, under PBT, are taken at every perturbation step)."""
     raw = config.to_dict()
-    if plan.checkpoint_every is not None:
-        raw["checkpoint"]["every_n_steps"] = plan.checkpoint_every
+    if settings.checkpoint_every is not None:
+        raw["checkpoint"]["every_n_steps"] = settings.checkpoint_every
     raw["run"]["output_dir"] = str(config.run_dir)
     raw["scaling"]["num_workers"] = config.tune.workers_per_trial
     storage = config.checkpoint.storage_path
@@ -100,11 +100,11 @@ def default_concurrency(demand: dict[str, float], available: dict[str, float]) -
     return max(1, min(fits)) if fits else 1
 
 
-def search_identity(base: dict[str, Any], space: SearchSpace, plan: SearchPlan) -> dict[str, Any]:
+def search_identity(base: dict[str, Any], space: SearchSpace, settings: SearchSettings) -> dict[str, Any]:
     return {
         "config": redact_config(base),  # written to search.json: no credentials
         "space": {d.key: {d.kind: list(d.args)} for d in space.domains},
-        "plan": {k: v for k, v in vars(plan).items()},
+        "plan": {k: v for k, v in vars(settings).items()},
     }
 
 
@@ -151,7 +151,7 @@ def run_search(
 ) -> dict[str, Any]:
     """Run (or continue) the search; write tune_summary.json, best.yaml and plots; the summary."""
     shown = console or Console(stderr=True)
-    plan = make_plan(config, space)
+    settings = make_settings(config, space)
     address = resolve_address(config, address)
     preflight(config, local=address is None)
     search_dir = config.run_dir
@@ -160,24 +160,24 @@ def run_search(
     # rewrite each other's search.json and Tune state. Held until the outputs are written.
     advice = "wait for it to end, or choose another run.name or run.output_dir"
     with acquire(search_dir, what="search directory", advice=advice):
-        return _search(config, space, plan, shown, address=address, verbose=verbose)
+        return _search(config, space, settings, shown, address=address, verbose=verbose)
 
 
 def _search(
-    config: Config, space: SearchSpace, plan: SearchPlan, shown: Console, *, address: str | None, verbose: bool
+    config: Config, space: SearchSpace, settings: SearchSettings, shown: Console, *, address: str | None, verbose: bool
 ) -> dict[str, Any]:
     search_dir = config.run_dir
-    base = search_base(config, plan)
-    identity = search_identity(base, space, plan)
+    base = search_base(config, settings)
+    identity = search_identity(base, space, settings)
     again = resuming(search_dir, identity)
     write_json_atomic(search_dir / SEARCH_FILE, identity)
-    watch = TrialWatch(shown, plan.metric, plan.mode, space.keys)
+    watch = TrialWatch(shown, settings.metric, settings.mode, space.keys)
     started_at = time.time()
     trial_base = copy.deepcopy(base)  # + where the trials' MLflow runs go (not part of the search's identity)
-    search_run = start_search_run(config, plan, space, trial_base)
+    search_run = start_search_run(config, settings, space, trial_base)
     try:
         grid, setup, concurrency = _run_tuner(
-            config, space, plan, trial_base, watch, again, address=address, verbose=verbose, console=shown
+            config, space, settings, trial_base, watch, again, address=address, verbose=verbose, console=shown
         )
     except BaseException:
         search_run.end("failed")
@@ -185,7 +185,7 @@ def _search(
     return write_outputs(
         config=config,
         space=space,
-        plan=plan,
+        settings=settings,
         setup=setup,
         grid=grid,
         watch=watch,
@@ -200,7 +200,7 @@ def _search(
 def _run_tuner(
     config: Config,
     space: SearchSpace,
-    plan: SearchPlan,
+    settings: SearchSettings,
     base: dict[str, Any],
     watch: TrialWatch,
     again: bool,
@@ -217,19 +217,20 @@ def _run_tuner(
     ):
         ledger = start_ledger()
         setup = TrialSetup(
-            base=base, metric=plan.metric, pbt_every=plan.checkpoint_every, workdir=os.getcwd(), ledger=ledger
+            base=base, metric=settings.metric, pbt_every=settings.checkpoint_every, workdir=os.getcwd(), ledger=ledger
         )
         demand = trial_demand(config)
         concurrency = config.tune.max_concurrent or default_concurrency(demand, ray.available_resources())
         console.print(
             f"[bold]trainforge tune[/] [cyan]{config.run.name}[/] · {'continuing' if again else 'starting'} "
-            f"{plan.num_trials} trial(s), {plan.search} search, scheduler {plan.scheduler}, metric {plan.metric} "
-            f"({plan.mode}) · up to {concurrency} at once on {where} · output {search_dir}",
+            f"{settings.num_trials} trial(s), {settings.search} search, scheduler {settings.scheduler}, "
+            f"metric {settings.metric} ({settings.mode}) · up to {concurrency} at once on {where} "
+            f"· output {search_dir}",
             highlight=False,
             soft_wrap=True,
         )
         with relayed(str(search_dir), watch, Releaser(ledger)) as relay:
-            tuner = make_tuner(config, space, plan, setup, relay, concurrency, again)
+            tuner = make_tuner(config, space, settings, setup, relay, concurrency, again)
             with quiet_tune():
                 grid = tuner.fit()
         # Every trial's actor has ended: no worker group of the search may hold resources now.
@@ -240,7 +241,7 @@ def _run_tuner(
 def make_tuner(
     config: Config,
     space: SearchSpace,
-    plan: SearchPlan,
+    settings: SearchSettings,
     setup: TrialSetup,
     relay: Any,
     concurrency: int,
@@ -249,7 +250,7 @@ def make_tuner(
     from ray import tune
 
     trainable = tune.with_resources(tune.with_parameters(run_trial, setup=setup), trial_resources())
-    param_space = space.param_space(enumerate_grid=plan.enumerate_grid)
+    param_space = space.param_space(enumerate_grid=settings.enumerate_grid)
     search_dir = config.run_dir
     if again:
         return tune.Tuner.restore(
@@ -259,11 +260,11 @@ def make_tuner(
         trainable,
         param_space=param_space,
         tune_config=tune.TuneConfig(
-            metric=plan.metric,
-            mode=plan.mode,
-            search_alg=build_search_alg(plan, concurrency),
-            scheduler=build_scheduler(plan, space),
-            num_samples=plan.num_samples,
+            metric=settings.metric,
+            mode=settings.mode,
+            search_alg=build_search_alg(settings, concurrency),
+            scheduler=build_scheduler(settings, space),
+            num_samples=settings.num_samples,
             time_budget_s=config.tune.time_budget_s,
             trial_name_creator=trial_name,
             trial_dirname_creator=tune_trial_dirname,

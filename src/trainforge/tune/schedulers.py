@@ -58,7 +58,7 @@ PARAMS: dict[str, dict[str, Param]] = {
 
 
 @dataclass(frozen=True)
-class SearchPlan:
+class SearchSettings:
     """What the search runs: metric, trial count, step budget, and the scheduler's parameters."""
 
     metric: str
@@ -85,7 +85,7 @@ def default_metric(config: Config) -> str:
     return "val/loss"
 
 
-def make_plan(config: Config, space: SearchSpace) -> SearchPlan:
+def make_settings(config: Config, space: SearchSpace) -> SearchSettings:
     tune = config.tune
     if tune.search == "grid" and not space.has_grid:
         raise ConfigError("tune.search grid needs at least one {grid: [...]} domain in the space file")
@@ -104,7 +104,7 @@ def make_plan(config: Config, space: SearchSpace) -> SearchPlan:
         raise ConfigError("tune.scheduler pbt explores by mutating its own trials: use tune.search random or grid")
     budget = config.train.max_steps
     params = scheduler_params(tune.scheduler, tune.scheduler_params, budget)
-    return SearchPlan(
+    return SearchSettings(
         checkpoint_every=pbt_checkpoint_every(config, params) if tune.scheduler == "pbt" else None,
         metric=tune.metric or default_metric(config),
         mode=tune.mode,
@@ -187,21 +187,21 @@ def check_params(scheduler: str, given: dict[str, Any], max_t: int) -> dict[str,
     return params
 
 
-def build_search_alg(plan: SearchPlan, max_concurrent: int) -> Any:
+def build_search_alg(settings: SearchSettings, max_concurrent: int) -> Any:
     """Random and grid: Tune's variant generator, seeded; optuna: TPE, seeded. Each caps the trials
     running at once itself (Tune's TuneConfig cap does not apply to a variant generator)."""
-    if plan.search == "optuna":
+    if settings.search == "optuna":
         from optuna.samplers import TPESampler
         from ray.tune.search import ConcurrencyLimiter
         from ray.tune.search.optuna import OptunaSearch
 
-        return ConcurrencyLimiter(OptunaSearch(sampler=TPESampler(seed=plan.seed)), max_concurrent=max_concurrent)
+        return ConcurrencyLimiter(OptunaSearch(sampler=TPESampler(seed=settings.seed)), max_concurrent=max_concurrent)
     from ray.tune.search.basic_variant import BasicVariantGenerator
 
-    return BasicVariantGenerator(random_state=plan.seed, max_concurrent=max_concurrent)
+    return BasicVariantGenerator(random_state=settings.seed, max_concurrent=max_concurrent)
 
 
-def build_scheduler(plan: SearchPlan, space: SearchSpace) -> Any:
+def build_scheduler(settings: SearchSettings, space: SearchSpace) -> Any:
     from ray.tune.schedulers import (
         AsyncHyperBandScheduler,
         FIFOScheduler,
@@ -210,13 +210,13 @@ def build_scheduler(plan: SearchPlan, space: SearchSpace) -> Any:
     )
 
     # metric and mode reach the scheduler and searcher from Tune's TuneConfig (set in one place).
-    params: dict[str, Any] = plan.scheduler_params
+    params: dict[str, Any] = settings.scheduler_params
     common: dict[str, Any] = {"time_attr": TIME_ATTR}
-    if plan.scheduler == "asha":
+    if settings.scheduler == "asha":
         return AsyncHyperBandScheduler(**common, **params)
-    if plan.scheduler == "median":
+    if settings.scheduler == "median":
         return MedianStoppingRule(**common, **params)
-    if plan.scheduler == "pbt":
+    if settings.scheduler == "pbt":
         return PopulationBasedTraining(
             **common,
             **params,

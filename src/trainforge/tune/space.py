@@ -27,8 +27,8 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from trainforge.config import Config, describe_validation_error, set_dotted
+from trainforge.config.safeyaml import read_yaml_file
 from trainforge.errors import ConfigError
-from trainforge.safeyaml import read_yaml_file
 
 # kind -> (number of arguments, what they are); "list" takes any non-empty list.
 RANGES = {

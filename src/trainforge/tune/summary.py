@@ -3,7 +3,7 @@
 Each trial's numbers come from its own run directory (``metrics.jsonl``, ``summary.json``), which
 holds every report, including those after the last one Tune saw; Tune's results add the status
 (errors) and the sampled values. A trial a scheduler stopped never reaches the end of ``fit``
-(Tune ends its actor), so its ``summary.json`` is written here through ``trainforge.summary``
+(Tune ends its actor), so its ``summary.json`` is written here through ``trainforge.driver.summary``
 (``written_by: trainforge tune``),
 with ``stopped_early: true``; so is that of a trial stopped while it was finishing.
 """
@@ -23,10 +23,10 @@ from trainforge.checkpoint.format import write_json_atomic
 from trainforge.checkpoint.state import MODEL_FILE
 from trainforge.checkpoint.storage import CheckpointStore
 from trainforge.config import Config
+from trainforge.driver.summary import SEARCH_DRIVER, RunLog, RunRecord, finish_run_dir
 from trainforge.errors import TrainingFailed
 from trainforge.redact import redact_config
-from trainforge.summary import SEARCH_DRIVER, RunLog, RunRecord, finish_run_dir
-from trainforge.tune.schedulers import SearchPlan
+from trainforge.tune.schedulers import SearchSettings
 from trainforge.tune.space import SearchSpace
 from trainforge.tune.table import TrialWatch, fmt_value, short_names
 from trainforge.tune.tracking import finish_search_run, finish_trial_runs
@@ -39,15 +39,17 @@ SUMMARY_FILE = "tune_summary.json"
 BEST_FILE = "best.yaml"
 
 
-def outcome_of(result: Any, run_dir: Path, plan: SearchPlan, watch: TrialWatch, deadline: float | None) -> TrialOutcome:
+def outcome_of(
+    result: Any, run_dir: Path, settings: SearchSettings, watch: TrialWatch, deadline: float | None
+) -> TrialOutcome:
     """One trial's outcome. ``deadline``: when the search's time budget ran out, if it did; a trial
     still running then was cut by the budget, not stopped early."""
     trial_id = run_dir.name
     reports = RunLog.read(run_dir).reports
-    history = [(int(r["step"]), float(r[plan.metric])) for r in reports if _finite(r.get(plan.metric))]
+    history = [(int(r["step"]), float(r[settings.metric])) for r in reports if _finite(r.get(settings.metric))]
     values = [v for _, v in history]
     steps = int(reports[-1]["step"]) if reports else 0
-    total = int(reports[-1]["total_steps"]) if reports and "total_steps" in reports[-1] else plan.budget_steps
+    total = int(reports[-1]["total_steps"]) if reports and "total_steps" in reports[-1] else settings.budget_steps
     row = watch.rows.get(trial_id)
     if row is not None and row.started_at and row.ended_at:
         wall = row.ended_at - row.started_at
@@ -70,7 +72,7 @@ def outcome_of(result: Any, run_dir: Path, plan: SearchPlan, watch: TrialWatch, 
         status=status,
         stopped_early=status == "stopped",
         last_metric=values[-1] if values else None,
-        best_metric=(min(values) if plan.mode == "min" else max(values)) if values else None,
+        best_metric=(min(values) if settings.mode == "min" else max(values)) if values else None,
         steps=steps,
         budget_steps=total,
         wall_time_s=round(wall, 3),
@@ -165,7 +167,7 @@ def write_outputs(
     *,
     config: Config,
     space: SearchSpace,
-    plan: SearchPlan,
+    settings: SearchSettings,
     setup: TrialSetup,
     grid: Any,
     watch: TrialWatch,
@@ -183,21 +185,21 @@ def write_outputs(
     outcomes = []
     for result in grid:
         trial_id = Path(result.path).name.removeprefix(TUNE_DIR_PREFIX)
-        outcomes.append(outcome_of(result, search_dir / trial_id, plan, watch, deadline))
+        outcomes.append(outcome_of(result, search_dir / trial_id, settings, watch, deadline))
     outcomes.sort(key=lambda o: o.trial_id)
     for outcome in outcomes:
         complete_run_dir(outcome)
-    best = pick_best(outcomes, plan.mode)
+    best = pick_best(outcomes, settings.mode)
     best_yaml = write_best_yaml(config, setup, best, search_dir) if best else None
-    plots = write_plots(search_dir, outcomes, space, plan.metric, best)
+    plots = write_plots(search_dir, outcomes, space, settings.metric, best)
     summary = {
         "name": config.run.name,
         "search_dir": str(search_dir),
-        "metric": plan.metric,
-        "mode": plan.mode,
-        "search": plan.search,
-        "scheduler": plan.scheduler,
-        "scheduler_params": plan.scheduler_params,
+        "metric": settings.metric,
+        "mode": settings.mode,
+        "search": settings.search,
+        "scheduler": settings.scheduler,
+        "scheduler_params": settings.scheduler_params,
         "num_trials": len(outcomes),
         "max_concurrent": concurrency,
         "space": {d.key: d.describe() for d in space.domains},
@@ -219,7 +221,7 @@ def write_outputs(
         raise TrainingFailed(f"every trial failed; the first: {outcomes[0].error} (details: {search_dir})")
     if best is None:
         raise TrainingFailed(
-            f"no trial reported tune.metric {plan.metric}; see the trials' metrics.jsonl under {search_dir} "
+            f"no trial reported tune.metric {settings.metric}; see the trials' metrics.jsonl under {search_dir} "
             "for the keys they report"
         )
     return summary

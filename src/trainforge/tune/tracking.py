@@ -20,28 +20,28 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trainforge.config import Config, load_config
-from trainforge.summary import SEARCH_DRIVER, RunLog
+from trainforge.driver.summary import SEARCH_DRIVER, RunLog
 from trainforge.tracking import SearchRun, make_tracker
 from trainforge.tracking.records import metric_points
 from trainforge.tracking.runs import RESUME_FILE, end_call, tags_call
 
 if TYPE_CHECKING:
-    from trainforge.tune.schedulers import SearchPlan
+    from trainforge.tune.schedulers import SearchSettings
     from trainforge.tune.space import SearchSpace
     from trainforge.tune.trial import TrialOutcome
 
 
-def start_search_run(config: Config, plan: SearchPlan, space: SearchSpace, base: dict[str, Any]) -> SearchRun:
+def start_search_run(config: Config, settings: SearchSettings, space: SearchSpace, base: dict[str, Any]) -> SearchRun:
     """Open the parent run and point the trials' config (``base``, changed in place) at it."""
     search_dir = config.run_dir
     params = {
         "space": json.dumps({d.key: {d.kind: list(d.args)} for d in space.domains}),
-        "search": plan.search,
-        "scheduler": plan.scheduler,
-        "scheduler_params": json.dumps(plan.scheduler_params),
-        "metric": plan.metric,
-        "mode": plan.mode,
-        "num_trials": plan.num_trials,
+        "search": settings.search,
+        "scheduler": settings.scheduler,
+        "scheduler_params": json.dumps(settings.scheduler_params),
+        "metric": settings.metric,
+        "mode": settings.mode,
+        "num_trials": settings.num_trials,
     }
     search = SearchRun.start(config, config.run.name, params, log_dir=search_dir)
     parent = search.run_id

@@ -32,7 +32,7 @@ from typing import Any
 from trainforge.checkpoint.names import parse_checkpoint_name, step_of_uri
 from trainforge.checkpoint.storage import CheckpointStore
 from trainforge.config import Config, validate
-from trainforge.launch import train
+from trainforge.driver.run import train
 from trainforge.tune.placement import RecordPlacementGroups
 from trainforge.tune.space import apply_params
 

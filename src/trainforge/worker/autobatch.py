@@ -34,8 +34,8 @@ from torch.utils.data import default_collate
 
 from trainforge.checkpoint.state import capture_rng, restore_rng
 from trainforge.errors import ConfigError
-from trainforge.worker import parallel
-from trainforge.worker.memory import GIB, max_micro_batch, optimizer_states
+from trainforge.worker import collectives
+from trainforge.worker.capacity.estimate import GIB, max_micro_batch, optimizer_states
 
 if TYPE_CHECKING:
     from trainforge.worker.build import WorkerRun
@@ -74,7 +74,7 @@ def choose_batch(run: WorkerRun) -> str | None:
     if trials and run.device.type == "cuda" and found:
         found = largest_divisor_at_most(per_step, max(1.0, GPU_MARGIN * found))
     log.info("rank %d: the largest micro-batch that fits is %d (planner bound %d)", run.rank, found, bound)
-    agreed = parallel.all_reduce_min(found, run.device)
+    agreed = collectives.all_reduce_min(found, run.device)
     if agreed == 0:
         where = "train.memory_limit_gb" if run.device.type == "cpu" else "the device's memory"
         raise ConfigError(

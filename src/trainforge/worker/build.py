@@ -17,9 +17,9 @@ from torch.utils.data import default_collate
 from trainforge.config import Config, ParallelConfig
 from trainforge.data import build_datasets
 from trainforge.data.augment import build_augmenter
-from trainforge.data.stream import StreamFeed, StreamPlan
+from trainforge.data.stream import StreamFeed, StreamShape
 from trainforge.models import Task, build_model, build_task
-from trainforge.worker import parallel
+from trainforge.worker import collectives
 from trainforge.worker.blocks import repeated_blocks
 from trainforge.worker.components import DataSource
 from trainforge.worker.optim import build_optimizer, build_scheduler, effective_lr
@@ -64,7 +64,7 @@ def build(
 ) -> WorkerRun:
     """One worker's run; ``ranks`` (rank, world) outside Ray Train (a test's own gloo group).
 
-    A streamed source (data/stream.py) comes as the driver's ``stream`` plan, read through Ray
+    A streamed source (data/stream.py) comes as the driver's ``stream`` shape, read through Ray
     Train's dataset shards, or (outside Ray Train) as a ready ``feed``.
     """
     if ranks is None:
@@ -82,7 +82,7 @@ def build(
     # A tensor-parallel group reads one batch: the data is split over the data-parallel ranks.
     if stream is not None and feed is None:
         feed = StreamFeed(
-            StreamPlan.from_dict(stream),
+            StreamShape.from_dict(stream),
             ray.train.get_dataset_shard("train"),
             ray.train.get_dataset_shard("val") if stream["val_rows"] else None,
             config.data,
@@ -182,7 +182,7 @@ def evaluate(run: WorkerRun) -> dict[str, float]:
             sums.add(name, value)
     names = ["loss_sum", "correct", "count"]
     values = [sums.values.get(n, torch.zeros((), dtype=torch.float64, device=run.device)) for n in names]
-    totals = dict(zip(names, parallel.all_reduce_sum(torch.stack(values), run.device).tolist(), strict=True))
+    totals = dict(zip(names, collectives.all_reduce_sum(torch.stack(values), run.device).tolist(), strict=True))
     model.train()
     if not totals["count"]:
         return {}

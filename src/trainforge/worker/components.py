@@ -64,7 +64,7 @@ class DataSource:
     ) -> DataSource:
         sampler: ResumableDistributedSampler | None = None
         if feed is not None:
-            train_set, val_set, spec = feed.train, feed.val, feed.plan.spec
+            train_set, val_set, spec = feed.train, feed.val, feed.shape.spec
             per_rank = feed.per_rank_size()
         else:
             train_set, val_set, spec = build_datasets(config.data, config.seed)

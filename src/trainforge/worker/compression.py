@@ -38,7 +38,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDSt
 from torch.nn.parallel import DistributedDataParallel
 
 from trainforge.config import ParallelConfig
-from trainforge.metrics.comm import ChosenHook, HookFn, register_hook
+from trainforge.metrics.worker.comm import ChosenHook, HookFn, register_hook
 
 CAST_HOOKS = {"bf16": default_hooks.bf16_compress_hook, "fp16": default_hooks.fp16_compress_hook}
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any, Protocol
 
-from trainforge.metrics.comm import comm_hooks
-from trainforge.metrics.hook import metrics_hooks
-from trainforge.metrics.system import system_hooks
+from trainforge.metrics.worker.comm import comm_hooks
+from trainforge.metrics.worker.hook import metrics_hooks
+from trainforge.metrics.worker.system import system_hooks
 
 if TYPE_CHECKING:
     from trainforge.checkpoint.manager import SaveOutcome

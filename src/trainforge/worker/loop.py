@@ -20,8 +20,8 @@ import ray.train
 
 from trainforge.config import Config
 from trainforge.errors import TrainforgeError
-from trainforge.history import HISTORY_KEY, merge_points
-from trainforge.worker import parallel
+from trainforge.protocol import HISTORY_KEY, merge_points
+from trainforge.worker import collectives
 from trainforge.worker.autobatch import choose_batch, shrink_after_oom
 from trainforge.worker.build import WorkerRun, build, evaluate
 from trainforge.worker.hooks import Hooks, build_hooks
@@ -320,7 +320,7 @@ class Session:
             else:
                 self.last_checkpoint = outcome.uri
         # Only rank 0 knows how its save went; every rank must take the same way out.
-        failed_anywhere = parallel.all_reduce_sum([1.0 if final_error else 0.0], self.run.device).item() > 0
+        failed_anywhere = collectives.all_reduce_sum([1.0 if final_error else 0.0], self.run.device).item() > 0
         if failed_anywhere and self.run.config.checkpoint.on_save_error == "fail":
             raise_save_failure(final_error or "the final checkpoint save failed")
         metrics["checkpoint/save_failures"] = self.save_failures

@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainforge.history import HISTORY_KEY
-from trainforge.worker import parallel
+from trainforge.protocol import HISTORY_KEY
+from trainforge.worker import collectives
 from trainforge.worker.step import MetricSums
 
 if TYPE_CHECKING:
@@ -76,7 +76,7 @@ class Interval:
 
 class IntervalHistory:
     """The log intervals since the last report, kept apart so that the report can carry one point
-    per interval (``trainforge.history``) while reducing them all in its single all-reduce.
+    per interval (``trainforge.protocol``) while reducing them all in its single all-reduce.
 
     Closing an interval moves the sums' tensors here: no device work, no host sync. Interval ends
     depend only on the step count, so every rank holds the same number of intervals with the
@@ -181,7 +181,7 @@ def reduce_metrics(
     matrix = torch.stack(pieces) if pieces else torch.zeros((0, len(names)), dtype=torch.float64, device=run.device)
     signals = torch.stack([control[n] for n in control_names]) if control_names else matrix.new_zeros(0)
     mine = matrix.sum(0)  # this rank's own column totals, before the collective
-    reduced = parallel.all_reduce_sum(torch.cat([matrix.flatten(), signals]), run.device)
+    reduced = collectives.all_reduce_sum(torch.cat([matrix.flatten(), signals]), run.device)
     flat = torch.cat([reduced, mine]).tolist()  # one device-to-host copy
 
     width, rows = len(names), len(intervals)

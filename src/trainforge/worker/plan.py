@@ -38,8 +38,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from trainforge.config import ParallelConfig
 from trainforge.worker.blocks import apply_activation_checkpointing, compile_blocks, repeated_blocks, to_channels_last
+from trainforge.worker.collectives import world_size
 from trainforge.worker.compression import Compression, compress, ddp_options
-from trainforge.worker.parallel import world_size
 from trainforge.worker.tp import Layout, apply_tensor_parallel
 
 log = logging.getLogger("trainforge.worker")

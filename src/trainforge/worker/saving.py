@@ -39,7 +39,7 @@ from trainforge.checkpoint.storage import CheckpointStore, checkpoint_name
 from trainforge.config import CheckpointConfig
 from trainforge.errors import CheckpointError
 from trainforge.redact import redact_config
-from trainforge.worker import parallel
+from trainforge.worker import collectives
 from trainforge.worker.components import RngState
 from trainforge.worker.optim import apply_hyperparameters, effective_lr, hyperparameters_differ
 
@@ -90,7 +90,7 @@ class Checkpointing:
         or, for a sharded plan, every rank writes its shards now (``final``: with the full weights)."""
         if progress.global_step == self.last_saved_step:
             return
-        rng = parallel.all_gather_objects(RngState().state_dict())
+        rng = collectives.all_gather_objects(RngState().state_dict())
         # parallel.sync: every rank's own model and optimizer state, gathered to rank 0 (a collective).
         sync_state = self.run.sync.gather_state() if self.run.sync is not None else None
         self.last_saved_step = progress.global_step
@@ -151,7 +151,7 @@ class Checkpointing:
         started = time.perf_counter()
         if self.manager is not None:
             self.manager.wait()  # rotation of the previous save, if still running
-        staging = str(parallel.broadcast_object(staging_name(checkpoint_name(step))))
+        staging = str(collectives.broadcast_object(staging_name(checkpoint_name(step))))
         save = ShardedSave(self.store, step, staging, run.rank, run.world)
         error: str | None = None
         try:
@@ -161,7 +161,7 @@ class Checkpointing:
                 files.update(save.write_full_model(run.plan.full_model_state(run.model)))
         except (OSError, RuntimeError, ValueError, CheckpointError) as err:
             files, error = {}, f"rank {run.rank}: {one_line(err)}"
-        gathered = cast(list[tuple[dict[str, Any], str | None]], parallel.all_gather_objects((files, error)))
+        gathered = cast(list[tuple[dict[str, Any], str | None]], collectives.all_gather_objects((files, error)))
         if self.manager is None:
             self.stall_s = time.perf_counter() - started
             return
@@ -275,7 +275,7 @@ def restore(run: WorkerRun, store: CheckpointStore) -> Restored:
     candidates = Candidates(store, run.config.checkpoint.resume) if run.rank == 0 else None
     while True:
         mine = (candidates.propose(), list(candidates.skipped)) if candidates is not None else None
-        proposal, skipped = cast(tuple[tuple[Any, ...], list[str]], parallel.broadcast_object(mine))
+        proposal, skipped = cast(tuple[tuple[Any, ...], list[str]], collectives.broadcast_object(mine))
         if proposal[0] == "error":
             raise CheckpointError(proposal[1])
         if proposal[0] == "none":
@@ -286,7 +286,7 @@ def restore(run: WorkerRun, store: CheckpointStore) -> Restored:
         source = store if uri == store.uri(name) else CheckpointStore.for_checkpoint(uri)[0]
         notes: list[str] = []
         loaded, failure = try_load(run, source, name, notes)
-        failures = [f for f in parallel.all_gather_objects(failure) if f]
+        failures = [f for f in collectives.all_gather_objects(failure) if f]
         if not failures and loaded is not None:
             progress, written_by = loaded
             if run.rank == 0:

@@ -18,7 +18,7 @@ from torch import nn
 from trainforge.config import ParallelConfig
 from trainforge.data.augment import Augmenter
 from trainforge.models import Task
-from trainforge.worker import parallel
+from trainforge.worker import collectives
 from trainforge.worker.components import Optimization
 from trainforge.worker.plan import ParallelPlan
 
@@ -204,9 +204,9 @@ class StepRunner:
 
     def any_rank(self, flag: bool) -> bool:
         """Whether ``flag`` is set on any rank (one all-reduce; a host sync on GPU)."""
-        if parallel.world_size() == 1:
+        if collectives.world_size() == 1:
             return flag
-        return bool(parallel.all_reduce_sum([1.0 if flag else 0.0], self.device).item() > 0)
+        return bool(collectives.all_reduce_sum([1.0 if flag else 0.0], self.device).item() > 0)
 
     def drop_step(self) -> None:
         """Forget the step's gradients and give the allocator's cached blocks back."""

@@ -30,7 +30,7 @@ from torch import nn
 from trainforge.checkpoint.schema import SYNC_FILE
 from trainforge.checkpoint.state import snapshot_tensors
 from trainforge.config import SyncConfig
-from trainforge.worker.parallel import world_size
+from trainforge.worker.collectives import world_size
 
 SYNC_FORMAT = 1  # sync.pt's own version: {"format", "every_n_steps", "last_sync", "anchor", "outer", "ranks"}
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator, Mapping
 
-from trainforge.metrics.export import Gauges
 from trainforge.metrics.names import GPU
 from trainforge.metrics.nvml import Gpus
+from trainforge.metrics.worker.export import Gauges
 
 # Gpus.sample() key suffix -> (metric, factor to the metric's unit)
 READINGS = {

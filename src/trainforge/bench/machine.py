@@ -14,3 +14,13 @@ def cpu_model() -> str:
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
     return platform.processor() or "unknown"
+
+
+def device_name(use_gpu: bool) -> str:
+    """The device a measurement runs on: the first CUDA GPU's name when asked for and present, else the CPU's."""
+    if use_gpu:
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_name(0)
+    return cpu_model()

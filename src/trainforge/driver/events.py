@@ -17,8 +17,8 @@ from typing import Any, Protocol
 import ray
 from ray.train.v2.api.callback import UserCallback
 
-from trainforge.cost import CostMeter
-from trainforge.summary import DRIVER_START, Recovery
+from trainforge.driver.cost import CostMeter
+from trainforge.driver.summary import DRIVER_START, Recovery
 
 log = logging.getLogger("trainforge")
 

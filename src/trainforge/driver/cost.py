@@ -23,12 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from trainforge.config import Config, CostConfig, ScalingConfig
-from trainforge.summary import RESUMED_PREFIX
-
-# The report keys the driver adds (observe.Pump) for the progress line, MLflow, metrics.jsonl and Prometheus.
-SO_FAR_KEY = "cost/so_far"
-PROJECTED_KEY = "cost/projected_total"
-CURRENCY_KEY = "cost/currency"
+from trainforge.driver.summary import RESUMED_PREFIX
+from trainforge.protocol import CURRENCY_KEY, PROJECTED_KEY, SO_FAR_KEY
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from trainforge.config import Config
-from trainforge.worker.memory import (
+from trainforge.worker.capacity.estimate import (
     GIB,
     GPU_RESERVE,
     ModelProfile,

@@ -271,8 +271,8 @@ def submit_run(config: Config, jobs: Jobs, working_dir: Path) -> Submission:
     cluster run here (unknown data source or model name, cluster-only metrics options).
     """
     # Imported here: launch brings torch and Ray Train, which only a submission needs.
-    from trainforge.launch import preflight
-    from trainforge.metrics.session import check_cluster_options
+    from trainforge.driver.run import preflight
+    from trainforge.metrics.driver.session import check_cluster_options
 
     preflight(config, local=False)
     check_cluster_options(config.metrics)

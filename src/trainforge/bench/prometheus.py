@@ -1,6 +1,6 @@
 """Micro-benchmark: what Prometheus export costs the training thread.
 
-``python -m trainforge.metrics.overhead`` prints
+``python -m trainforge.bench.prometheus`` prints
 
 * the worker hook's ``on_report`` (every gauge of rank 0, the busiest rank), per report;
 * the DDP communication hook: process CPU time of a backward with DDP's built-in all-reduce
@@ -24,8 +24,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from trainforge.metrics.comm import CommTimer
-from trainforge.metrics.hook import PrometheusHook
+from trainforge.metrics.worker.comm import CommTimer
+from trainforge.metrics.worker.hook import PrometheusHook
 
 
 def report_cost(reports: int) -> float:
@@ -94,7 +94,7 @@ def main() -> None:
 
     import ray
 
-    from trainforge.loopback import LOOPBACK, bound_to
+    from trainforge.driver.ray_session import LOOPBACK, bound_to
 
     torch.set_num_threads(1)
     with bound_to(LOOPBACK):

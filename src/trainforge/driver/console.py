@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from trainforge.cost import CURRENCY_KEY, PROJECTED_KEY, SO_FAR_KEY
+from trainforge.protocol import CURRENCY_KEY, PROJECTED_KEY, SO_FAR_KEY
 from trainforge.redact import redact_text
 
 

@@ -8,7 +8,6 @@ import logging
 import math
 import os
 import signal
-import socket
 import sys
 import threading
 import time
@@ -17,7 +16,6 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
 
 import ray
 from ray.train.torch import TorchConfig
@@ -29,7 +27,6 @@ from rich.console import Console
 from trainforge import errors
 from trainforge.checkpoint.storage import CheckpointStore
 from trainforge.config import Config, to_yaml
-from trainforge.cost import CostMeter
 from trainforge.data.augment import check_augment
 from trainforge.data.factory import check_data_factory
 from trainforge.data.registry import SOURCES, unknown_source_message
@@ -42,17 +39,17 @@ from trainforge.data.stream import (
     stream_from_factory,
 )
 from trainforge.data.tokens import prepare_or_verify
-from trainforge.display import ProgressDisplay
-from trainforge.errors import CheckpointError, ClusterError, DataError, TrainforgeError, TrainingFailed
-from trainforge.loopback import bound_to
-from trainforge.metrics.observer import metrics_observers
-from trainforge.metrics.session import check_cluster_options, local_ray_options, publish_local_targets
+from trainforge.driver.console import ProgressDisplay
+from trainforge.driver.cost import CostMeter
+from trainforge.driver.events import ForwardingCallback, MetricsLog, Observer, Observers, Pump, WorkerLog, start_mailbox
+from trainforge.driver.ray_session import ray_logs_to, ray_session, resolve_address
+from trainforge.driver.runlock import run_locks
+from trainforge.driver.summary import RunRecord, finish_run_dir
+from trainforge.errors import CheckpointError, DataError, TrainforgeError, TrainingFailed
+from trainforge.metrics.driver.observer import metrics_observers
 from trainforge.models.registry import load_factory, require_builtin
-from trainforge.observe import ForwardingCallback, MetricsLog, Observer, Observers, Pump, WorkerLog, start_mailbox
-from trainforge.redact import install_on_logger, redact_text, redacting
+from trainforge.redact import install_on_logger, redact_text
 from trainforge.report import ReportWriter
-from trainforge.runlock import run_locks
-from trainforge.summary import RunRecord, finish_run_dir
 from trainforge.tracking import make_tracker
 from trainforge.worker.build import check_block_names
 from trainforge.worker.loop import train_loop_per_worker, worker_env
@@ -78,84 +75,6 @@ class Outcome:
     error: str | None = None
 
 
-def resolve_address(config: Config, address: str | None) -> str | None:
-    return address or config.cluster.address or os.environ.get("RAY_ADDRESS") or None
-
-
-def check_reachable(address: str, timeout_s: float = 5.0) -> None:
-    """Fail in seconds, with a clear message, instead of waiting on Ray's long connect retries."""
-    if address == "auto":
-        return
-    parsed = urlparse(address if "://" in address else f"tcp://{address}")
-    host, port = parsed.hostname, parsed.port or (10001 if parsed.scheme == "ray" else 6379)
-    if not host:
-        raise ClusterError(f"Ray address {address!r} is not host:port, ray://host:port or 'auto'")
-    try:
-        with socket.create_connection((host, port), timeout=timeout_s):
-            pass
-    except OSError as err:
-        raise ClusterError(
-            f"cannot reach the Ray cluster at {address} ({err.strerror or err}); "
-            "check the address, or unset RAY_ADDRESS/--address to train on a local Ray"
-        ) from None
-
-
-@contextlib.contextmanager
-def ray_logs_to(path: Path, *, verbose: bool) -> Iterator[None]:
-    """Ray's driver-side log lines go to ``path``; on the terminal too only when verbose."""
-    ray_logger = logging.getLogger("ray")
-    handler = redacting(logging.FileHandler(path))
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    # Ray installs its own stderr handler on import; park it unless the user asked for Ray's logs.
-    parked = [] if verbose else list(ray_logger.handlers)
-    for kept in ray_logger.handlers if verbose else []:
-        redacting(kept)
-    for old in parked:
-        ray_logger.removeHandler(old)
-    ray_logger.addHandler(handler)
-    try:
-        yield
-    finally:
-        ray_logger.removeHandler(handler)
-        for old in parked:
-            ray_logger.addHandler(old)
-        handler.close()
-
-
-@contextlib.contextmanager
-def ray_session(config: Config, address: str | None, *, verbose: bool) -> Iterator[str]:
-    """Connect to the cluster at ``address`` or start a local Ray; yields a description of it."""
-    if ray.is_initialized():
-        yield "the Ray instance already running in this process"
-        return
-    quiet = {"log_to_driver": verbose, "configure_logging": False}
-    if address:
-        check_cluster_options(config.metrics)
-        check_reachable(address)
-        try:
-            ray.init(address=address, **quiet)  # type: ignore[arg-type]
-        except (ConnectionError, RuntimeError) as err:
-            raise ClusterError(f"cannot connect to the Ray cluster at {address}: {err}") from None
-        where = f"the Ray cluster at {address}"
-    else:
-        workers = config.scaling.max_workers
-        cpus_per_worker = (config.scaling.resources_per_worker or {}).get("CPU", 1)
-        # Logical CPUs: enough for every worker even on a 2-core laptop; threads are capped per worker.
-        num_cpus = config.cluster.num_cpus or max(os.cpu_count() or 1, int(workers * cpus_per_worker) + 1, 4)
-        # address="local": always a new cluster, never one some other `ray start` left on this machine.
-        # No dashboard (11 more processes, ~0.9 GB); metrics export works without it (metrics/session.py).
-        options = local_ray_options(config.metrics)
-        with bound_to(config.cluster.bind_address):
-            ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **options, **quiet)  # type: ignore[arg-type]
-        where = f"a local Ray ({num_cpus} logical CPUs, listening on {config.cluster.bind_address})"
-    try:
-        # Prometheus finds a local Ray's metrics agent through the file Ray's dashboard would write.
-        with contextlib.nullcontext() if address else publish_local_targets(config.metrics):
-            yield where
-    finally:
-        ray.shutdown()
-
-
 def build_trainer(
     config: Config, mailbox: Any, callbacks: Sequence[Any] = (), *, local_ray: bool = False
 ) -> TorchTrainer:
@@ -179,12 +98,12 @@ def build_trainer(
     elif config.data.factory is not None:
         stream = stream_from_factory(config.data, config.seed)
     if stream is not None:
-        payload["stream"] = stream.plan.to_dict()
+        payload["stream"] = stream.shape.to_dict()
         streamed = {"datasets": stream.datasets(), "dataset_config": ordered_split_config()}
         log.info(
             "streaming %d training rows%s from %s",
-            stream.plan.train_rows,
-            f" and {stream.plan.val_rows} validation rows" if stream.plan.val_rows else "",
+            stream.shape.train_rows,
+            f" and {stream.shape.val_rows} validation rows" if stream.shape.val_rows else "",
             config.data.path or config.data.factory,
         )
     if not ray.util.client.ray.is_connected():

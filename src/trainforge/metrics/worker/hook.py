@@ -13,9 +13,9 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from trainforge.metrics.export import Gauges
-from trainforge.metrics.gpu import NodeGpus
 from trainforge.metrics.names import CHECKPOINT, TRAINING
+from trainforge.metrics.worker.export import Gauges
+from trainforge.metrics.worker.gpu import NodeGpus
 
 if TYPE_CHECKING:
     from trainforge.checkpoint.manager import SaveOutcome

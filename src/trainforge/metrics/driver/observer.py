@@ -22,9 +22,9 @@ from collections.abc import Iterable
 from typing import Any
 
 from trainforge.config import Config
-from trainforge.cost import CURRENCY_KEY, PROJECTED_KEY, SO_FAR_KEY
-from trainforge.metrics.export import Gauges
 from trainforge.metrics.names import DRIVER, RESTART_REASONS
+from trainforge.metrics.worker.export import Gauges
+from trainforge.protocol import CURRENCY_KEY, PROJECTED_KEY, SO_FAR_KEY
 
 # Ray's memory monitor (OutOfMemoryError), torch's CUDA OOM, the kernel's OOM killer seen by Ray.
 # Heuristics on the first line of each rank's error, as the controller forwards it.

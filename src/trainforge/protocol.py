@@ -22,6 +22,11 @@ from collections.abc import Mapping
 from typing import Any
 
 HISTORY_KEY = "history"
+# The report keys the driver adds to every report when a price is set (driver/cost.py), for the
+# progress line, MLflow, metrics.jsonl and Prometheus.
+SO_FAR_KEY = "cost/so_far"
+PROJECTED_KEY = "cost/projected_total"
+CURRENCY_KEY = "cost/currency"
 # Keys that place a point rather than measure something.
 COORDINATES = frozenset({"step", "time/unix"})
 

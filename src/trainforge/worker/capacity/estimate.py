@@ -27,8 +27,8 @@ from trainforge.config import MAX_BATCH, Config
 from trainforge.data import build_datasets
 from trainforge.errors import TrainforgeError
 from trainforge.models import build_model, build_task
-from trainforge.worker.activations import ActivationProfile, PerBatch, measure_activations
 from trainforge.worker.blocks import repeated_blocks
+from trainforge.worker.capacity.activations import ActivationProfile, PerBatch, measure_activations
 from trainforge.worker.tp import COLWISE, ROWWISE, check_tensor_parallel, tp_styles
 
 GIB = 1 << 30

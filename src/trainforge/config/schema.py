@@ -1,25 +1,16 @@
-"""One typed config tree, a section per component.
-
-Layers, later ones win: the YAML file (or a dict), then ``--set key=value`` overrides, then
-``TRAINFORGE_SECTION__KEY`` environment variables. Every error names the key and what is allowed.
-"""
+"""The config tree: one section per component, each a pydantic model that refuses unknown keys;
+cross-field checks live in the root's validators. ``loading.py`` builds it from files and flags."""
 
 from __future__ import annotations
 
-import difflib
 import math
-import os
 import re
-from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import yaml
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from trainforge.errors import ConfigError
-from trainforge.redact import redact_config
-from trainforge.safeyaml import MAX_DEPTH, MAX_TEXT_CHARS, YamlRefused, load_yaml, read_yaml_file
+from trainforge.config.safeyaml import MAX_DEPTH
 
 ENV_PREFIX = "TRAINFORGE_"
 
@@ -434,7 +425,7 @@ class CostConfig(Section):
     """``cost``: what the run's hardware costs per hour, to show cost so far and projected to the end.
 
     Off while no price is set. Billed: workers x (GPUs or CPUs per worker, from ``scaling``) x wall
-    hours (``trainforge.cost``); docs/configuration.md.
+    hours (``trainforge.driver.cost``); docs/configuration.md.
     """
 
     price_per_gpu_hour: Price | None = None  # per GPU, with scaling.use_gpu
@@ -565,188 +556,3 @@ class Config(Section):
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
-
-
-# ---------------------------------------------------------------------------------------------
-# Loading: file -> overrides -> environment -> validation with readable errors
-
-
-def load_config(
-    source: str | os.PathLike[str] | Mapping[str, Any] | Config,
-    overrides: Iterable[str] = (),
-    env: Mapping[str, str] | None = None,
-) -> Config:
-    """Build a validated Config from a YAML path, a dict or a Config, then apply the layers."""
-    if isinstance(source, Config):
-        raw: dict[str, Any] = source.to_dict()
-    elif isinstance(source, Mapping):
-        raw = _deep_copy(source)
-    else:
-        raw = read_yaml(Path(source))
-    for item in overrides:
-        key, value = parse_override(item)
-        set_dotted(raw, key, value, origin=f"--set {item}")
-    for key, value in env_overrides(os.environ if env is None else env).items():
-        set_dotted(raw, key, value, origin=f"environment {ENV_PREFIX}{key.upper().replace('.', '__')}")
-    return validate(raw)
-
-
-def read_yaml(path: Path) -> dict[str, Any]:
-    """A config file's sections, read within safeyaml's bounds (size, depth, aliases, duplicate keys)."""
-    data = read_yaml_file(path, "config file")
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file {path} must hold a mapping of sections, got {type(data).__name__}")
-    return data
-
-
-def parse_override(item: str) -> tuple[str, Any]:
-    """``train.batch_size=64`` -> ("train.batch_size", 64); the value is parsed as YAML."""
-    key, sep, text = item.partition("=")
-    key = key.strip()
-    if not sep or not re.fullmatch(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*", key):
-        raise ConfigError(f"--set {item!r}: expected key=value with a dotted key, e.g. train.batch_size=64")
-    return key, parse_value(text, f"--set {key}")
-
-
-def env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
-    """``TRAINFORGE_TRAIN__BATCH_SIZE=64`` -> {"train.batch_size": 64}; ``__`` separates levels."""
-    found: dict[str, Any] = {}
-    for name, text in env.items():
-        if not name.startswith(ENV_PREFIX) or "__" not in name:
-            continue
-        key = name[len(ENV_PREFIX) :].lower().replace("__", ".")
-        found[key] = parse_value(text, f"environment {name}")
-    return found
-
-
-def parse_value(text: str, origin: str) -> Any:
-    """An override's value as YAML (``64``, ``true``, ``[1, 2]``); text that is not YAML stays a string.
-
-    The file's limits hold here too: depth, alias expansion and duplicate keys are errors, not strings.
-    """
-    if len(text) > MAX_TEXT_CHARS:
-        raise ConfigError(f"{origin}: the value is longer than {MAX_TEXT_CHARS} characters")
-    if not text.strip():
-        return ""
-    try:
-        return load_yaml(text, origin)
-    except YamlRefused:
-        raise
-    except ConfigError:
-        return text
-
-
-def set_dotted(raw: dict[str, Any], key: str, value: Any, origin: str) -> None:
-    node = raw
-    parts = key.split(".")
-    for depth, part in enumerate(parts[:-1]):
-        child = node.setdefault(part, {})
-        if child is None:
-            child = node[part] = {}
-        if not isinstance(child, dict):
-            raise ConfigError(f"{origin}: {'.'.join(parts[: depth + 1])} is a value, not a section")
-        node = child
-    node[parts[-1]] = value
-
-
-def validate(raw: Mapping[str, Any]) -> Config:
-    try:
-        return Config.model_validate(raw)
-    except ValidationError as err:
-        raise ConfigError(describe_validation_error(err)) from None
-
-
-def describe_validation_error(err: ValidationError) -> str:
-    """Turn pydantic's report into one line per problem that names the key and what is allowed."""
-    errors = err.errors()
-    # A union (scaling.num_workers: N or [min, max]) reports one error per member; when a bound
-    # was broken, "should be a valid tuple" only adds noise.
-    bounded = {_key(e) for e in errors if not str(e["type"]).endswith("_type")}
-    kept = [e for e in errors if not (str(e["type"]).endswith("_type") and _key(e) in bounded)]
-    # A number or a word (train.batch_size: 64 or auto): the number's problem, the word as the
-    # alternative, on one line.
-    words = {_key(e): str(e["msg"]).removeprefix("Input should be ") for e in kept if e["type"] == "literal_error"}
-    numbers = {_key(e) for e in kept if e["type"] != "literal_error"}
-    lines = [
-        _describe_one(e) + (f" (or {words[_key(e)]})" if _key(e) in words and _key(e) in numbers else "")
-        for e in kept
-        if not (e["type"] == "literal_error" and _key(e) in numbers)
-    ]
-    return "; ".join(dict.fromkeys(lines))
-
-
-def _loc(error: Mapping[str, Any]) -> list[str]:
-    """The error's key path without pydantic's union-member tags (``int``, ``tuple[int,int]``).
-
-    Tags only follow a value's field, never a section's key: a user's key named ``str`` stays.
-    """
-    parts: list[str] = []
-    model: type[BaseModel] | None = Config
-    for part in error["loc"]:
-        if model is None and _is_union_tag(part):
-            continue
-        parts.append(str(part))
-        field = model.model_fields.get(str(part)) if model is not None else None
-        annotation = field.annotation if field else None
-        model = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
-    return parts
-
-
-def _key(error: Mapping[str, Any]) -> str:
-    """The dotted key, printable and short: a key is user input too (a newline, 100k characters)."""
-    return _clip(".".join(p if p.isprintable() else repr(p) for p in _loc(error))) or "config"
-
-
-def _describe_one(error: Mapping[str, Any]) -> str:
-    loc = _loc(error)
-    key = _key(error)
-    kind = error["type"]
-    if kind == "extra_forbidden":
-        hint = _suggest(loc)
-        return f"unknown key {key}" + (f" — did you mean {hint}?" if hint else "")
-    if kind == "missing":
-        return f"missing key {key}"
-    given = error.get("input")
-    msg = str(error["msg"]).removeprefix("Value error, ")
-    shown = "" if isinstance(given, (dict, list)) else f" = {_clip(repr(given))}"
-    return f"{key}{shown}: {msg}"
-
-
-def _clip(text: str, limit: int = 80) -> str:
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _is_union_tag(part: Any) -> bool:
-    text = str(part)
-    return text in {"int", "float", "str", "bool", "tuple[int,int]", "list[int]"} or text.startswith(
-        ("tuple[", "dict[", "list[", "literal[", "constrained-", "function-")
-    )
-
-
-def _suggest(loc: list[str]) -> str | None:
-    """The closest valid key at the same level as an unknown one."""
-    if not loc:
-        return None
-    model: type[BaseModel] = Config
-    for part in loc[:-1]:
-        field = model.model_fields.get(part)
-        annotation = field.annotation if field else None
-        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
-            return None
-        model = annotation
-    match = difflib.get_close_matches(loc[-1], list(model.model_fields), n=1, cutoff=0.6)
-    return ".".join([*loc[:-1], match[0]]) if match else None
-
-
-def _deep_copy(data: Mapping[str, Any], depth: int = 0) -> dict[str, Any]:
-    if depth > MAX_DEPTH:
-        raise ConfigError(f"config: mappings nested deeper than {MAX_DEPTH} levels")
-    return {k: _deep_copy(v, depth + 1) if isinstance(v, Mapping) else v for k, v in data.items()}
-
-
-def to_yaml(config: Config) -> str:
-    """The resolved config as YAML, credentials in URIs and secret-named values masked
-    (``trainforge.redact``): what config.yaml holds and ``config show`` prints."""
-    return yaml.safe_dump(redact_config(config.to_dict()), sort_keys=False)

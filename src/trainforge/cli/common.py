@@ -1,0 +1,63 @@
+"""What the verbs share: the config argument and --set, the consoles, logging set-up, and flag checks."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from trainforge.errors import TrainforgeError
+from trainforge.redact import redacting
+
+err_console = Console(stderr=True)
+
+
+ConfigArg = Annotated[str, typer.Argument(help="A run config YAML, or the name of a bundled one (e.g. quickstart).")]
+
+
+SetOpt = Annotated[
+    list[str] | None, typer.Option("--set", "-s", help="Override a key: --set train.batch_size=64 (repeatable).")
+]
+
+
+def resolve_config_path(name: str) -> str:
+    """A path as given, or a config bundled with the package (``quickstart`` -> configs/quickstart.yaml)."""
+    if Path(name).exists() or (name.endswith((".yaml", ".yml")) and "/" in name):
+        return name
+    bundled = Path(__file__).parent.parent / "configs" / f"{Path(name).stem}.yaml"
+    return str(bundled) if bundled.is_file() else name
+
+
+def check_output_folder(output: Path | None) -> None:
+    """``--output FILE``: its folder must exist (checked before any work starts)."""
+    if output is not None and not output.parent.is_dir():
+        raise TrainforgeError(f"--output {output}: folder {output.parent} does not exist")
+
+
+def parse_counts(flag: str, text: str, most: int, example: str) -> list[int]:
+    try:
+        counts = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise TrainforgeError(f"{flag} {text!r}: expected comma-separated integers such as {example}") from None
+    if not counts or not all(1 <= count <= most for count in counts):
+        raise TrainforgeError(f"{flag} {text!r}: counts from 1 to {most}")
+    return counts
+
+
+def wide_console() -> Console:
+    """Rich's console, 200 columns wide when stdout is a file or pipe (instead of 80), so tables keep their rows."""
+    return Console() if sys.stdout.isatty() else Console(width=200)
+
+
+def setup_logging(verbose: bool) -> None:
+    logging.basicConfig(
+        level=logging.INFO if verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    for handler in logging.getLogger().handlers:  # Ray's, MLflow's and ours on the console
+        redacting(handler)
+    logging.getLogger("trainforge").setLevel(logging.INFO)

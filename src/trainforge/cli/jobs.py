@@ -1,0 +1,163 @@
+"""``trainforge submit`` and ``trainforge jobs list|status|logs|stop``: runs as Ray jobs on a cluster."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Annotated
+
+import typer
+
+from trainforge.cli.common import (
+    ConfigArg,
+    SetOpt,
+    err_console,
+    resolve_config_path,
+    wide_console,
+)
+
+if TYPE_CHECKING:
+    from trainforge.driver.jobs import Jobs
+
+app = typer.Typer(help="Runs submitted to a Ray cluster: list, status, logs, stop.", no_args_is_help=True)
+
+
+AddressOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--address",
+        help="The Ray dashboard of the cluster, http://HEAD:8265; default RAY_JOBS_ADDRESS, "
+        "or RAY_ADDRESS when it is an http(s):// URL.",
+    ),
+]
+
+
+TokenFileOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--token-file",
+        help="A file holding the cluster's token (ray get-auth-token); "
+        "default RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH, then ~/.ray/auth_token.",
+    ),
+]
+
+
+JobArg = Annotated[str, typer.Argument(help="A job's id (raysubmit_...), as submit and jobs list print it.")]
+
+
+def submit(
+    config: ConfigArg,
+    address: AddressOpt = None,
+    set_: SetOpt = None,
+    no_wait: Annotated[bool, typer.Option("--no-wait", help="Print the job id and return at once.")] = False,
+    token_file: TokenFileOpt = None,
+) -> None:
+    """Run CONFIG on the cluster at --address as a Ray job and follow it; exit with its status.
+
+    The working directory (your model and data factories) travels with the job; results land in
+    run.output_dir and checkpoint.storage_path, which must be reachable from the cluster and from
+    here (a shared directory or s3://). Exit 0 succeeded, 1 failed (2: a user error on the
+    cluster), 130 stopped. Ctrl-C stops following; the job runs on (trainforge jobs stop JOB).
+    """
+    from trainforge.config import load_config
+
+    # The config is checked before anything is sent: a mistake costs milliseconds and one line.
+    resolved = load_config(resolve_config_path(config), set_ or [])
+    from trainforge.driver.jobs import Jobs, is_loopback, submit_run
+
+    jobs = Jobs(address, token_file)
+    submitted = submit_run(resolved, jobs, Path.cwd())
+    err_console.print(f"submitted job {submitted.job_id} to {jobs.address}", highlight=False, soft_wrap=True)
+    err_console.print(
+        f"results: {submitted.run_dir} · checkpoints: {submitted.checkpoints} "
+        f"(trainforge ckpt list {submitted.checkpoints})",
+        highlight=False,
+        soft_wrap=True,
+    )
+    if "://" not in submitted.run_dir and not is_loopback(jobs.address):
+        err_console.print(
+            "note: these are paths on the cluster's nodes; set run.output_dir and checkpoint.storage_path "
+            "to a shared directory (or s3://) to read them here",
+            highlight=False,
+            soft_wrap=True,
+        )
+    if no_wait:
+        err_console.print(
+            f"follow it: trainforge jobs logs {submitted.job_id} --follow --address {jobs.address}",
+            highlight=False,
+            soft_wrap=True,
+        )
+        typer.echo(submitted.job_id)
+        return
+    code = _follow(jobs, submitted.job_id, sys.stderr)
+    if code == 0:
+        typer.echo(f"{submitted.run_dir}/summary.json")
+    raise typer.Exit(code)
+
+
+@app.command("list")
+def jobs_list(address: AddressOpt = None, token_file: TokenFileOpt = None) -> None:
+    """Every job the cluster knows, oldest first: id, status, run, start, duration."""
+    from trainforge.driver.jobs import Jobs, jobs_table
+
+    wide_console().print(jobs_table(Jobs(address, token_file).list()))
+
+
+@app.command("status")
+def jobs_status(job: JobArg, address: AddressOpt = None, token_file: TokenFileOpt = None) -> None:
+    """A job's status, run, where its results are, start, end and exit code."""
+    from trainforge.driver.jobs import Jobs, job_fields
+
+    for label, value in job_fields(Jobs(address, token_file).info(job)):
+        typer.echo(f"{label + ':':<13}{value}")
+
+
+@app.command("logs")
+def jobs_logs(
+    job: JobArg,
+    address: AddressOpt = None,
+    token_file: TokenFileOpt = None,
+    follow: Annotated[
+        bool, typer.Option("--follow", "-f", help="Follow the log until the job ends; exit with its status.")
+    ] = False,
+) -> None:
+    """A job's output (the remote trainforge train's progress lines and errors)."""
+    from trainforge.driver.jobs import Jobs
+
+    jobs = Jobs(address, token_file)
+    if follow:
+        raise typer.Exit(_follow(jobs, job, sys.stdout))
+    typer.echo(jobs.logs(job), nl=False)
+
+
+@app.command("stop")
+def jobs_stop(job: JobArg, address: AddressOpt = None, token_file: TokenFileOpt = None) -> None:
+    """Ask a job to stop: trainforge checkpoints at the next report and ends (Ray kills it after 120 s)."""
+    from trainforge.driver.jobs import Jobs
+
+    jobs = Jobs(address, token_file)
+    if jobs.stop(job):
+        typer.echo(f"stopping {job}: it checkpoints at its next report (trainforge jobs status {job})")
+    else:
+        typer.echo(f"{job} was not running ({jobs.info(job).status})")
+
+
+def _follow(jobs: Jobs, job: str, out: IO[str]) -> int:
+    """Stream a job's log to ``out`` until it ends; the exit code its status calls for."""
+    from trainforge.driver.jobs import exit_code, job_name
+
+    try:
+        details = jobs.follow(job, out)
+    except KeyboardInterrupt:
+        err_console.print(
+            f"stopped following; job {job} runs on (trainforge jobs stop {job} --address {jobs.address})",
+            highlight=False,
+            soft_wrap=True,
+        )
+        return 130
+    code = exit_code(details)
+    if code:
+        err_console.print(
+            f"job {job_name(details)} {details.status}: exit code {code}", highlight=False, soft_wrap=True
+        )
+    return code
