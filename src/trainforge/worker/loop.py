@@ -129,7 +129,12 @@ class Session:
         self.failed_message = ""
         if self.restored.source:
             self.events.append(f"resumed from {self.restored.source} at step {self.progress.global_step}")
-        self.events.extend(f"skipped checkpoint {reason}" for reason in self.restored.skipped)
+        self.events.extend(f"skipped checkpoint {name}: {reason}" for name, reason in self.restored.skipped)
+        if self.restored.resharded_from is not None:
+            self.events.append(
+                f"resharded: the checkpoint was written by {self.restored.resharded_from}, "
+                f"this run uses {self.run.plan.layout_name}"
+            )
         self.events.extend(self.restored.notes)
         if self.restored.written_by is not None:
             self.events.append(

@@ -212,7 +212,7 @@ class Candidates:
 
     store: CheckpointStore
     resume: str
-    skipped: list[str] = field(default_factory=list)
+    skipped: list[tuple[str, str]] = field(default_factory=list)  # (checkpoint name, why)
     unloadable: list[str] = field(default_factory=list)
     _queue: list[str] = field(default_factory=list)
     explicit: bool = False
@@ -248,7 +248,7 @@ class Candidates:
 
     def skip(self, name: str, reason: str) -> None:
         log.warning("skipping checkpoint %s: %s", name, reason)
-        self.skipped.append(f"{name}: {reason}")
+        self.skipped.append((name, reason))
 
 
 @dataclass
@@ -257,9 +257,10 @@ class Restored:
 
     progress: Progress
     source: str | None = None
-    skipped: list[str] = field(default_factory=list)
+    skipped: list[tuple[str, str]] = field(default_factory=list)  # (checkpoint name, why), newest first
     written_by: int | None = None  # workers that wrote the checkpoint, when it differs from now
-    notes: list[str] = field(default_factory=list)  # what restore changed on purpose (for the run's events)
+    resharded_from: str | None = None  # the writer's layout (``fsdp x tp2``), when it differs from this run's
+    notes: list[str] = field(default_factory=list)  # what else restore changed on purpose (for the run's events)
 
 
 def restore(run: WorkerRun, store: CheckpointStore) -> Restored:
@@ -275,7 +276,7 @@ def restore(run: WorkerRun, store: CheckpointStore) -> Restored:
     candidates = Candidates(store, run.config.checkpoint.resume) if run.rank == 0 else None
     while True:
         mine = (candidates.propose(), list(candidates.skipped)) if candidates is not None else None
-        proposal, skipped = cast(tuple[tuple[Any, ...], list[str]], collectives.broadcast_object(mine))
+        proposal, skipped = cast(tuple[tuple[Any, ...], list[tuple[str, str]]], collectives.broadcast_object(mine))
         if proposal[0] == "error":
             raise CheckpointError(proposal[1])
         if proposal[0] == "none":
@@ -288,10 +289,12 @@ def restore(run: WorkerRun, store: CheckpointStore) -> Restored:
         loaded, failure = try_load(run, source, name, notes)
         failures = [f for f in collectives.all_gather_objects(failure) if f]
         if not failures and loaded is not None:
-            progress, written_by = loaded
+            progress, written_by, saved_layout = loaded
             if run.rank == 0:
                 log.info("resumed from %s at step %d (epoch %d)", uri, progress.global_step, progress.epoch)
-            return Restored(progress, uri, skipped, None if written_by == run.world else written_by, notes)
+            writers = None if written_by == run.world else written_by
+            resharded = saved_layout if saved_layout != run.plan.layout_name else None
+            return Restored(progress, uri, skipped, writers, resharded, notes)
         if candidates is not None:
             reason = f"does not load into this run's model: {failures[0]}"
             candidates.unloadable.append(f"{name} {reason}")
@@ -314,8 +317,8 @@ _LOAD_ERRORS = (
 
 def try_load(
     run: WorkerRun, source: CheckpointStore, name: str, notes: list[str]
-) -> tuple[tuple[Progress, int] | None, str | None]:
-    """This rank's load of a verified checkpoint: (progress, writers) or (None, why not, one line).
+) -> tuple[tuple[Progress, int, str] | None, str | None]:
+    """This rank's load of a verified checkpoint: (progress, writers, their layout) or (None, why not, one line).
 
     A checkpoint that verifies can still fail to load into this run: another model shape (strict
     weights), another parameter layout (optimizer groups), state a schema cannot see.
@@ -333,9 +336,10 @@ def one_line(err: BaseException) -> str:
     return text if len(text) <= 300 else text[:297] + "..."
 
 
-def load_into(run: WorkerRun, directory: Path, notes: list[str] | None = None) -> tuple[Progress, int]:
+def load_into(run: WorkerRun, directory: Path, notes: list[str] | None = None) -> tuple[Progress, int, str]:
     """Weights, optimizer, schedule, scaler, progress and this rank's RNG from a verified directory;
-    also the number of workers that wrote it. What restore changed on purpose goes to ``notes``.
+    also the number of workers that wrote it and their layout (``fsdp x tp2``). What else restore
+    changed on purpose goes to ``notes``.
 
     Either layout loads into either plan: a sharded checkpoint through torch.distributed.checkpoint
     (which reshards to this run's plan and world size), a full one through the plan's full-state
@@ -350,8 +354,6 @@ def load_into(run: WorkerRun, directory: Path, notes: list[str] | None = None) -
     else:
         run.plan.load_full_model_state(run.model, read_full_weights(directory, run.plan.eval_model(run.model)))
         restore_optimizer(run, directory, state, notes)
-    if saved_plan != run.plan.layout_name:
-        notes.append(f"resharded: the checkpoint was written by {saved_plan}, this run uses {run.plan.layout_name}")
     progress = state.progress
     written_by = progress.world_size
     run.data.progress = progress
@@ -378,7 +380,7 @@ def load_into(run: WorkerRun, directory: Path, notes: list[str] | None = None) -
             written_by,
         )
     progress.world_size = run.world
-    return progress, written_by
+    return progress, written_by, saved_plan
 
 
 def read_full_weights(directory: Path, model: nn.Module) -> dict[str, torch.Tensor]:
