@@ -8,32 +8,27 @@ import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, Field, field_validator, model_validator
 
 from trainforge.config.safeyaml import MAX_DEPTH
+from trainforge.config.section import (
+    MAX_BATCH,
+    MAX_COUNT,
+    MAX_DIM,
+    MAX_EPOCHS,
+    MAX_SAMPLES,
+    MAX_SECONDS,
+    MAX_STEPS,
+    MAX_WORKERS,
+    Count,
+    Dim,
+    PositiveFloat,
+    Section,
+    Steps,
+    Workers,
+)
 
 ENV_PREFIX = "TRAINFORGE_"
-
-# Upper bounds that no real run comes near; they keep a typo (1e26, an extra zero) from reaching
-# torch or Ray as a size, a loop bound or an allocation. docs/configuration.md lists them.
-MAX_STEPS = 10**10
-MAX_EPOCHS = 10**6
-MAX_BATCH = 1 << 24
-MAX_WORKERS = 10_000
-MAX_SAMPLES = 1 << 40
-MAX_DIM = 1 << 24  # one entry of input_shape, seq_len, vocab_size, num_classes, image_size
-MAX_COUNT = 10**6  # small counts: grad accumulation, keep_last, threads, loader workers, failures, trials
-MAX_SECONDS = 7 * 24 * 3600.0  # a week: intervals and timeouts
-MAX_STR = 4096  # characters of any string value (PATH_MAX on Linux)
-
-PositiveInt = Annotated[int, Field(ge=1)]
-NonNegInt = Annotated[int, Field(ge=0)]
-PositiveFloat = Annotated[float, Field(gt=0)]
-Steps = Annotated[int, Field(ge=1, le=MAX_STEPS)]
-Count = Annotated[int, Field(ge=1, le=MAX_COUNT)]
-Workers = Annotated[int, Field(ge=1, le=MAX_WORKERS)]
-Dim = Annotated[int, Field(ge=1, le=MAX_DIM)]
-Seconds = Annotated[float, Field(gt=0, le=MAX_SECONDS)]
 
 
 def _plain(value: Any, key: str = "", depth: int = 0) -> None:
@@ -61,16 +56,6 @@ def _check_plain(value: dict[str, Any]) -> dict[str, Any]:
 
 
 PlainDict = Annotated[dict[str, Any], AfterValidator(_check_plain)]
-
-
-class Section(BaseModel):
-    """Base for every config section: unknown keys are errors, assignments are validated.
-
-    Every float is finite (``allow_inf_nan``: .inf and .nan are refused wherever a number goes)
-    and every string at most MAX_STR characters.
-    """
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False, str_max_length=MAX_STR)
 
 
 class RunConfig(Section):
