@@ -15,7 +15,8 @@ import torch
 from PIL import Image
 
 from trainforge.config import DataConfig
-from trainforge.data import SOURCES, DataSpec, PairDataset, ResumableDistributedSampler, build_datasets, make_loader
+from trainforge.data import MAP_STYLE as SOURCES
+from trainforge.data import DataSpec, PairDataset, ResumableDistributedSampler, build_datasets, make_loader
 from trainforge.data.images import CIFAR_MEAN, CIFAR_STD
 from trainforge.data.sampler import seed_worker
 from trainforge.data.sources import digits_arrays

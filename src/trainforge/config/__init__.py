@@ -1,4 +1,5 @@
-"""One typed config tree, a section per component (``schema.py``), and how it is loaded (``loading.py``).
+"""One typed config tree, a section per component (``schema.py``; ``data``, a section per data
+source, in ``data.py``), and how it is loaded (``loading.py``).
 
 Layers, later ones win: the YAML file (or a dict), then ``--set key=value`` overrides, then
 ``TRAINFORGE_SECTION__KEY`` environment variables. Every error names the key and what is allowed.
@@ -6,6 +7,23 @@ The package also holds the two readers of what a config points at: ``safeyaml.py
 bounds) and ``factories.py`` (the user's ``"package.module:function"``).
 """
 
+from trainforge.config.data import (
+    AugmentConfig,
+    Cifar10Data,
+    ColumnsConfig,
+    DataConfig,
+    DataSection,
+    DigitsData,
+    FactoryData,
+    ImageFolderData,
+    ImagesData,
+    JsonlData,
+    ParquetData,
+    PrepareConfig,
+    StreamedData,
+    SyntheticData,
+    TokensData,
+)
 from trainforge.config.loading import (
     describe_validation_error,
     env_overrides,
@@ -19,13 +37,10 @@ from trainforge.config.loading import (
 )
 from trainforge.config.schema import (
     ENV_PREFIX,
-    AugmentConfig,
     CheckpointConfig,
     ClusterConfig,
-    ColumnsConfig,
     Config,
     CostConfig,
-    DataConfig,
     FailureConfig,
     FSDPConfig,
     MetricsConfig,
@@ -34,7 +49,6 @@ from trainforge.config.schema import (
     ParallelConfig,
     PlainDict,
     PowerSGDConfig,
-    PrepareConfig,
     Price,
     ProfileConfig,
     RunConfig,
@@ -79,20 +93,28 @@ __all__ = [
     "MAX_WORKERS",
     "AugmentConfig",
     "CheckpointConfig",
+    "Cifar10Data",
     "ClusterConfig",
     "ColumnsConfig",
     "Config",
     "CostConfig",
     "Count",
     "DataConfig",
+    "DataSection",
+    "DigitsData",
     "Dim",
     "FSDPConfig",
+    "FactoryData",
     "FailureConfig",
+    "ImageFolderData",
+    "ImagesData",
+    "JsonlData",
     "MetricsConfig",
     "ModelConfig",
     "NonNegInt",
     "OptimConfig",
     "ParallelConfig",
+    "ParquetData",
     "PlainDict",
     "PositiveFloat",
     "PositiveInt",
@@ -106,7 +128,10 @@ __all__ = [
     "Seconds",
     "Section",
     "Steps",
+    "StreamedData",
     "SyncConfig",
+    "SyntheticData",
+    "TokensData",
     "TrackingConfig",
     "TrainConfig",
     "TuneConfig",

@@ -8,11 +8,12 @@ import os
 import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import yaml
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, Tag, ValidationError
 
+from trainforge.config.data import DataConfig, foreign_key_message, unknown_source_message
 from trainforge.config.safeyaml import MAX_DEPTH, MAX_TEXT_CHARS, YamlRefused, load_yaml, read_yaml_file
 from trainforge.config.schema import ENV_PREFIX, Config
 from trainforge.errors import ConfigError
@@ -126,20 +127,47 @@ def describe_validation_error(err: ValidationError) -> str:
 
 
 def _loc(error: Mapping[str, Any]) -> list[str]:
-    """The error's key path without pydantic's union-member tags (``int``, ``tuple[int,int]``).
+    """The error's key path without pydantic's union-member tags (``int``, ``tuple[int,int]``, the
+    data section's source)."""
+    return _walk(error["loc"])[0]
 
-    Tags only follow a value's field, never a section's key: a user's key named ``str`` stays.
+
+def _walk(loc: Iterable[Any]) -> tuple[list[str], type[BaseModel] | None]:
+    """The key path of ``loc`` and the section it ends in (None past a plain value).
+
+    Tags only follow a value's field, never a section's key: a user's key named ``str`` stays. The
+    tag after ``data`` names the source whose section the rest of the path is in.
     """
     parts: list[str] = []
     model: type[BaseModel] | None = Config
-    for part in error["loc"]:
+    members: dict[str, type[BaseModel]] = {}
+    for part in loc:
+        if str(part) in members:
+            model, members = members[str(part)], {}
+            continue
         if model is None and _is_union_tag(part):
             continue
         parts.append(str(part))
         field = model.model_fields.get(str(part)) if model is not None else None
-        annotation = field.annotation if field else None
-        model = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
-    return parts
+        model, members = _section_of(field.annotation if field else None)
+    return parts, model
+
+
+def _section_of(annotation: Any) -> tuple[type[BaseModel] | None, dict[str, type[BaseModel]]]:
+    """The section a field holds (a model, or a model or None), or the tagged sections of a
+    discriminated union of them (``data``)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation, {}
+    members = [arg for arg in get_args(annotation) if arg is not type(None)]
+    if len(members) == 1 and isinstance(members[0], type) and issubclass(members[0], BaseModel):
+        return members[0], {}
+    tagged: dict[str, type[BaseModel]] = {}
+    for member in members:
+        model, *marks = get_args(member) or (member,)
+        tag = next((mark.tag for mark in marks if isinstance(mark, Tag)), None)
+        if tag is not None and isinstance(model, type) and issubclass(model, BaseModel):
+            tagged[tag] = model
+    return None, tagged
 
 
 def _key(error: Mapping[str, Any]) -> str:
@@ -148,17 +176,27 @@ def _key(error: Mapping[str, Any]) -> str:
 
 
 def _describe_one(error: Mapping[str, Any]) -> str:
-    loc = _loc(error)
+    loc, section = _walk(error["loc"][:-1])
     key = _key(error)
     kind = error["type"]
+    given = error.get("input")
+    if kind in ("union_tag_invalid", "union_tag_not_found") and key == "data":
+        name = given.get("name") if isinstance(given, Mapping) else getattr(given, "name", given)
+        return unknown_source_message(name)
     if kind == "extra_forbidden":
-        hint = _suggest(loc)
+        if section is not None and issubclass(section, DataConfig) and loc == ["data"]:
+            source = str(section.model_fields["name"].default)
+            foreign = foreign_key_message(str(error["loc"][-1]), source)
+            if foreign is not None:
+                return foreign
+        hint = _suggest(loc, str(error["loc"][-1]), section)
         return f"unknown key {key}" + (f" — did you mean {hint}?" if hint else "")
     if kind == "missing":
         return f"missing key {key}"
-    given = error.get("input")
     msg = str(error["msg"]).removeprefix("Value error, ")
-    shown = "" if isinstance(given, (dict, list)) else f" = {_clip(repr(given))}"
+    if msg.startswith(f"{key}.") or msg.startswith(f"{key} "):
+        return msg  # the message names its keys itself
+    shown = "" if isinstance(given, (dict, list, BaseModel)) else f" = {_clip(repr(given))}"
     return f"{key}{shown}: {msg}"
 
 
@@ -173,19 +211,12 @@ def _is_union_tag(part: Any) -> bool:
     )
 
 
-def _suggest(loc: list[str]) -> str | None:
-    """The closest valid key at the same level as an unknown one."""
-    if not loc:
+def _suggest(parent: list[str], unknown: str, section: type[BaseModel] | None) -> str | None:
+    """The closest valid key of ``section`` (at ``parent``) to an unknown one."""
+    if section is None:
         return None
-    model: type[BaseModel] = Config
-    for part in loc[:-1]:
-        field = model.model_fields.get(part)
-        annotation = field.annotation if field else None
-        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
-            return None
-        model = annotation
-    match = difflib.get_close_matches(loc[-1], list(model.model_fields), n=1, cutoff=0.6)
-    return ".".join([*loc[:-1], match[0]]) if match else None
+    match = difflib.get_close_matches(unknown, list(section.model_fields), n=1, cutoff=0.6)
+    return ".".join([*parent, match[0]]) if match else None
 
 
 def _deep_copy(data: Mapping[str, Any], depth: int = 0) -> dict[str, Any]:

@@ -10,18 +10,16 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, Field, field_validator, model_validator
 
+from trainforge.config.data import DataSection, DigitsData
 from trainforge.config.safeyaml import MAX_DEPTH
 from trainforge.config.section import (
     MAX_BATCH,
     MAX_COUNT,
-    MAX_DIM,
     MAX_EPOCHS,
-    MAX_SAMPLES,
     MAX_SECONDS,
     MAX_STEPS,
     MAX_WORKERS,
     Count,
-    Dim,
     PositiveFloat,
     Section,
     Steps,
@@ -82,88 +80,6 @@ class ModelConfig(Section):
             raise ValueError("give exactly one of model.name (a built-in) or model.factory ('pkg.module:function')")
         if self.factory is not None and not re.fullmatch(r"[\w.]+:[\w.]+", self.factory):
             raise ValueError(f"model.factory must look like 'package.module:function', got {self.factory!r}")
-        return self
-
-
-class ColumnsConfig(Section):
-    """Which columns of a streaming source (parquet, images, jsonl) hold the input and the target;
-    None takes the source's default (docs/data.md)."""
-
-    input: str | None = None
-    target: str | None = None
-
-
-class AugmentConfig(Section):
-    """Training augmentation for image sources, per batch (data/augment.py); off unless ``data.augment`` is set."""
-
-    crop: Literal["none", "random_resized", "pad"] = "pad"
-    crop_scale: tuple[Annotated[float, Field(gt=0.0, le=1.0)], Annotated[float, Field(gt=0.0, le=1.0)]] = (0.08, 1.0)
-    pad: Annotated[int, Field(ge=0, le=1024)] = 4
-    flip: bool = True
-    normalize: bool = True
-    mean: Annotated[list[float], Field(min_length=1, max_length=8)] | None = None
-    std: Annotated[list[Annotated[float, Field(gt=0.0)]], Field(min_length=1, max_length=8)] | None = None
-    backend: Literal["auto", "torchvision", "kornia"] = "auto"
-
-
-class PrepareConfig(Section):
-    """``data.prepare``: the token corpus ``trainforge train`` writes at ``data.path`` when it holds
-    none (data/tokens.py), as ``trainforge data prepare`` would; the same options."""
-
-    inputs: Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=4096)]
-    tokenizer: Annotated[str, Field(min_length=1)] = "bytes"  # bytes, bpe:VOCAB or a tokenizer.json path
-    val_fraction: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.05
-    max_files: Annotated[int, Field(ge=1, le=MAX_SAMPLES)] | None = None
-    include: Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=256)] = Field(default_factory=list)
-    workers: Annotated[int, Field(ge=1, le=1024)] | None = None
-
-
-class DataConfig(Section):
-    name: str = "digits"
-    path: str | None = None
-    # A held-out set read from here instead of split off by data.val_fraction (streaming sources).
-    val_path: str | None = None
-    # The user's data: "pkg.module:function" returning a map-style Dataset or a Ray Dataset (data/factory.py).
-    factory: str | None = None
-    columns: ColumnsConfig = Field(default_factory=ColumnsConfig)
-    augment: AugmentConfig | None = None
-    # tokens: windows of seq_len tokens, at random offsets or one after another (data/tokens.py).
-    windows: Literal["random", "sequential"] = "random"
-    prepare: PrepareConfig | None = None  # tokens: write the corpus at data.path first when it is not there
-    # Streaming sources: the local shuffle buffer (rows) per worker and the batches fetched ahead.
-    shuffle_buffer: Annotated[int, Field(ge=0, le=MAX_BATCH)] = 1024
-    prefetch_batches: Annotated[int, Field(ge=0, le=1024)] = 2
-    kind: Literal["image", "tokens"] = "image"
-    input_shape: Annotated[list[Dim], Field(min_length=1, max_length=8)] = Field(default_factory=lambda: [3, 32, 32])
-    num_classes: Annotated[int, Field(ge=2, le=MAX_DIM)] = 10
-    num_samples: Annotated[int, Field(ge=1, le=MAX_SAMPLES)] = 1024
-    seq_len: Annotated[int, Field(ge=2, le=MAX_DIM)] = 64
-    vocab_size: Annotated[int, Field(ge=2, le=MAX_DIM)] = 1000
-    val_fraction: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.2
-    image_size: Dim | None = None
-    num_workers: Annotated[int, Field(ge=0, le=1024)] = 0
-    pin_memory: bool | None = None
-    shuffle: bool = True
-
-    @field_validator("augment", mode="before")
-    @classmethod
-    def _augment_switch(cls, value: Any) -> Any:
-        """``augment: true`` is the defaults, ``false`` is off."""
-        if value is True:
-            return {}
-        return None if value is False else value
-
-    @field_validator("factory")
-    @classmethod
-    def _factory_path(cls, value: str | None) -> str | None:
-        if value is not None and not re.fullmatch(r"[\w.]+:[\w.]+", value):
-            raise ValueError(f"must look like 'package.module:function', got {value!r}")
-        return value
-
-    @model_validator(mode="after")
-    def _prepare_needs_tokens(self) -> DataConfig:
-        if self.prepare is not None and (self.name != "tokens" or self.path is None):
-            raise ValueError("data.prepare needs data.name: tokens and data.path (the folder it writes the corpus to)")
         return self
 
 
@@ -451,7 +367,7 @@ class Config(Section):
 
     run: RunConfig = Field(default_factory=RunConfig)
     model: ModelConfig
-    data: DataConfig = Field(default_factory=DataConfig)
+    data: DataSection = Field(default_factory=DigitsData)  # the section of the source data.name names
     train: TrainConfig
     optim: OptimConfig = Field(default_factory=OptimConfig)
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)

@@ -26,7 +26,7 @@ from types import ModuleType
 import torch
 from torch import Tensor, nn
 
-from trainforge.config import AugmentConfig
+from trainforge.config import AugmentConfig, DataConfig
 from trainforge.data.spec import DataSpec
 from trainforge.errors import ConfigError, DataError
 
@@ -70,6 +70,12 @@ class Augmenter:
 
     def __repr__(self) -> str:
         return f"Augmenter({self.backend}: {self.description})"
+
+
+def augment_of(data: DataConfig) -> AugmentConfig | None:
+    """``data.augment`` of a data section; None for a source whose section has no such key (tokens)."""
+    augment = getattr(data, "augment", None)
+    return augment if isinstance(augment, AugmentConfig) else None
 
 
 def build_augmenter(cfg: AugmentConfig | None, spec: DataSpec) -> Augmenter | None:

@@ -30,14 +30,13 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset, IterableDataset
 
-from trainforge.config import DataConfig
+from trainforge.config import DataConfig, FactoryData
+from trainforge.config.data import DEFAULT_SOURCE, FACTORY_SOURCE, NEEDS_FACTORY, factory_conflict_message
 from trainforge.config.factories import describe, load_factory
 from trainforge.data.sources import Pair, PairDataset, Splits, split_indices, val_count
 from trainforge.data.spec import DataSpec
 from trainforge.errors import ConfigError, DataError, TrainforgeError
 
-FACTORY_SOURCE = "factory"  # data.name of a factory; data.name may also be left at its default
-DEFAULT_SOURCE: str = DataConfig.model_fields["name"].default
 EXPECTED = (
     "a trainforge.data.UserData(train=..., val=..., num_classes=... or vocab_size=...), "
     "a map-style torch Dataset of (input, target) pairs or a ray.data.Dataset"
@@ -76,26 +75,20 @@ def is_ray_dataset(obj: object) -> bool:
 
 
 def source_name(cfg: DataConfig) -> str:
-    """The source ``cfg`` names: ``factory`` when ``data.factory`` is set, else ``data.name``.
+    """The source ``cfg`` is the section of: ``factory`` for a factory's (``data.factory`` set,
+    ``data.name`` left out or ``factory``), else ``data.name``.
 
-    With a factory, ``data.name`` is left at its default or set to ``factory``; another name is a
-    conflict. (Left at its default cannot be told apart from set to it once the config has been
-    dumped for the workers; :func:`check_data_factory` tells them apart on the driver.)
+    A factory's section built in Python may still name another source or no factory (the config
+    refuses both); that is a ConfigError here. ``digits`` passes: older resolved configs wrote a
+    left-out name so (:func:`check_data_factory` refuses it where it was set by hand).
     """
-    if cfg.factory is None:
-        if cfg.name == FACTORY_SOURCE:
-            raise ConfigError("data.name factory needs data.factory: 'package.module:function' (docs/data.md)")
+    if not isinstance(cfg, FactoryData):
         return cfg.name
+    if cfg.factory is None:
+        raise ConfigError(NEEDS_FACTORY)
     if cfg.name not in (FACTORY_SOURCE, DEFAULT_SOURCE):
-        raise ConfigError(conflict_message(cfg))
+        raise ConfigError(factory_conflict_message(cfg.name, cfg.factory))
     return FACTORY_SOURCE
-
-
-def conflict_message(cfg: DataConfig) -> str:
-    return (
-        f"data.name {cfg.name!r} and data.factory {cfg.factory!r} both say where the data comes from: "
-        "leave data.name out (or set it to factory) to train on the factory's data"
-    )
 
 
 def check_data_factory(cfg: DataConfig, *, local: bool = True) -> None:
@@ -105,19 +98,19 @@ def check_data_factory(cfg: DataConfig, *, local: bool = True) -> None:
     The factory is not called: the driver never builds the run's data.
     """
     source_name(cfg)
-    if cfg.factory is None:
+    if not isinstance(cfg, FactoryData):
         return
     if "name" in cfg.model_fields_set and cfg.name != FACTORY_SOURCE:
-        raise ConfigError(conflict_message(cfg))
+        raise ConfigError(factory_conflict_message(cfg.name, cfg.factory))
     if local:
-        arguments_for(load(cfg.factory), cfg, 0)
+        arguments_for(load(str(cfg.factory)), cfg, 0)
 
 
 def load(path: str) -> Callable[..., Any]:
     return load_factory(path, key="data.factory", returns=EXPECTED, error=DataError)
 
 
-def arguments_for(function: Callable[..., Any], cfg: DataConfig, seed: int) -> tuple[Any, ...]:
+def arguments_for(function: Callable[..., Any], cfg: FactoryData, seed: int) -> tuple[Any, ...]:
     """(data config, seed) when the function takes two arguments, () when it takes none."""
     try:
         signature = inspect.signature(function)
@@ -135,7 +128,7 @@ def arguments_for(function: Callable[..., Any], cfg: DataConfig, seed: int) -> t
     )
 
 
-def load_user_data(cfg: DataConfig, seed: int) -> UserData:
+def load_user_data(cfg: FactoryData, seed: int) -> UserData:
     """Call the factory and check what it returned.
 
     A map-style training set comes back wrapped in checked views with every fact filled in (and,
@@ -305,7 +298,7 @@ def infer_kind(inputs: Tensor, target: Tensor) -> Kind | None:
     return None
 
 
-def checked_map_style(user: UserData, cfg: DataConfig, path: str) -> UserData:
+def checked_map_style(user: UserData, cfg: FactoryData, path: str) -> UserData:
     """``user`` with its sets wrapped in checked views and every fact filled in, or a DataError."""
     dataset_length(user.train, "train", path)
     inputs, target = first_sample(user.train, path, "train")
@@ -386,11 +379,9 @@ def user_data_spec(user: UserData, path: str) -> DataSpec:
     )
 
 
-def build_factory(cfg: DataConfig, seed: int) -> Splits:
-    """The ``SourceBuilder`` of ``data.factory``: the checked map-style sets and their DataSpec."""
+def build_factory(cfg: FactoryData, seed: int) -> Splits:
+    """The map-style builder of ``data.factory``: the checked map-style sets and their DataSpec."""
     path = str(cfg.factory)
-    if cfg.factory is None:
-        raise ConfigError("data.name factory needs data.factory: 'package.module:function' (docs/data.md)")
     user = load_user_data(cfg, seed)
     if is_ray_dataset(user.train):
         raise DataError(

@@ -16,7 +16,7 @@ from typing import IO, Any
 import numpy as np
 import torch
 
-from trainforge.config import DataConfig
+from trainforge.config import Cifar10Data, ImageFolderData
 from trainforge.data.sources import Pair, PairDataset, Splits, require_path, split_indices, val_count
 from trainforge.data.spec import DataSpec
 from trainforge.errors import DataError
@@ -62,7 +62,7 @@ class CifarImages(PairDataset):
         return image, self.labels[index]
 
 
-def build_cifar10(cfg: DataConfig, seed: int) -> Splits:
+def build_cifar10(cfg: Cifar10Data, seed: int) -> Splits:
     """The 50k training and 10k test images of CIFAR-10; the test batch is the validation set.
 
     ``seed`` and ``data.val_fraction`` are unused: the split is the data set's own. Items are
@@ -232,7 +232,7 @@ class FolderImages(PairDataset):
         return pixels.to(torch.float32).div_(255.0), torch.tensor(self.labels[index], dtype=torch.int64)
 
 
-def build_imagefolder(cfg: DataConfig, seed: int) -> Splits:
+def build_imagefolder(cfg: ImageFolderData, seed: int) -> Splits:
     """Images under ``data.path/train/<class>/`` (classes sorted by name) and ``val/`` if present.
 
     Without a ``val`` folder, ``data.val_fraction`` of the training images validate, chosen by a

@@ -1,55 +1,134 @@
-"""Data sources by name: ``data.name`` picks a builder that turns the data config into data sets.
+"""Data sources by name: one registry line per source, its config section (the config's ``data``
+union, trainforge.config.data, knows the names and keys) and how its data is built.
 
-Adding a source is one builder function with the ``SourceBuilder`` signature and one line in
-``SOURCES``. ``data.factory`` (the user's own data, data/factory.py) is the source ``factory``
-whether ``data.name`` says so or is left at its default.
+A source is read in memory or streamed. In memory: every worker builds the same map-style sets
+(``build``). Streamed: the driver builds Ray datasets once (``stream``) and the workers read Ray
+Train's shards of them. ``data.factory`` may give either, which the driver learns by calling it
+once (its ``stream`` returns None for map-style sets). The driver decides with :func:`open_stream`
+and sends the stream's shape to the workers; a worker builds map-style sets (:func:`build_datasets`)
+unless it got one, and never decides again.
+
+Adding a source is a section class in config/data.py's union and one line in ``REGISTRY`` here.
 """
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Generic, TypeVar
 
-from trainforge.config import DataConfig
+from trainforge.config import (
+    Cifar10Data,
+    DataConfig,
+    DigitsData,
+    FactoryData,
+    ImageFolderData,
+    ImagesData,
+    JsonlData,
+    ParquetData,
+    StreamedData,
+    SyntheticData,
+    TokensData,
+)
+from trainforge.config.data import unknown_source_message
 from trainforge.data.factory import build_factory, source_name
 from trainforge.data.images import build_cifar10, build_imagefolder
 from trainforge.data.sources import PairDataset, Splits, build_digits
 from trainforge.data.spec import DataSpec
+from trainforge.data.stream import Stream, build_stream, list_files, stream_from_factory
 from trainforge.data.synthetic import build_synthetic
 from trainforge.data.tokens import build_tokens
 from trainforge.errors import DataError
 
-SourceBuilder = Callable[[DataConfig, int], Splits]
-"""(data config, run seed) -> (train set, validation set or None, DataSpec); sets are PairDatasets."""
+C = TypeVar("C", bound=DataConfig)
 
-SOURCES: dict[str, SourceBuilder] = {
-    "synthetic": build_synthetic,
-    "digits": build_digits,
-    "cifar10": build_cifar10,
-    "imagefolder": build_imagefolder,
-    "tokens": build_tokens,
-    "factory": build_factory,
+SourceBuilder = Callable[[Any, int], Splits]
+"""(the source's data section, run seed) -> (train set, validation set or None, DataSpec)."""
+
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class Source(Generic[C]):
+    """A data source: its config section's class and its builders (at least one)."""
+
+    section: type[C]
+    build: Callable[[C, int], Splits] | None = None  # map-style sets, on every worker
+    stream: Callable[[C, int, Progress], Stream | None] | None = None  # Ray datasets, once on the driver
+
+    @property
+    def name(self) -> str:
+        return str(self.section.model_fields["name"].default)
+
+    @property
+    def streamed(self) -> bool:
+        """Always streamed (it has no map-style builder): checked as such before Ray starts."""
+        return self.build is None
+
+
+REGISTRY: dict[str, Source[Any]] = {
+    source.name: source
+    for source in (
+        Source(SyntheticData, build=build_synthetic),
+        Source(DigitsData, build=build_digits),
+        Source(Cifar10Data, build=build_cifar10),
+        Source(ImageFolderData, build=build_imagefolder),
+        Source(TokensData, build=build_tokens),
+        Source(FactoryData, build=build_factory, stream=stream_from_factory),
+        Source(ParquetData, stream=build_stream),
+        Source(ImagesData, stream=build_stream),
+        Source(JsonlData, stream=build_stream),
+    )
 }
+
+MAP_STYLE = frozenset(name for name, source in REGISTRY.items() if source.build is not None)
+"""The sources whose data every worker builds in memory (the factory's when it returns map-style sets)."""
+
+
+def source_of(cfg: DataConfig) -> Source[Any]:
+    """The registered source of a data section, or a DataError naming the sources there are
+    (a section built in Python may name none; the config refuses such a name)."""
+    source = REGISTRY.get(source_name(cfg))
+    if source is None:
+        raise DataError(unknown_source_message(cfg.name))
+    return source
+
+
+def open_stream(cfg: DataConfig, seed: int, progress: Progress = lambda _: None) -> Stream | None:
+    """The driver's one decision: the Ray datasets (and their shape, for the workers) of a streamed
+    source, or of a factory that returns Ray datasets; None when the workers build the data in memory."""
+    source = source_of(cfg)
+    return source.stream(cfg, seed, progress) if source.stream is not None else None
+
+
+def check_local_paths(cfg: DataConfig) -> None:
+    """The driver's check before a local Ray starts: ``data.path`` exists (a streamed source's, and
+    its ``data.val_path``, hold files of its kind). The workers check again where they read."""
+    if isinstance(cfg, StreamedData):
+        for key, path in (("data.path", cfg.path), ("data.val_path", cfg.val_path)):
+            if path is not None:
+                list_files(path, cfg.name, key)
+        return
+    path = getattr(cfg, "path", None)  # the sources that read files
+    if path is not None and not Path(path).expanduser().exists():
+        raise DataError(f"data.path {path} does not exist (data.name {cfg.name})")
 
 
 def build_datasets(cfg: DataConfig, seed: int) -> tuple[PairDataset, PairDataset | None, DataSpec]:
     """The train set, the validation set (None when there is none) and the DataSpec for ``cfg``.
 
     Both sets are map-style and yield ``(input, target)`` tensor pairs. The built-in sources
-    ignore ``seed``: their data and splits are the same for every run seed.
+    ignore ``seed``: their data and splits are the same for every run seed. A streamed source has
+    none: its rows reach the workers as Ray Train's dataset shards.
     """
-    name = source_name(cfg)
-    builder = SOURCES.get(name)
-    if builder is None:
-        raise DataError(unknown_source_message(name))
-    train, val, spec = builder(cfg, seed)
+    source = source_of(cfg)
+    if source.build is None:
+        raise DataError(
+            f"data.name {source.name} is streamed by Ray Data and builds no map-style data set here; "
+            f"this needs one of {', '.join(sorted(MAP_STYLE))}"
+        )
+    train, val, spec = source.build(cfg, seed)
     if len(train) == 0:
-        raise DataError(f"data.name {name} built an empty training set: check data.path and data.num_samples")
+        raise DataError(f"data.name {source.name} built an empty training set: check data.path and data.num_samples")
     return train, val, spec
-
-
-def unknown_source_message(name: str) -> str:
-    """Says which names exist and, where one is close, which was probably meant."""
-    close = difflib.get_close_matches(name, list(SOURCES), n=1, cutoff=0.5)
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
-    return f"unknown data.name {name!r}{hint}: choose one of {', '.join(sorted(SOURCES))}"

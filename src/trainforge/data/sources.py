@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 
-from trainforge.config import DataConfig
+from trainforge.config import Cifar10Data, DigitsData, ImageFolderData
 from trainforge.data.spec import DataSpec
 from trainforge.errors import DataError
 
@@ -85,7 +85,7 @@ def split_indices(total: int, num_val: int, seed: int = SPLIT_SEED) -> tuple[Ten
     return perm[num_val:].sort().values, perm[:num_val].sort().values
 
 
-def require_path(cfg: DataConfig, layout: str) -> Path:
+def require_path(cfg: Cifar10Data | ImageFolderData, layout: str) -> Path:
     """The existing ``data.path`` of a file-based source, or a DataError that shows the layout."""
     if cfg.path is None:
         raise DataError(f"data.name {cfg.name} needs data.path: set it to {layout}")
@@ -117,7 +117,7 @@ def digits_arrays() -> tuple[np.ndarray, np.ndarray]:
     return bunch.images, bunch.target
 
 
-def build_digits(cfg: DataConfig, seed: int) -> Splits:
+def build_digits(cfg: DigitsData, seed: int) -> Splits:
     """scikit-learn's 8x8 digits (1797 images, shipped with the library, no download).
 
     Inputs are float32 (1, 8, 8) in [0, 1], targets int64 0-9. The split is fixed: 1438 training

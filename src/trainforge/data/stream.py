@@ -30,12 +30,10 @@ from typing import Any
 import numpy as np
 import pyarrow.fs as pafs
 
-from trainforge.config import DataConfig
+from trainforge.config import DataConfig, FactoryData, ImagesData, JsonlData, ParquetData, StreamedData
 from trainforge.data.sources import SPLIT_SEED, mix_seed
 from trainforge.data.spec import DataSpec
 from trainforge.errors import ConfigError, DataError
-
-STREAM_SOURCES = ("parquet", "images", "jsonl")
 
 SUFFIXES: dict[str, tuple[str, ...]] = {
     "parquet": (".parquet", ".pq"),
@@ -55,10 +53,6 @@ LAYOUTS = {
     "images": "a directory or s3:// prefix with one folder of .png/.jpg images per class",
     "jsonl": "a directory, glob or s3:// prefix of .jsonl files (one JSON object per line)",
 }
-
-
-def is_stream(cfg: DataConfig) -> bool:
-    return cfg.name in STREAM_SOURCES
 
 
 @dataclass(frozen=True)
@@ -102,6 +96,7 @@ class Stream:
     train: Any  # ray.data.Dataset
     val: Any  # ray.data.Dataset | None
     shape: StreamShape
+    origin: str = ""  # where the rows come from (data.path or data.factory), for the driver's log
 
     def datasets(self) -> dict[str, Any]:
         return {"train": self.train} | ({"val": self.val} if self.val is not None else {})
@@ -305,8 +300,11 @@ class Decode:
 # The driver's side
 
 
-def build_stream(cfg: DataConfig, *, progress: Callable[[str], None] = lambda _: None) -> Stream:
-    """The Ray datasets and the stream's shape for ``cfg`` (``data.name`` parquet, images or jsonl)."""
+def build_stream(cfg: StreamedData, seed: int = 0, progress: Callable[[str], None] = lambda _: None) -> Stream:
+    """The Ray datasets and the stream's shape for ``cfg`` (``data.name`` parquet, images or jsonl).
+
+    ``seed`` is unused: the files, their split and their order are the same for every run seed.
+    """
     import ray.data
 
     source = cfg.name
@@ -329,8 +327,13 @@ def build_stream(cfg: DataConfig, *, progress: Callable[[str], None] = lambda _:
     val_rows = count_rows(source, val_files) if val_files is not None else 0
     if train_rows == 0:
         raise DataError(f"data.path {cfg.path} holds no rows")
-    shape = tuple(cfg.input_shape) if "input_shape" in cfg.model_fields_set else None
-    decode = Decode(input_col, target_col, shape, classes, cfg.image_size)
+    # parquet and jsonl rows may be numeric lists (input_shape) with declared classes; images
+    # and parquet bytes may be resized (image_size); an images source's classes are its folders.
+    declared, declared_classes = (
+        (cfg.input_shape, cfg.num_classes) if isinstance(cfg, ParquetData | JsonlData) else (None, 0)
+    )
+    image_size = cfg.image_size if isinstance(cfg, ParquetData | ImagesData) else None
+    decode = Decode(input_col, target_col, tuple(declared) if declared else None, classes, image_size)
 
     # Ray Data's file-based datasource v2 lists and sizes the files in a task at the start of every
     # execution, that is every epoch: 5-15 s an epoch on 2 cores for a handful of files, against
@@ -343,7 +346,7 @@ def build_stream(cfg: DataConfig, *, progress: Callable[[str], None] = lambda _:
             wanted = [input_col, target_col]
             ds = ray.data.read_parquet(paths, filesystem=split.fs, columns=wanted, shuffle=None)
         elif source == "images":
-            size = (cfg.image_size, cfg.image_size) if cfg.image_size else None
+            size = (image_size, image_size) if image_size else None
             ds = ray.data.read_images(paths, filesystem=split.fs, include_paths=True, size=size, mode="RGB")
         else:
             ds = ray.data.read_json(paths, filesystem=split.fs, lines=True)
@@ -351,19 +354,19 @@ def build_stream(cfg: DataConfig, *, progress: Callable[[str], None] = lambda _:
 
     train = read(train_files)
     val = read(val_files) if val_files is not None and val_rows else None
-    first = decode(first_row(source, train_files, cfg.image_size))
+    first = decode(first_row(source, train_files, image_size))
     input_shape = tuple(int(d) for d in first["input"].shape[1:])
-    num_classes = len(classes) if classes else cfg.num_classes
+    num_classes = len(classes) if classes else declared_classes
     target = int(first["target"][0])
     if not 0 <= target < num_classes:
         raise DataError(f"a target is {target}, outside 0..{num_classes - 1}: set data.num_classes")
     spec = DataSpec(
         kind="image", input_shape=input_shape, num_classes=num_classes, train_size=train_rows, val_size=val_rows
     )
-    return Stream(train, val, StreamShape(source, train_rows, val_rows, spec, classes))
+    return Stream(train, val, StreamShape(source, train_rows, val_rows, spec, classes), cfg.path)
 
 
-def stream_from_factory(cfg: DataConfig, seed: int) -> Stream | None:
+def stream_from_factory(cfg: FactoryData, seed: int, progress: Callable[[str], None] = lambda _: None) -> Stream | None:
     """The stream of a ``data.factory`` that returns Ray Datasets; None when it returns map-style
     sets (the driver calls the factory once to learn which; the workers build map-style sets
     themselves). Rows are counted with ``Dataset.count()``; without a ``val`` dataset there is no
@@ -390,7 +393,9 @@ def stream_from_factory(cfg: DataConfig, seed: int) -> Stream | None:
         train_size=train_rows,
         val_size=val_rows,
     )
-    return Stream(train, val if val_rows else None, StreamShape("factory", train_rows, val_rows, spec))
+    return Stream(
+        train, val if val_rows else None, StreamShape("factory", train_rows, val_rows, spec), str(cfg.factory)
+    )
 
 
 def first_row(source: str, files: Files, image_size: int | None) -> dict[str, Any]:
@@ -433,7 +438,7 @@ def _one(value: Any) -> np.ndarray:
     return column
 
 
-def columns(cfg: DataConfig) -> tuple[str, str]:
+def columns(cfg: StreamedData) -> tuple[str, str]:
     default_input, default_target = DEFAULT_COLUMNS[cfg.name]
     return cfg.columns.input or default_input, cfg.columns.target or default_target
 
@@ -488,6 +493,8 @@ class StreamFeed:
     def __init__(
         self, shape: StreamShape, train: Any, val: Any, cfg: DataConfig, *, seed: int, rank: int, world: int
     ) -> None:
+        if not isinstance(cfg, StreamedData | FactoryData):
+            raise DataError(f"data.name {cfg.name} is not streamed, but the driver sent a stream for it")
         self.shape = shape
         self.train = train  # ray.data.DataIterator
         self.val = val

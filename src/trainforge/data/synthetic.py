@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from trainforge.config import DataConfig
+from trainforge.config import SyntheticData
 from trainforge.data.sources import Pair, PairDataset, Splits, mix_seed, val_count
 from trainforge.data.spec import DataSpec
 
@@ -83,7 +83,7 @@ class SyntheticTokens(PairDataset):
         return sequence[:-1], sequence[1:]
 
 
-def build_synthetic(cfg: DataConfig, seed: int) -> Splits:
+def build_synthetic(cfg: SyntheticData, seed: int) -> Splits:
     """``data.num_samples`` synthetic samples of ``data.kind``; the last ``data.val_fraction`` validate.
 
     ``seed`` is deliberately unused: the data set is the same whatever the training seed.

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from trainforge.config import DataConfig
+from trainforge.config import DataConfig, TokensData
 from trainforge.data.corpus import CONFIG_NAMES, PrepareOptions, prepare_corpus
 from trainforge.data.shards import MANIFEST_FILE, CorpusManifest, TokenStream, split_stream, verify_corpus
 from trainforge.data.sources import Pair, PairDataset, Splits, mix_seed
@@ -62,7 +62,7 @@ class TokenWindows(PairDataset):
         return window[:-1], window[1:]
 
 
-def corpus_path(cfg: DataConfig) -> Path:
+def corpus_path(cfg: TokensData) -> Path:
     if cfg.path is None:
         raise DataError(
             "data.name tokens needs data.path: a folder written by trainforge data prepare "
@@ -71,7 +71,7 @@ def corpus_path(cfg: DataConfig) -> Path:
     return Path(cfg.path).expanduser()
 
 
-def build_tokens(cfg: DataConfig, seed: int) -> Splits:
+def build_tokens(cfg: TokensData, seed: int) -> Splits:
     """Training and validation windows of ``data.seq_len`` tokens from the corpus at ``data.path``.
 
     Sizes are checked against the manifest here, on every worker (a stat per file); the digests
@@ -110,7 +110,7 @@ def prepare_or_verify(cfg: DataConfig) -> CorpusManifest | None:
     """On the driver, before Ray starts: for ``data.name: tokens``, prepare the corpus ``data.prepare``
     describes at ``data.path`` unless one made from the same inputs and options is there, then
     check every byte of it against its manifest. Other sources: None, nothing done."""
-    if cfg.name != "tokens":
+    if not isinstance(cfg, TokensData):
         return None
     path = corpus_path(cfg)
     if not path.is_absolute():
@@ -148,7 +148,7 @@ def prepare_or_verify(cfg: DataConfig) -> CorpusManifest | None:
     return prepared.manifest
 
 
-def check_same_preparation(path: Path, manifest: CorpusManifest, cfg: DataConfig) -> None:
+def check_same_preparation(path: Path, manifest: CorpusManifest, cfg: TokensData) -> None:
     """A corpus already at ``data.path`` must be the one ``data.prepare`` describes: never train on
     another tokenizer or other inputs than the config says."""
     wanted = cfg.prepare

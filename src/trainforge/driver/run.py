@@ -26,18 +26,11 @@ from rich.console import Console
 
 from trainforge import errors
 from trainforge.checkpoint.storage import CheckpointStore
-from trainforge.config import Config, to_yaml
-from trainforge.data.augment import check_augment
+from trainforge.config import Config, FactoryData, to_yaml
+from trainforge.data.augment import augment_of, check_augment
 from trainforge.data.factory import check_data_factory
-from trainforge.data.registry import SOURCES, unknown_source_message
-from trainforge.data.stream import (
-    build_stream,
-    check_stream_config,
-    is_stream,
-    list_files,
-    ordered_split_config,
-    stream_from_factory,
-)
+from trainforge.data.registry import check_local_paths, open_stream, source_of
+from trainforge.data.stream import check_stream_config, ordered_split_config
 from trainforge.data.tokens import prepare_or_verify
 from trainforge.driver.console import ProgressDisplay
 from trainforge.driver.cost import CostMeter
@@ -45,7 +38,7 @@ from trainforge.driver.events import ForwardingCallback, MetricsLog, Observer, O
 from trainforge.driver.ray_session import ray_logs_to, ray_session, resolve_address
 from trainforge.driver.runlock import run_locks
 from trainforge.driver.summary import RunRecord, finish_run_dir
-from trainforge.errors import CheckpointError, DataError, TrainforgeError, TrainingFailed
+from trainforge.errors import CheckpointError, TrainforgeError, TrainingFailed
 from trainforge.metrics.driver.observer import metrics_observers
 from trainforge.models.registry import load_factory, require_builtin
 from trainforge.redact import install_on_logger, redact_text
@@ -91,12 +84,8 @@ def build_trainer(
     }
     streamed: dict[str, Any] = {}
     # Streamed sources (and factories returning Ray Datasets) are read by Ray Data and reach the
-    # workers as Ray Train's dataset shards.
-    stream = None
-    if is_stream(config.data):
-        stream = build_stream(config.data, progress=log.info)
-    elif config.data.factory is not None:
-        stream = stream_from_factory(config.data, config.seed)
+    # workers as Ray Train's dataset shards. Decided here, once: the workers follow the payload.
+    stream = open_stream(config.data, config.seed, progress=log.info)
     if stream is not None:
         payload["stream"] = stream.shape.to_dict()
         streamed = {"datasets": stream.datasets(), "dataset_config": ordered_split_config()}
@@ -104,7 +93,7 @@ def build_trainer(
             "streaming %d training rows%s from %s",
             stream.shape.train_rows,
             f" and {stream.shape.val_rows} validation rows" if stream.shape.val_rows else "",
-            config.data.path or config.data.factory,
+            stream.origin,
         )
     if not ray.util.client.ray.is_connected():
         # Local cluster: let workers import user modules (model.factory) from the working directory.
@@ -151,26 +140,19 @@ def preflight(config: Config, *, local: bool) -> None:
     Paths and factories are checked only for a local Ray: a remote cluster has its own file system
     and Python path, and the workers check them there.
     """
-    if config.data.name not in SOURCES and not is_stream(config.data):
-        raise DataError(unknown_source_message(config.data.name))
-    if is_stream(config.data):
+    if source_of(config.data).streamed:
         check_stream_config(
             config.data, tensor_parallel=config.parallel.tensor_parallel, auto_batch=config.train.auto_batch
         )
     if config.model.name is not None:
         require_builtin(config.model.name)
     check_data_factory(config.data, local=False)
-    check_augment(config.data.augment)
+    check_augment(augment_of(config.data))
     if not local:
         return
     prepare_or_verify(config.data)  # data.name tokens: data.prepare's corpus written if missing, every byte checked
-    if is_stream(config.data):
-        for key, path in (("data.path", config.data.path), ("data.val_path", config.data.val_path)):
-            if path is not None:
-                list_files(path, config.data.name, key)
-    elif config.data.path is not None and not Path(config.data.path).expanduser().exists():
-        raise DataError(f"data.path {config.data.path} does not exist (data.name {config.data.name})")
-    user_code = config.model.factory is not None or config.data.factory is not None
+    check_local_paths(config.data)
+    user_code = config.model.factory is not None or isinstance(config.data, FactoryData)
     if user_code and os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # as the local workers see it (build_trainer's PYTHONPATH)
     if config.model.factory is not None:

@@ -18,7 +18,7 @@ from safetensors.torch import load_model
 from torch import nn
 
 from trainforge.checkpoint.hashing import SHA256, hash_file
-from trainforge.config import Config, load_config
+from trainforge.config import Config, TokensData, load_config
 from trainforge.data.shards import CorpusManifest, read_manifest
 from trainforge.data.spec import DataSpec
 from trainforge.data.tokenizer import Tokenizer, load_corpus_tokenizer
@@ -59,12 +59,8 @@ def load_run_model(run_dir: Path) -> RunModel:
         )
     config = load_config(config_path)
     tokenizer, manifest = run_tokenizer(config)
-    spec = DataSpec(
-        kind="tokens",
-        input_shape=(config.data.seq_len,),
-        vocab_size=manifest.vocab_size,
-        seq_len=config.data.seq_len,
-    )
+    seq_len = token_data(config).seq_len
+    spec = DataSpec(kind="tokens", input_shape=(seq_len,), vocab_size=manifest.vocab_size, seq_len=seq_len)
     model = build_model(config.model, spec)
     try:
         load_model(model, str(weights), strict=True)
@@ -75,17 +71,22 @@ def load_run_model(run_dir: Path) -> RunModel:
             f"vocabulary of {manifest.vocab_size} ({type(err).__name__}: {first}); was data.path prepared again since?"
         ) from None
     model.eval()
-    return RunModel(model, tokenizer, config.data.seq_len)
+    return RunModel(model, tokenizer, seq_len)
 
 
-def run_tokenizer(config: Config) -> tuple[Tokenizer, CorpusManifest]:
-    """The tokenizer of the corpus the run trained on, its file checked against the manifest."""
-    if config.data.name != "tokens" or config.data.path is None:
+def token_data(config: Config) -> TokensData:
+    """The run's data section, which must be a prepared corpus's."""
+    if not isinstance(config.data, TokensData) or config.data.path is None:
         raise DataError(
             f"generate needs a run trained on data.name tokens (a prepared corpus); this one used data.name "
             f"{config.data.name}"
         )
-    path = Path(config.data.path).expanduser()
+    return config.data
+
+
+def run_tokenizer(config: Config) -> tuple[Tokenizer, CorpusManifest]:
+    """The tokenizer of the corpus the run trained on, its file checked against the manifest."""
+    path = Path(str(token_data(config).path)).expanduser()
     origin = "the run's data.path"
     manifest = read_manifest(path, origin)
     entry = manifest.tokenizer

@@ -16,7 +16,7 @@ from torch.utils.data import default_collate
 
 from trainforge.config import Config, ParallelConfig
 from trainforge.data import build_datasets
-from trainforge.data.augment import build_augmenter
+from trainforge.data.augment import augment_of, build_augmenter
 from trainforge.data.stream import StreamFeed, StreamShape
 from trainforge.models import Task, build_model, build_task
 from trainforge.worker import collectives
@@ -117,7 +117,7 @@ def build(
         plan=plan,
         channels_last=config.parallel.channels_last,
     )
-    runner.augmenter = build_augmenter(config.data.augment, data.spec)
+    runner.augmenter = build_augmenter(augment_of(config.data), data.spec)
     sync = LocalSync(config.parallel.sync, model, optimizer, rank) if config.parallel.sync is not None else None
     return WorkerRun(config, rank, world, device, model, task, runner, data, total_steps, plan, sync)
 
