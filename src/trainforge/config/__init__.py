@@ -8,6 +8,11 @@ bounds) and ``factories.py`` (the user's ``"package.module:function"``).
 """
 
 from trainforge.config.data import (
+    DEFAULT_SOURCE,
+    FACTORY_SOURCE,
+    NEEDS_FACTORY,
+    SECTIONS,
+    WHOLE_SECTION_KEYS,
     AugmentConfig,
     Cifar10Data,
     ColumnsConfig,
@@ -23,6 +28,9 @@ from trainforge.config.data import (
     StreamedData,
     SyntheticData,
     TokensData,
+    factory_conflict_message,
+    foreign_key_message,
+    unknown_source_message,
 )
 from trainforge.config.loading import (
     describe_validation_error,
@@ -81,7 +89,9 @@ from trainforge.config.section import (
 )
 
 __all__ = [
+    "DEFAULT_SOURCE",
     "ENV_PREFIX",
+    "FACTORY_SOURCE",
     "MAX_BATCH",
     "MAX_COUNT",
     "MAX_DIM",
@@ -91,6 +101,9 @@ __all__ = [
     "MAX_STEPS",
     "MAX_STR",
     "MAX_WORKERS",
+    "NEEDS_FACTORY",
+    "SECTIONS",
+    "WHOLE_SECTION_KEYS",
     "AugmentConfig",
     "CheckpointConfig",
     "Cifar10Data",
@@ -138,11 +151,14 @@ __all__ = [
     "Workers",
     "describe_validation_error",
     "env_overrides",
+    "factory_conflict_message",
+    "foreign_key_message",
     "load_config",
     "parse_override",
     "parse_value",
     "read_yaml",
     "set_dotted",
     "to_yaml",
+    "unknown_source_message",
     "validate",
 ]

@@ -22,7 +22,7 @@ from trainforge.config.section import MAX_BATCH, MAX_DIM, MAX_SAMPLES, Dim, Sect
 DEFAULT_SOURCE = "digits"  # data.name when the section leaves it out
 FACTORY_SOURCE = "factory"  # data.name of the user's data.factory
 NEEDS_FACTORY = "data.name factory needs data.factory: 'package.module:function' (docs/data.md)"
-PREPARE_NEEDS = "data.name: tokens and data.path (the folder it writes the corpus to)"
+_PREPARE_NEEDS = "data.name: tokens and data.path (the folder it writes the corpus to)"
 
 # Every key of the one data section that configs had before sections were per source: a section
 # holding all of them is an older run's resolved config (config.yaml), read back (see DataConfig).
@@ -81,16 +81,16 @@ def _factory_path(value: str | None) -> str | None:
     return value
 
 
-Augment = Annotated[AugmentConfig | None, BeforeValidator(_augment_switch)]
-ValFraction = Annotated[float, Field(ge=0.0, lt=1.0)]
-InputShape = Annotated[list[Dim], Field(min_length=1, max_length=8)]
-NumClasses = Annotated[int, Field(ge=2, le=MAX_DIM)]
-NumSamples = Annotated[int, Field(ge=1, le=MAX_SAMPLES)]
-SeqLen = Annotated[int, Field(ge=2, le=MAX_DIM)]
-VocabSize = Annotated[int, Field(ge=2, le=MAX_DIM)]
-ShuffleBuffer = Annotated[int, Field(ge=0, le=MAX_BATCH)]
-PrefetchBatches = Annotated[int, Field(ge=0, le=1024)]
-FactoryPath = Annotated[str | None, AfterValidator(_factory_path)]
+_Augment = Annotated[AugmentConfig | None, BeforeValidator(_augment_switch)]
+_ValFraction = Annotated[float, Field(ge=0.0, lt=1.0)]
+_InputShape = Annotated[list[Dim], Field(min_length=1, max_length=8)]
+_NumClasses = Annotated[int, Field(ge=2, le=MAX_DIM)]
+_NumSamples = Annotated[int, Field(ge=1, le=MAX_SAMPLES)]
+_SeqLen = Annotated[int, Field(ge=2, le=MAX_DIM)]
+_VocabSize = Annotated[int, Field(ge=2, le=MAX_DIM)]
+_ShuffleBuffer = Annotated[int, Field(ge=0, le=MAX_BATCH)]
+_PrefetchBatches = Annotated[int, Field(ge=0, le=1024)]
+_FactoryPath = Annotated[str | None, AfterValidator(_factory_path)]
 
 
 class DataConfig(Section):
@@ -112,7 +112,7 @@ class DataConfig(Section):
     pin_memory: bool | None = None  # None: on with GPUs
 
     def __new__(cls, *args: Any, **data: Any) -> DataConfig:
-        chosen = section_class(data) if cls is DataConfig else cls
+        chosen = _section_class(data) if cls is DataConfig else cls
         return super().__new__(chosen)
 
     def __init__(self, **data: Any) -> None:  # any source's keys: __new__ chose the section's class
@@ -120,7 +120,7 @@ class DataConfig(Section):
 
     @classmethod
     def model_validate(cls, obj: Any, **options: Any) -> Self:
-        chosen = section_class(obj) if cls is DataConfig else cls
+        chosen = _section_class(obj) if cls is DataConfig else cls
         if chosen is not cls:
             return cast(Self, chosen.model_validate(obj, **options))
         return super().model_validate(obj, **options)
@@ -140,13 +140,13 @@ class SyntheticData(DataConfig):
 
     name: Literal["synthetic"] = "synthetic"
     kind: Literal["image", "tokens"] = "image"
-    input_shape: InputShape = Field(default_factory=lambda: [3, 32, 32])  # image: C, H, W
-    num_classes: NumClasses = 10  # image
-    num_samples: NumSamples = 1024  # train + validation
-    seq_len: SeqLen = 64  # tokens
-    vocab_size: VocabSize = 1000  # tokens
-    val_fraction: ValFraction = 0.2  # the last samples validate
-    augment: Augment = None
+    input_shape: _InputShape = Field(default_factory=lambda: [3, 32, 32])  # image: C, H, W
+    num_classes: _NumClasses = 10  # image
+    num_samples: _NumSamples = 1024  # train + validation
+    seq_len: _SeqLen = 64  # tokens
+    vocab_size: _VocabSize = 1000  # tokens
+    val_fraction: _ValFraction = 0.2  # the last samples validate
+    augment: _Augment = None
 
 
 class DigitsData(DataConfig):
@@ -157,8 +157,8 @@ class DigitsData(DataConfig):
     unread = frozenset({"val_fraction"})
 
     name: Literal["digits"] = "digits"
-    augment: Augment = None
-    val_fraction: ValFraction = 0.2
+    augment: _Augment = None
+    val_fraction: _ValFraction = 0.2
 
 
 class Cifar10Data(DataConfig):
@@ -166,7 +166,7 @@ class Cifar10Data(DataConfig):
 
     name: Literal["cifar10"] = "cifar10"
     path: str | None = None
-    augment: Augment = None
+    augment: _Augment = None
 
 
 class ImageFolderData(DataConfig):
@@ -176,9 +176,9 @@ class ImageFolderData(DataConfig):
 
     name: Literal["imagefolder"] = "imagefolder"
     path: str | None = None
-    val_fraction: ValFraction = 0.2  # without a val/ folder
+    val_fraction: _ValFraction = 0.2  # without a val/ folder
     image_size: Dim | None = None  # resize to this square size; None: the first image's
-    augment: Augment = None
+    augment: _Augment = None
     val_path: str | None = None
 
 
@@ -187,14 +187,14 @@ class TokensData(DataConfig):
 
     name: Literal["tokens"] = "tokens"
     path: str | None = None
-    seq_len: SeqLen = 64
+    seq_len: _SeqLen = 64
     windows: Literal["random", "sequential"] = "random"  # training windows' offsets
     prepare: PrepareConfig | None = None  # write the corpus at path first when it is not there
 
     @model_validator(mode="after")
     def _prepare_needs_path(self) -> TokensData:
         if self.prepare is not None and self.path is None:
-            raise ValueError(f"data.prepare needs {PREPARE_NEEDS}")
+            raise ValueError(f"data.prepare needs {_PREPARE_NEEDS}")
         return self
 
 
@@ -204,11 +204,11 @@ class StreamedData(DataConfig):
 
     path: str | None = None  # a directory, a glob or an s3:// prefix
     val_path: str | None = None  # validation files instead of val_fraction of path's
-    val_fraction: ValFraction = 0.2  # of the files
+    val_fraction: _ValFraction = 0.2  # of the files
     columns: ColumnsConfig = Field(default_factory=ColumnsConfig)
-    shuffle_buffer: ShuffleBuffer = 1024  # rows per worker
-    prefetch_batches: PrefetchBatches = 2
-    augment: Augment = None
+    shuffle_buffer: _ShuffleBuffer = 1024  # rows per worker
+    prefetch_batches: _PrefetchBatches = 2
+    augment: _Augment = None
 
     @field_validator("num_workers")
     @classmethod
@@ -224,8 +224,8 @@ class ParquetData(StreamedData):
     """``parquet``: rows of parquet files; the input a fixed-length list of numbers or image bytes."""
 
     name: Literal["parquet"] = "parquet"
-    input_shape: InputShape | None = None  # numeric inputs are reshaped to it
-    num_classes: NumClasses = 10
+    input_shape: _InputShape | None = None  # numeric inputs are reshaped to it
+    num_classes: _NumClasses = 10
     image_size: Dim | None = None  # encoded images are resized to this square size
 
 
@@ -240,8 +240,8 @@ class JsonlData(StreamedData):
     """``jsonl``: one JSON object per line; the input a list of numbers."""
 
     name: Literal["jsonl"] = "jsonl"
-    input_shape: InputShape | None = None
-    num_classes: NumClasses = 10
+    input_shape: _InputShape | None = None
+    num_classes: _NumClasses = 10
 
 
 class FactoryData(DataConfig):
@@ -249,25 +249,25 @@ class FactoryData(DataConfig):
     section and may read any key, so it keeps every key the one section had (but ``prepare``)."""
 
     name: str = FACTORY_SOURCE  # factory, or left out (older resolved configs say digits)
-    factory: FactoryPath = None
+    factory: _FactoryPath = None
     path: str | None = None
     val_path: str | None = None
-    val_fraction: ValFraction = 0.2  # held out when the factory returns no validation set
+    val_fraction: _ValFraction = 0.2  # held out when the factory returns no validation set
     columns: ColumnsConfig = Field(default_factory=ColumnsConfig)  # a Ray Dataset's columns
-    augment: Augment = None
+    augment: _Augment = None
     windows: Literal["random", "sequential"] = "random"
-    shuffle_buffer: ShuffleBuffer = 1024
-    prefetch_batches: PrefetchBatches = 2
+    shuffle_buffer: _ShuffleBuffer = 1024
+    prefetch_batches: _PrefetchBatches = 2
     kind: Literal["image", "tokens"] = "image"
-    input_shape: InputShape = Field(default_factory=lambda: [3, 32, 32])
-    num_classes: NumClasses = 10
-    num_samples: NumSamples = 1024
-    seq_len: SeqLen = 64
-    vocab_size: VocabSize = 1000
+    input_shape: _InputShape = Field(default_factory=lambda: [3, 32, 32])
+    num_classes: _NumClasses = 10
+    num_samples: _NumSamples = 1024
+    seq_len: _SeqLen = 64
+    vocab_size: _VocabSize = 1000
     image_size: Dim | None = None
 
 
-def section_tag(value: Any) -> str | None:
+def _section_tag(value: Any) -> str | None:
     """The source a raw data section is for: ``factory`` when it names a ``data.factory``, else its
     ``data.name`` (``digits`` when left out); None for a name that is not a string."""
     if isinstance(value, DataConfig):
@@ -308,7 +308,7 @@ DataSection = Annotated[
     | Annotated[ParquetData, Tag("parquet")]
     | Annotated[ImagesData, Tag("images")]
     | Annotated[JsonlData, Tag("jsonl")],
-    Discriminator(section_tag),
+    Discriminator(_section_tag),
     AfterValidator(_factory_names),
 ]
 """The config's ``data``: the section of the source ``data.name`` names."""
@@ -319,12 +319,12 @@ SECTIONS: dict[str, type[DataConfig]] = {
 """Every source's name and its section's class: the config's half of the data registry."""
 
 
-def section_class(value: Any) -> type[DataConfig]:
+def _section_class(value: Any) -> type[DataConfig]:
     """The section class for a raw data section; DataConfig itself for a name no source has."""
-    return SECTIONS.get(section_tag(value) or "", DataConfig)
+    return SECTIONS.get(_section_tag(value) or "", DataConfig)
 
 
-def is_streamed_section(section: type[DataConfig]) -> bool:
+def _is_streamed_section(section: type[DataConfig]) -> bool:
     return issubclass(section, StreamedData)
 
 
@@ -332,8 +332,8 @@ def unknown_source_message(name: object) -> str:
     """Says which names exist and, where one is close, which was probably meant."""
     close = difflib.get_close_matches(name, list(SECTIONS), n=1, cutoff=0.5) if isinstance(name, str) else []
     hint = f" (did you mean {close[0]!r}?)" if close else ""
-    in_memory = sorted(n for n, section in SECTIONS.items() if not is_streamed_section(section))
-    streamed = sorted(n for n, section in SECTIONS.items() if is_streamed_section(section))
+    in_memory = sorted(n for n, section in SECTIONS.items() if not _is_streamed_section(section))
+    streamed = sorted(n for n, section in SECTIONS.items() if _is_streamed_section(section))
     return (
         f"unknown data.name {name!r}{hint}: choose one of {', '.join(in_memory)}, "
         f"or a streamed source: {', '.join(streamed)}"
@@ -345,7 +345,7 @@ def foreign_key_message(key: str, source: str) -> str | None:
     does (then it is a plain unknown key). The factory's section, which keeps every key for the
     user's function, is not named, nor a section that only accepts the key (``unread``)."""
     if key == "prepare":
-        needs = PREPARE_NEEDS
+        needs = _PREPARE_NEEDS
     else:
         owners = sorted(
             name
