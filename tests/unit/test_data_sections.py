@@ -138,6 +138,8 @@ def test_config_show_refuses_a_key_the_source_does_not_read(tmp_path: Path, caps
         ({"name": "cifar10", "factory": "a.b:c"}, "data.name 'cifar10' and data.factory 'a.b:c' both say where"),
         ({"factory": "not a path"}, "data.factory = 'not a path': must look like 'package.module:function'"),
         ({"name": "synthetic", "num_samples": 0}, "data.num_samples = 0: Input should be greater than or equal to 1"),
+        # the bound on data.input_shape, on a source that has the key (test_config_hostile.py meets digits)
+        ({"name": "parquet", "input_shape": [3, 10**8]}, "data.input_shape.1 = 100000000: Input should be less than"),
         ({"name": 7}, "unknown data.name 7: choose one of cifar10, digits,"),
         ({"name": "cifar"}, "unknown data.name 'cifar' (did you mean 'cifar10'?): choose one of"),
     ],
