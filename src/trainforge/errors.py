@@ -37,3 +37,35 @@ class TrainingFailed(TrainforgeError):
     """Training stopped with an error after exhausting its retries."""
 
     exit_code = 1
+
+
+# The kinds a worker may name when it returns a user's error (protocol.UserError) instead of
+# raising it; the driver raises the class of that name. An explicit table: a name that is not in
+# it (a newer worker's, a corrupted record) is a plain TrainforgeError, never a lookup on the module.
+ERROR_KINDS: dict[str, type[TrainforgeError]] = {
+    cls.__name__: cls
+    for cls in (
+        TrainforgeError,
+        ConfigError,
+        DataError,
+        ModelError,
+        ClusterError,
+        CheckpointError,
+        RunLockedError,
+        TrainingFailed,
+    )
+}
+
+
+def kind_of(err: TrainforgeError) -> str:
+    """The kind of ``err``: its own class's name, or its nearest ancestor's in ERROR_KINDS (a
+    subclass defined elsewhere, such as safeyaml's YamlRefused, travels as ConfigError)."""
+    for cls in type(err).__mro__:
+        if ERROR_KINDS.get(cls.__name__) is cls:
+            return cls.__name__
+    return TrainforgeError.__name__
+
+
+def error_for(kind: str, message: str) -> TrainforgeError:
+    """The error a worker named by kind, to raise on the driver."""
+    return ERROR_KINDS.get(kind, TrainforgeError)(message)
