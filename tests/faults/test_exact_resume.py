@@ -28,7 +28,7 @@ import yaml
 from safetensors.torch import load_file
 
 import trainforge
-from tests.helpers.faults import kill_a_worker_after, paced_run
+from tests.helpers.faults import events_of, kill_a_worker_after, paced_run
 from tests.helpers.ranks import spawn_ranks
 from tests.helpers.sessions import assert_bit_identical, checkpoint_state, run_dir_of, sessions, train
 
@@ -89,7 +89,7 @@ def test_worker_killed_mid_epoch_resumes_bit_identical(
     assert summary["restarts"] == 1
     assert len(summary["recovery_s"]) == 1 and summary["recovery_s"][0] < 60
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    events = [e for line in lines for e in json.loads(line).get("events", [])]
+    events = [e.text for line in lines for e in events_of(json.loads(line))]
     assert any(e.startswith("resumed from") and "checkpoint_0000000" in e for e in events), events
     # The epoch is 1438 / world / (batch x accum) steps long: step 20 is mid-epoch in every variant.
     assert_bit_identical(checkpoint_state(reference.run_dir, 60), checkpoint_state(run_dir, 60))

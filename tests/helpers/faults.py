@@ -20,6 +20,7 @@ from typing import Any
 import psutil
 
 from tests.helpers.runs import tiny_run
+from trainforge.protocol import Resumed, event_from_json
 
 
 def paced_run(tmp_path: Path, **sections: Any) -> dict[str, Any]:
@@ -92,8 +93,14 @@ def reports(run_dir: Path) -> list[dict[str, Any]]:
 
 
 def events(run_dir: Path) -> list[str]:
-    """The ``events`` strings of every report in metrics.jsonl (resumes, skipped checkpoints, save failures)."""
-    return [str(e) for r in reports(run_dir) for e in r.get("events", [])]
+    """The text of every report's events in metrics.jsonl (resumes, skipped checkpoints, save failures)."""
+    return [event.text for r in reports(run_dir) for event in events_of(r)]
+
+
+def events_of(record: dict[str, Any]) -> list[Any]:
+    """A metrics.jsonl line's events, typed (trainforge.protocol)."""
+    found = (event_from_json(e) for e in record.get("events", []))
+    return [event for event in found if event is not None]
 
 
 def steps_after(run_dir: Path, unix_time: float) -> list[dict[str, Any]]:
@@ -105,7 +112,7 @@ def first_resumed_report(run_dir: Path) -> dict[str, Any]:
     """The first report of a restarted worker group: the one that says where it resumed from
     (the loop reports right after the first step following a restore)."""
     for report in reports(run_dir):
-        if any(str(e).startswith("resumed from") for e in report.get("events", [])):
+        if any(isinstance(e, Resumed) for e in events_of(report)):
             return report
     raise AssertionError(f"no report says 'resumed from' in {run_dir / 'metrics.jsonl'}")
 

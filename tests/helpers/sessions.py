@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from tests.helpers.ranks import spawn_ranks
+from trainforge.protocol import Report
 
 
 class Crash(Exception):
@@ -30,13 +31,13 @@ class ListChannel:
     """Reports kept in a list; raises at ``crash_at`` (a step) as a lost worker would end the loop."""
 
     def __init__(self, crash_at: int | None = None) -> None:
-        self.reports: list[dict[str, Any]] = []
+        self.reports: list[Report] = []
         self.crash_at = crash_at
 
-    def report(self, metrics: dict[str, Any]) -> None:
-        self.reports.append(metrics)
-        if self.crash_at is not None and metrics.get("step", 0) >= self.crash_at:
-            raise Crash(f"crashed at step {metrics['step']}")
+    def report(self, report: Report) -> None:
+        self.reports.append(report)
+        if self.crash_at is not None and report.step >= self.crash_at:
+            raise Crash(f"crashed at step {report.step}")
 
     def preempted(self) -> bool:
         return False
@@ -67,8 +68,9 @@ def session(rank: int, world: int, config_dict: dict[str, Any], crash_at: int | 
     restored = restore(run, checkpointing.store)
     channel = ListChannel(crash_at)
     crashed = False
+    final: dict[str, Any]
     try:
-        final = Session(run, checkpointing, restored, channel=channel).train()
+        final = Session(run, checkpointing, restored, channel=channel).train().to_json()
     except Crash as err:
         final, crashed = {"crashed": str(err)}, True
     finally:
@@ -76,12 +78,12 @@ def session(rank: int, world: int, config_dict: dict[str, Any], crash_at: int | 
     losses = {
         int(point["step"]): float(point["train/loss"])
         for report in channel.reports
-        for point in report.get("history", [])
+        for point in report.history
         if "train/loss" in point
     }
     return Outcome(
         final={k: v for k, v in final.items() if isinstance(v, (int, float, str))},
-        events=[str(e) for r in channel.reports for e in r.get("events", [])],
+        events=[e.text for r in channel.reports for e in r.events],
         losses=losses,
         crashed=crashed,
     )
@@ -149,7 +151,7 @@ def checkpoint_state(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
         dcp_to_torch_save(checkpoint / "sharded", merged)
         sharded = torch.load(merged, weights_only=False)
         state.update({f"shards/model/{k}": v for k, v in sharded["model"].items()})
-        slots_by_param = sharded["optim"]["state"]
+        slots_by_param = (sharded.get("optimizer") or sharded["optim"])["state"]  # format 3 or 2
     else:
         slots_by_param = torch.load(checkpoint / "optimizer.pt", weights_only=True)["state"]
     for index, slots in slots_by_param.items():

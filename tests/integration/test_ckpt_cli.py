@@ -21,6 +21,7 @@ import pytest
 from rich.console import Console
 
 import trainforge
+from tests.helpers.faults import events_of
 from tests.helpers.runs import tiny_run
 from tests.integration.test_cli import in_process
 from tests.unit.test_checkpoint import CORRUPTIONS, flip_byte
@@ -64,7 +65,7 @@ def ckpt(*args: str, capsys: pytest.CaptureFixture[str]) -> subprocess.Completed
 
 def events(run_dir: Path) -> list[str]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [event for row in rows for event in row.get("events", [])]
+    return [event.text for row in rows for event in events_of(row)]
 
 
 def saved_steps(run_dir: Path) -> list[int]:

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 import trainforge
+from tests.helpers.faults import events_of
 from tests.helpers.runs import tiny_run
 from trainforge.errors import CheckpointError
 
@@ -16,7 +17,7 @@ pytestmark = [pytest.mark.usefixtures("ray_local"), pytest.mark.slow]
 
 def events(run_dir: Path) -> list[str]:
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [e for line in lines for e in json.loads(line).get("events", [])]
+    return [e.text for line in lines for e in events_of(json.loads(line))]
 
 
 def names(run_dir: Path) -> list[str]:

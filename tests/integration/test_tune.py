@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 import trainforge
-from tests.helpers.faults import wait_until
+from tests.helpers.faults import events_of, wait_until
 from trainforge.config import load_config
 
 pytestmark = [pytest.mark.usefixtures("ray_local"), pytest.mark.slow]
@@ -168,9 +168,7 @@ def test_pbt_exploit_continues_from_the_donor_with_its_own_mutated_lr(tmp_path: 
         assert donor_state["progress"]["global_step"] == adoption["donor_step"]
         reports = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         resumed = next(
-            r
-            for r in reports
-            if any(e.startswith(f"resumed from {adoption['checkpoint']}") for e in r.get("events", []))
+            r for r in reports if any(e.text.startswith(f"resumed from {adoption['checkpoint']}") for e in events_of(r))
         )
         # The weights came from the donor: training continues at the donor's step. Where the
         # exploit came at the donor's last step (PBT may perturb at max_steps too, as trials

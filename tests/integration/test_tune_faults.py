@@ -20,7 +20,7 @@ import yaml
 from ray.train.v2._internal.execution.callback import WorkerGroupCallback
 
 import trainforge
-from tests.helpers.faults import Fault, checkpoints, paced_run, signal_a_worker, wait_until
+from tests.helpers.faults import Fault, checkpoints, events_of, paced_run, signal_a_worker, wait_until
 from trainforge.tune.placement import RecordPlacementGroups, release, start_ledger
 
 pytestmark = pytest.mark.slow
@@ -35,7 +35,8 @@ def trial_dirs(search_dir: Path) -> list[Path]:
 
 def resumes(run_dir: Path) -> list[str]:
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [e for line in lines for e in json.loads(line).get("events", []) if e.startswith("resumed from")]
+    texts = [e.text for line in lines for e in events_of(json.loads(line))]
+    return [text for text in texts if text.startswith("resumed from")]
 
 
 @pytest.mark.usefixtures("ray_local")

@@ -18,6 +18,7 @@ from tests.helpers.runs import tiny_run
 from trainforge.checkpoint.storage import CheckpointStore
 from trainforge.config import Config
 from trainforge.errors import ConfigError
+from trainforge.protocol import Note, Report
 from trainforge.worker.autobatch import choose_batch, divisors, largest_divisor_at_most
 
 STEPS = 12
@@ -32,13 +33,13 @@ class ListChannel:
     """Reports kept in a list; raises at the first report at or past step ``crash_at``."""
 
     def __init__(self, crash_at: int | None = None) -> None:
-        self.reports: list[dict[str, Any]] = []
+        self.reports: list[Report] = []
         self.crash_at = crash_at
 
-    def report(self, metrics: dict[str, Any]) -> None:
-        self.reports.append(metrics)
-        if self.crash_at is not None and metrics.get("step", 0) >= self.crash_at:
-            raise Crash(f"crashed at step {metrics['step']}")
+    def report(self, report: Report) -> None:
+        self.reports.append(report)
+        if self.crash_at is not None and report.step >= self.crash_at:
+            raise Crash(f"crashed at step {report.step}")
 
     def preempted(self) -> bool:
         return False
@@ -71,15 +72,20 @@ def session(rank: int, world: int, config_dict: dict[str, Any], crash_at: int | 
     restored = restore(run, checkpointing.store)
     event = choose_batch(run)
     channel = ListChannel(crash_at)
+    final: dict[str, Any]
     try:
-        final = Session(run, checkpointing, restored, channel=channel, events=[event] if event else []).train()
+        final = (
+            Session(run, checkpointing, restored, channel=channel, events=[Note(event)] if event else [])
+            .train()
+            .to_json()
+        )
     except Crash as err:
         final = {"crashed": str(err)}
     finally:
         checkpointing.close()
     return {
         "final": {k: v for k, v in final.items() if isinstance(v, (int, float, str))},
-        "events": [e for r in channel.reports for e in r.get("events", [])],
+        "events": [e.text for r in channel.reports for e in r.events],
         "split": (run.data.micro_batch, run.data.accum),
         "weights": {k: v.clone() for k, v in run.plan.eval_model(run.model).state_dict().items()},
     }

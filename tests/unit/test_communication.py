@@ -45,8 +45,9 @@ def one_run(rank: int, world: int, config_dict: dict[str, Any], crash_at: int | 
     checkpointing = Checkpointing(run, CheckpointStore.for_run(cfg.storage_path, cfg.run.name))
     restored = restore(run, checkpointing.store)
     channel = ListChannel(crash_at)
+    final: dict[str, Any]
     try:
-        final = Session(run, checkpointing, restored, channel=channel).train()
+        final = Session(run, checkpointing, restored, channel=channel).train().to_json()
     except Crash as err:
         final = {"crashed": str(err)}
     finally:
@@ -55,8 +56,8 @@ def one_run(rank: int, world: int, config_dict: dict[str, Any], crash_at: int | 
     params = {k: v.detach().clone() for k, v in run.plan.eval_model(run.model).state_dict().items()}
     return {
         "final": {k: v for k, v in final.items() if isinstance(v, (int, float, str))},
-        "first_loss": channel.reports[0].get("train/loss") if channel.reports else None,
-        "events": [e for r in channel.reports for e in r.get("events", [])],
+        "first_loss": channel.reports[0].figures.get("train/loss") if channel.reports else None,
+        "events": [e.text for r in channel.reports for e in r.events],
         "params": params,
         "comm_s": comm_s,
         "notes": list(run.plan.notes),

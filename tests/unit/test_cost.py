@@ -14,6 +14,7 @@ from trainforge.driver.console import describe
 from trainforge.driver.cost import CostMeter, Units, earlier_sessions_cost, hourly_rate, project, units_per_worker
 from trainforge.driver.summary import Recovery, RunRecord, build_summary
 from trainforge.errors import ConfigError
+from trainforge.protocol import Report, Resumed, RunInfo
 from trainforge.tracking import make_tracker
 from trainforge.tracking.store import local_store_uri
 
@@ -89,9 +90,9 @@ def test_gpu_and_cpu_prices_add_up_and_an_elastic_worker_count_is_integrated() -
 
 def test_a_resumed_run_is_paced_from_its_first_report() -> None:
     bill = meter(["cost.price_per_cpu_hour=3.6"])
-    resumed = bill.on_report({"step": 501, "total_steps": 1000, "events": ["resumed from x at step 500"]}, now=1100.0)
+    resumed = bill.on_report(Report(step=501, total_steps=1000, events=(Resumed(500, "x"),)), now=1100.0).to_json()
     assert resumed["cost/so_far"] == pytest.approx(0.1) and "cost/projected_total" not in resumed
-    later = bill.on_report({"step": 601, "total_steps": 1000, "world_size": 1}, now=1200.0)
+    later = bill.on_report(Report(step=601, total_steps=1000, world_size=1), now=1200.0).to_json()
     # 100 steps per 100 s, 399 left: 399 s more at 3.6 per hour.
     assert later["cost/projected_total"] == pytest.approx(0.2 + 0.399)
     assert later["cost/currency"] == "USD"
@@ -109,12 +110,13 @@ def test_a_resumed_run_carries_the_bill_of_its_earlier_sessions(tmp_path: Path) 
     (config.run_dir / "metrics.jsonl").write_text(metrics.read_text())
     resumed = CostMeter.for_config(config, now=1000.0)
     assert resumed is not None
-    first = resumed.on_report({"step": 21, "total_steps": 40, "events": ["resumed from x at step 20"]}, now=1100.0)
-    assert first["cost/so_far"] == pytest.approx(1.25 + 0.1)  # earlier sessions + 100 s of one CPU at 3.6/h
+    first = resumed.on_report(Report(step=21, total_steps=40, events=(Resumed(20, "x"),)), now=1100.0)
+    assert first.to_json()["cost/so_far"] == pytest.approx(1.25 + 0.1)  # earlier sessions + 100 s of one CPU at 3.6/h
     assert resumed.final(first, wall_time_s=200.0).so_far == pytest.approx(1.25 + 0.2)
     fresh = CostMeter.for_config(config, now=1000.0)
     assert fresh is not None  # the same directory, but the run started over: billed from zero
-    assert fresh.on_report({"step": 1, "total_steps": 40}, now=1100.0)["cost/so_far"] == pytest.approx(0.1)
+    restarted = fresh.on_report(Report(step=1, total_steps=40), now=1100.0)
+    assert restarted.to_json()["cost/so_far"] == pytest.approx(0.1)
 
 
 def test_project_needs_a_timed_step() -> None:
@@ -124,10 +126,10 @@ def test_project_needs_a_timed_step() -> None:
 
 
 def test_the_progress_line_and_summary_show_the_cost() -> None:
-    line = describe({"epoch": 1, "cost/so_far": 1.5, "cost/projected_total": 6.25, "cost/currency": "EUR"})
+    line = describe({"cost/so_far": 1.5, "cost/projected_total": 6.25}, epoch=1, currency="EUR")
     assert line.endswith("cost 1.50 EUR (projected 6.25)")
     estimate = meter(["cost.price_per_gpu_hour=1"]).estimate(1000.0, step=0, total_steps=10)
-    record = RunRecord("finished", {"step": 10}, Recovery(), 1.0, None, {}, 1, cost=estimate.to_dict())
+    record = RunRecord("finished", Report(step=10), Recovery(), 1.0, None, {}, 1, cost=estimate.to_dict())
     assert set(build_summary(record)["cost"]) == {
         "currency",
         "so_far",
@@ -137,7 +139,7 @@ def test_the_progress_line_and_summary_show_the_cost() -> None:
         "gpu_hours",
         "cpu_hours",
     }
-    assert "cost" not in build_summary(RunRecord("finished", {}, Recovery(), 1.0, None, {}, 1))
+    assert "cost" not in build_summary(RunRecord("finished", None, Recovery(), 1.0, None, {}, 1))
 
 
 def test_mlflow_gets_the_cost_as_metrics_and_params_and_the_profile_as_artifacts(tmp_path: Path) -> None:
@@ -148,14 +150,14 @@ def test_mlflow_gets_the_cost_as_metrics_and_params_and_the_profile_as_artifacts
     bill = CostMeter.for_config(config, now=1000.0)
     tracker = make_tracker(config, config.run_dir)
     assert bill is not None and tracker is not None
-    tracker.on_start({"name": "t"})
-    for step, now in ((5, 1100.0), (10, 1200.0)):  # what observe.Pump hands the observers
-        tracker.on_report(bill.on_report({"step": step, "total_steps": 20, "time/unix": 1.7e9 + step}, now=now))
+    tracker.on_start(RunInfo("t", 1, "local", str(config.run_dir)))
+    for step, now in ((5, 1100.0), (10, 1200.0)):  # what driver/events.Pump hands the observers
+        tracker.on_report(bill.on_report(Report(step=step, total_steps=20, time=1.7e9 + step), now=now))
     profile = config.run_dir / "profile"
     profile.mkdir(parents=True)
     (profile / "rank0.summary.json").write_text(json.dumps({"rank": 0, "comm_share": 0.25, "top_operators": []}))
     (profile / "rank0.trace.json").write_text(json.dumps({"traceEvents": []}))
-    final = bill.final({"step": 20, "total_steps": 20}, wall_time_s=400.0).to_dict()
+    final = bill.final(Report(step=20, total_steps=20), wall_time_s=400.0).to_dict()
     tracker.on_end({"status": "finished", "global_step": 20, "wall_time_s": 400.0, "restarts": 0, "cost": final})
     assert not tracker.leftover and tracker.outbox.opened is not None
 

@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 from trainforge.checkpoint.state import Progress
 from trainforge.models.tasks import ClassificationTask
 from trainforge.protocol import HISTORY_KEY, curve_points, merge_points
-from trainforge.worker.metrics import IntervalHistory, Throughput, reduce_metrics
+from trainforge.worker.metrics import IntervalHistory, Signals, Throughput, reduce_metrics
 from trainforge.worker.step import MetricSums
 
 BATCH = 4  # samples per step and rank
@@ -62,21 +62,22 @@ def test_a_report_carries_one_point_per_log_interval_and_keeps_its_span_figures(
     run, sums, history = fake_run(), MetricSums(torch.device("cpu")), IntervalHistory()
     losses = [2.0 - 0.05 * i for i in range(25)]  # 25 steps, log every 10: intervals end at 10, 20, 25
     progress = train(run, losses, 10, history, sums)
-    sums.add("ctrl/stop", 1.0)  # a control signal (loop.gather_control_signals) rides the same reduce
-    reduced = reduce_metrics(run, sums, history, 2.5, progress, Throughput(BATCH))
+    stop = Signals(stop=1.0)  # a control signal (loop.gather_control_signals) rides the same reduce
+    reduced = reduce_metrics(run, sums, history, 2.5, progress, Throughput(BATCH), stop)
 
-    points = reduced.metrics[HISTORY_KEY]
+    points = reduced.report.history
     assert [p["step"] for p in points] == [10, 20, 25]
     for point, chunk in zip(points, (losses[:10], losses[10:20], losses[20:]), strict=True):
         assert point["train/loss"] == pytest.approx(sum(chunk) / len(chunk))
     assert [p["train/lr"] for p in points] == pytest.approx([0.010, 0.020, 0.025])
     assert all(p["perf/step_time_s"] == pytest.approx(0.003) for p in points)
     # The report itself: the whole span since the last report, as before there was a history.
-    assert reduced.metrics["step"] == 25
-    assert reduced.metrics["train/loss"] == pytest.approx(sum(losses) / len(losses))
-    assert reduced.metrics["train/accuracy"] == pytest.approx(sum(s % BATCH for s in range(1, 26)) / (25 * BATCH))
-    assert reduced.metrics["perf/samples_per_s"] == pytest.approx(25 * BATCH / 2.5)
-    assert reduced.totals["ctrl/stop"] == 1.0 and reduced.totals["steps"] == 25
+    assert reduced.report.step == 25
+    assert reduced.report.figures["train/loss"] == pytest.approx(sum(losses) / len(losses))
+    figures = reduced.report.figures
+    assert figures["train/accuracy"] == pytest.approx(sum(s % BATCH for s in range(1, 26)) / (25 * BATCH))
+    assert figures["perf/samples_per_s"] == pytest.approx(25 * BATCH / 2.5)
+    assert reduced.signals.stop == 1.0 and reduced.totals["steps"] == 25
     assert reduced.local["steps"] == 25 and reduced.local["step_s"] == pytest.approx(0.003)
     # Everything was taken: the next report starts from nothing.
     assert not sums.values and not history.intervals
@@ -85,11 +86,10 @@ def test_a_report_carries_one_point_per_log_interval_and_keeps_its_span_figures(
 def test_a_report_without_steps_has_an_empty_history() -> None:
     """The final report right after a stop: no steps since the last report."""
     run, sums, history = fake_run(), MetricSums(torch.device("cpu")), IntervalHistory()
-    sums.add("ctrl/stop", 0.0)
-    reduced = reduce_metrics(run, sums, history, 1.0, Progress(global_step=7), Throughput(BATCH))
-    assert reduced.metrics[HISTORY_KEY] == []
-    assert "train/loss" not in reduced.metrics
-    assert curve_points(reduced.metrics) == [{k: v for k, v in reduced.metrics.items() if k != HISTORY_KEY}]
+    reduced = reduce_metrics(run, sums, history, 1.0, Progress(global_step=7), Throughput(BATCH), Signals())
+    assert reduced.report.history == []
+    assert "train/loss" not in reduced.report.figures
+    assert curve_points(reduced.report) == [reduced.report.scalars()]
 
 
 def test_the_history_is_bounded_by_merging_neighbouring_intervals() -> None:
@@ -97,7 +97,7 @@ def test_the_history_is_bounded_by_merging_neighbouring_intervals() -> None:
     losses = [float(i) for i in range(20)]
     progress = train(run, losses, 1, history, sums)  # 20 one-step intervals into room for 8
     reduced = reduce_metrics(run, sums, history, 1.0, progress, Throughput(BATCH))
-    points = reduced.metrics[HISTORY_KEY]
+    points = reduced.report.history
     assert len(points) <= 8
     assert points[-1]["step"] == 20 and sorted(p["step"] for p in points) == [p["step"] for p in points]
     # Merging loses resolution, not steps: each point is the mean of exactly the steps it covers.
@@ -106,7 +106,7 @@ def test_the_history_is_bounded_by_merging_neighbouring_intervals() -> None:
         covered = losses[previous : point["step"]]
         assert point["train/loss"] == pytest.approx(sum(covered) / len(covered))
         previous = point["step"]
-    assert reduced.metrics["train/loss"] == pytest.approx(sum(losses) / len(losses))
+    assert reduced.report.figures["train/loss"] == pytest.approx(sum(losses) / len(losses))
 
 
 def _rank(rank: int, store: str, outs: list[str]) -> None:
@@ -124,9 +124,10 @@ def _rank(rank: int, store: str, outs: list[str]) -> None:
     run, sums, history = fake_run(world=2), MetricSums(torch.device("cpu")), IntervalHistory()
     losses = [1.0 + rank + 0.1 * i for i in range(30)]  # rank 1's losses are 1 higher than rank 0's
     progress = train(run, losses, 10, history, sums)
-    sums.add("ctrl/save_failures", float(rank == 0))
-    reduced = reduce_metrics(run, sums, history, 1.0, progress, Throughput(BATCH * 2))
-    torch.save({"metrics": reduced.metrics, "totals": reduced.totals, "calls": calls}, outs[rank])
+    failures = Signals(save_failures=float(rank == 0))
+    reduced = reduce_metrics(run, sums, history, 1.0, progress, Throughput(BATCH * 2), failures)
+    report = reduced.report.to_json()
+    torch.save({"metrics": report, "signals": reduced.signals, "calls": calls}, outs[rank])
     dist.destroy_process_group()
 
 
@@ -144,7 +145,7 @@ def test_two_ranks_reduce_every_interval_in_one_collective_and_agree(tmp_path: P
         mean_of_ranks = 1.5 + 0.1 * (10 * index + 4.5)  # both ranks' 10 steps of this interval
         assert point["step"] == 10 * (index + 1)
         assert math.isclose(point["train/loss"], mean_of_ranks, rel_tol=1e-9)
-    assert results[0]["totals"]["ctrl/save_failures"] == results[1]["totals"]["ctrl/save_failures"] == 1.0
+    assert results[0]["signals"].save_failures == results[1]["signals"].save_failures == 1.0
 
 
 def test_validation_passes_join_the_history_at_their_steps() -> None:

@@ -7,7 +7,6 @@ import copy
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -24,6 +23,7 @@ from trainforge.metrics.driver.observer import failure_reason
 from trainforge.metrics.driver.session import check_cluster_options, link, local_ray_options, write_targets
 from trainforge.metrics.worker.comm import CommReport, CommTimer, comm_hooks, union_length
 from trainforge.metrics.worker.gpu import gpu_readings
+from trainforge.protocol import Report
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -83,20 +83,22 @@ def test_every_report_carries_its_ranks_communication_per_step(gloo: None) -> No
     ddp = DistributedDataParallel(small_model(), bucket_cap_mb=0.04)
     (hook,) = comm_hooks(True, world=2, model=ddp, device=torch.device("cpu"), chosen=None)
     train_steps(ddp, 4)
-    metrics: dict[str, Any] = {}
+    report = Report(step=4)
+    metrics = report.figures
     local = {"steps": 4.0, "compute_s": 0.01}
-    hook.on_report(metrics, local)
+    hook.on_report(report, local)
     assert 0 < metrics["perf/comm_exposed_s"] <= metrics["perf/comm_s"]
     assert (local["comm_s"], local["comm_exposed_s"]) == (metrics["perf/comm_s"], metrics["perf/comm_exposed_s"])
-    hook.on_report(metrics, {"steps": 0.0})  # a report without steps (the final one): says nothing new
+    hook.on_report(report, {"steps": 0.0})  # a report without steps (the final one): says nothing new
     assert metrics["perf/comm_s"] == local["comm_s"]
 
 
 def test_communication_figures_only_where_they_are_measured(gloo: None) -> None:
     one = small_model()
     (single,) = comm_hooks(True, world=1, model=one, device=torch.device("cpu"), chosen=None)
-    metrics: dict[str, Any] = {}
-    single.on_report(metrics, {"steps": 3.0})
+    report = Report(step=3)
+    metrics = report.figures
+    single.on_report(report, {"steps": 3.0})
     assert (metrics["perf/comm_s"], metrics["perf/comm_exposed_s"]) == (0.0, 0.0)  # one worker: nothing to send
     assert (
         comm_hooks(

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from trainforge.protocol import HISTORY_KEY
+from trainforge.protocol import HISTORY_KEY, CheckpointSkipped, Resumed, event_to_json
 from trainforge.report import ReportError, ReportWriter, load_run, write_report
 from trainforge.report.html import format_metric
 from trainforge.report.plots import pieces, xy
@@ -105,7 +105,7 @@ def restarted_run(root: Path) -> Path:
             line["checkpoint/path"] = "/tmp/runs/restarted/checkpoint_000000100"
     lines.append({"event": "worker_error", "errors": {"1": FAILURE}})
     resumed = metrics(101, 200, seed=1)
-    resumed["events"] = ["resumed from /tmp/runs/restarted/checkpoint_000000100 at step 100"]
+    resumed["events"] = [event_to_json(Resumed(100, "/tmp/runs/restarted/checkpoint_000000100"))]
     lines.append(resumed)
     lines += [metrics(s, 200, val=s % 50 == 0, seed=1) for s in range(110, 201, 10)]
     final = lines[-1]
@@ -215,6 +215,41 @@ def test_restarted_run_page(reports: dict[str, Path]) -> None:
     assert "recovered in 6.8 s" in page
     assert "/tmp/runs/restarted/checkpoint_000000200" in page
     assert "max_steps: 200" in page  # the resolved config
+
+
+def test_a_run_written_before_events_had_kinds_still_loads(tmp_path: Path) -> None:
+    """Events were plain strings: they show as text, unread (no marker is made out of a sentence)."""
+    run_dir = restarted_run(tmp_path)
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    old = [json.loads(line) for line in lines]
+    for record in old:
+        if "events" in record:
+            record["events"] = [event["text"] for event in record["events"]] + ["skipped checkpoint c: bad", 7]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(record) + "\n" for record in old))
+    data = load_run(run_dir)
+    assert [(m.kind, m.step) for m in data.markers] == [("failure", 120)]
+    texts = [(e.kind, e.text) for e in data.events]
+    assert ("event", "resumed from /tmp/runs/restarted/checkpoint_000000100 at step 100") in texts
+    assert ("event", "skipped checkpoint c: bad") in texts and len(data.reports) == len(old) - 1
+    assert "resumed from /tmp/runs/restarted/checkpoint_000000100 at step 100" in write_report(run_dir).read_text()
+
+
+def test_events_are_read_by_kind_and_hostile_entries_are_left_out(tmp_path: Path) -> None:
+    run_dir = no_val_run(tmp_path)
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    lines[1]["events"] = [
+        event_to_json(CheckpointSkipped("checkpoint_000000010", "manifest.json is missing")),
+        {"kind": "resumed", "step": "ten", "path": 3, "text": "resumed from nowhere"},  # a Note, no marker
+        {"kind": "resumed"},  # no text: left out
+        ["not", "an", "event"],
+    ]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    data = load_run(run_dir)
+    assert data.markers == []
+    assert [e.text for e in data.events] == [
+        "skipped checkpoint checkpoint_000000010: manifest.json is missing",
+        "resumed from nowhere",
+    ]
 
 
 def test_restart_markers_and_lost_steps(tmp_path: Path) -> None:

@@ -24,6 +24,7 @@ from trainforge.driver.summary import (
     RunRecord,
     build_summary,
 )
+from trainforge.protocol import Report, Resumed, WorkerFailure
 from trainforge.tune.summary import complete_run_dir
 from trainforge.tune.trial import TrialOutcome
 
@@ -31,42 +32,31 @@ T0 = 1_790_000_000.0
 SECRET_CONFIG = {"checkpoint": {"storage_path": "s3://KEY:SECRET@bucket/runs"}}
 
 
-def report(step: int, at: float, **extra: Any) -> dict[str, Any]:
-    return {
-        "step": step,
-        "epoch": step // 10,
-        "world_size": 2,
-        "time/unix": at,
-        "train/loss": 1.0 / step,
-        "perf/steady_samples_per_s": 250.0,
-        **extra,
-    }
+def report(step: int, at: float, **extra: Any) -> Report:
+    figures = {"train/loss": 1.0 / step, "perf/steady_samples_per_s": 250.0}
+    return Report(step=step, epoch=step // 10, world_size=2, time=at, figures=figures, **extra)
 
+
+RESUMED = (Resumed(10, "checkpoint_000000010"),)
 
 # One run as the driver saw it: two reports, a worker-group failure, the resume, a second failure
-# and its resume, the final report. Failure times are the controller callback's (observe.py).
-EVENTS: list[dict[str, Any]] = [
-    {"kind": "report", "metrics": report(5, T0 + 1)},
-    {"kind": "report", "metrics": report(10, T0 + 2, **{"checkpoint/path": "/c/t/checkpoint_000000010"})},
-    {"kind": "worker_error", "errors": {"1": "killed"}, "time": T0 + 3},
-    {"kind": "report", "metrics": report(15, T0 + 9.5, events=["resumed from checkpoint_000000010 at step 10"])},
-    {"kind": "worker_error", "errors": {"0": "killed"}, "time": T0 + 10},
-    {"kind": "report", "metrics": report(20, T0 + 12.25, events=["resumed from checkpoint_000000010 at step 10"])},
+# and its resume, the final report. Failure times are the controller callback's (driver/events.py).
+EVENTS: list[Report | WorkerFailure] = [
+    report(5, T0 + 1),
+    report(10, T0 + 2, checkpoint="/c/t/checkpoint_000000010"),
+    WorkerFailure({1: "killed"}, T0 + 3),
+    report(15, T0 + 9.5, events=RESUMED),
+    WorkerFailure({0: "killed"}, T0 + 10),
+    report(20, T0 + 12.25, events=RESUMED),
 ]
 
 
-def metrics_log_lines(events: list[dict[str, Any]]) -> list[str]:
-    """metrics.jsonl as observe.MetricsLog appends it, with each failure's time."""
-    lines = []
-    for event in events:
-        if event["kind"] == "report":
-            lines.append(json.dumps(event["metrics"]))
-        else:
-            lines.append(json.dumps({"event": "worker_error", "errors": event["errors"], "time": event["time"]}))
-    return lines
+def metrics_log_lines(events: list[Report | WorkerFailure]) -> list[str]:
+    """metrics.jsonl as driver/events.MetricsLog appends it, with each failure's time."""
+    return [json.dumps(event.to_json()) for event in events]
 
 
-def pump_fed(events: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch) -> observe.Pump:
+def pump_fed(events: list[Report | WorkerFailure], monkeypatch: pytest.MonkeyPatch) -> observe.Pump:
     """The driver's real Pump, drained once from a mailbox that holds ``events``."""
     monkeypatch.setattr(observe.ray, "get", lambda ref, timeout=None: ref)
     mailbox = SimpleNamespace(drain=SimpleNamespace(remote=lambda: list(events)))
@@ -88,10 +78,11 @@ def test_the_run_driver_and_the_search_driver_write_the_same_summary(
     (run_dir / "config.yaml").write_text(to_yaml(config))
     (run_dir / "metrics.jsonl").write_text("\n".join(metrics_log_lines(EVENTS)) + "\n")
     pump = pump_fed(EVENTS, monkeypatch)
-    last = EVENTS[-1]["metrics"]
+    last = EVENTS[-1]
+    assert isinstance(last, Report)
     checkpoint = "/c/t/checkpoint_000000010"
 
-    by_run_driver = build_summary(run_record(config, Outcome("stopped", {}, checkpoint, 12.0), pump))
+    by_run_driver = build_summary(run_record(config, Outcome("stopped", None, checkpoint, 12.0), pump))
     trial = TrialOutcome(
         trial_id="t",
         config={},
@@ -99,7 +90,7 @@ def test_the_run_driver_and_the_search_driver_write_the_same_summary(
         stopped_early=True,
         last_metric=None,
         best_metric=None,
-        steps=int(last["step"]),
+        steps=last.step,
         budget_steps=20,
         wall_time_s=12.0,
         run_dir=str(run_dir),
@@ -126,7 +117,7 @@ def test_a_failure_of_unknown_time_is_a_restart_without_a_recovery_time() -> Non
     ran = RunLog.replay([*lines[:3], '{"step": 1', *lines[3:]])  # and a line cut short
     assert ran.recovery.restarts == 2
     assert ran.recovery.recovery_s == [2.25]
-    assert [r["step"] for r in ran.reports] == [5, 10, 15, 20]
+    assert [r.step for r in ran.reports] == [5, 10, 15, 20]
 
 
 def test_a_replay_counts_the_last_driver_session_as_the_driver_does() -> None:
@@ -142,7 +133,9 @@ def test_the_summary_keeps_the_design_contract(tmp_path: Path) -> None:
     config = config_for(tmp_path)
     record = RunRecord(
         status="failed",
-        final={"step": 3, "train/loss": float("nan"), "val/accuracy": 0.5, "flag/x": True, "note": "x"},
+        final=Report.from_json(
+            {"step": 3, "train/loss": float("nan"), "val/accuracy": 0.5, "flag/x": True, "note": "x"}
+        ),
         recovery=Recovery(),
         wall_time_s=1.23456,
         checkpoint=None,
@@ -174,12 +167,12 @@ def test_the_summary_keeps_the_design_contract(tmp_path: Path) -> None:
 
 def test_the_summary_records_what_auto_batch_size_chose(tmp_path: Path) -> None:
     config = validate(tiny_run(tmp_path, train={"batch_size": "auto", "global_batch_size": 64}))
-    final = {"step": 5, "batch/micro_batch_size": 8, "batch/grad_accum_steps": 8, "batch/oom_retries": 1}
-    record = RunRecord("finished", final, Recovery(), 1.0, None, config.to_dict(), 1)
+    batch = {"batch/micro_batch_size": 8, "batch/grad_accum_steps": 8, "batch/oom_retries": 1}
+    record = RunRecord("finished", Report(step=5, figures=batch), Recovery(), 1.0, None, config.to_dict(), 1)
     assert build_summary(record)["batch"] == {
         "micro_batch_size": 8,
         "grad_accum_steps": 8,
         "global_batch_size": 64,
         "oom_retries": 1,
     }
-    assert "batch" not in build_summary(RunRecord("finished", {"step": 5}, Recovery(), 1.0, None, {}, 1))
+    assert "batch" not in build_summary(RunRecord("finished", Report(step=5), Recovery(), 1.0, None, {}, 1))

@@ -21,6 +21,7 @@ from trainforge.config import load_config
 from trainforge.errors import ConfigError
 from trainforge.metrics.nvml import Gpus
 from trainforge.metrics.worker.system import SystemMetrics
+from trainforge.protocol import Report, RunInfo, WorkerFailure
 from trainforge.tracking import SearchRun, TrackingError, make_tracker
 from trainforge.tracking.outbox import Outbox, is_transient
 from trainforge.tracking.records import (
@@ -234,12 +235,22 @@ def test_required_tracking_fails_before_training_when_the_store_is_unreachable(t
     assert make_tracker(config(tmp_path, enabled=False), cfg.run_dir) is None
 
 
+def as_report(record: dict[str, Any]) -> Report:
+    """A report as metrics.jsonl holds it, as the observers get it."""
+    report = Report.from_json(record)
+    assert report is not None
+    return report
+
+
+STARTED = RunInfo("t", 1, "local", "/tmp/t")
+
+
 def drive(tracker: Any, reports: list[dict[str, Any]], status: str = "finished") -> None:
-    """What observe.Pump and launch.run_training do with an observer, without Ray."""
-    tracker.on_start({"name": "t"})
+    """What driver/events.Pump and driver/run.run_training do with an observer, without Ray."""
+    tracker.on_start(STARTED)
     for report in reports:
-        tracker.on_report(report)
-    tracker.on_worker_error({1: "ActorDiedError: gone"})
+        tracker.on_report(as_report(report))
+    tracker.on_worker_error(WorkerFailure({1: "ActorDiedError: gone"}))
     tracker.run_dir.mkdir(parents=True, exist_ok=True)
     (tracker.run_dir / "summary.json").write_text(json.dumps({"status": status}))
     tracker.on_end({"status": status, "global_step": reports[-1]["step"], "wall_time_s": 1.0, "restarts": 1})
@@ -314,8 +325,8 @@ def test_a_run_that_raised_before_its_end_is_marked_failed(tmp_path: Path) -> No
     assert tracker is not None
     tracker.on_error()  # before on_start: no run was opened, nothing to end
     assert tracker.leftover is None
-    tracker.on_start({"name": "t"})
-    tracker.on_report(REPORT)
+    tracker.on_start(STARTED)
+    tracker.on_report(as_report(REPORT))
     tracker.on_error()
     assert tracker.leftover is not None and not tracker.leftover
     assert tracker.outbox.opened is not None
@@ -400,10 +411,10 @@ def test_a_disabled_search_run_accepts_everything_and_does_nothing(tmp_path: Pat
 
 def test_system_sample_has_every_key_for_the_node() -> None:
     hook = SystemMetrics("10.1.2.3")
-    report: dict[str, Any] = {"step": 1}
+    report = Report(step=1)
     hook.on_report(report, {})
     hook.close()
-    node = {k.removeprefix("system/10.1.2.3/"): v for k, v in report.items() if k.startswith("system/")}
+    node = {k.removeprefix("system/10.1.2.3/"): v for k, v in report.figures.items() if k.startswith("system/")}
     assert {"cpu_percent", "memory_used_gb", "memory_percent"} <= node.keys()
     assert 0.0 <= node["cpu_percent"] <= 100.0
     assert 0.0 < node["memory_percent"] <= 100.0 and node["memory_used_gb"] > 0

@@ -26,28 +26,27 @@ from torch.nn.parallel import DistributedDataParallel
 
 from trainforge.metrics.worker.comm import CommTimer
 from trainforge.metrics.worker.hook import PrometheusHook
+from trainforge.protocol import Report
 
 
 def report_cost(reports: int) -> float:
     """Seconds per ``on_report`` call."""
     hook = PrometheusHook({"run": "bench", "trial": "", "rank": "0", "node": "127.0.0.1"}, rank=0)
-    metrics = {
+    figures = {
         "train/loss": 0.5,
         "val/loss": 0.6,
         "val/accuracy": 0.9,
         "perf/samples_per_s": 1000.0,
-        "step": 10,
         "train/lr": 1e-3,
         "train/grad_norm": 1.0,
-        "world_size": 8,
-        "time/unix": time.time(),
         "checkpoint/stall_s": 0.1,
     }
+    report = Report(step=10, world_size=8, time=time.time(), figures=figures)
     local = {"data_s": 0.01, "compute_s": 0.1, "optim_s": 0.02, "step_s": 0.13, "steps": 10.0}
-    hook.on_report(metrics, local)  # creates the series
+    hook.on_report(report, local)  # creates the series
     started = time.perf_counter()
     for _ in range(reports):
-        hook.on_report(metrics, local)
+        hook.on_report(report, local)
     return (time.perf_counter() - started) / reports
 
 

@@ -4,19 +4,23 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from trainforge.protocol import CURRENCY_KEY, PROJECTED_KEY, SO_FAR_KEY
+from trainforge.protocol import PROJECTED_KEY, SO_FAR_KEY, LogLine, Report, RunInfo, WorkerFailure
 from trainforge.redact import redact_text
 
+# An event's level -> its colour on the console
+COLOURS = {"info": "cyan", "warning": "yellow", "error": "red"}
 
-def describe(metrics: dict[str, Any]) -> str:
+
+def describe(figures: Mapping[str, float], *, epoch: int | None = None, currency: str | None = None) -> str:
     """The few numbers a user watches, in one short line."""
-    parts = [f"epoch {metrics.get('epoch', 0)}"]
+    parts = [f"epoch {epoch or 0}"]
     for key, label, fmt in (
         ("train/loss", "loss", "{:.4f}"),
         ("train/accuracy", "acc", "{:.3f}"),
@@ -24,10 +28,10 @@ def describe(metrics: dict[str, Any]) -> str:
         ("val/accuracy", "val_acc", "{:.3f}"),
         ("perf/samples_per_s", "samples/s", "{:,.0f}"),
     ):
-        if key in metrics:
-            parts.append(f"{label} {fmt.format(metrics[key])}")
-    if SO_FAR_KEY in metrics:
-        parts.append(describe_cost(metrics[SO_FAR_KEY], metrics.get(PROJECTED_KEY), str(metrics.get(CURRENCY_KEY, ""))))
+        if key in figures:
+            parts.append(f"{label} {fmt.format(figures[key])}")
+    if SO_FAR_KEY in figures:
+        parts.append(describe_cost(figures[SO_FAR_KEY], figures.get(PROJECTED_KEY), currency or ""))
     return "  ".join(parts)
 
 
@@ -47,10 +51,10 @@ class ProgressDisplay:
         self.task_id: Any = None
         self.started = time.monotonic()
 
-    def on_start(self, info: dict[str, Any]) -> None:
+    def on_start(self, info: RunInfo) -> None:
         self.console.print(
-            f"[bold]trainforge[/] run [cyan]{info['name']}[/] · {info['workers']} worker(s) on {info['cluster']}"
-            f" · output {info['run_dir']}",
+            f"[bold]trainforge[/] run [cyan]{info.name}[/] · {info.workers} worker(s) on {info.cluster}"
+            f" · output {info.run_dir}",
             soft_wrap=True,
         )
         if self.live:
@@ -67,40 +71,43 @@ class ProgressDisplay:
             self.progress.start()
             self.task_id = self.progress.add_task("starting workers…", total=None)
 
-    def on_report(self, metrics: dict[str, Any]) -> None:
-        for event in metrics.get("events", []):
-            colour = "red" if "failed" in event else "yellow" if "skipped" in event else "cyan"
-            self.console.print(f"[{colour}]{escape(redact_text(event))}[/]", highlight=False, soft_wrap=True)
-        step, total = metrics.get("step", 0), metrics.get("total_steps")
+    def on_report(self, report: Report) -> None:
+        for event in report.events:
+            colour = COLOURS[event.level]
+            self.console.print(f"[{colour}]{escape(redact_text(event.text))}[/]", highlight=False, soft_wrap=True)
+        step, total = report.step, report.total_steps
+        line = describe(report.figures, epoch=report.epoch, currency=report.currency)
         if self.progress is not None:
-            self.progress.update(self.task_id, completed=step, total=total, description=describe(metrics))
+            self.progress.update(self.task_id, completed=step, total=total, description=line)
         else:
-            self.console.print(f"step {step}/{total}  {describe(metrics)}", highlight=False, soft_wrap=True)
+            self.console.print(f"step {step}/{total}  {line}", highlight=False, soft_wrap=True)
 
-    def on_worker_error(self, errors: dict[int, str], at: float | None = None) -> None:
-        for rank, error in sorted(errors.items()):
+    def on_worker_error(self, failure: WorkerFailure) -> None:
+        for rank, error in sorted(failure.errors.items()):
             text = escape(redact_text(error))
             self.console.print(f"[yellow]worker {rank} failed:[/] {text}", highlight=False, soft_wrap=True)
 
-    def on_log(self, lines: list[dict[str, Any]]) -> None:
+    def on_log(self, lines: list[LogLine]) -> None:
         """Warnings and errors from any worker; the rest is in workers.log."""
         for line in lines:
-            if line["level"] >= logging.WARNING:
-                colour = "red" if line["level"] >= logging.ERROR else "yellow"
-                self.console.print(f"[{colour}]{escape(redact_text(line['text']))}[/]", highlight=False, soft_wrap=True)
+            if line.level >= logging.WARNING:
+                colour = "red" if line.level >= logging.ERROR else "yellow"
+                self.console.print(f"[{colour}]{escape(redact_text(line.text))}[/]", highlight=False, soft_wrap=True)
 
     def on_end(self, summary: dict[str, Any]) -> None:
         if self.progress is not None:
             self.progress.stop()
-        final = {**summary.get("final_metrics", {}), "epoch": summary["epoch"]}
+        final = dict(summary.get("final_metrics", {}))
+        currency = None
         cost = summary.get("cost")
         if isinstance(cost, dict):  # the whole session's bill, not the last report's
-            final.update({SO_FAR_KEY: cost["so_far"], CURRENCY_KEY: cost["currency"]})
+            final[SO_FAR_KEY], currency = cost["so_far"], cost["currency"]
             final.pop(PROJECTED_KEY, None)
         colour = {"finished": "green", "stopped": "yellow"}.get(summary["status"], "red")
+        line = describe(final, epoch=summary["epoch"], currency=currency)
         self.console.print(
             f"[{colour}]{summary['status']}[/] at step {summary['global_step']} in {summary['wall_time_s']:.1f} s · "
-            f"{describe(final)} · {summary['throughput_samples_per_s']:,.0f} samples/s (steady)",
+            f"{line} · {summary['throughput_samples_per_s']:,.0f} samples/s (steady)",
             highlight=False,
             soft_wrap=True,
         )

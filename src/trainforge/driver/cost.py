@@ -7,7 +7,7 @@ the driver's time before the first report (Ray starting, placement) is billed at
 count, since rented machines cost money while they wait too. The projection to the end of the run
 extends the current hourly rate over the steps left at the pace of this driver session.
 
-One meter per driver session. A run that resumes (its first report says "resumed from") carries
+One meter per driver session. A run that resumes (its first report has a ``Resumed`` event) carries
 the bill of its earlier driver sessions: the last ``cost/so_far`` in the run's metrics.jsonl when
 this session started (every session's figure includes the ones before it), so the money spent on
 steps that a crash then lost stays on the bill. A run that starts over is billed from zero.
@@ -18,13 +18,12 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from trainforge.config import Config, CostConfig, ScalingConfig
-from trainforge.driver.summary import RESUMED_PREFIX
-from trainforge.protocol import CURRENCY_KEY, PROJECTED_KEY, SO_FAR_KEY
+from trainforge.protocol import PROJECTED_KEY, SO_FAR_KEY, Report, Resumed
 
 
 @dataclass(frozen=True)
@@ -141,29 +140,26 @@ class CostMeter:
             cpu_hours=cpu_hours,
         )
 
-    def final(self, metrics: dict[str, Any], wall_time_s: float) -> CostEstimate:
+    def final(self, report: Report | None, wall_time_s: float) -> CostEstimate:
         """The bill for the whole driver session (``wall_time_s`` from the meter's start), for summary.json."""
-        return self.estimate(
-            self.started + wall_time_s,
-            int(metrics.get("step", 0)),
-            _int_or_none(metrics.get("total_steps")),
-            _float_or_none(metrics.get("world_size")),
-        )
+        if report is None:
+            return self.estimate(self.started + wall_time_s, 0, None)
+        return self.estimate(self.started + wall_time_s, report.step, report.total_steps, _workers(report))
 
-    def on_report(self, metrics: dict[str, Any], now: float | None = None) -> dict[str, Any]:
-        """The report with ``cost/so_far`` and ``cost/projected_total`` added (a new dict)."""
-        resumed = any(str(event).startswith(RESUMED_PREFIX) for event in metrics.get("events", []) or [])
+    def on_report(self, report: Report, now: float | None = None) -> Report:
+        """The report with the figures ``cost/so_far`` and ``cost/projected_total`` and its currency
+        (a new Report)."""
         estimate = self.estimate(
             time.monotonic() if now is None else now,
-            int(metrics.get("step", 0)),
-            _int_or_none(metrics.get("total_steps")),
-            _float_or_none(metrics.get("world_size")),
-            resumed=resumed,
+            report.step,
+            report.total_steps,
+            _workers(report),
+            resumed=any(isinstance(event, Resumed) for event in report.events),
         )
-        figures: dict[str, Any] = {SO_FAR_KEY: estimate.so_far, CURRENCY_KEY: estimate.currency}
+        figures = {SO_FAR_KEY: estimate.so_far}
         if estimate.projected_total is not None:
             figures[PROJECTED_KEY] = estimate.projected_total
-        return {**metrics, **figures}
+        return replace(report, figures={**report.figures, **figures}, currency=estimate.currency)
 
 
 def earlier_sessions_cost(metrics_path: Path) -> float:
@@ -178,17 +174,14 @@ def earlier_sessions_cost(metrics_path: Path) -> float:
         if SO_FAR_KEY not in line:
             continue
         try:
-            value = json.loads(line).get(SO_FAR_KEY)
-        except (ValueError, AttributeError):
+            report = Report.from_json(json.loads(line))
+        except ValueError:
             continue  # a line cut short by a crash
-        if isinstance(value, (int, float)) and math.isfinite(value) and value >= 0:
+        value = report.figures.get(SO_FAR_KEY) if report is not None else None
+        if value is not None and math.isfinite(value) and value >= 0:
             last = float(value)
     return last
 
 
-def _int_or_none(value: Any) -> int | None:
-    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
-
-
-def _float_or_none(value: Any) -> float | None:
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+def _workers(report: Report) -> float | None:
+    return float(report.world_size) if report.world_size is not None else None

@@ -1,9 +1,23 @@
 """How the driver watches a run: the controller forwards reports to a mailbox, observers consume them.
 
-Firing order, for every observer: ``on_start`` once, then ``on_report`` per report of rank 0's
-metrics (in step order) with ``on_worker_error`` and ``on_log`` (batches of worker log lines)
-interleaved as they happen, then ``on_end`` once with the summary. ``on_log`` is optional. An
-observer that raises is logged and skipped; it never stops training.
+What crosses is typed (``trainforge.protocol``): the workers' ``Report`` (with its events), the
+controller's ``WorkerFailure``, the workers' ``LogBatch``. Observers get typed callbacks, modelled
+on Ray Train's ``UserCallback``; every one but ``on_log`` is required.
+
+Firing order, for every observer, once per driver session:
+
+1. ``on_start(RunInfo)``, before the workers start;
+2. ``on_report(Report)`` per report of the workers (rank 0's figures, all-reduced, plus every
+   node's ``system/...`` samples), in step order, the final one with ``status`` set; with a price
+   set the report carries the driver's ``cost/...`` figures (driver/cost.py);
+3. ``on_worker_error(WorkerFailure)`` when a worker group fails (Ray restarts it; the next report
+   after the restore carries a ``Resumed`` event) and ``on_log(list[LogLine])`` (batches of worker
+   log lines), interleaved with 2. as they happen;
+4. ``on_end(summary)`` once, with summary.json's content, after it is written (not when ``fit``
+   raises a user's error: the tracker's ``on_error`` covers that).
+
+Observers run on the driver's main thread between mailbox drains (every 0.5 s). One that raises
+is logged once and skipped from then on; observation never stops training.
 """
 
 from __future__ import annotations
@@ -11,6 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -19,8 +34,11 @@ from ray.train.v2.api.callback import UserCallback
 
 from trainforge.driver.cost import CostMeter
 from trainforge.driver.summary import DRIVER_START, Recovery
+from trainforge.protocol import REPORT_KEY, LogBatch, LogLine, Report, RunInfo, WorkerFailure
 
 log = logging.getLogger("trainforge")
+
+Mail = Report | WorkerFailure | LogBatch  # what the mailbox holds
 
 
 def start_mailbox() -> Any:
@@ -33,13 +51,13 @@ def start_mailbox() -> Any:
 
 @ray.remote(num_cpus=0)
 class Mailbox:
-    """A tiny actor the controller drops events into and the driver drains."""
+    """A tiny actor the controller and the workers drop mail into and the driver drains."""
 
     def __init__(self) -> None:
-        self.items: list[dict[str, Any]] = []
+        self.items: list[Mail] = []
         self.stop = False
 
-    def put(self, item: dict[str, Any]) -> None:
+    def put(self, item: Mail) -> None:
         self.items.append(item)
 
     def request_stop(self) -> None:
@@ -49,7 +67,7 @@ class Mailbox:
     def stop_requested(self) -> bool:
         return self.stop
 
-    def drain(self) -> list[dict[str, Any]]:
+    def drain(self) -> list[Mail]:
         items, self.items = self.items, []
         return items
 
@@ -61,32 +79,44 @@ class ForwardingCallback(UserCallback):
         self.mailbox = mailbox
 
     def after_report(self, run_context: Any, metrics: list[dict[str, Any]], checkpoint: Any) -> None:
-        self.mailbox.put.remote({"kind": "report", "metrics": merge_reports(metrics)})  # fire and forget: in order
+        merged = merge_reports([m.get(REPORT_KEY) for m in metrics])
+        if merged is not None:
+            self.mailbox.put.remote(merged)  # fire and forget: in order
 
     def after_exception(self, run_context: Any, worker_exceptions: dict[int, Exception]) -> None:
         errors = {
             int(rank): f"{type(err).__name__}: {err}".splitlines()[0][:500] for rank, err in worker_exceptions.items()
         }
-        self.mailbox.put.remote({"kind": "worker_error", "errors": errors, "time": time.time()})
+        self.mailbox.put.remote(WorkerFailure(errors, time.time()))
 
 
 PER_NODE_PREFIX = "system/"
 
 
-def merge_reports(metrics: list[dict[str, Any]]) -> dict[str, Any]:
+def merge_reports(reports: list[Any]) -> Report | None:
     """Rank 0's report (every rank reports the same all-reduced figures) plus the per-node
-    ``system/<node>/...`` samples that each node's first worker adds to its own report."""
-    merged = dict(metrics[0]) if metrics else {}
-    for other in metrics[1:]:
-        merged.update({k: v for k, v in other.items() if k.startswith(PER_NODE_PREFIX)})
-    return merged
+    ``system/<node>/...`` samples that each node's first worker adds to its own report; None when
+    rank 0's is not a Report (a worker of another version)."""
+    if not reports or not isinstance(reports[0], Report):
+        return None
+    first = reports[0]
+    samples = {
+        key: value
+        for other in reports[1:]
+        if isinstance(other, Report)
+        for key, value in other.figures.items()
+        if key.startswith(PER_NODE_PREFIX)
+    }
+    return replace(first, figures={**first.figures, **samples}) if samples else first
 
 
 class Observer(Protocol):
-    def on_start(self, info: dict[str, Any]) -> None: ...
-    def on_report(self, metrics: dict[str, Any]) -> None: ...
-    def on_worker_error(self, errors: dict[int, str], at: float | None = None) -> None: ...
+    def on_start(self, info: RunInfo) -> None: ...
+    def on_report(self, report: Report) -> None: ...
+    def on_worker_error(self, failure: WorkerFailure) -> None: ...
     def on_end(self, summary: dict[str, Any]) -> None: ...
+
+    # optional: def on_log(self, lines: list[LogLine]) -> None
 
 
 class Observers:
@@ -108,17 +138,16 @@ class Observers:
                     log.warning("%s.%s failed: %s", type(observer).__name__, method, err)
                     self._failed.add(index)
 
-    def on_start(self, info: dict[str, Any]) -> None:
+    def on_start(self, info: RunInfo) -> None:
         self._each("on_start", info)
 
-    def on_report(self, metrics: dict[str, Any]) -> None:
-        self._each("on_report", metrics)
+    def on_report(self, report: Report) -> None:
+        self._each("on_report", report)
 
-    def on_worker_error(self, errors: dict[int, str], at: float | None = None) -> None:
-        """``at``: when the failure was seen (unix time), for recovery times."""
-        self._each("on_worker_error", errors, at)
+    def on_worker_error(self, failure: WorkerFailure) -> None:
+        self._each("on_worker_error", failure)
 
-    def on_log(self, lines: list[dict[str, Any]]) -> None:
+    def on_log(self, lines: list[LogLine]) -> None:
         self._each("on_log", lines)
 
     def on_end(self, summary: dict[str, Any]) -> None:
@@ -137,34 +166,34 @@ class Pump:
         self.mailbox = mailbox
         self.observers = observers
         self.cost = cost  # with a price set, every report gains cost/so_far and cost/projected_total
-        self.last_metrics: dict[str, Any] = {}
+        self.last_report: Report | None = None
         self.recovery = Recovery()
 
     def drain(self) -> None:
         try:
-            events = ray.get(self.mailbox.drain.remote(), timeout=30)
+            items = ray.get(self.mailbox.drain.remote(), timeout=30)
         except (ray.exceptions.RayError, TimeoutError) as err:
             log.debug("mailbox unavailable: %s", err)
             return
-        for event in events:
-            if event["kind"] == "report":
-                self._on_report(event["metrics"])
-            elif event["kind"] == "worker_error":
-                self.recovery.failed(event["time"])
-                self.observers.on_worker_error(event["errors"], event["time"])
-            elif event["kind"] == "log":
-                self.observers.on_log(event["lines"])
+        for item in items:
+            if isinstance(item, Report):
+                self._on_report(item)
+            elif isinstance(item, WorkerFailure):
+                self.recovery.failed(item.time)
+                self.observers.on_worker_error(item)
+            elif isinstance(item, LogBatch):
+                self.observers.on_log(list(item.lines))
 
-    def _on_report(self, metrics: dict[str, Any]) -> None:
+    def _on_report(self, report: Report) -> None:
         if self.cost is not None:
-            metrics = self.cost.on_report(metrics)
-        self.recovery.reported(metrics)
-        self.last_metrics = metrics
-        self.observers.on_report(metrics)
+            report = self.cost.on_report(report)
+        self.recovery.reported(report)
+        self.last_report = report
+        self.observers.on_report(report)
 
     @property
     def last_checkpoint(self) -> str | None:
-        return self.last_metrics.get("checkpoint/path")
+        return self.last_report.checkpoint if self.last_report is not None else None
 
 
 class MetricsLog:
@@ -173,16 +202,16 @@ class MetricsLog:
     def __init__(self, run_dir: Path) -> None:
         self.path = run_dir / "metrics.jsonl"
 
-    def on_start(self, info: dict[str, Any]) -> None:
+    def on_start(self, info: RunInfo) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         # A driver session begins: a replay (summary.RunLog) counts restarts from the last one on.
         self._append({"event": DRIVER_START, "time": time.time()})
 
-    def on_report(self, metrics: dict[str, Any]) -> None:
-        self._append(metrics)
+    def on_report(self, report: Report) -> None:
+        self._append(report.to_json())
 
-    def on_worker_error(self, errors: dict[int, str], at: float | None = None) -> None:
-        self._append({"event": "worker_error", "errors": errors, "time": at})
+    def on_worker_error(self, failure: WorkerFailure) -> None:
+        self._append(failure.to_json())
 
     def _append(self, record: dict[str, Any]) -> None:
         with self.path.open("a") as handle:
@@ -198,18 +227,18 @@ class WorkerLog:
     def __init__(self, run_dir: Path) -> None:
         self.path = run_dir / "workers.log"
 
-    def on_start(self, info: dict[str, Any]) -> None:
+    def on_start(self, info: RunInfo) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
 
-    def on_report(self, metrics: dict[str, Any]) -> None:
+    def on_report(self, report: Report) -> None:
         pass
 
-    def on_worker_error(self, errors: dict[int, str], at: float | None = None) -> None:
+    def on_worker_error(self, failure: WorkerFailure) -> None:
         pass
 
-    def on_log(self, lines: list[dict[str, Any]]) -> None:
+    def on_log(self, lines: list[LogLine]) -> None:
         with self.path.open("a") as handle:
-            handle.writelines(line["text"] + "\n" for line in lines)
+            handle.writelines(line.text + "\n" for line in lines)
 
     def on_end(self, summary: dict[str, Any]) -> None:
         pass

@@ -24,7 +24,6 @@ from ray.train.v2.api.exceptions import TrainingFailedError
 from ray.train.v2.torch.torch_trainer import TorchTrainer
 from rich.console import Console
 
-from trainforge import errors
 from trainforge.checkpoint.storage import CheckpointStore
 from trainforge.config import Config, FactoryData, to_yaml
 from trainforge.data.augment import augment_of, check_augment
@@ -41,6 +40,7 @@ from trainforge.driver.summary import RunRecord, finish_run_dir
 from trainforge.errors import CheckpointError, TrainforgeError, TrainingFailed
 from trainforge.metrics.driver.observer import metrics_observers
 from trainforge.models.registry import load_factory, require_builtin
+from trainforge.protocol import PAYLOAD_KEY, Payload, Report, RunInfo, UserError
 from trainforge.redact import install_on_logger, redact_text
 from trainforge.report import ReportWriter
 from trainforge.tracking import make_tracker
@@ -62,7 +62,7 @@ class Outcome:
     """What came back from Ray Train, before it is turned into a summary."""
 
     status: str  # finished, stopped (graceful stop, resumable), failed, aborted
-    final_metrics: dict[str, Any]
+    final: Report | None  # rank 0's final report, or the last one the driver saw
     checkpoint: str | None
     wall_time_s: float
     error: str | None = None
@@ -77,17 +77,11 @@ def build_trainer(
     scaling = config.scaling
     resources = dict(scaling.resources_per_worker) if scaling.resources_per_worker else None
     env = worker_env()
-    settings = config.to_dict()
-    payload: dict[str, Any] = {
-        "config": with_absolute_data_paths(settings) if local_ray else settings,
-        "control": mailbox,
-    }
     streamed: dict[str, Any] = {}
     # Streamed sources (and factories returning Ray Datasets) are read by Ray Data and reach the
     # workers as Ray Train's dataset shards. Decided here, once: the workers follow the payload.
     stream = open_stream(config.data, config.seed, progress=log.info)
     if stream is not None:
-        payload["stream"] = stream.shape.to_dict()
         streamed = {"datasets": stream.datasets(), "dataset_config": ordered_split_config()}
         log.info(
             "streaming %d training rows%s from %s",
@@ -95,12 +89,17 @@ def build_trainer(
             f" and {stream.shape.val_rows} validation rows" if stream.shape.val_rows else "",
             stream.origin,
         )
+    payload = Payload(
+        config=Config.model_validate(with_absolute_data_paths(config.to_dict())) if local_ray else config,
+        mailbox=mailbox,
+        stream=stream.shape if stream is not None else None,
+    )
     if not ray.util.client.ray.is_connected():
         # Local cluster: let workers import user modules (model.factory) from the working directory.
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))
     return TorchTrainer(
         train_loop_per_worker,
-        train_loop_config=payload,
+        train_loop_config={PAYLOAD_KEY: payload},
         # The process group's timeout (gloo and NCCL collectives); rounded up, as 0 s would make
         # init_process_group itself time out.
         torch_config=TorchConfig(timeout_s=math.ceil(config.failure.collective_timeout_s)),
@@ -284,9 +283,7 @@ def _train(
     ):
         mailbox = start_mailbox()
         pump = Pump(mailbox, fanout, CostMeter.for_config(config, started))
-        fanout.on_start(
-            {"name": config.run.name, "workers": config.scaling.num_workers, "cluster": where, "run_dir": str(run_dir)}
-        )
+        fanout.on_start(RunInfo(config.run.name, config.scaling.num_workers, where, str(run_dir)))
         outcome = _fit(build_trainer(config, mailbox, callbacks, local_ray=address is None), pump, started)
     store = CheckpointStore.for_run(config.storage_path, config.run.name) if outcome.checkpoint else None
     if config.profile is not None:
@@ -329,7 +326,7 @@ def _fit(trainer: TorchTrainer, pump: Pump, started: float) -> Outcome:
                 pump.drain()
     except KeyboardInterrupt:
         pump.drain()
-        return Outcome("aborted", pump.last_metrics, pump.last_checkpoint, time.monotonic() - started)
+        return Outcome("aborted", pump.last_report, pump.last_checkpoint, time.monotonic() - started)
     pump.drain()
     elapsed = time.monotonic() - started
     if "error" in box:
@@ -340,16 +337,17 @@ def _fit(trainer: TorchTrainer, pump: Pump, started: float) -> Outcome:
         if not isinstance(err, TrainingFailedError):
             raise err
         trace = "".join(traceback.format_exception(err))
-        return Outcome("failed", pump.last_metrics, pump.last_checkpoint, elapsed, trace)
-    value = getattr(box["result"], "return_value", None)
-    returned = value if isinstance(value, dict) else {}
-    if returned.get("user_error") == "TrainingFailed":
-        return Outcome("failed", pump.last_metrics, pump.last_checkpoint, elapsed, returned["message"])
-    if "user_error" in returned:
-        raise getattr(errors, returned["user_error"], TrainforgeError)(returned["message"])
-    final = returned or pump.last_metrics
-    status = str(final.get("status", "finished"))
-    return Outcome(status, final, final.get("checkpoint/path") or pump.last_checkpoint, elapsed)
+        return Outcome("failed", pump.last_report, pump.last_checkpoint, elapsed, trace)
+    returned = getattr(box["result"], "return_value", None)  # rank 0's: a final Report or a UserError
+    if isinstance(returned, UserError):
+        error = returned.error()
+        if isinstance(error, TrainingFailed):  # the run's own failure (a save under on_save_error: fail)
+            return Outcome("failed", pump.last_report, pump.last_checkpoint, elapsed, returned.message)
+        raise error
+    final = returned if isinstance(returned, Report) else pump.last_report
+    status = final.status if final is not None and final.status else "finished"
+    checkpoint = final.checkpoint if final is not None else None
+    return Outcome(status, final, checkpoint or pump.last_checkpoint, elapsed)
 
 
 @contextlib.contextmanager
@@ -394,7 +392,7 @@ def _user_error(err: Exception) -> TrainforgeError | None:
 
 def run_record(config: Config, outcome: Outcome, pump: Pump) -> RunRecord:
     """What summary.json says about this driver's run (summary.build_summary)."""
-    final = outcome.final_metrics or pump.last_metrics
+    final = outcome.final or pump.last_report
     return RunRecord(
         status=outcome.status,
         final=final,

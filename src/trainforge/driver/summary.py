@@ -21,6 +21,7 @@ from trainforge.checkpoint.format import write_json_atomic
 from trainforge.checkpoint.names import name_of_uri, step_of_uri
 from trainforge.checkpoint.state import MODEL_FILE
 from trainforge.checkpoint.storage import CheckpointStore
+from trainforge.protocol import Report, Resumed, WorkerFailure
 from trainforge.redact import redact_config, redact_text
 
 log = logging.getLogger("trainforge")
@@ -28,7 +29,6 @@ log = logging.getLogger("trainforge")
 SUMMARY_FILE = "summary.json"
 RUN_DRIVER = "trainforge"  # ``written_by``: the run's own driver, at the end of fit
 SEARCH_DRIVER = "trainforge tune"  # ``written_by``: a search's driver, for a trial Tune cut short
-RESUMED_PREFIX = "resumed from"  # a report's event after a restore (worker/saving.py)
 DRIVER_START = "driver_start"  # metrics.jsonl's ``event`` when a driver session starts the run (again)
 
 
@@ -47,10 +47,10 @@ class Recovery:
         if self.failed_at is None:
             self.failed_at = at
 
-    def reported(self, metrics: Mapping[str, Any]) -> None:
-        resumed = any(str(e).startswith(RESUMED_PREFIX) for e in metrics.get("events", []) or [])
-        if resumed and self.failed_at is not None and isinstance(metrics.get("time/unix"), (int, float)):
-            self.recovery_s.append(round(float(metrics["time/unix"]) - self.failed_at, 3))
+    def reported(self, report: Report) -> None:
+        resumed = any(isinstance(event, Resumed) for event in report.events)
+        if resumed and self.failed_at is not None and report.time is not None:
+            self.recovery_s.append(round(report.time - self.failed_at, 3))
             self.failed_at = None
 
 
@@ -58,17 +58,18 @@ class Recovery:
 class RunLog:
     """A run's ``metrics.jsonl`` read back: its reports and their recovery from failures."""
 
-    reports: list[dict[str, Any]] = field(default_factory=list)
+    reports: list[Report] = field(default_factory=list)
     recovery: Recovery = field(default_factory=Recovery)
 
     @property
-    def last(self) -> dict[str, Any]:
-        return self.reports[-1] if self.reports else {}
+    def last(self) -> Report | None:
+        return self.reports[-1] if self.reports else None
 
     @classmethod
     def replay(cls, lines: Iterable[str]) -> RunLog:
         """The lines observe.MetricsLog appended, in order; a line cut short (a stopped trial's
-        actor ended mid-write) or of another shape is skipped. ``restarts`` and ``recovery_s``
+        actor ended mid-write) or of another shape is skipped (``Report.from_json``: events by
+        kind, a run's from before events had kinds as plain notes). ``restarts`` and ``recovery_s``
         cover the last driver session (from the last ``DRIVER_START`` line on), as the driver's
         own summary does; without such lines, the whole file."""
         found = cls()
@@ -82,11 +83,10 @@ class RunLog:
             if record.get("event") == DRIVER_START:
                 found.recovery = Recovery()
             elif record.get("event") == "worker_error":
-                at = record.get("time")
-                found.recovery.failed(float(at) if isinstance(at, (int, float)) else None)
-            elif "step" in record:
-                found.recovery.reported(record)
-                found.reports.append(record)
+                found.recovery.failed(WorkerFailure.from_json(record).time)
+            elif (report := Report.from_json(record)) is not None:
+                found.recovery.reported(report)
+                found.reports.append(report)
         return found
 
     @classmethod
@@ -99,12 +99,13 @@ class RunLog:
 class RunRecord:
     """Everything summary.json is built from, whichever driver ends the run.
 
-    ``final``: the run's last report (or what rank 0 returned); ``config``: the resolved config as a
-    dict (redacted here); ``num_workers``: the worker count to state when ``final`` has none.
+    ``final``: the run's last report (or what rank 0 returned; None before any); ``config``: the
+    resolved config as a dict (redacted here); ``num_workers``: the worker count to state when
+    ``final`` has none.
     """
 
     status: str  # finished, stopped (resumable), failed, aborted
-    final: Mapping[str, Any]
+    final: Report | None
     recovery: Recovery
     wall_time_s: float
     checkpoint: str | None
@@ -116,41 +117,39 @@ class RunRecord:
     cost: Mapping[str, Any] | None = None  # cost.CostEstimate.to_dict(), when a price is set
 
 
-def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 def build_summary(record: RunRecord) -> dict[str, Any]:
     """summary.json's content (DESIGN's contract plus ``recovery_s``, ``stopped_early``, ``written_by``)."""
-    final = record.final
+    final = record.final if record.final is not None else Report(step=0)
+    figures = final.scalars()
     return {
         "status": record.status,
-        "global_step": int(final.get("step", 0)),
-        "epoch": int(final.get("epoch", 0)),
-        "num_workers": int(final.get("world_size", record.num_workers)),
+        "global_step": final.step,
+        "epoch": final.epoch or 0,
+        "num_workers": final.world_size if final.world_size is not None else record.num_workers,
         "restarts": record.recovery.restarts,
         "recovery_s": list(record.recovery.recovery_s),
-        "final_metrics": {k: v for k, v in final.items() if "/" in k and _number(v)},
-        "throughput_samples_per_s": float(final.get("perf/steady_samples_per_s", 0.0)),
+        "final_metrics": {k: v for k, v in figures.items() if "/" in k},
+        "throughput_samples_per_s": float(final.figures.get("perf/steady_samples_per_s", 0.0)),
         "wall_time_s": round(record.wall_time_s, 3),
         "checkpoint": redact_text(record.checkpoint) if record.checkpoint else None,
         "config": redact_config(dict(record.config)),
         "stopped_early": record.stopped_early,
         "written_by": record.written_by,
-        **({"batch": batch_choice(final, record.config)} if "batch/micro_batch_size" in final else {}),
+        **({"batch": batch_choice(final, record.config)} if "batch/micro_batch_size" in final.figures else {}),
         **({"cost": dict(record.cost)} if record.cost is not None else {}),
         **({"error": redact_text(record.error.strip().splitlines()[-1])} if record.error else {}),
     }
 
 
-def batch_choice(final: Mapping[str, Any], config: Mapping[str, Any]) -> dict[str, int]:
+def batch_choice(final: Report, config: Mapping[str, Any]) -> dict[str, int]:
     """What ``train.batch_size: auto`` chose, as the run's last report states it (a late
     out-of-memory retry may have lowered the micro-batch the run started with)."""
+    figures = final.figures
     return {
-        "micro_batch_size": int(final["batch/micro_batch_size"]),
-        "grad_accum_steps": int(final.get("batch/grad_accum_steps", 1)),
+        "micro_batch_size": int(figures["batch/micro_batch_size"]),
+        "grad_accum_steps": int(figures.get("batch/grad_accum_steps", 1)),
         "global_batch_size": int(config.get("train", {}).get("global_batch_size") or 0),
-        "oom_retries": int(final.get("batch/oom_retries", 0)),
+        "oom_retries": int(figures.get("batch/oom_retries", 0)),
     }
 
 

@@ -12,6 +12,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from trainforge.protocol import Report, RunInfo, WorkerFailure
 from trainforge.report.data import REPORT_DIR, ReportError, RunData, load_run
 
 log = logging.getLogger("trainforge")
@@ -46,13 +47,13 @@ class ReportWriter:
     def __init__(self, run_dir: Path) -> None:
         self.run_dir = Path(run_dir)
 
-    def on_start(self, info: dict[str, Any]) -> None:
+    def on_start(self, info: RunInfo) -> None:
         pass
 
-    def on_report(self, metrics: dict[str, Any]) -> None:
+    def on_report(self, report: Report) -> None:
         pass
 
-    def on_worker_error(self, errors: dict[int, str], at: float | None = None) -> None:
+    def on_worker_error(self, failure: WorkerFailure) -> None:
         pass
 
     def on_end(self, summary: dict[str, Any]) -> None:

@@ -1,7 +1,10 @@
 """A run directory read back for the report: its reports, restart markers, events and summary.
 
 The plots (``plots.py``) and the page (``html.py``) draw from one ``RunData``; ``load_run`` reads
-only what the driver wrote, so it works for any run directory, finished or not.
+only what the driver wrote, so it works for any run directory, finished or not. A report's events
+are read by kind (``protocol.event_from_json``): a ``Resumed`` one marks a restart at its step. A
+run written before events had kinds (plain strings) loads too: its events show as plain text, and
+its resumes, which are not parsed out of their sentences, as events without markers.
 """
 
 from __future__ import annotations
@@ -13,11 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from trainforge.errors import TrainforgeError
-from trainforge.protocol import curve_points
+from trainforge.protocol import EVENTS_KEY, Event, Resumed, WorkerFailure, curve_points, event_from_json
 from trainforge.redact import redact_config, redact_text
 
 REPORT_DIR = "report"
-RESUMED_PREFIX = "resumed from"
 
 
 class ReportError(TrainforgeError):
@@ -34,8 +36,8 @@ class Marker:
 
 
 @dataclass(frozen=True)
-class Event:
-    """One line of the run's event list, at the step where the driver saw it."""
+class EventRow:
+    """One line of the report's event list, at the step where the driver saw it."""
 
     step: int
     text: str
@@ -49,7 +51,7 @@ class RunData:
     run_dir: Path
     reports: list[dict[str, Any]] = field(default_factory=list)
     markers: list[Marker] = field(default_factory=list)
-    events: list[Event] = field(default_factory=list)
+    events: list[EventRow] = field(default_factory=list)
     summary: dict[str, Any] = field(default_factory=dict)
     config_text: str = ""
     skipped_lines: int = 0
@@ -85,12 +87,19 @@ def finite(value: Any) -> float | None:
 
 
 def is_resume(report: dict[str, Any]) -> bool:
-    return any(str(text).startswith(RESUMED_PREFIX) for text in events_of(report))
+    return resumed_of(report) is not None
 
 
-def events_of(report: dict[str, Any]) -> list[str]:
-    events = report.get("events")
-    return [str(text) for text in events] if isinstance(events, list) else []
+def events_of(report: dict[str, Any]) -> list[Event]:
+    """A report's events by kind; entries that are not events are left out (never raises)."""
+    found = report.get(EVENTS_KEY)
+    events = (event_from_json(value) for value in found) if isinstance(found, list) else iter(())
+    return [event for event in events if event is not None]
+
+
+def resumed_of(report: dict[str, Any]) -> Resumed | None:
+    """The report's ``Resumed`` event: the first report of a worker group after a restore."""
+    return next((event for event in events_of(report) if isinstance(event, Resumed)), None)
 
 
 def step_of(report: dict[str, Any], default: int) -> int:
@@ -142,39 +151,28 @@ def _read_metrics(metrics_path: Path, data: RunData) -> None:
             data.skipped_lines += 1
             continue
         if record.get("event") == "worker_error":
-            found = record.get("errors")
-            errors: dict[str, Any] = found if isinstance(found, dict) else {}
+            errors = WorkerFailure.from_json(record).errors
             ranks = ", ".join(str(rank) for rank in errors) or "?"
             data.markers.append(Marker(step, "failure", f"worker failure (rank {ranks})"))
             for rank, message in errors.items():
-                data.events.append(Event(step, f"worker failure on rank {rank}: {message}", "failure"))
+                data.events.append(EventRow(step, f"worker failure on rank {rank}: {message}", "failure"))
             if not errors:
-                data.events.append(Event(step, "worker failure", "failure"))
+                data.events.append(EventRow(step, "worker failure", "failure"))
             continue
         if "event" in record:
-            data.events.append(Event(step, f"{record['event']}: {json.dumps(record)}"))
+            data.events.append(EventRow(step, f"{record['event']}: {json.dumps(record)}"))
             continue
         step = step_of(record, step)
-        for text in events_of(record):
-            if text.startswith(RESUMED_PREFIX):
-                at = resume_point(record)
-                data.markers.append(Marker(at, "resume", f"resumed at step {at}"))
-                data.events.append(Event(at, text, "resume"))
+        for event in events_of(record):
+            if isinstance(event, Resumed):
+                data.markers.append(Marker(event.step, "resume", f"resumed at step {event.step}"))
+                data.events.append(EventRow(event.step, event.text, "resume"))
             else:
-                data.events.append(Event(step, text))
+                data.events.append(EventRow(step, event.text))
         data.reports.append(record)
-
-
-def resumed_step(text: str, default: int) -> int:
-    """N from "resumed from ... at step N"; ``default`` when the text has no step."""
-    tail = text.rsplit(" at step ", 1)
-    if len(tail) == 2 and tail[1].strip().isdigit():
-        return int(tail[1].strip())
-    return default
 
 
 def resume_point(report: dict[str, Any]) -> int:
     """The step a report's attempt resumed from; the first report after a restore is one step past it."""
-    default = max(step_of(report, 1) - 1, 0)
-    texts = [text for text in events_of(report) if text.startswith(RESUMED_PREFIX)]
-    return resumed_step(texts[0], default) if texts else default
+    resumed = resumed_of(report)
+    return resumed.step if resumed is not None else max(step_of(report, 1) - 1, 0)

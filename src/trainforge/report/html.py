@@ -12,7 +12,7 @@ import math
 from html import escape
 from typing import Any
 
-from trainforge.report.data import Event, RunData, finite, step_of
+from trainforge.report.data import EventRow, RunData, finite, step_of
 from trainforge.report.extras import card, cost_section, profile_section
 from trainforge.report.plots import Plot
 
@@ -227,7 +227,7 @@ def figures_html(plots: list[Plot]) -> str:
     return "".join(figures)
 
 
-def events_section(events: list[Event], skipped_lines: int) -> str:
+def events_section(events: list[EventRow], skipped_lines: int) -> str:
     rows = "".join(
         f'<tr class="{escape(e.kind)}"><td class="num">{e.step:,}</td><td>{escape(e.text)}</td></tr>' for e in events
     )

@@ -17,7 +17,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from trainforge.protocol import COORDINATES, curve_points
+from trainforge.protocol import COORDINATES, Report, curve_points
 from trainforge.redact import redact_config
 
 # MLflow's own limits (mlflow.utils.validation); a longer value is refused by the server.
@@ -72,10 +72,10 @@ def sanitize_key(name: str) -> str:
     return clean
 
 
-def metric_points(report: Mapping[str, Any]) -> list[Point]:
-    """Every numeric key of a report as MLflow points: one per log interval from the report's
-    ``history`` (each at its own step and time), the rest at ``step = report["step"]`` and the
-    report's time (``trainforge.protocol.curve_points``)."""
+def metric_points(report: Report | Mapping[str, Any]) -> list[Point]:
+    """Every number of a report (or of a mapping of figures by name) as MLflow points: one per log
+    interval from the report's ``history`` (each at its own step and time), the rest at the
+    report's step and time (``trainforge.protocol.curve_points``)."""
     points = []
     for record in curve_points(report):
         step = int(record.get("step", 0))

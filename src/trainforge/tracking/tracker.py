@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from trainforge.protocol import PROJECTED_KEY, SO_FAR_KEY
+from trainforge.protocol import PROJECTED_KEY, SO_FAR_KEY, Report, RunInfo, WorkerFailure
 from trainforge.tracking.outbox import Leftover, Outbox
 from trainforge.tracking.records import (
     clean_tags,
@@ -42,7 +42,7 @@ class MlflowTracker:
     """Observer: params and tags at the start, every report's numbers as metrics, the run
     directory's files as artifacts at the end, all through a background ``Outbox``.
 
-    ``on_report`` only converts a dict and appends to a queue, so tracking costs the training
+    ``on_report`` only converts a report and appends to a queue, so tracking costs the training
     path nothing: it runs on the driver, which never waits on it until ``on_end``.
     """
 
@@ -69,10 +69,10 @@ class MlflowTracker:
         )
         self.cwd = Path(os.getcwd())
         self.restarts = 0
-        self.world_size: Any = None
+        self.world_size: int | None = None
         self.leftover: Leftover | None = None
 
-    def on_start(self, info: dict[str, Any]) -> None:
+    def on_start(self, info: RunInfo) -> None:
         static = {
             **version_tags(),
             **scaling_tags(self.config.scaling.model_dump()),
@@ -86,14 +86,14 @@ class MlflowTracker:
         )
         self.outbox.start()
 
-    def on_report(self, metrics: dict[str, Any]) -> None:
-        world = metrics.get("world_size")
+    def on_report(self, report: Report) -> None:
+        world = report.world_size
         if world is not None and world != self.world_size:
             self.world_size = world
             self.outbox.add_call("world size tag", tags_call({"trainforge.world_size": str(world)}))
-        self.outbox.add_points(metric_points(metrics))
+        self.outbox.add_points(metric_points(report))
 
-    def on_worker_error(self, errors: dict[int, str], at: float | None = None) -> None:
+    def on_worker_error(self, failure: WorkerFailure) -> None:
         self.restarts += 1
         self.outbox.add_call("restarts tag", tags_call({"trainforge.restarts": str(self.restarts)}))
 

@@ -25,6 +25,7 @@ from trainforge.checkpoint.storage import CheckpointStore
 from trainforge.config import Config
 from trainforge.driver.summary import SEARCH_DRIVER, RunLog, RunRecord, finish_run_dir
 from trainforge.errors import TrainingFailed
+from trainforge.protocol import Report
 from trainforge.redact import redact_config
 from trainforge.tune.schedulers import SearchSettings
 from trainforge.tune.space import SearchSpace
@@ -46,10 +47,11 @@ def outcome_of(
     still running then was cut by the budget, not stopped early."""
     trial_id = run_dir.name
     reports = RunLog.read(run_dir).reports
-    history = [(int(r["step"]), float(r[settings.metric])) for r in reports if _finite(r.get(settings.metric))]
+    history = [(r.step, v) for r in reports if (v := r.value(settings.metric)) is not None and math.isfinite(v)]
     values = [v for _, v in history]
-    steps = int(reports[-1]["step"]) if reports else 0
-    total = int(reports[-1]["total_steps"]) if reports and "total_steps" in reports[-1] else settings.budget_steps
+    steps = reports[-1].step if reports else 0
+    last_total = reports[-1].total_steps if reports else None
+    total = last_total if last_total is not None else settings.budget_steps
     row = watch.rows.get(trial_id)
     if row is not None and row.started_at and row.ended_at:
         wall = row.ended_at - row.started_at
@@ -84,9 +86,9 @@ def outcome_of(
     )
 
 
-def ended_training(reports: list[dict[str, Any]]) -> bool:
+def ended_training(reports: list[Report]) -> bool:
     """The run's final report is in: Tune may have stopped the trial while it wrote its summary."""
-    return bool(reports) and reports[-1].get("status") == "finished"
+    return bool(reports) and reports[-1].status == "finished"
 
 
 def _finite(value: Any) -> bool:
@@ -110,7 +112,7 @@ def complete_run_dir(outcome: TrialOutcome) -> bool:
     if not ran.reports or (run_dir / "summary.json").is_file() or outcome.status not in ("stopped", "finished"):
         return False
     last = ran.last
-    checkpoint = next((r["checkpoint/path"] for r in reversed(ran.reports) if r.get("checkpoint/path")), None)
+    checkpoint = next((r.checkpoint for r in reversed(ran.reports) if r.checkpoint), None)
     config_path = run_dir / "config.yaml"
     config = yaml.safe_load(config_path.read_text()) if config_path.is_file() else {}
     record = RunRecord(

@@ -73,7 +73,7 @@ def finish_trial_runs(outcomes: list[TrialOutcome]) -> None:
         if cut_short:
             sent = logged_up_to(tracker.uri, json.loads(remembered.read_text()).get("run_id"))
             for report in RunLog.read(run_dir).reports:
-                if int(report["step"]) > sent:
+                if report.step > sent:
                     tracker.outbox.add_points(metric_points(report))
         tracker.outbox.start()
         if cut_short:

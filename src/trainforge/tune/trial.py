@@ -33,6 +33,7 @@ from trainforge.checkpoint.names import parse_checkpoint_name, step_of_uri
 from trainforge.checkpoint.storage import CheckpointStore
 from trainforge.config import Config, validate
 from trainforge.driver.run import train
+from trainforge.protocol import Report, RunInfo, WorkerFailure
 from trainforge.tune.placement import RecordPlacementGroups
 from trainforge.tune.space import apply_params
 
@@ -141,44 +142,44 @@ class TuneReporter:
         self.metric = metric
         self.trial_id = trial_id
         self.pbt_every = pbt_every
-        self.final: dict[str, Any] | None = None
-        self.pending: dict[str, Any] | None = None  # PBT: a checkpoint-step report awaiting its checkpoint
-        self.outbox: queue.Queue[tuple[dict[str, Any], str | None, bool] | None] = queue.Queue()
+        self.final: Report | None = None
+        self.pending: Report | None = None  # PBT: a checkpoint-step report awaiting its checkpoint
+        self.outbox: queue.Queue[tuple[Report, str | None, bool] | None] = queue.Queue()
         self.sender = threading.Thread(target=self._send_all, name="trainforge-tune-report", daemon=True)
         self.sender.start()
 
-    def on_start(self, info: dict[str, Any]) -> None:
+    def on_start(self, info: RunInfo) -> None:
         pass
 
-    def on_worker_error(self, errors: dict[int, str], at: float | None = None) -> None:
+    def on_worker_error(self, failure: WorkerFailure) -> None:
         pass
 
     def on_end(self, summary: dict[str, Any]) -> None:
         pass
 
-    def on_report(self, metrics: dict[str, Any]) -> None:
-        if self.metric not in metrics:
+    def on_report(self, report: Report) -> None:
+        if report.value(self.metric) is None:
             return
-        if "status" in metrics:
-            self.final = metrics
+        if report.status is not None:
+            self.final = report
         elif self.pbt_every is None:
-            self.outbox.put((metrics, None, False))
+            self.outbox.put((report, None, False))
         else:
-            self.pace(metrics, self.pbt_every)
+            self.pace(report, self.pbt_every)
 
-    def pace(self, metrics: dict[str, Any], every: int) -> None:
-        if self.pending is not None and checkpoint_step(metrics) >= int(self.pending["step"]):
-            self.outbox.put((self.pending, metrics["checkpoint/path"], False))
+    def pace(self, report: Report, every: int) -> None:
+        if self.pending is not None and report.checkpoint and checkpoint_step(report) >= self.pending.step:
+            self.outbox.put((self.pending, report.checkpoint, False))
             self.pending = None
-        if int(metrics["step"]) % every == 0:
-            self.pending = metrics
+        if report.step % every == 0:
+            self.pending = report
 
     def finish(self) -> None:
         """After fit: the final report, marked done (Tune then ends the trial without asking the
         scheduler; PBT would otherwise exploit a trial that has used its budget); waits until sent."""
         final = self.final
         if final is not None:
-            checkpoint = final.get("checkpoint/path") if self.pbt_every is not None else None
+            checkpoint = final.checkpoint if self.pbt_every is not None else None
             if self.pending is not None and checkpoint:
                 self.outbox.put((self.pending, checkpoint, False))
             self.outbox.put((final, checkpoint, True))
@@ -187,25 +188,22 @@ class TuneReporter:
 
     def _send_all(self) -> None:
         while (item := self.outbox.get()) is not None:
-            metrics, checkpoint, done = item
-            send(metrics, checkpoint=checkpoint, trial_id=self.trial_id, done=done)
+            report, checkpoint, done = item
+            send(report, checkpoint=checkpoint, trial_id=self.trial_id, done=done)
 
 
-def checkpoint_step(metrics: dict[str, Any]) -> int:
+def checkpoint_step(report: Report) -> int:
     """The step of the checkpoint a report names; -1 when it names none."""
-    path = metrics.get("checkpoint/path")
-    step = step_of_uri(str(path)) if path else None
+    step = step_of_uri(report.checkpoint) if report.checkpoint else None
     return -1 if step is None else step
 
 
-def send(metrics: dict[str, Any], *, checkpoint: str | None = None, trial_id: str = "", done: bool = False) -> None:
+def send(report: Report, *, checkpoint: str | None = None, trial_id: str = "", done: bool = False) -> None:
     """One Tune result: the report's finite numbers (and done), with a Tune checkpoint holding a
     verified copy of ``checkpoint`` when given (left out when the copy fails)."""
     from ray import tune
 
-    result: dict[str, Any] = {
-        k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-    }
+    result: dict[str, Any] = {k: v for k, v in report.scalars().items() if math.isfinite(v)}
     if done:
         result["done"] = True
     if checkpoint is None:

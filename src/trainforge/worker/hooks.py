@@ -18,16 +18,17 @@ from trainforge.metrics.worker.system import system_hooks
 
 if TYPE_CHECKING:
     from trainforge.checkpoint.manager import SaveOutcome
+    from trainforge.protocol import Report
     from trainforge.worker.build import WorkerRun
 
 log = logging.getLogger("trainforge.worker")
 
 
 class WorkerHook(Protocol):
-    def on_report(self, metrics: dict[str, Any], local: dict[str, float]) -> None:
-        """Every rank, just before ``ray.train.report``. ``metrics`` is the all-reduced report (the
-        same on every rank; a hook may add keys to it, which reach the driver's callback with this
-        rank's report); ``local`` is this rank's own per-step times over the interval
+    def on_report(self, report: Report, local: dict[str, float]) -> None:
+        """Every rank, just before ``ray.train.report``. ``report`` is the all-reduced report (the
+        same on every rank; a hook may add to its ``figures``, which reach the driver's callback with
+        this rank's report); ``local`` is this rank's own per-step times over the interval
         (``data_s``, ``compute_s``, ``optim_s``, ``step_s``) and its ``steps``, to which the
         communication hook, which runs first, adds ``comm_s`` and ``comm_exposed_s``."""
         ...
@@ -56,8 +57,8 @@ class Hooks:
                 log.warning("%s.%s failed, disabled for this run: %s", type(hook).__name__, method, err)
                 self._failed.add(index)
 
-    def on_report(self, metrics: dict[str, Any], local: dict[str, float]) -> None:
-        self._each("on_report", metrics, local)
+    def on_report(self, report: Report, local: dict[str, float]) -> None:
+        self._each("on_report", report, local)
 
     def on_save(self, outcome: SaveOutcome) -> None:
         self._each("on_save", outcome)

@@ -23,6 +23,7 @@ import warnings
 from collections.abc import Iterator
 from typing import Any, TextIO
 
+from trainforge.protocol import LogBatch, LogLine
 from trainforge.redact import redacting
 
 BATCH_LINES = 200
@@ -36,7 +37,7 @@ class ShippingHandler(logging.Handler):
     def __init__(self, mailbox: Any) -> None:
         super().__init__(level=logging.INFO)
         self.mailbox = mailbox
-        self.pending: list[dict[str, Any]] = []
+        self.pending: list[LogLine] = []
         self.last_sent = time.monotonic()
         self.unsent = 0  # lines that could not be sent (the driver went away)
 
@@ -46,7 +47,7 @@ class ShippingHandler(logging.Handler):
         except Exception:  # a bad format string in someone's log call must not break training
             self.handleError(record)
             return
-        self.pending.append({"level": record.levelno, "text": text})
+        self.pending.append(LogLine(record.levelno, text))
         urgent = record.levelno >= logging.WARNING
         if urgent or len(self.pending) >= BATCH_LINES or time.monotonic() - self.last_sent >= BATCH_SECONDS:
             self.flush()
@@ -57,7 +58,7 @@ class ShippingHandler(logging.Handler):
         lines, self.pending = self.pending, []
         self.last_sent = time.monotonic()
         try:
-            self.mailbox.put.remote({"kind": "log", "lines": lines})
+            self.mailbox.put.remote(LogBatch(tuple(lines)))
         except Exception:
             self.unsent += len(lines)
 

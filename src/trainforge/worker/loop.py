@@ -1,9 +1,10 @@
 """The function every Ray Train worker runs: build -> restore -> steps -> report -> close.
 
-Workers talk to the driver only through ``ray.train.report`` (and read one stop flag). Every
-report is a barrier across ranks, so every decision that changes the sequence of collectives
-(report now, save now, stop) is taken from numbers that are identical on all ranks: the step
-count, or totals that came out of the report's own all-reduce.
+Workers talk to the driver only through ``ray.train.report`` (and read one stop flag), in the
+types of ``trainforge.protocol``: a ``Report`` per report, a final ``Report`` or a ``UserError`` as
+the return value. Every report is a barrier across ranks, so every decision that changes the
+sequence of collectives (report now, save now, stop) is taken from numbers that are identical on
+all ranks: the step count, or the control ``Signals`` that came out of the report's own all-reduce.
 """
 
 from __future__ import annotations
@@ -12,21 +13,34 @@ import logging
 import math
 import os
 import time
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
 
 import ray
 import ray.train
 
 from trainforge.config import Config
-from trainforge.errors import TrainforgeError
-from trainforge.protocol import HISTORY_KEY, merge_points
+from trainforge.errors import TrainforgeError, TrainingFailed
+from trainforge.protocol import (
+    PAYLOAD_KEY,
+    REPORT_KEY,
+    CheckpointSkipped,
+    Event,
+    Note,
+    Payload,
+    Report,
+    Resumed,
+    SaveFailed,
+    Stopping,
+    UserError,
+    merge_points,
+)
 from trainforge.worker import collectives
 from trainforge.worker.autobatch import choose_batch, shrink_after_oom
 from trainforge.worker.build import WorkerRun, build, evaluate
 from trainforge.worker.hooks import Hooks, build_hooks
 from trainforge.worker.logs import shipped_logs
-from trainforge.worker.metrics import IntervalHistory, Throughput, reduce_metrics
+from trainforge.worker.metrics import IntervalHistory, Signals, Throughput, reduce_metrics
 from trainforge.worker.profiling import StepProfiler
 from trainforge.worker.saving import Checkpointing, Restored, restore, run_store
 from trainforge.worker.step import MetricSums, StepOutOfMemory
@@ -34,43 +48,50 @@ from trainforge.worker.step import MetricSums, StepOutOfMemory
 log = logging.getLogger("trainforge.worker")
 
 
-def train_loop_per_worker(payload: dict[str, Any]) -> dict[str, Any]:
-    """Ray Train entry point; rank 0's return value (final metrics and status) reaches the driver."""
+def train_loop_per_worker(train_loop_config: dict[str, Payload]) -> Report | UserError:
+    """Ray Train entry point; rank 0's return value (the final report, or a user's error) reaches the driver."""
+    payload = train_loop_config[PAYLOAD_KEY]
     rank = ray.train.get_context().get_world_rank()
-    with shipped_logs(payload.get("control"), rank, ray.util.get_node_ip_address()):
+    with shipped_logs(payload.mailbox, rank, ray.util.get_node_ip_address()):
         return run_worker(payload)
 
 
-def run_worker(payload: dict[str, Any]) -> dict[str, Any]:
-    config = Config.model_validate(payload["config"])
+def run_worker(payload: Payload) -> Report | UserError:
+    config = payload.config
     try:
-        run = build(config, stream=payload.get("stream"))
+        run = build(config, stream=payload.stream.to_dict() if payload.stream is not None else None)
         checkpointing = Checkpointing(run, run_store())
         restored = restore(run, checkpointing.store)
-        batch_event = choose_batch(run)  # train.batch_size: auto (a resume keeps the checkpoint's split)
+        batch_choice = choose_batch(run)  # train.batch_size: auto (a resume keeps the checkpoint's split)
     except TrainforgeError as err:
         # Every rank fails the same way on a bad data path, model or checkpoint; returning (instead
         # of raising) spares Ray's retries, which are meant for crashes. The driver re-raises it.
-        return {"user_error": type(err).__name__, "message": str(err)}
+        return UserError.of(err)
     hooks = build_hooks(run)
     try:
-        events = [batch_event] if batch_event else []
-        return Session(run, checkpointing, restored, payload.get("control"), hooks, events=events).train()
+        events: list[Event] = [Note(batch_choice)] if batch_choice else []
+        return Session(run, checkpointing, restored, payload.mailbox, hooks, events=events).train()
     except SaveFailedStop as err:
-        return {"user_error": "TrainingFailed", "message": str(err)}
+        return UserError.of(TrainingFailed(str(err)))
     finally:
         checkpointing.close()
         hooks.close()
 
 
+class Channel(Protocol):
+    """How a Session reaches the driver. Tests run a Session in one process (one rank, or ranks of
+    a gloo group without Ray) through a channel of their own."""
+
+    def report(self, report: Report) -> None: ...
+
+    def preempted(self) -> bool: ...
+
+
 class RayChannel:
-    """How a Session reaches the driver: Ray Train's report barrier and preemption notice.
+    """Ray Train's report barrier and preemption notice."""
 
-    Tests run a Session in one process (one rank, or ranks of a gloo group without Ray) through
-    another channel with these two methods."""
-
-    def report(self, metrics: dict[str, Any]) -> None:
-        ray.train.report(metrics)
+    def report(self, report: Report) -> None:
+        ray.train.report({REPORT_KEY: report})
 
     def preempted(self) -> bool:
         return ray.train.get_preemption_info() is not None
@@ -96,13 +117,13 @@ class Session:
     run: WorkerRun
     checkpointing: Checkpointing
     restored: Restored
-    control: Any = None
+    control: Any = None  # the driver's mailbox (its stop flag); None without a driver
     hooks: Hooks = field(default_factory=lambda: Hooks([]))
-    channel: Any = field(default_factory=RayChannel)
+    channel: Channel = field(default_factory=RayChannel)
     sums: MetricSums = field(init=False)
     history: IntervalHistory = field(init=False)
     meter: Throughput = field(init=False)
-    events: list[str] = field(default_factory=list)
+    events: list[Event] = field(default_factory=list)  # rank 0's, for its next report
     val_metrics: dict[str, float] = field(default_factory=dict)
     val_points: list[dict[str, Any]] = field(default_factory=list)  # every pass since the last report
     save_failures: int = 0
@@ -127,22 +148,9 @@ class Session:
         self.reports = 0
         self.stop_probe: Any = None  # the stop flag's pending read: asked at one report, read at a later one
         self.failed_message = ""
-        if self.restored.source:
-            self.events.append(f"resumed from {self.restored.source} at step {self.progress.global_step}")
-        self.events.extend(f"skipped checkpoint {name}: {reason}" for name, reason in self.restored.skipped)
-        if self.restored.resharded_from is not None:
-            self.events.append(
-                f"resharded: the checkpoint was written by {self.restored.resharded_from}, "
-                f"this run uses {self.run.plan.layout_name}"
-            )
-        self.events.extend(self.restored.notes)
-        if self.restored.written_by is not None:
-            self.events.append(
-                f"resumed with {self.run.world} workers from a checkpoint written by {self.restored.written_by}: "
-                "training continues, but is no longer bit-identical to an uninterrupted run"
-            )
+        self.events.extend(restore_events(self.restored, self.run))
 
-    def train(self) -> dict[str, Any]:
+    def train(self) -> Report:
         run, progress = self.run, self.progress
         stopped = False
         self.profiler.at_step(progress.global_step)
@@ -160,7 +168,7 @@ class Session:
             except StepOutOfMemory:
                 # Raised on every rank at the same point: all retry the step, from the same
                 # position, with about half the micro-batch and twice the accumulation steps.
-                self.events.append(shrink_after_oom(run))
+                self.events.append(Note(shrink_after_oom(run), "warning"))
                 self.oom_retries += 1
                 batches = data.batches()
                 continue
@@ -193,82 +201,90 @@ class Session:
             if more and run.val_set is not None and cfg.train.eval_every_n_steps is None:
                 self.val_metrics = self.timed_evaluate()
             if more and cfg.checkpoint.at_epoch_end:
-                self.save({})
+                self.save(None)
         return False
 
     def report_and_act(self) -> bool:
         """Report, then save and/or stop as the reduced control signals say; True to stop."""
-        metrics, control = self.report()
+        report, control = self.report()
         if control.failed:
             raise_save_failure(control.failed)
         if control.save or self.checkpointing.due(self.progress.global_step):
-            self.save(metrics)
+            self.save(report)
         return control.stop
 
-    def report(self, *, final: bool = False) -> tuple[dict[str, Any], Control]:
+    def report(self, *, final: bool = False) -> tuple[Report, Control]:
         cfg = self.run.config
         now = time.perf_counter()
-        self.gather_control_signals(final=final)
-        reduced = reduce_metrics(self.run, self.sums, self.history, now - self.last_report, self.progress, self.meter)
-        metrics = reduced.metrics
-        metrics.update(self.val_metrics)  # the last pass; the history has each of them
-        metrics[HISTORY_KEY] = merge_points(metrics[HISTORY_KEY], self.val_points)
-        metrics["time/elapsed_s"] = now - self.started
-        metrics["checkpoint/save_failures"] = self.save_failures
-        metrics["checkpoint/stall_s"] = self.checkpointing.stall_s
+        signals = self.gather_control_signals(final=final)
+        reduced = reduce_metrics(
+            self.run, self.sums, self.history, now - self.last_report, self.progress, self.meter, signals
+        )
+        figures = reduced.report.figures
+        figures.update(self.val_metrics)  # the last pass; the history has each of them
+        figures["time/elapsed_s"] = now - self.started
+        figures["checkpoint/save_failures"] = self.save_failures
+        figures["checkpoint/stall_s"] = self.checkpointing.stall_s
         if cfg.train.auto_batch:
-            metrics["batch/micro_batch_size"] = self.run.data.micro_batch
-            metrics["batch/grad_accum_steps"] = self.run.data.accum
-            metrics["batch/oom_retries"] = self.oom_retries
-        if self.last_checkpoint and self.run.rank == 0:
-            metrics["checkpoint/path"] = self.last_checkpoint
-        if self.events and self.run.rank == 0:
-            metrics["events"] = list(self.events)
+            figures["batch/micro_batch_size"] = self.run.data.micro_batch
+            figures["batch/grad_accum_steps"] = self.run.data.accum
+            figures["batch/oom_retries"] = self.oom_retries
+        rank0 = self.run.rank == 0
+        report = replace(
+            reduced.report,
+            history=merge_points(reduced.report.history, self.val_points),
+            events=tuple(self.events) if rank0 else (),
+            checkpoint=self.last_checkpoint if rank0 else None,
+        )
         self.events.clear()
         self.val_metrics = {}
         self.val_points = []
         self.last_report = now
-        self.next_report = next_report_step(cfg, self.progress.global_step, metrics["perf/step_time_s"])
-        self.hooks.on_report(metrics, reduced.local)
+        self.next_report = next_report_step(cfg, self.progress.global_step, figures["perf/step_time_s"])
+        self.hooks.on_report(report, reduced.local)  # they may add figures (per-node samples, communication)
         if not final:
-            self.channel.report(metrics)
-        return metrics, self.decide(reduced.totals)
+            self.channel.report(report)
+        return report, self.decide(reduced.signals)
 
-    def gather_control_signals(self, *, final: bool) -> None:
-        """Rank 0's view (save outcomes, stop flag, time since the last save) enters the all-reduce."""
-        failures = stop = minutes = 0.0
+    def gather_control_signals(self, *, final: bool) -> Signals:
+        """Rank 0's view (save outcomes, stop flag, time since the last save) and the preemption
+        notice, for the report's all-reduce."""
+        signals = Signals()
         failed_message = ""
         if self.run.rank == 0:
             for outcome in self.checkpointing.collect():
                 self.hooks.on_save(outcome)
                 if outcome.error:
-                    failures += 1
-                    failed_message = f"checkpoint save at step {outcome.step} failed: {outcome.error}"
-                    self.events.append(failed_message)
+                    signals.save_failures += 1
+                    failure = SaveFailed(outcome.step, outcome.error)
+                    failed_message = failure.text
+                    self.events.append(failure)
                 else:
                     self.last_checkpoint = outcome.uri
-            stop = 1.0 if (not final and self.stop_requested()) else 0.0
-            minutes = (time.perf_counter() - self.last_save) / 60
-        self.save_failures += int(failures)
+            signals.stop = 1.0 if (not final and self.stop_requested()) else 0.0
+            signals.minutes_since_save = (time.perf_counter() - self.last_save) / 60
+        self.save_failures += int(signals.save_failures)
         self.failed_message = failed_message
         # A barrier across workers, so not at every report: every rank calls it at the same reports.
         self.reports += 1
         preempted = self.reports % PREEMPTION_CHECK_EVERY == 0 and self.channel.preempted()
-        self.sums.add("ctrl/save_failures", failures)
-        self.sums.add("ctrl/stop", stop + (1.0 if preempted else 0.0))
-        self.sums.add("ctrl/minutes_since_save", minutes)
+        signals.preempted = 1.0 if preempted else 0.0
+        return signals
 
-    def decide(self, totals: dict[str, float]) -> Control:
+    def decide(self, signals: Signals) -> Control:
+        """What every rank does after a report, from the signals summed over ranks."""
         cfg = self.run.config.checkpoint
         control = Control()
-        if totals.get("ctrl/save_failures", 0.0) > 0:
-            self.save_failures = max(self.save_failures, int(totals["ctrl/save_failures"]))
+        if signals.save_failures > 0:
+            self.save_failures = max(self.save_failures, int(signals.save_failures))
             if cfg.on_save_error == "fail":
                 control.failed = self.failed_message or "a checkpoint save failed"
-        if totals.get("ctrl/stop", 0.0) > 0:
+        if signals.stop > 0 or signals.preempted > 0:
             control.stop = control.save = True
+            reason = "the driver asked for a stop" if signals.stop > 0 else "the cluster gave notice of preemption"
+            self.events.append(Stopping(f"{reason}; every worker checkpoints and returns"))
         every = cfg.every_n_minutes
-        if every is not None and totals.get("ctrl/minutes_since_save", 0.0) >= every:
+        if every is not None and signals.minutes_since_save >= every:
             control.save = True
         return control
 
@@ -289,9 +305,9 @@ class Session:
         self.stop_probe = self.control.stop_requested.remote()
         return answer
 
-    def save(self, metrics: dict[str, Any], *, final: bool = False) -> None:
+    def save(self, report: Report | None, *, final: bool = False) -> None:
         # The snapshot stall is training time: it stays in the throughput figure.
-        self.checkpointing.save(self.progress, metrics, final=final)
+        self.checkpointing.save(self.progress, report.scalars() if report is not None else {}, final=final)
         self.last_save = time.perf_counter()
 
     def timed_evaluate(self) -> dict[str, float]:
@@ -301,39 +317,41 @@ class Session:
         self.val_points.append({"step": self.progress.global_step, "time/unix": time.time(), **metrics})
         return metrics
 
-    def finish(self, status: str) -> dict[str, Any]:
-        """Final validation, final checkpoint (waited for), final report; rank 0's summary."""
+    def finish(self, status: str) -> Report:
+        """Final validation, final checkpoint (waited for), final report: what rank 0 returns."""
         run = self.run
         self.profiler.finish()
         if status == "finished" and run.sync is not None:
             run.sync.finish(self.progress.global_step)  # one model at the end, not one per worker
         if status == "finished" and run.val_set is not None:
             self.val_metrics = self.timed_evaluate()
-        metrics, control = self.report(final=True)
+        report, control = self.report(final=True)
         if control.failed:
             raise_save_failure(control.failed)
         if self.progress.global_step > self.first_step or self.last_checkpoint is None:
-            self.save(metrics, final=True)
-        final_error = ""
+            self.save(report, final=True)
+        final_error: SaveFailed | None = None
         for outcome in self.checkpointing.wait():
             self.hooks.on_save(outcome)
             if outcome.error:
                 self.save_failures += 1
-                final_error = f"final checkpoint save at step {outcome.step} failed: {outcome.error}"
-                metrics.setdefault("events", []).append(final_error)
-                metrics["checkpoint/final_save_error"] = outcome.error
+                final_error = SaveFailed(outcome.step, outcome.error, final=True)
             else:
                 self.last_checkpoint = outcome.uri
         # Only rank 0 knows how its save went; every rank must take the same way out.
         failed_anywhere = collectives.all_reduce_sum([1.0 if final_error else 0.0], self.run.device).item() > 0
         if failed_anywhere and self.run.config.checkpoint.on_save_error == "fail":
-            raise_save_failure(final_error or "the final checkpoint save failed")
-        metrics["checkpoint/save_failures"] = self.save_failures
-        if self.last_checkpoint:
-            metrics["checkpoint/path"] = self.last_checkpoint
-        metrics["status"] = status
-        self.channel.report(metrics)
-        return metrics
+            raise_save_failure(final_error.text if final_error else "the final checkpoint save failed")
+        final = replace(
+            report,
+            figures={**report.figures, "checkpoint/save_failures": self.save_failures},
+            events=report.events + ((final_error,) if final_error else ()),
+            checkpoint=self.last_checkpoint or report.checkpoint,
+            status=status,
+            final_save_error=final_error.error if final_error else None,
+        )
+        self.channel.report(final)
+        return final
 
 
 # Ray's preemption notice is read every this many reports (reports are >= 1 s apart by default;
@@ -361,6 +379,23 @@ def next_report_step(cfg: Config, step: int, step_time_s: float) -> int:
     end of training asks for)."""
     every = cfg.train.log_every_n_steps
     return math.ceil((step + report_stride(cfg, step_time_s)) / every) * every
+
+
+def restore_events(restored: Restored, run: WorkerRun) -> list[Event]:
+    """What the run says about where it starts, from what restore did (worker/saving.Restored)."""
+    events: list[Event] = []
+    if restored.source:
+        layout = run.plan.layout_name if restored.resharded_from is not None else None
+        events.append(Resumed(restored.progress.global_step, restored.source, restored.resharded_from, layout))
+    events.extend(CheckpointSkipped(name, reason) for name, reason in restored.skipped)
+    events.extend(Note(note) for note in restored.notes)
+    if restored.written_by is not None:
+        said = (
+            f"resumed with {run.world} workers from a checkpoint written by {restored.written_by}: "
+            "training continues, but is no longer bit-identical to an uninterrupted run"
+        )
+        events.append(Note(said, "warning"))
+    return events
 
 
 def worker_env() -> dict[str, str]:

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from dataclasses import astuple, dataclass, fields
+from typing import TYPE_CHECKING
 
 import torch
 
-from trainforge.protocol import HISTORY_KEY
+from trainforge.protocol import Report
 from trainforge.worker import collectives
 from trainforge.worker.step import MetricSums
 
@@ -58,7 +58,6 @@ class Throughput:
 
 
 STEP_PARTS = ("data_s", "compute_s", "optim_s")
-CONTROL_PREFIX = "ctrl/"  # rank 0's control signals: report-level, never part of an interval
 MAX_HISTORY = 128  # points per report; beyond it, neighbouring intervals are merged pairwise
 
 
@@ -91,10 +90,9 @@ class IntervalHistory:
     def close(self, sums: MetricSums, step: int, lr: float) -> None:
         """End the current interval at ``step``; an interval without steps is not one."""
         now = time.perf_counter()
-        measured = {k: v for k, v in sums.values.items() if not k.startswith(CONTROL_PREFIX)}
-        if "steps" in measured:
-            self.intervals.append(Interval(step, time.time(), lr, now - self.opened, measured))
-            sums.values = {k: v for k, v in sums.values.items() if k.startswith(CONTROL_PREFIX)}
+        if "steps" in sums.values:
+            self.intervals.append(Interval(step, time.time(), lr, now - self.opened, dict(sums.values)))
+            sums.reset()
         self.opened = now
         if len(self.intervals) > self.capacity:
             self._merge_pairs()
@@ -118,12 +116,32 @@ class IntervalHistory:
 
 
 @dataclass
+class Signals:
+    """Control signals: what rank 0 alone knows (save outcomes, the driver's stop flag, time since
+    the last save) and the preemption notice, reduced in the report's all-reduce next to the metric
+    sums (their own field, never metric names), so that every rank takes the same decision."""
+
+    save_failures: float = 0.0
+    stop: float = 0.0
+    preempted: float = 0.0
+    minutes_since_save: float = 0.0
+
+    def vector(self) -> list[float]:
+        return [float(value) for value in astuple(self)]
+
+    @classmethod
+    def from_vector(cls, values: list[float]) -> Signals:
+        return cls(*values[: len(fields(cls))])
+
+
+@dataclass
 class Reduced:
     """What one report's all-reduce gives a rank."""
 
-    metrics: dict[str, Any]  # the report: figures over its whole span, plus its history points
-    totals: dict[str, float]  # sums over all ranks and the span; ``ctrl/*`` carries rank 0's signals
+    report: Report  # figures over the report's whole span, its history points, where the run stands
+    totals: dict[str, float]  # sums over all ranks and the span
     local: dict[str, float]  # this rank's own step times over the span (``local_times``)
+    signals: Signals  # summed over ranks
 
 
 def local_times(totals: dict[str, float]) -> dict[str, float]:
@@ -162,9 +180,10 @@ def reduce_metrics(
     interval_s: float,
     progress: Progress,
     meter: Throughput,
+    signals: Signals | None = None,
 ) -> Reduced:
     """One all-reduce for the whole report: every interval's sums stacked ``[intervals, metrics]``
-    plus the control signals; every rank gets the same numbers.
+    plus the control ``signals``; every rank gets the same numbers.
 
     The report's top-level figures come from the column totals (the span since the last report),
     its ``history`` from each row.
@@ -172,43 +191,43 @@ def reduce_metrics(
     lr = float(run.runner.optimizer.param_groups[0]["lr"])
     history.close(sums, progress.global_step, lr)  # the part-interval up to this report
     intervals = history.take()
-    control = {k: v for k, v in sums.values.items() if k.startswith(CONTROL_PREFIX)}
     sums.reset()
     names = sorted({key for interval in intervals for key in interval.sums})
-    control_names = sorted(control)
     zero = torch.zeros((), dtype=torch.float64, device=run.device)
     pieces = [torch.stack([interval.sums.get(n, zero) for n in names]) for interval in intervals if names]
     matrix = torch.stack(pieces) if pieces else torch.zeros((0, len(names)), dtype=torch.float64, device=run.device)
-    signals = torch.stack([control[n] for n in control_names]) if control_names else matrix.new_zeros(0)
+    control = (signals or Signals()).vector()
     mine = matrix.sum(0)  # this rank's own column totals, before the collective
-    reduced = collectives.all_reduce_sum(torch.cat([matrix.flatten(), signals]), run.device)
+    reduced = collectives.all_reduce_sum(torch.cat([matrix.flatten(), matrix.new_tensor(control)]), run.device)
     flat = torch.cat([reduced, mine]).tolist()  # one device-to-host copy
 
     width, rows = len(names), len(intervals)
     row_totals = [dict(zip(names, flat[r * width : (r + 1) * width], strict=True)) for r in range(rows)]
     end = rows * width
     totals = {n: sum(row[n] for row in row_totals) for n in names}
-    totals.update(zip(control_names, flat[end : end + len(control_names)], strict=True))
-    local = local_times(dict(zip(names, flat[end + len(control_names) :], strict=True)))
+    summed = Signals.from_vector(flat[end : end + len(control)])
+    local = local_times(dict(zip(names, flat[end + len(control) :], strict=True)))
 
-    metrics: dict[str, Any] = {
-        "step": progress.global_step,
-        "epoch": progress.epoch,
-        "samples_seen": progress.samples_seen,
-        "total_steps": run.total_steps,
-        "world_size": run.world,
-        "time/unix": time.time(),
-        "train/lr": lr,
-        **interval_figures(run, totals, interval_s, meter.global_batch),
-        "perf/steady_samples_per_s": meter.samples_per_s,
-    }
-    metrics[HISTORY_KEY] = [
-        {
-            "step": interval.step,
-            "time/unix": interval.unix,
-            "train/lr": interval.lr,
-            **interval_figures(run, row, interval.seconds, meter.global_batch),
-        }
-        for interval, row in zip(intervals, row_totals, strict=True)
-    ]
-    return Reduced(metrics, totals, local)
+    report = Report(
+        step=progress.global_step,
+        epoch=progress.epoch,
+        samples_seen=progress.samples_seen,
+        total_steps=run.total_steps,
+        world_size=run.world,
+        time=time.time(),
+        figures={
+            "train/lr": lr,
+            **interval_figures(run, totals, interval_s, meter.global_batch),
+            "perf/steady_samples_per_s": meter.samples_per_s,
+        },
+        history=[
+            {
+                "step": interval.step,
+                "time/unix": interval.unix,
+                "train/lr": interval.lr,
+                **interval_figures(run, row, interval.seconds, meter.global_batch),
+            }
+            for interval, row in zip(intervals, row_totals, strict=True)
+        ],
+    )
+    return Reduced(report, totals, local, summed)

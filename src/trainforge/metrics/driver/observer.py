@@ -1,7 +1,7 @@
 """Driver side: what only the driver sees, as gauges of the run.
 
 * ``trainforge_restarts{reason}``: the workers cannot count their own deaths; the driver sees
-  every failure through observe.py's ``on_worker_error`` (forwarded by the Ray Train controller's
+  every failure through driver/events.py's ``on_worker_error`` (forwarded by the Ray Train controller's
   callback). Every reason starts at 0, so the series exist before the first failure.
 * ``trainforge_run_last_report_timestamp_seconds`` and ``trainforge_run_active``: the stall
   alert's input. A run that waits for workers (a lost node, no capacity) has no worker series at
@@ -24,7 +24,7 @@ from typing import Any
 from trainforge.config import Config
 from trainforge.metrics.names import DRIVER, RESTART_REASONS
 from trainforge.metrics.worker.export import Gauges
-from trainforge.protocol import CURRENCY_KEY, PROJECTED_KEY, SO_FAR_KEY
+from trainforge.protocol import PROJECTED_KEY, SO_FAR_KEY, Report, RunInfo, WorkerFailure
 
 # Ray's memory monitor (OutOfMemoryError), torch's CUDA OOM, the kernel's OOM killer seen by Ray.
 # Heuristics on the first line of each rank's error, as the controller forwards it.
@@ -44,30 +44,30 @@ def failure_reason(errors: Iterable[str]) -> str:
 
 
 class RunMetrics:
-    """Observer (observe.py) that records the run's progress and its worker-group failures."""
+    """Observer (driver/events.py) that records the run's progress and its worker-group failures."""
 
     def __init__(self, config: Config) -> None:
         self.labels = {"run": config.run.name, "trial": config.metrics.trial or ""}
         self.counts = dict.fromkeys(RESTART_REASONS, 0)
         self.gauges: Gauges | None = None
 
-    def on_start(self, info: dict[str, Any]) -> None:
+    def on_start(self, info: RunInfo) -> None:
         self.gauges = Gauges(DRIVER, self.labels)
         self.gauges.set("trainforge_run_active", 1)
         self.gauges.set("trainforge_run_last_report_timestamp_seconds", time.time())
         for reason in self.counts:
             self._record_restarts(reason)
 
-    def on_report(self, metrics: dict[str, Any]) -> None:
+    def on_report(self, report: Report) -> None:
         if self.gauges is not None:
-            self.gauges.set(
-                "trainforge_run_last_report_timestamp_seconds", float(metrics.get("time/unix", time.time()))
-            )
-            if SO_FAR_KEY in metrics:
-                self._record_cost(metrics[SO_FAR_KEY], metrics.get(PROJECTED_KEY), str(metrics[CURRENCY_KEY]))
+            at = report.time if report.time is not None else time.time()
+            self.gauges.set("trainforge_run_last_report_timestamp_seconds", at)
+            so_far = report.figures.get(SO_FAR_KEY)
+            if so_far is not None:
+                self._record_cost(so_far, report.figures.get(PROJECTED_KEY), report.currency or "")
 
-    def on_worker_error(self, errors: dict[int, str], at: float | None = None) -> None:
-        reason = failure_reason(errors.values())
+    def on_worker_error(self, failure: WorkerFailure) -> None:
+        reason = failure_reason(failure.errors.values())
         self.counts[reason] += 1
         self._record_restarts(reason)
 

@@ -38,6 +38,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from trainforge.protocol import Report
+
 log = logging.getLogger("trainforge.worker")
 
 # A communication hook as DDP calls it: (state, bucket) -> future of the bucket's reduced gradients.
@@ -142,13 +144,13 @@ class CommReport:
     def __init__(self, timer: CommTimer | None) -> None:
         self.timer = timer
 
-    def on_report(self, metrics: dict[str, Any], local: dict[str, float]) -> None:
+    def on_report(self, report: Report, local: dict[str, float]) -> None:
         steps = local.get("steps", 0.0)
         if not steps:
             return
         in_flight, exposed = self.timer.take(steps) if self.timer is not None else (0.0, 0.0)
         local["comm_s"], local["comm_exposed_s"] = in_flight, exposed
-        metrics["perf/comm_s"], metrics["perf/comm_exposed_s"] = in_flight, exposed
+        report.figures["perf/comm_s"], report.figures["perf/comm_exposed_s"] = in_flight, exposed
 
     def on_save(self, outcome: Any) -> None:
         pass

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from trainforge.metrics.names import CHECKPOINT, TRAINING
 from trainforge.metrics.worker.export import Gauges
@@ -20,6 +20,7 @@ from trainforge.metrics.worker.gpu import NodeGpus
 if TYPE_CHECKING:
     from trainforge.checkpoint.manager import SaveOutcome
     from trainforge.config import Config
+    from trainforge.protocol import Report
 
 log = logging.getLogger("trainforge.worker")
 
@@ -54,12 +55,12 @@ class PrometheusHook:
         self.gpus = gpus
         self.save_failures = 0
 
-    def on_report(self, metrics: dict[str, Any], local: dict[str, float]) -> None:
+    def on_report(self, report: Report, local: dict[str, float]) -> None:
         gauges = self.gauges
+        values = report.scalars()
         for key, name in REPORTED.items():
-            value = metrics.get(key)
-            if isinstance(value, (int, float)):
-                gauges.set(name, value)
+            if key in values:
+                gauges.set(name, values[key])
         steps = local.get("steps", 0.0)
         if steps:
             gauges.set("trainforge_step_seconds", local["step_s"])
@@ -70,8 +71,8 @@ class PrometheusHook:
                 gauges.set("trainforge_comm_exposed_seconds", local["comm_exposed_s"])
         if self.checkpoint is not None:
             self.checkpoint.set("trainforge_checkpoint_save_failures", self.save_failures)
-            stall = metrics.get("checkpoint/stall_s")
-            if isinstance(stall, (int, float)):
+            stall = report.figures.get("checkpoint/stall_s")
+            if stall is not None:
                 self.checkpoint.set("trainforge_checkpoint_stall_seconds", stall)
         if self.gpus is not None:
             self.gpus.record()

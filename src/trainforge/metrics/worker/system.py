@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import psutil
 
@@ -24,6 +24,7 @@ from trainforge.metrics.nvml import GB, Gpus
 if TYPE_CHECKING:
     from trainforge.checkpoint.manager import SaveOutcome
     from trainforge.config import Config
+    from trainforge.protocol import Report
 
 log = logging.getLogger("trainforge.worker")
 
@@ -76,8 +77,8 @@ class SystemMetrics:
         self.counters = now
         return {f"{self.prefix}{name}": value for name, value in values.items()}
 
-    def on_report(self, metrics: dict[str, Any], local: dict[str, float]) -> None:
-        metrics.update(self.sample())
+    def on_report(self, report: Report, local: dict[str, float]) -> None:
+        report.figures.update(self.sample())
 
     def on_save(self, outcome: SaveOutcome) -> None:
         pass
