@@ -1,4 +1,4 @@
-"""The checkpoint format, storage, state files and background manager, on real files.
+"""The checkpoint format, storage, state files and background writer, on real files.
 
 No mocks: failures are produced by real file systems (a path under a regular file, a file-size
 limit, and, where the test may mount, a full or read-only tmpfs), hostile files are real pickles.
@@ -24,29 +24,32 @@ import pytest
 import torch
 from torch import nn
 
+from tests.helpers import checkpoints
+from tests.helpers.checkpoints import snapshot
 from tests.helpers.mounts import tmpfs
 from trainforge.checkpoint import inspect as ckpt_inspect
 from trainforge.checkpoint.format import MANIFEST, write_manifest
-from trainforge.checkpoint.manager import CheckpointManager, RotationPolicy, SaveOutcome, Snapshot
+from trainforge.checkpoint.saved import read_saved
 from trainforge.checkpoint.state import (
     MODEL_FILE,
     OPTIMIZER_FILE,
     STATE_FILE,
-    Progress,
-    TrainerState,
+    Snapshot,
     capture_rng,
     load_optimizer,
     load_weights,
     model_snapshot,
-    read_trainer_state,
     restore_rng,
-    snapshot_tensors,
-    write_state,
+    tensor_file,
+    write_tensors,
 )
 from trainforge.checkpoint.storage import CheckpointStore, checkpoint_name
 from trainforge.checkpoint.verify import Verification
+from trainforge.checkpoint.writer import CheckpointWriter, RotationPolicy, SaveOutcome
+from trainforge.worker.registry import state_schemas
 
 ROOT = Path(__file__).resolve().parents[2]
+SCHEMAS = state_schemas()  # the components' own, as restore, rotation and `ckpt verify` pass them
 
 
 # ---------------------------------------------------------------------------------------------
@@ -68,49 +71,27 @@ def trained(model: nn.Module) -> torch.optim.Optimizer:
     return optimizer
 
 
-def trainer_state(step: int, metrics: dict[str, float] | None = None) -> TrainerState:
-    return TrainerState(
-        progress=Progress(epoch=step // 10, global_step=step, samples_seen=step * 8, epoch_position=8, world_size=1),
-        scheduler={"last_epoch": step, "_last_lr": [0.01]},
-        scaler={},
-        rng=[capture_rng()],
-        metrics=metrics or {},
-        config={"model": {"name": "mlp"}, "train": {"batch_size": 8}, "seed": 0},
-        versions={"torch": torch.__version__},
-    )
-
-
-def snapshot(model: nn.Module, optimizer: torch.optim.Optimizer, step: int, **metrics: float) -> Snapshot:
-    return Snapshot(
-        step=step,
-        epoch=step // 10,
-        model_state=model_snapshot(model),
-        optimizer_state=snapshot_tensors(optimizer.state_dict()),
-        trainer_state=trainer_state(step, metrics),
-    )
-
-
-def write_checkpoint(directory: Path, step: int = 7, **metrics: float) -> dict[str, Any]:
-    """A complete checkpoint directory written by the real code path; returns its manifest."""
+def write_checkpoint(directory: Path, step: int = 7, **metrics: Any) -> dict[str, Any]:
+    """A complete checkpoint directory of ``small_model`` after two steps, written as the writer
+    lays one out (``tests/helpers/checkpoints.py``); returns its manifest."""
     model = small_model()
-    optimizer = trained(model)
-    write_state(directory, model_snapshot(model), snapshot_tensors(optimizer.state_dict()), trainer_state(step))
-    return write_manifest(directory, {"global_step": step, "epoch": 0, "metrics": metrics, "created_at": time.time()})
+    return checkpoints.write_checkpoint(directory, model, trained(model), step, metrics)
 
 
-def save_all(manager: CheckpointManager, snapshots: list[Snapshot]) -> list[SaveOutcome]:
+def save_all(writer: CheckpointWriter, snapshots: list[Snapshot]) -> list[SaveOutcome]:
     outcomes = []
     for snap in snapshots:
-        manager.save_async(snap)
-        manager.wait()
-        outcomes.extend(manager.collect())
+        writer.save_async(snap)
+        writer.wait()
+        outcomes.extend(writer.collect())
     return outcomes
 
 
 def verify(directory: Path) -> Verification:
-    """The one verification, of a checkpoint directory given by its path."""
+    """The one verification, of a checkpoint directory given by its path, with the components'
+    schemas."""
     store, name = CheckpointStore.for_checkpoint(str(directory))
-    return store.verify(name)
+    return store.verify(name, schemas=SCHEMAS)
 
 
 def read_manifest(directory: Path) -> tuple[dict[str, Any] | None, str | None]:
@@ -141,7 +122,7 @@ def test_manifest_round_trip(checkpoint: Path) -> None:
         data = (checkpoint / rel).read_bytes()
         assert entry == {"size": len(data), "digest": blake3.blake3(data).hexdigest()}
     assert manifest["global_step"] == 7 and manifest["metrics"] == {"train/loss": 0.5}
-    assert (manifest["format_version"], manifest["hash"], manifest["layout"]) == (2, "blake3", "full")
+    assert (manifest["format_version"], manifest["hash"], manifest["layout"]) == (3, "blake3", "full")
     store, name = CheckpointStore.for_checkpoint(str(checkpoint))
     assert store.read_manifest(name) == (manifest, None)
     assert verify(checkpoint).ok and store.verify(name).ok
@@ -291,7 +272,8 @@ def test_tied_weights_are_stored_once_and_load_back(tmp_path: Path) -> None:
 
     state = model_snapshot(source)
     assert len([k for k in tied if k in state]) == 1  # one entry per storage
-    write_state(tmp_path, state, None, trainer_state(1))
+    assert tensor_file("model", state) == MODEL_FILE
+    write_tensors(tmp_path / MODEL_FILE, state)
     load_weights(tmp_path, target)
     for key, value in source.state_dict().items():
         assert torch.equal(value, target.state_dict()[key]), key
@@ -316,9 +298,12 @@ def test_rng_capture_and_restore_reproduce_the_same_draws() -> None:
 
 
 def test_trainer_state_and_optimizer_round_trip(checkpoint: Path) -> None:
-    state = read_trainer_state(checkpoint)
-    assert state.progress == Progress(epoch=0, global_step=7, samples_seen=56, epoch_position=8, world_size=1)
-    assert state.config["train"] == {"batch_size": 8}
+    saved = read_saved(checkpoint, SCHEMAS)
+    assert (saved.step, saved.epoch, saved.world) == (7, 0, 1)
+    assert saved.components["progress"] == {"global_step": 7, "samples_seen": 56}
+    data = saved.components["data"]
+    assert (data["epoch"], data["position"], data["world_size"]) == (0, 8, 1)
+    assert saved.config["train"] == {"batch_size": 8}
     model = small_model(seed=3)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     load_weights(checkpoint, model)
@@ -363,19 +348,19 @@ def test_hostile_optimizer_file_is_refused_and_its_payload_never_runs(checkpoint
 
 
 # ---------------------------------------------------------------------------------------------
-# manager: async save, rotation, failures
+# writer: async save, rotation, failures
 
 
 def test_async_save_commits_and_collect_reports_it(tmp_path: Path) -> None:
     store = CheckpointStore.from_uri(str(tmp_path / "run"))
-    manager = CheckpointManager(store, RotationPolicy(keep_last=3), scratch=tmp_path / "scratch")
+    writer = CheckpointWriter(store, RotationPolicy(keep_last=3), schemas=SCHEMAS, scratch=tmp_path / "scratch")
     model = small_model()
     optimizer = trained(model)
-    waited = manager.save_async(snapshot(model, optimizer, 5, **{"train/loss": 0.7}))
+    waited = writer.save_async(snapshot(model, optimizer, 5, {"train/loss": 0.7}))
     assert waited < 0.05  # nothing was in flight
-    manager.wait()
-    [outcome] = manager.collect()
-    assert manager.collect() == []
+    writer.wait()
+    [outcome] = writer.collect()
+    assert writer.collect() == []
     assert outcome.error is None and outcome.name == "checkpoint_000000005"
     assert outcome.uri == str(tmp_path / "run" / "checkpoint_000000005")
     manifest, _ = store.read_manifest(outcome.name)
@@ -393,22 +378,22 @@ def test_async_save_commits_and_collect_reports_it(tmp_path: Path) -> None:
 
 def test_a_second_save_waits_for_the_first(tmp_path: Path) -> None:
     store = CheckpointStore.from_uri(str(tmp_path / "run"))
-    manager = CheckpointManager(store, RotationPolicy(keep_last=5), scratch=tmp_path / "scratch")
+    writer = CheckpointWriter(store, RotationPolicy(keep_last=5), schemas=SCHEMAS, scratch=tmp_path / "scratch")
     model = small_model()
     optimizer = trained(model)
-    manager.save_async(snapshot(model, optimizer, 1))
-    manager.save_async(snapshot(model, optimizer, 2))
-    manager.close()
-    assert [o.step for o in manager.collect()] == [1, 2]
+    writer.save_async(snapshot(model, optimizer, 1))
+    writer.save_async(snapshot(model, optimizer, 2))
+    writer.close()
+    assert [o.step for o in writer.collect()] == [1, 2]
     assert names(store) == ["checkpoint_000000001", "checkpoint_000000002"]
 
 
 def test_rotation_keeps_exactly_keep_last(tmp_path: Path) -> None:
     store = CheckpointStore.from_uri(str(tmp_path / "run"))
-    manager = CheckpointManager(store, RotationPolicy(keep_last=2), scratch=tmp_path / "scratch")
+    writer = CheckpointWriter(store, RotationPolicy(keep_last=2), schemas=SCHEMAS, scratch=tmp_path / "scratch")
     model = small_model()
     optimizer = trained(model)
-    outcomes = save_all(manager, [snapshot(model, optimizer, s) for s in (10, 20, 30, 40, 50)])
+    outcomes = save_all(writer, [snapshot(model, optimizer, s) for s in (10, 20, 30, 40, 50)])
     assert all(o.error is None for o in outcomes)
     assert names(store) == ["checkpoint_000000040", "checkpoint_000000050"]
 
@@ -423,11 +408,11 @@ def test_rotation_keeps_exactly_keep_last(tmp_path: Path) -> None:
 def test_rotation_keeps_the_best_by_metric(tmp_path: Path, mode: str, losses: list[float], best: int) -> None:
     store = CheckpointStore.from_uri(str(tmp_path / "run"))
     policy = RotationPolicy(keep_last=2, metric="val/loss", mode=mode)
-    manager = CheckpointManager(store, policy, scratch=tmp_path / "scratch")
+    writer = CheckpointWriter(store, policy, schemas=SCHEMAS, scratch=tmp_path / "scratch")
     model = small_model()
     optimizer = trained(model)
     steps = [10, 20, 30, 40, 50]
-    save_all(manager, [snapshot(model, optimizer, s, **{"val/loss": x}) for s, x in zip(steps, losses, strict=True)])
+    save_all(writer, [snapshot(model, optimizer, s, {"val/loss": x}) for s, x in zip(steps, losses, strict=True)])
     assert names(store) == sorted([checkpoint_name(best), "checkpoint_000000040", "checkpoint_000000050"])
 
 
@@ -437,14 +422,14 @@ def test_rotation_never_deletes_the_checkpoint_just_written(tmp_path: Path) -> N
     for step in (80, 90):
         write_checkpoint(run / checkpoint_name(step), step=step)
     store = CheckpointStore.from_uri(str(run))
-    manager = CheckpointManager(store, RotationPolicy(keep_last=1), scratch=tmp_path / "scratch")
+    writer = CheckpointWriter(store, RotationPolicy(keep_last=1), schemas=SCHEMAS, scratch=tmp_path / "scratch")
     model = small_model()
-    [outcome] = save_all(manager, [snapshot(model, trained(model), 40)])
+    [outcome] = save_all(writer, [snapshot(model, trained(model), 40)])
     assert outcome.error is None
     assert names(store) == ["checkpoint_000000040", "checkpoint_000000090"]
     # Directories without a readable manifest are never rotated out.
     (run / checkpoint_name(95)).mkdir()
-    save_all(manager, [snapshot(model, trained(model), 41)])
+    save_all(writer, [snapshot(model, trained(model), 41)])
     assert names(store) == ["checkpoint_000000041", "checkpoint_000000090", "checkpoint_000000095"]
 
 
@@ -452,9 +437,9 @@ def test_save_into_a_path_under_a_regular_file_is_reported_not_raised(tmp_path: 
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("a regular file")
     store = CheckpointStore.from_uri(str(blocker / "run"))
-    manager = CheckpointManager(store, RotationPolicy(keep_last=2), scratch=tmp_path / "scratch")
+    writer = CheckpointWriter(store, RotationPolicy(keep_last=2), schemas=SCHEMAS, scratch=tmp_path / "scratch")
     model = small_model()
-    [outcome] = save_all(manager, [snapshot(model, trained(model), 5)])
+    [outcome] = save_all(writer, [snapshot(model, trained(model), 5)])
     assert outcome.uri is None and outcome.error is not None
     assert outcome.error.startswith(("NotADirectoryError", "FileExistsError")), outcome.error
     assert blocker.read_text() == "a regular file"
@@ -466,25 +451,26 @@ FSIZE_SCRIPT = textwrap.dedent(
     from pathlib import Path
     import torch
     from torch import nn
-    from tests.unit.test_checkpoint import snapshot, small_model, trained
-    from trainforge.checkpoint.manager import CheckpointManager, RotationPolicy
+    from tests.helpers.checkpoints import snapshot
+    from tests.unit.test_checkpoint import small_model, trained
     from trainforge.checkpoint.storage import CheckpointStore
+    from trainforge.checkpoint.writer import CheckpointWriter, RotationPolicy
 
     root, scratch = sys.argv[1], Path(sys.argv[2])
-    manager = CheckpointManager(CheckpointStore.from_uri(root), RotationPolicy(keep_last=1), scratch=scratch)
+    writer = CheckpointWriter(CheckpointStore.from_uri(root), RotationPolicy(keep_last=1), scratch=scratch)
     model = small_model()
     optimizer = trained(model)
     outcomes = []
-    manager.save_async(snapshot(model, optimizer, 5))
-    manager.wait()
-    outcomes += manager.collect()
+    writer.save_async(snapshot(model, optimizer, 5))
+    writer.wait()
+    outcomes += writer.collect()
     # From here on no file of this process may grow past 64 kB: the next model is about 4 MB.
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
     big = nn.Linear(1000, 1000)
-    manager.save_async(snapshot(big, torch.optim.SGD(big.parameters(), lr=0.1), 10))
-    manager.wait()
-    outcomes += manager.collect()
+    writer.save_async(snapshot(big, torch.optim.SGD(big.parameters(), lr=0.1), 10))
+    writer.wait()
+    outcomes += writer.collect()
     print(json.dumps([[o.step, o.error] for o in outcomes]))
     """
 )
@@ -522,10 +508,10 @@ def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
 @pytest.mark.parametrize("failure", ["read-only", "full"])
 def test_save_to_a_read_only_or_full_file_system(small_tmpfs: Path, tmp_path: Path, failure: str) -> None:
     store = CheckpointStore.from_uri(str(small_tmpfs / "run"))
-    manager = CheckpointManager(store, RotationPolicy(keep_last=1), scratch=tmp_path / "scratch")
+    writer = CheckpointWriter(store, RotationPolicy(keep_last=1), schemas=SCHEMAS, scratch=tmp_path / "scratch")
     model = small_model()
     optimizer = trained(model)
-    [first] = save_all(manager, [snapshot(model, optimizer, 5)])
+    [first] = save_all(writer, [snapshot(model, optimizer, 5)])
     assert first.error is None
     if failure == "read-only":
         subprocess.run(["mount", "-o", "remount,ro", str(small_tmpfs)], check=True)
@@ -535,7 +521,7 @@ def test_save_to_a_read_only_or_full_file_system(small_tmpfs: Path, tmp_path: Pa
         big = nn.Linear(600, 600)  # 1.4 MB of weights: more than the file system holds
         following = snapshot(big, torch.optim.SGD(big.parameters(), lr=0.1), 10)
         expected = "No space left on device"
-    [second] = save_all(manager, [following])
+    [second] = save_all(writer, [following])
     assert second.uri is None and second.error is not None and expected in second.error
     assert names(store) == ["checkpoint_000000005"] and store.verify("checkpoint_000000005").ok
     if failure == "full":

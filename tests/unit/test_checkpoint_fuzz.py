@@ -1,5 +1,6 @@
 """Fuzzing the readers of a checkpoint's JSON metadata: any bytes give a parsed value or a
-CheckpointError, never another exception, and quickly (hypothesis deadline: one second)."""
+CheckpointError, never another exception, and quickly (hypothesis deadline: one second).
+``trainer_state.json`` is read as restore reads it too: as components, each checked by its schema."""
 
 from __future__ import annotations
 
@@ -10,8 +11,20 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from trainforge.checkpoint.schema import Manifest, TrainerStateFile, parse_manifest, parse_trainer_state
+from trainforge.checkpoint.saved import saved_from
+from trainforge.checkpoint.schema import (
+    FULL,
+    MODEL_FILE,
+    OPTIMIZER_FILE,
+    STATE_FILE,
+    Manifest,
+    StateFile,
+    TrainerStateFile,
+    parse_manifest,
+    parse_trainer_state,
+)
 from trainforge.errors import CheckpointError
+from trainforge.worker.registry import state_schemas
 
 FUZZ = settings(max_examples=200, deadline=1000, database=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -29,19 +42,53 @@ VALID_MANIFEST: dict[str, Any] = {
     "global_step": 5,
     "metrics": {"train/loss": 0.5},
 }
+RNG = {"python": [3, [1] * 625, None], "numpy": ["MT19937", [2] * 624, 624, 0, 0.0], "torch": "AAAA"}
+# Format 2: the fixed fields of the engine before components.
 VALID_STATE: dict[str, Any] = {
     "progress": {"epoch": 0, "global_step": 5, "samples_seen": 40, "epoch_position": 40, "world_size": 1},
     "scheduler": {"last_epoch": 5, "_last_lr": [0.01]},
     "scaler": {},
-    "rng": [{"python": [3, [1] * 625, None], "numpy": ["MT19937", [2] * 624, 624, 0, 0.0], "torch": "AAAA"}],
+    "rng": [RNG],
     "metrics": {},
     "config": {},
     "versions": {"torch": "2"},
 }
+# Format 3: {component: state}, as the writer writes it for a one-worker ddp run.
+VALID_STATE_3: dict[str, Any] = {
+    "format_version": 3,
+    "global_step": 5,
+    "epoch": 0,
+    "world_size": 1,
+    "layout": "full",
+    "plan": "ddp",
+    "tensor_parallel": 1,
+    "components": {
+        "progress": {"global_step": 5, "samples_seen": 40},
+        "data": {"epoch": 0, "position": 40, "world_size": 1, "micro_batch_size": 8, "grad_accum_steps": 1},
+        "model": {},
+        "optimizer": {"name": "adam"},
+        "schedule": {"last_epoch": 5, "base_lrs": [0.01], "_step_count": 6, "_last_lr": [0.01]},
+        "scaler": {},
+        "rng": {},
+    },
+    "ranks": [{"rng": RNG}],
+    "files": {"model": {"tensors": MODEL_FILE}, "optimizer": {"tensors": OPTIMIZER_FILE}},
+    "exports": {MODEL_FILE: MODEL_FILE},
+    "metrics": {"train/loss": 0.5},
+    "config": {},
+    "versions": {"torch": "2"},
+}
+FILES = {MODEL_FILE, OPTIMIZER_FILE, STATE_FILE}
+SCHEMAS = state_schemas()
+
+
+def as_components(raw: bytes) -> None:
+    """``trainer_state.json`` read as restore reads it: components, each checked by its own schema."""
+    saved_from(raw, FULL, FILES, SCHEMAS)
 
 
 def parse_both(raw: bytes) -> None:
-    for parse in (parse_manifest, parse_trainer_state):
+    for parse in (parse_manifest, parse_trainer_state, as_components):
         started = time.perf_counter()
         try:
             parse(raw)
@@ -53,6 +100,8 @@ def parse_both(raw: bytes) -> None:
 def test_the_valid_documents_parse() -> None:
     assert isinstance(parse_manifest(json.dumps(VALID_MANIFEST).encode())[0], Manifest)
     assert isinstance(parse_trainer_state(json.dumps(VALID_STATE).encode())[0], TrainerStateFile)
+    assert isinstance(parse_trainer_state(json.dumps(VALID_STATE_3).encode())[0], StateFile)
+    as_components(json.dumps(VALID_STATE_3).encode())
 
 
 @FUZZ
@@ -70,7 +119,7 @@ def test_any_json(value: Any) -> None:
 @FUZZ
 @given(st.data())
 def test_valid_documents_with_one_value_replaced(data: st.DataObject) -> None:
-    for document in (VALID_MANIFEST, VALID_STATE):
+    for document in (VALID_MANIFEST, VALID_STATE, VALID_STATE_3):
         copy = json.loads(json.dumps(document))
         key = data.draw(st.sampled_from(sorted(copy)))
         target = copy

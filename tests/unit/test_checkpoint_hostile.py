@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,43 +23,37 @@ import torch
 from rich.console import Console
 from torch import nn
 
+from tests.helpers import checkpoints
+from tests.helpers.checkpoints import snapshot
 from tests.unit.test_checkpoint import (
     flip_byte,
     names,
     save_all,
     small_model,
-    snapshot,
     trained,
-    trainer_state,
     write_checkpoint,
 )
 from trainforge.checkpoint import inspect as ckpt_inspect
 from trainforge.checkpoint.format import MANIFEST, sha256_file, write_manifest
-from trainforge.checkpoint.manager import CheckpointManager, RotationPolicy
-from trainforge.checkpoint.state import (
-    MODEL_FILE,
-    OPTIMIZER_FILE,
-    STATE_FILE,
-    model_snapshot,
-    read_trainer_state,
-    snapshot_tensors,
-    write_state,
-)
+from trainforge.checkpoint.saved import read_saved
+from trainforge.checkpoint.state import MODEL_FILE, OPTIMIZER_FILE, STATE_FILE
 from trainforge.checkpoint.storage import CheckpointStore, checkpoint_name
 from trainforge.checkpoint.verify import Verification
+from trainforge.checkpoint.writer import CheckpointWriter, RotationPolicy
 from trainforge.config import Config
 from trainforge.errors import CheckpointError
 from trainforge.worker.build import WorkerRun
-from trainforge.worker.components import DataSource
+from trainforge.worker.components.data import DataSource
 from trainforge.worker.optim import build_scheduler
+from trainforge.worker.registry import build_components, state_schemas
 from trainforge.worker.saving import restore
 from trainforge.worker.step import StepRunner
 
 
 def check(directory: Path) -> Verification:
-    """What restore, rotation and ``ckpt verify`` all use."""
+    """What restore, rotation and ``ckpt verify`` all use (with the components' schemas)."""
     store, name = CheckpointStore.for_checkpoint(str(directory))
-    return store.verify(name)
+    return store.verify(name, schemas=state_schemas())
 
 
 def edit_manifest(directory: Path, change: Any) -> None:
@@ -157,15 +152,80 @@ def test_a_huge_file_declared_small_is_never_hashed(ckpt: Path) -> None:
     assert time.perf_counter() - started < 5
 
 
+def fixed_fields(state: dict[str, Any]) -> dict[str, Any]:
+    """A ``trainer_state.json`` of components (format 3) as trainforge wrote the same state before
+    components: formats 1 and 2, fixed fields, still read."""
+    components, data = state["components"], state["components"]["data"]
+    return {
+        "progress": {
+            **components["progress"],
+            "epoch": data["epoch"],
+            "epoch_position": data["position"],
+            "world_size": state["world_size"],
+            **{key: data[key] for key in ("micro_batch_size", "grad_accum_steps") if key in data},
+        },
+        "scheduler": components["schedule"],
+        "scaler": components["scaler"],
+        "rng": [mine["rng"] for mine in state["ranks"]],
+        **{key: state[key] for key in ("metrics", "config", "versions")},
+    }
+
+
+def format_2(change: Callable[[dict[str, Any]], Any]) -> Callable[[dict[str, Any]], None]:
+    """``change`` made to the same state in format 2's fixed fields (the state is replaced in place)."""
+
+    def edit(state: dict[str, Any]) -> None:
+        fixed = fixed_fields(state)
+        change(fixed)
+        state.clear()
+        state.update(fixed)
+
+    return edit
+
+
+def progress(state: dict[str, Any]) -> dict[str, Any]:
+    return state["components"]["progress"]
+
+
+def rng(state: dict[str, Any], rank: int = 0) -> dict[str, Any]:
+    return state["ranks"][rank]["rng"]
+
+
 WRONG_TYPES = {
-    "progress as a list": (STATE_FILE, lambda s: s.update(progress=[1, 2]), "progress: Input should be a valid"),
-    "rng as a number": (STATE_FILE, lambda s: s.update(rng=7), "rng: Input should be a valid list"),
-    "step as a string": (STATE_FILE, lambda s: s["progress"].update(global_step="7"), "progress.global_step"),
-    "rng of another rank count": (STATE_FILE, lambda s: s["rng"].append(s["rng"][0]), "holds 2 RNG states for 1"),
-    "python rng cut short": (STATE_FILE, lambda s: s["rng"][0]["python"][1].pop(), "rng.0.python.1"),
-    "optim config not a table": (STATE_FILE, lambda s: s["config"].update(optim="adam"), "config.optim"),
+    "progress as a list": (
+        STATE_FILE,
+        lambda s: s["components"].update(progress=[1, 2]),
+        "components.progress: Input should be a valid",
+    ),
+    "rng as a number": (STATE_FILE, lambda s: s["ranks"][0].update(rng=7), "ranks.0.rng: Input should be a valid"),
+    "step as a string": (STATE_FILE, lambda s: progress(s).update(global_step="7"), "components.progress.global_step"),
+    "rng of another rank count": (STATE_FILE, lambda s: s["ranks"].append(s["ranks"][0]), "holds 2 rank states for 1"),
+    "python rng cut short": (STATE_FILE, lambda s: rng(s)["python"][1].pop(), "ranks.0.rng.python.1"),
+    # Format 2 as before: its fixed fields are still read (restore maps them onto the components).
+    "format 2 progress as a list": (
+        STATE_FILE,
+        format_2(lambda s: s.update(progress=[1, 2])),
+        "progress: Input should be a valid",
+    ),
+    "format 2 rng as a number": (STATE_FILE, format_2(lambda s: s.update(rng=7)), "rng: Input should be a valid list"),
+    "format 2 step as a string": (
+        STATE_FILE,
+        format_2(lambda s: s["progress"].update(global_step="7")),
+        "progress.global_step",
+    ),
+    "format 2 rng of another rank count": (
+        STATE_FILE,
+        format_2(lambda s: s["rng"].append(s["rng"][0])),
+        "holds 2 RNG states for 1",
+    ),
+    "format 2 python rng cut short": (STATE_FILE, format_2(lambda s: s["rng"][0]["python"][1].pop()), "rng.0.python.1"),
+    "format 2 optim config not a table": (
+        STATE_FILE,
+        format_2(lambda s: s["config"].update(optim="adam")),
+        "config.optim",
+    ),
     "date as a string": (MANIFEST, lambda m: m.update(created_at="2026-11-23"), "created_at"),
-    "unknown format": (MANIFEST, lambda m: m.update(format_version=3), "format_version 3 is not one"),
+    "unknown format": (MANIFEST, lambda m: m.update(format_version=4), "format_version 4 is not one"),
 }
 
 
@@ -181,7 +241,7 @@ def test_json_metadata_of_the_wrong_types_does_not_verify(ckpt: Path, case: str)
     assert problem.startswith(f"{rel} is malformed: ") and expected in problem, problem
     if rel == STATE_FILE:
         with pytest.raises(CheckpointError, match=r"trainer_state\.json is malformed"):
-            read_trainer_state(ckpt)
+            read_saved(ckpt, state_schemas())
 
 
 def test_an_undecodable_file_name_is_a_problem_not_a_traceback(ckpt: Path) -> None:
@@ -210,6 +270,9 @@ def write_format_1_manifest(directory: Path, meta: dict[str, Any]) -> None:
 
 
 def test_old_checkpoints_of_format_1_still_verify(ckpt: Path) -> None:
+    # trainer_state.json as format 1 held it (the fixed fields); the tensor files are the same.
+    state = json.loads((ckpt / STATE_FILE).read_text())
+    (ckpt / STATE_FILE).write_text(json.dumps(fixed_fields(state), indent=1))
     # Only the keys format 1 always had: files and format_version.
     write_format_1_manifest(ckpt, {})
     assert check(ckpt).ok
@@ -227,9 +290,11 @@ def test_format_1_keys_in_a_format_2_manifest_and_the_reverse_do_not_verify(ckpt
     write_manifest(ckpt, {})
     edit_manifest(ckpt, lambda m: m.update(format_version=1))
     assert "format 1 has no hash or layout keys" in check(ckpt).problems[0]
-    write_manifest(ckpt, {})
-    edit_manifest(ckpt, lambda m: m["files"][MODEL_FILE].update(sha256=m["files"][MODEL_FILE].pop("digest")))
-    assert "format 2 gives each file a digest" in check(ckpt).problems[0]
+    for version in (2, 3):
+        write_manifest(ckpt, {})
+        edit_manifest(ckpt, lambda m: m.update(format_version=version))  # noqa: B023 (called at once)
+        edit_manifest(ckpt, lambda m: m["files"][MODEL_FILE].update(sha256=m["files"][MODEL_FILE].pop("digest")))
+        assert f"format {version} gives each file a digest" in check(ckpt).problems[0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -240,9 +305,7 @@ def write_wide_checkpoint(directory: Path, step: int) -> None:
     """A valid checkpoint of another model shape (hidden width 32 instead of 16)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 32), nn.ReLU(), nn.Linear(32, 3))
-    optimizer = trained(model)
-    write_state(directory, model_snapshot(model), snapshot_tensors(optimizer.state_dict()), trainer_state(step))
-    write_manifest(directory, {"global_step": step, "epoch": 0, "metrics": {}, "created_at": time.time()})
+    checkpoints.write_checkpoint(directory, model, trained(model), step)
 
 
 def worker_run(tmp_path: Path, resume: str = "auto") -> WorkerRun:
@@ -264,7 +327,9 @@ def worker_run(tmp_path: Path, resume: str = "auto") -> WorkerRun:
         model, None, optimizer, scheduler, device=torch.device("cpu"), precision="fp32", grad_clip_norm=None
     )  # type: ignore[arg-type]
     data = DataSource.build(config, 0, 1, pin_memory=False)
-    return WorkerRun(config, 0, 1, torch.device("cpu"), model, None, runner, data, 100)  # type: ignore[arg-type]
+    run = WorkerRun(config, 0, 1, torch.device("cpu"), model, None, runner, data, 100)  # type: ignore[arg-type]
+    run.components = build_components(run)
+    return run
 
 
 def test_restore_walks_past_a_checkpoint_that_verifies_but_does_not_load(tmp_path: Path) -> None:
@@ -278,9 +343,9 @@ def test_restore_walks_past_a_checkpoint_that_verifies_but_does_not_load(tmp_pat
     restored = restore(run, store)
 
     assert restored.source == str(run_dir / checkpoint_name(5)) and restored.progress.global_step == 5
-    [skipped] = restored.skipped
-    assert skipped.startswith("checkpoint_000000010: does not load into this run's model: ")
-    assert "size mismatch" in skipped and "\n" not in skipped
+    [(skipped, reason)] = restored.skipped
+    assert skipped == "checkpoint_000000010" and reason.startswith("does not load into this run's model: ")
+    assert "size mismatch" in reason and "\n" not in reason
     expected = small_model()
     trained(expected)
     for key, value in expected.state_dict().items():  # fully the older checkpoint's weights
@@ -312,8 +377,10 @@ def test_an_explicit_resume_that_does_not_load_is_a_one_line_error(tmp_path: Pat
 # Section 3: rotation, staging, commit
 
 
-def manager(tmp_path: Path, store: CheckpointStore, **policy: Any) -> CheckpointManager:
-    return CheckpointManager(store, RotationPolicy(**{"keep_last": 2, **policy}), scratch=tmp_path / "scratch")
+def writer(tmp_path: Path, store: CheckpointStore, **policy: Any) -> CheckpointWriter:
+    """Rank 0's writer of a one-worker run, verifying for rotation as a run's does."""
+    rotation = RotationPolicy(**{"keep_last": 2, **policy})
+    return CheckpointWriter(store, rotation, schemas=state_schemas(), scratch=tmp_path / "scratch")
 
 
 def test_rotation_counts_only_verified_checkpoints(tmp_path: Path) -> None:
@@ -324,7 +391,7 @@ def test_rotation_counts_only_verified_checkpoints(tmp_path: Path) -> None:
     flip_byte(run_dir / checkpoint_name(20))
     store = CheckpointStore.from_uri(str(run_dir))
     model = small_model()
-    [outcome] = save_all(manager(tmp_path, store), [snapshot(model, trained(model), 15)])
+    [outcome] = save_all(writer(tmp_path, store), [snapshot(model, trained(model), 15)])
     assert outcome.error is None
     # Two valid copies kept; the corrupt one is not deleted (evidence) but does not count.
     assert names(store) == [checkpoint_name(10), checkpoint_name(15), checkpoint_name(20)]
@@ -338,8 +405,8 @@ def test_a_best_metric_that_is_not_a_finite_number_never_wins(tmp_path: Path, od
     write_checkpoint(run_dir / checkpoint_name(30), step=30, **{"val/loss": 0.5})
     store = CheckpointStore.from_uri(str(run_dir))
     model = small_model()
-    saves = [snapshot(model, trained(model), step, **{"val/loss": 0.9}) for step in (40, 50)]
-    outcomes = save_all(manager(tmp_path, store, keep_last=1, metric="val/loss", mode="min"), saves)
+    saves = [snapshot(model, trained(model), step, {"val/loss": 0.9}) for step in (40, 50)]
+    outcomes = save_all(writer(tmp_path, store, keep_last=1, metric="val/loss", mode="min"), saves)
     assert [o.error for o in outcomes] == [None, None]
     assert names(store) == [checkpoint_name(20), checkpoint_name(50)]
 
@@ -353,7 +420,7 @@ def test_a_rotation_failure_does_not_fail_the_committed_save(tmp_path: Path, mon
 
     monkeypatch.setattr(store, "delete", refuse)
     model = small_model()
-    [outcome] = save_all(manager(tmp_path, store, keep_last=1), [snapshot(model, trained(model), 5)])
+    [outcome] = save_all(writer(tmp_path, store, keep_last=1), [snapshot(model, trained(model), 5)])
     assert outcome.error is None and outcome.uri == store.uri(checkpoint_name(5))
     assert store.verify(checkpoint_name(5)).ok
 
@@ -365,7 +432,7 @@ def test_staging_dirs_of_crashed_saves_are_removed_but_not_one_in_flight(tmp_pat
     (crashed / MODEL_FILE).write_bytes(b"\x00" * 100)
     os.utime(crashed, (time.time() - 600, time.time() - 600))
     store = CheckpointStore.from_uri(str(run_dir))
-    saver = manager(tmp_path, store)
+    saver = writer(tmp_path, store)
     in_flight = run_dir / ".tmp-checkpoint_000000004-0badf00d"  # another process, started after us
     in_flight.mkdir()
     model = small_model()
@@ -441,6 +508,7 @@ if rank == 1:  # this rank's model has the other shape: it loads what rank 0 can
     run.model = nn.Sequential(nn.Linear(6, 32), nn.ReLU(), nn.Linear(32, 3))
     run.runner.optimizer = h.torch.optim.Adam(run.model.parameters(), lr=0.01)
     run.runner.scheduler = h.build_scheduler(run.config.schedule, run.runner.optimizer, 100)
+run.components = h.build_components(run)  # of this rank's model and optimizer
 try:
     restored = restore(run, CheckpointStore.from_uri(str(tmp / "run")))
     print(json.dumps({"source": restored.source}))

@@ -1,6 +1,7 @@
-"""Sharded checkpoints (checkpoint/sharded.py): written by every rank with torch.distributed.checkpoint,
-hashed while written, verified by the one verification, loaded (and resharded) without unpickling
-arbitrary objects. Real gloo process groups on 127.0.0.1, no Ray."""
+"""Sharded checkpoints (checkpoint/sharded.py): written by every rank with torch.distributed.checkpoint
+(through the one save path, checkpoint/writer.py), hashed while written, verified by the one
+verification, loaded (and resharded) without unpickling arbitrary objects. Real gloo process groups
+on 127.0.0.1, no Ray."""
 
 from __future__ import annotations
 
@@ -21,12 +22,21 @@ import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 
 from trainforge.checkpoint import inspect as ckpt_inspect
-from trainforge.checkpoint.manager import CheckpointManager, RotationPolicy, SaveOutcome
 from trainforge.checkpoint.names import checkpoint_name, staging_name
-from trainforge.checkpoint.schema import MANIFEST, SHARDED_METADATA, STATE_FILE
-from trainforge.checkpoint.sharded import ShardedSave, load_sharded, merge_files
-from trainforge.checkpoint.state import Progress, TrainerState, capture_rng
+from trainforge.checkpoint.schema import MANIFEST, SHARDED, SHARDED_METADATA, STATE_FILE
+from trainforge.checkpoint.sharded import load_sharded
+from trainforge.checkpoint.staging import StagedSave
+from trainforge.checkpoint.state import Record, Snapshot, State, capture_rng
 from trainforge.checkpoint.storage import CheckpointStore
+from trainforge.checkpoint.writer import (
+    Alone,
+    CheckpointWriter,
+    Collectives,
+    RotationPolicy,
+    SaveOutcome,
+    save_group,
+)
+from trainforge.worker.registry import state_schemas
 
 STEP = 100
 NAME = checkpoint_name(STEP)
@@ -38,31 +48,52 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def trainer_state(world: int) -> TrainerState:
-    return TrainerState(Progress(global_step=STEP, world_size=world), {}, {}, [capture_rng()] * world)
-
-
 def full_state() -> dict[str, Any]:
+    """The components' tensors, by component (non-tensor values too: DCP saves them as bytes)."""
     generator = torch.Generator().manual_seed(0)
     return {
         "model": {"w": torch.randn(8, 4, generator=generator), "b": torch.arange(4.0)},
-        "optim": {"step": torch.tensor(3.0), "lr": 0.125, "names": ["a", "b"]},
+        "optimizer": {"step": torch.tensor(3.0), "lr": 0.125, "names": ["a", "b"]},
     }
 
 
 def zeros_like(state: dict[str, Any]) -> dict[str, Any]:
     return {
         "model": {k: torch.zeros_like(v) for k, v in state["model"].items()},
-        "optim": {"step": torch.tensor(0.0), "lr": 0.0, "names": []},
+        "optimizer": {"step": torch.tensor(0.0), "lr": 0.0, "names": []},
     }
 
 
-def save_world_1(store: CheckpointStore, state: dict[str, Any], step: int = STEP) -> str:
-    """Every step a rank takes, as the worker takes them, at world size 1."""
-    staging = staging_name(checkpoint_name(step))
-    save = ShardedSave(store, step, staging, rank=0, world=1)
-    dcp.save(state, storage_writer=save.storage_writer())
-    return save.commit(merge_files([save.rank_files()]), trainer_state(1))
+def snapshot(tensors: dict[str, Any], step: int = STEP, rank: int = 0, world: int = 1, **parts: Any) -> Snapshot:
+    """One rank's snapshot of a sharded run: ``tensors`` by component (whole, or this rank's
+    DTensor shards) for DCP, the progress, and this rank's RNG; ``parts``: more of ``Snapshot``."""
+    states = {"progress": State({"global_step": step, "samples_seen": 0})}
+    states.update({name: State(tensors=tree) for name, tree in tensors.items()})
+    states["rng"] = State(rank_values=capture_rng())
+    record = Record(plan="fsdp") if rank == 0 else None
+    return Snapshot(step, 0, SHARDED, states, rank, world, record, **parts)
+
+
+def save(
+    store: CheckpointStore, snapshots: list[Snapshot], group: Collectives | None = None, keep_last: int = 10
+) -> list[SaveOutcome]:
+    """Every save as a run's rank takes it (``CheckpointWriter.save_async``, one at a time); the
+    outcomes (rank 0's; [] on the others)."""
+    writer = CheckpointWriter(store, RotationPolicy(keep_last=keep_last), group or Alone(), schemas=state_schemas())
+    try:
+        for taken in snapshots:
+            writer.save_async(taken)
+            writer.wait()
+        return writer.collect()
+    finally:
+        writer.close()
+
+
+def save_world_1(store: CheckpointStore, tensors: dict[str, Any], step: int = STEP) -> str:
+    """A save of ``tensors`` at world size 1; the checkpoint's URI."""
+    [outcome] = save(store, [snapshot(tensors, step)])
+    assert outcome.error is None and outcome.uri is not None, outcome.error
+    return outcome.uri
 
 
 @pytest.fixture
@@ -81,8 +112,9 @@ def sharded(tmp_path: Path, group: None) -> Path:
 
 
 def check(directory: Path) -> tuple[str, ...]:
+    """What restore, rotation and ``ckpt verify`` find (with the components' schemas)."""
     store, name = CheckpointStore.for_checkpoint(str(directory))
-    return store.verify(name).problems
+    return store.verify(name, schemas=state_schemas()).problems
 
 
 def rewrite_manifest(directory: Path) -> None:
@@ -97,7 +129,7 @@ def rewrite_manifest(directory: Path) -> None:
 def test_a_world_1_sharded_checkpoint_round_trips(sharded: Path) -> None:
     assert sharded.name == NAME and not check(sharded)
     manifest = json.loads((sharded / MANIFEST).read_text())
-    assert (manifest["format_version"], manifest["layout"], manifest["hash"]) == (2, "sharded", "blake3")
+    assert (manifest["format_version"], manifest["layout"], manifest["hash"]) == (3, "sharded", "blake3")
     assert manifest["world_size"] == 1 and manifest["global_step"] == STEP
     assert set(manifest["files"]) == {STATE_FILE, SHARDED_METADATA, "sharded/__0_0.distcp"}
     for rel, entry in manifest["files"].items():  # the digests taken while writing are the files'
@@ -106,8 +138,8 @@ def test_a_world_1_sharded_checkpoint_round_trips(sharded: Path) -> None:
     load_sharded(sharded, state)
     expected = full_state()
     assert all(torch.equal(state["model"][k], expected["model"][k]) for k in expected["model"])
-    assert torch.equal(state["optim"]["step"], torch.tensor(3.0)) and state["optim"]["lr"] == 0.125
-    assert state["optim"]["names"] == ["a", "b"]
+    assert torch.equal(state["optimizer"]["step"], torch.tensor(3.0)) and state["optimizer"]["lr"] == 0.125
+    assert state["optimizer"]["names"] == ["a", "b"]
     assert not list(sharded.parent.glob(".tmp-*")), "the staging directory was renamed, not left"
 
 
@@ -196,26 +228,28 @@ def test_a_sharded_checkpoint_through_an_object_store_layout(tmp_path: Path, gro
 
 def test_sharded_saves_are_recorded_and_rotated_like_full_ones(tmp_path: Path, group: None) -> None:
     store = CheckpointStore.from_uri(str(tmp_path / "run"))
-    manager = CheckpointManager(store, RotationPolicy(keep_last=1), scratch=tmp_path / "scratch")
     (tmp_path / "run" / ".tmp-checkpoint_000000001-0badc0de").mkdir(parents=True)  # a crashed save
     os.utime(tmp_path / "run" / ".tmp-checkpoint_000000001-0badc0de", (1.0, 1.0))
-    for step in (100, 200):
-        uri = save_world_1(store, full_state(), step)
-        manager.record(SaveOutcome(step, checkpoint_name(step), uri))
-    manager.record(SaveOutcome(300, checkpoint_name(300), error="rank 1: disk full"))
-    outcomes = manager.collect()
-    assert [(o.step, o.error) for o in outcomes] == [(100, None), (200, None), (300, "rank 1: disk full")]
+    # A run's final save also writes the full weights, after the shards: safetensors has no complex128.
+    unwritable = {"model": {"w": torch.zeros(2, dtype=torch.complex128)}}
+    saves = [
+        snapshot(full_state(), 100),
+        snapshot(full_state(), 200),
+        snapshot(full_state(), 300, full_weights=unwritable),
+    ]
+    outcomes = save(store, saves, keep_last=1)
+    failed = "ValueError: w: safetensors cannot store torch.complex128"
+    assert [(o.step, o.error) for o in outcomes] == [(100, None), (200, None), (300, failed)]
     assert [e.name for e in store.entries()] == [checkpoint_name(200)]  # 100 rotated away once 200 counted
-    assert store.leftovers() == []
-    manager.close()
+    assert store.leftovers() == []  # the crashed save's, and the failed one's with its shards
 
 
 def test_an_aborted_save_leaves_nothing(tmp_path: Path, group: None) -> None:
     store = CheckpointStore.from_uri(str(tmp_path / "run"))
-    save = ShardedSave(store, STEP, staging_name(NAME), rank=0, world=1)
-    dcp.save(full_state(), storage_writer=save.storage_writer())
-    save.rank_files()
-    save.abort()
+    staged = StagedSave(store, staging_name(NAME), rank=0, scratch=tmp_path / "scratch")
+    dcp.save(full_state(), storage_writer=staged.storage_writer())
+    assert staged.shard_files()
+    staged.abort()
     assert store.leftovers() == [] and store.entries() == []
 
 
@@ -223,7 +257,7 @@ def test_an_aborted_save_leaves_nothing(tmp_path: Path, group: None) -> None:
 # Two ranks: a real DCP save of a DTensor sharded over both
 
 
-def save_two_ranks(rank: int, world: int, port: int, root: str, staging: str) -> None:
+def save_two_ranks(rank: int, world: int, port: int, root: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -231,22 +265,18 @@ def save_two_ranks(rank: int, world: int, port: int, root: str, staging: str) ->
     try:
         mesh = init_device_mesh("cpu", (world,))
         full = full_state()
-        state = {"model": {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in full["model"].items()}}
-        store = CheckpointStore.from_uri(root)
-        save = ShardedSave(store, STEP, staging, rank, world)
-        dcp.save(state, storage_writer=save.storage_writer())
-        gathered: list[Any] = [None] * world
-        dist.all_gather_object(gathered, save.rank_files())
+        tensors = {"model": {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in full["model"].items()}}
+        # The writers' own gloo group, created collectively, as a run's ranks create it.
+        outcomes = save(CheckpointStore.from_uri(root), [snapshot(tensors, rank=rank, world=world)], save_group(60))
         if rank == 0:
-            save.commit(merge_files(gathered), trainer_state(world))
-        dist.barrier()
+            assert [o.error for o in outcomes] == [None], outcomes
     finally:
         dist.destroy_process_group()
 
 
 def test_two_ranks_write_one_checkpoint_that_verifies_and_reshards(tmp_path: Path) -> None:
     root = tmp_path / "run"
-    mp.spawn(save_two_ranks, args=(2, free_port(), str(root), staging_name(NAME)), nprocs=2, join=True)
+    mp.spawn(save_two_ranks, args=(2, free_port(), str(root)), nprocs=2, join=True)
     checkpoint = root / NAME
     assert not check(checkpoint)
     manifest = json.loads((checkpoint / MANIFEST).read_text())
@@ -256,7 +286,7 @@ def test_two_ranks_write_one_checkpoint_that_verifies_and_reshards(tmp_path: Pat
     assert set(report["sharding"]["ranks"]) == {"0", "1"}
     # Loaded in one process, unsharded: DCP reshards the two halves into the whole tensors.
     state = zeros_like(full_state())
-    del state["optim"]
+    del state["optimizer"]
     load_sharded(checkpoint, state)
     assert torch.equal(state["model"]["w"], full_state()["model"]["w"])
     # A flipped byte in rank 1's shard fails verification, naming the file.

@@ -16,6 +16,7 @@ What is asserted, and why that much:
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -136,7 +137,7 @@ def test_communication_options_and_their_defaults() -> None:
 
 
 def test_ddp_options_and_powersgd_state_follow_the_config() -> None:
-    from trainforge.worker.compression import Compression, ddp_options
+    from trainforge.worker.compression import Compression, PowerSGDComponent, ddp_options
 
     par = load_config({**BASE, "parallel": {"bucket_cap_mb": 4, "static_graph": True}}).parallel
     assert ddp_options(par) == {"bucket_cap_mb": 4, "static_graph": True}
@@ -145,12 +146,14 @@ def test_ddp_options_and_powersgd_state_follow_the_config() -> None:
     from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
 
     from trainforge.metrics.worker.comm import ChosenHook
+    from trainforge.worker.components.base import Restore
 
     state = PowerSGDState(process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=100)
-    compression = Compression("powersgd", ChosenHook(state, powerSGD_hook), state, 100)
-    compression.resume_at(40)  # inside the warm-up: the counter continues, the start stays
+    compression = PowerSGDComponent(Compression("powersgd", ChosenHook(state, powerSGD_hook), state, 100))
+    # A checkpoint without PowerSGD's state (written before it was saved):
+    compression.missing(Restore(40, 1, "ddp", {}, same_ranks=True))  # inside the warm-up: the counter continues
     assert (state.iter, state.start_powerSGD_iter) == (40, 100)
-    compression.resume_at(99)  # too late for the buckets: two plain steps first
+    compression.missing(Restore(99, 1, "ddp", {}, same_ranks=True))  # too late for the buckets: two plain steps
     assert (state.iter, state.start_powerSGD_iter) == (99, 101)
 
 
@@ -202,8 +205,16 @@ def two_buckets(run: dict[str, Any]) -> dict[str, Any]:
     return {**run, "model": {"name": "mlp", "kwargs": {"hidden_sizes": [512, 512]}}}
 
 
-def test_powersgd_crashed_inside_its_warmup_and_restarted_is_bit_identical(tmp_path: Path) -> None:
-    parallel = {"grad_compression": "powersgd", "powersgd": {"rank": 1, "warmup_steps": 16}}
+@pytest.mark.parametrize(
+    ("warmup", "case"),
+    [(16, "inside its warm-up"), (9, "at the last step of its warm-up"), (4, "with compression running")],
+)
+def test_powersgd_crashed_and_restarted_is_bit_identical(tmp_path: Path, warmup: int, case: str) -> None:
+    # Checkpoints every 8 steps, a crash at 12, the restart from step 8: inside the warm-up (16),
+    # one step before it ends (9: the restarted DDP's first step rebuilds its buckets, the second
+    # compresses), and after it began (4: error feedback and P/Q matrices come back from the
+    # checkpoint, keyed by the same buckets).
+    parallel = {"grad_compression": "powersgd", "powersgd": {"rank": 1, "warmup_steps": warmup}}
     plans = [
         (config(tmp_path, "straight", steps=24, **parallel), None),
         (config(tmp_path, "crashed", steps=24, **parallel), 12),
@@ -212,7 +223,8 @@ def test_powersgd_crashed_inside_its_warmup_and_restarted_is_bit_identical(tmp_p
     straight, crashed, resumed = spawn_ranks(runs, 2, plans)[0]
     assert "crashed" in crashed["final"]
     assert any("checkpoint_000000008" in e for e in resumed["events"])
-    assert identical(straight["params"], resumed["params"])
+    assert not any(e.startswith("powersgd:") for e in resumed["events"]), resumed["events"]  # none started over
+    assert identical(straight["params"], resumed["params"]), case
     assert straight["final"]["train/loss"] == resumed["final"]["train/loss"]
 
 
@@ -221,10 +233,12 @@ def test_powersgd_crashed_inside_its_warmup_and_restarted_is_bit_identical(tmp_p
 
 
 def checkpoint_files(run_dir: Path) -> dict[str, Any]:
+    """The last checkpoint's tensors (each rank's own included) and the sync component's values."""
     last = sorted(run_dir.glob("checkpoint_*"))[-1]
     state: dict[str, Any] = {f"model/{k}": v for k, v in load_file(str(last / "model.safetensors")).items()}
-    for name in ("optimizer.pt", "sync.pt"):
-        state[name] = torch.load(last / name, weights_only=True)
+    for path in sorted(last.rglob("*.pt")):
+        state[path.relative_to(last).as_posix()] = torch.load(path, weights_only=True)
+    state["sync"] = json.loads((last / "trainer_state.json").read_text())["components"]["sync"]
     return state
 
 
@@ -278,7 +292,7 @@ def test_diloco_crashed_between_sync_points_and_restarted_is_bit_identical(tmp_p
     assert identical(straight[0]["params"], straight[1]["params"])
     a, b = checkpoint_files(tmp_path / "straight"), checkpoint_files(tmp_path / "crashed")
     assert same_tree(a, b)
-    assert a["sync.pt"]["last_sync"] == 20 and len(a["sync.pt"]["ranks"]) == 2
+    assert a["sync"]["last_sync"] == 20 and {"ranks/0/sync.pt", "ranks/1/sync.pt"} <= a.keys()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -408,6 +422,7 @@ def test_outer_nesterov_step_and_a_restore_without_saved_state(tmp_path: Path) -
     from torch import nn
 
     from trainforge.config import SyncConfig
+    from trainforge.worker.components.base import Restore
     from trainforge.worker.sync import LocalSync
 
     model = nn.Linear(3, 2)
@@ -416,12 +431,16 @@ def test_outer_nesterov_step_and_a_restore_without_saved_state(tmp_path: Path) -
     local = LocalSync(SyncConfig(every_n_steps=4, outer_optimizer="nesterov", outer_lr=0.7), model, optimizer, 0)
     with torch.no_grad():
         model.weight.add_(1.0)  # what four local steps moved
-    assert not local.after_step(3)
-    assert local.after_step(4) and local.last_sync == 4
+    local.after_step(3)
+    assert local.last_sync == 0  # not a sync point
+    local.after_step(4)
+    assert local.last_sync == 4
     # First step: momentum buffer = outer gradient g = -1, Nesterov update g + 0.9 g = -1.9 g.
     assert torch.allclose(model.weight, start + 0.7 * 1.9, atol=1e-6)
     assert torch.equal(local.anchor[0], model.weight)
 
-    note = local.restore(tmp_path, 12, 1)  # tmp_path holds no sync.pt
-    assert note is not None and "no local-sync state" in note
+    restore = Restore(12, 1, "ddp", {}, same_ranks=True)
+    local.missing(restore)  # the checkpoint holds no local-sync state
+    [note] = restore.notes
+    assert "no local-sync state" in note
     assert local.last_sync == 12 and not local.outer.state  # type: ignore[union-attr]

@@ -13,9 +13,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from trainforge.checkpoint.state import Progress
 from trainforge.models.tasks import ClassificationTask
 from trainforge.protocol import HISTORY_KEY, curve_points, merge_points
+from trainforge.worker.components.training import Progress
 from trainforge.worker.metrics import IntervalHistory, Signals, Throughput, reduce_metrics
 from trainforge.worker.step import MetricSums
 
@@ -31,6 +31,7 @@ def fake_run(world: int = 1) -> Any:
         total_steps=100,
         runner=SimpleNamespace(optimizer=optimizer),
         task=ClassificationTask(),
+        data=SimpleNamespace(epoch=0),
     )
 
 

@@ -3,23 +3,25 @@
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
 
-from trainforge.checkpoint.state import OPTIMIZER_FILE, Progress, TrainerState
+from trainforge.checkpoint.state import State
 from trainforge.config import OptimConfig, ScheduleConfig, load_config
-from trainforge.worker.components import Optimization
+from trainforge.worker.components.base import Restore
+from trainforge.worker.components.training import Schedule
+from trainforge.worker.components.weights import OptimizerState
 from trainforge.worker.optim import (
     apply_hyperparameters,
     build_optimizer,
     build_scheduler,
+    effective_lr,
     hyperparameters_differ,
     lr_multiplier,
 )
 from trainforge.worker.plan import ParallelPlan
-from trainforge.worker.saving import restore_optimizer
 
 TOTAL = 100
 SCHEDULE = ScheduleConfig(name="cosine", warmup_steps=5)
@@ -79,31 +81,37 @@ def test_hyperparameters_differ_compares_optim_and_schedule() -> None:
     )
 
 
-def fake_run(cfg_dict: dict, optimizer: torch.optim.Optimizer, scheduler: object) -> SimpleNamespace:
-    """The parts of a WorkerRun that restore_optimizer reads (a DDP plan, fp32: no scaler state)."""
+def restore_optimizer(
+    cfg_dict: dict, optimizer: torch.optim.Optimizer, scheduler: Any, saved: tuple[State, State, dict]
+) -> list[str]:
+    """The optimizer and schedule components of a run with ``cfg_dict`` (a DDP plan, fp32) loaded
+    from a donor's saved states, as restore loads them; the notes restore made."""
     config = load_config(cfg_dict, env={})
-    optim = Optimization(optimizer, scheduler, torch.amp.GradScaler("cpu", enabled=False))  # type: ignore[arg-type]
-    runner = SimpleNamespace(optimizer=optimizer, scheduler=scheduler, optim=optim)
-    data = SimpleNamespace(samples_per_step=config.train.batch_size * config.train.grad_accum_steps)
     plan = ParallelPlan(config.parallel, torch.device("cpu"))
-    return SimpleNamespace(config=config, runner=runner, world=1, data_world=1, data=data, model=None, plan=plan)
+    optim_state, schedule_state, donor_config = saved
+    restore = Restore(step=0, world=1, plan="ddp", config=donor_config, same_ranks=True)
+    OptimizerState(plan, torch.nn.Identity(), optimizer, config.optim).load_state_dict(optim_state, restore)
+    lr = effective_lr(config.optim, config.train.batch_size * config.train.grad_accum_steps)
+    Schedule(scheduler, optimizer, config.optim, config.schedule, lr).load_state_dict(schedule_state, restore)
+    return restore.notes
 
 
-def saved_state(directory: Path, optimizer: torch.optim.Optimizer, scheduler: object, config: dict) -> TrainerState:
-    torch.save(optimizer.state_dict(), directory / OPTIMIZER_FILE)
-    return TrainerState(Progress(), scheduler.state_dict(), {}, [], config=config)  # type: ignore[attr-defined]
+def saved_state(optimizer: torch.optim.Optimizer, scheduler: Any, config: dict) -> tuple[State, State, dict]:
+    """A donor's optimizer and schedule as its checkpoint holds them, and its config."""
+    optim = State({"name": config["optim"]["name"]}, optimizer.state_dict())
+    schedule = State({k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas"})
+    return optim, schedule, config
 
 
 def test_restore_from_another_optimizer_kind_keeps_fresh_moments(tmp_path: Path) -> None:
     base = {"model": {"name": "mlp"}, "train": {"max_steps": TOTAL}, "schedule": SCHEDULE.model_dump()}
     sgd_cfg = {**base, "optim": {"name": "sgd", "lr": 0.1}}
     _, donor, donor_schedule = trained(OptimConfig(name="sgd", lr=0.1), steps=6)
-    state = saved_state(tmp_path, donor, donor_schedule, load_config(sgd_cfg, env={}).to_dict())
+    state = saved_state(donor, donor_schedule, load_config(sgd_cfg, env={}).to_dict())
 
     adam_cfg = {**base, "optim": {"name": "adamw", "lr": 0.003}}
     _, optimizer, scheduler = trained(OptimConfig(name="adamw", lr=0.003), steps=0)
-    notes: list[str] = []
-    restore_optimizer(fake_run(adam_cfg, optimizer, scheduler), tmp_path, state, notes)  # type: ignore[arg-type]
+    notes = restore_optimizer(adam_cfg, optimizer, scheduler, state)
 
     assert not optimizer.state  # no SGD momentum buffers in an AdamW
     assert optimizer.param_groups[0]["lr"] == pytest.approx(0.003 * lr_multiplier(SCHEDULE, TOTAL)(6))
@@ -115,11 +123,8 @@ def test_restore_of_the_same_run_changes_nothing(tmp_path: Path) -> None:
     cfg = {"model": {"name": "mlp"}, "train": {"max_steps": TOTAL}, "schedule": SCHEDULE.model_dump()}
     optim = OptimConfig(name="adamw", lr=0.01)
     _, donor, donor_schedule = trained(optim, steps=7)
-    state = saved_state(
-        tmp_path, donor, donor_schedule, load_config({**cfg, "optim": optim.model_dump()}, env={}).to_dict()
-    )
+    state = saved_state(donor, donor_schedule, load_config({**cfg, "optim": optim.model_dump()}, env={}).to_dict())
     _, optimizer, scheduler = trained(optim, steps=0)
-    notes: list[str] = []
-    restore_optimizer(fake_run({**cfg, "optim": optim.model_dump()}, optimizer, scheduler), tmp_path, state, notes)  # type: ignore[arg-type]
+    notes = restore_optimizer({**cfg, "optim": optim.model_dump()}, optimizer, scheduler, state)
     assert notes == []
     assert optimizer.state_dict()["param_groups"] == donor.state_dict()["param_groups"]

@@ -4,13 +4,14 @@ A stack of ``Linear(1024, 1024)`` layers of the requested size is trained with A
 moments double the bytes), and each repeat measures, on the disk of ``--dir``:
 
 * raw disk: one file as large as the checkpoint, 16 MiB buffered writes, then ``fsync``;
-* sync save: ``model_snapshot`` + ``snapshot_tensors`` + ``write_state`` (every file hashed while
-  written, the files in parallel, each fsynced) + ``write_manifest_of`` + ``CheckpointStore.commit``,
+* sync save: the snapshot (``model_snapshot`` + ``snapshot_tensors``) + the component files and
+  ``trainer_state.json`` (every file hashed while written, the files in parallel, each fsynced) +
+  ``write_manifest_of`` + ``CheckpointStore.commit``,
   each phase timed; then one more ``fsync`` of every file, which should find nothing left to flush;
-* load: ``CheckpointStore.verify`` + ``read_trainer_state`` + ``load_weights`` + ``load_optimizer``
+* load: ``CheckpointStore.verify`` + ``read_saved`` + ``load_weights`` + ``load_optimizer``
   into a second model and optimizer, from a cold page cache (the files' pages are evicted first);
 * async save: a training loop keeps stepping; the stall is what the snapshot and
-  ``CheckpointManager.save_async`` cost the training thread, and the steps taken while the
+  ``CheckpointWriter.save_async`` cost the training thread, and the steps taken while the
   background thread writes are timed against steps without a save in flight.
 
 Torch runs with the intra-op threads of a trainforge worker (``train.threads_per_worker``, 1).
@@ -29,6 +30,7 @@ import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -40,21 +42,24 @@ from torch import nn
 
 import trainforge
 from trainforge.bench.machine import cpu_model
-from trainforge.checkpoint.format import write_manifest_of
-from trainforge.checkpoint.hashing import DEFAULT_HASH
-from trainforge.checkpoint.manager import CheckpointManager, RotationPolicy, Snapshot
+from trainforge.checkpoint.format import write_json_hashed, write_manifest_of
+from trainforge.checkpoint.hashing import DEFAULT_HASH, in_parallel
+from trainforge.checkpoint.saved import read_saved
+from trainforge.checkpoint.schema import FULL, STATE_FILE
 from trainforge.checkpoint.state import (
-    Progress,
-    TrainerState,
+    Record,
+    Snapshot,
+    State,
     capture_rng,
     load_optimizer,
     load_weights,
     model_snapshot,
-    read_trainer_state,
     snapshot_tensors,
-    write_state,
+    tensor_file,
+    write_tensors,
 )
 from trainforge.checkpoint.storage import CheckpointStore, checkpoint_name, fsync_path
+from trainforge.checkpoint.writer import CheckpointWriter, RotationPolicy, state_file
 from trainforge.errors import TrainforgeError
 
 MB = 1_000_000
@@ -154,26 +159,24 @@ class Workload:
         return time.perf_counter() - started
 
     def snapshot(self) -> Snapshot:
-        """What ``worker/saving.Checkpointing.save`` hands the manager, taken the same way: into the
+        """What ``worker/saving.Checkpointing.save`` hands the writer, taken the same way: into the
         previous snapshot's host buffers when there is one (the caller has waited for its save)."""
-        previous = self.previous
-        snap = Snapshot(
-            step=self.step_count,
-            epoch=0,
-            model_state=model_snapshot(self.model, previous.model_state if previous else None),
-            optimizer_state=snapshot_tensors(
-                self.optimizer.state_dict(), previous.optimizer_state if previous else None
+        previous = self.previous.states if self.previous else {}
+        states = {
+            "model": State(tensors=model_snapshot(self.model, previous["model"].tensors if previous else None)),
+            "optimizer": State(
+                {"name": "adam"},
+                snapshot_tensors(self.optimizer.state_dict(), previous["optimizer"].tensors if previous else None),
             ),
-            trainer_state=TrainerState(
-                progress=Progress(global_step=self.step_count, samples_seen=self.step_count * BATCH),
-                scheduler={},
-                scaler={},
-                rng=[capture_rng()],
-                metrics={},
-                config={"bench": {"layers": self.layers, "width": WIDTH}},
-                versions={"torch": torch.__version__, "trainforge": trainforge.__version__},
-            ),
+            "progress": State({"global_step": self.step_count, "samples_seen": self.step_count * BATCH}),
+            "rng": State(rank_values=capture_rng()),
+        }
+        record = Record(
+            plan="ddp",
+            config={"bench": {"layers": self.layers, "width": WIDTH}},
+            versions={"torch": torch.__version__, "trainforge": trainforge.__version__},
         )
+        snap = Snapshot(self.step_count, 0, FULL, states, record=record, exports={"model.safetensors": "model"})
         self.previous = snap
         return snap
 
@@ -291,7 +294,7 @@ def raw_write(path: Path, size: int) -> float:
 def sync_save(
     workload: Workload, store: CheckpointStore, scratch: Path, figures: Repeat, algorithm: str = DEFAULT_HASH
 ) -> None:
-    """The save path of ``CheckpointManager._save``, on the calling thread, phase by phase."""
+    """The save path of ``CheckpointWriter``'s thread (one rank, full layout), phase by phase."""
     name = checkpoint_name(workload.step_count)
     started = time.perf_counter()
     snap = workload.snapshot()
@@ -299,7 +302,11 @@ def sync_save(
 
     started = time.perf_counter()
     staging = store.staging_dir(name, scratch)
-    written = write_state(staging, snap.model_state, snap.optimizer_state, snap.trainer_state, algorithm=algorithm)
+    jobs = {tensor_file(n, s.tensors): s.tensors for n, s in snap.states.items() if s.tensors is not None}
+    records = in_parallel(partial(write_tensors, staging / rel, tree, algorithm) for rel, tree in jobs.items())
+    written = dict(zip(jobs, records, strict=True))
+    ranks = [{n: s.rank_values for n, s in snap.states.items() if s.rank_values is not None}]
+    written[STATE_FILE] = write_json_hashed(staging / STATE_FILE, state_file(snap, ranks, written), algorithm)
     figures.write_state_s = time.perf_counter() - started
 
     started = time.perf_counter()
@@ -331,7 +338,7 @@ def load(target: Workload, store: CheckpointStore, name: str, figures: Repeat) -
         raise BenchFailed(f"the checkpoint just saved does not verify: {'; '.join(check.problems)}")
     directory = Path(store.path(name))
     started = time.perf_counter()
-    read_trainer_state(directory)
+    read_saved(directory)
     load_weights(directory, target.model)
     figures.load_weights_s = time.perf_counter() - started
     started = time.perf_counter()
@@ -341,7 +348,7 @@ def load(target: Workload, store: CheckpointStore, name: str, figures: Repeat) -
 
 def async_save(workload: Workload, store: CheckpointStore, scratch: Path, figures: Repeat) -> None:
     """Training steps go on while the manager writes in the background; time what the loop feels."""
-    manager = CheckpointManager(store, RotationPolicy(keep_last=1), scratch=scratch)
+    manager = CheckpointWriter(store, RotationPolicy(keep_last=1), scratch=scratch)
     # A first save, as a run's first checkpoint: later snapshots copy into its host buffers.
     manager.save_async(workload.snapshot())
     manager.wait()

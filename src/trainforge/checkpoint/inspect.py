@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +19,7 @@ import pyarrow.fs as pafs
 
 from trainforge.checkpoint.names import RETIRED_PREFIX, TEMP_PREFIX, parse_checkpoint_name, step_of_hidden
 from trainforge.checkpoint.render import LISTED_METRICS, human_bytes, human_time, inspection_view, list_table
+from trainforge.checkpoint.saved import Saved, saved_from
 from trainforge.checkpoint.schema import (
     FULL,
     MANIFEST,
@@ -27,7 +29,7 @@ from trainforge.checkpoint.schema import (
     SHARDED,
     SHARDED_METADATA,
     STATE_FILE,
-    parse_trainer_state,
+    ComponentSchemas,
     printable,
     shard_rank,
 )
@@ -42,6 +44,7 @@ CONFIG_SCALARS = ("precision", "seed", "deterministic")
 INCOMPLETE = "incomplete save"  # a .tmp- staging dir of a save that never committed
 RETIRED = "retired invalid"  # restore skipped it as invalid; a later save of its step set it aside
 _MAX_HEADER_BYTES = 100 << 20  # safetensors refuses headers above 100 MB too
+Schemas = Mapping[str, ComponentSchemas] | None  # the components' own (worker/registry.state_schemas)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -81,11 +84,12 @@ def _file_type(store: CheckpointStore, path: str) -> pafs.FileType:
 # verify
 
 
-def verify_checkpoint(path: str) -> Verification:
+def verify_checkpoint(path: str, schemas: Schemas = None) -> Verification:
     """Check one checkpoint directory as restore does (``CheckpointStore.verify``: the one
-    verification, reading every byte and ending with the safe-load check)."""
+    verification, reading every byte and ending with the safe-load check; ``schemas``: the
+    components' own, as restore passes them)."""
     store, name = open_checkpoint(path)
-    return store.verify(name)
+    return store.verify(name, schemas=schemas)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -134,7 +138,7 @@ class Listed:
         }
 
 
-def list_checkpoints(location: str) -> list[Listed]:
+def list_checkpoints(location: str, schemas: Schemas = None) -> list[Listed]:
     """Every checkpoint under a run directory (verified), plus leftover staging and retired dirs.
 
     ``location`` may also be a storage root holding several runs (each run's checkpoints are listed
@@ -144,19 +148,19 @@ def list_checkpoints(location: str) -> list[Listed]:
     step = parse_checkpoint_name(store.root.rsplit("/", 1)[-1])
     if step is not None and not store.entries():
         parent, _, name = store.root.rpartition("/")
-        return [_listed_checkpoint(CheckpointStore(store.fs, parent), name, step)]
-    found = _list_run(store, prefix="")
+        return [_listed_checkpoint(CheckpointStore(store.fs, parent), name, step, schemas=schemas)]
+    found = _list_run(store, "", schemas)
     if not found:
         for child in _child_dirs(store):
             if not child.startswith("."):
-                found.extend(_list_run(CheckpointStore(store.fs, store.path(child)), prefix=f"{child}/"))
+                found.extend(_list_run(CheckpointStore(store.fs, store.path(child)), f"{child}/", schemas))
     if not found:
         raise CheckpointError(f"{location} holds no checkpoints (expected checkpoint_<step> directories)")
     return found
 
 
-def _list_run(store: CheckpointStore, prefix: str) -> list[Listed]:
-    rows = [_listed_checkpoint(store, entry.name, entry.step, prefix) for entry in store.entries()]
+def _list_run(store: CheckpointStore, prefix: str, schemas: Schemas) -> list[Listed]:
+    rows = [_listed_checkpoint(store, entry.name, entry.step, prefix, schemas) for entry in store.entries()]
     for hidden in _child_dirs(store):
         if hidden.startswith(TEMP_PREFIX):
             kind = "incomplete"
@@ -176,8 +180,10 @@ def _list_run(store: CheckpointStore, prefix: str) -> list[Listed]:
     return sorted(rows, key=lambda r: (r.step if r.step is not None else -1, r.kind != "checkpoint", r.name))
 
 
-def _listed_checkpoint(store: CheckpointStore, name: str, step: int, prefix: str = "") -> Listed:
-    check = store.verify(name)
+def _listed_checkpoint(
+    store: CheckpointStore, name: str, step: int, prefix: str = "", schemas: Schemas = None
+) -> Listed:
+    check = store.verify(name, schemas=schemas)
     manifest = check.manifest or {}
     found = manifest.get("metrics")
     metrics: dict[str, Any] = found if isinstance(found, dict) else {}
@@ -234,21 +240,23 @@ def inspect_checkpoint(path: str) -> dict[str, Any]:
         problems.append(manifest_problem)
     if manifest is not None:
         problems.extend(_size_problems(manifest, files))
-    state = _read_state(store, name, tree.files, problems)
     sharding = _sharding(manifest, files)
     full = sharding["layout"] == FULL
+    saved = _read_state(store, name, tree.files, sharding["layout"], problems)
+    components = saved.components if saved is not None else {}
     report: dict[str, Any] = {
         "path": store.uri(name),
         "manifest": _manifest_summary(manifest) if manifest is not None else None,
         "sizes_match_manifest": manifest is not None and not problems,
         "files": files,
-        "progress": state.get("progress", {}),
-        "versions": state.get("versions", {}),
-        "metrics": state.get("metrics") or (manifest or {}).get("metrics", {}),
-        "config": _config_sections(state.get("config", {})),
-        "scheduler": state.get("scheduler", {}),
-        "scaler": state.get("scaler", {}),
-        "rng_ranks": len(state.get("rng", [])),
+        "progress": _progress(saved) if saved is not None else {},
+        "components": _components(saved) if saved is not None else {},
+        "versions": saved.versions if saved is not None else {},
+        "metrics": (saved.metrics if saved is not None else {}) or (manifest or {}).get("metrics", {}),
+        "config": _config_sections(saved.config if saved is not None else {}),
+        "scheduler": components.get("schedule", {}),
+        "scaler": components.get("scaler", {}),
+        "rng_ranks": sum(1 for mine in saved.ranks if "rng" in mine) if saved is not None else 0,
         "sharding": sharding,
         "model": _model_summary(store, name, tree.files, problems, required=full),
         "optimizer": {"file": OPTIMIZER_FILE, "size_bytes": files[OPTIMIZER_FILE]} if OPTIMIZER_FILE in files else None,
@@ -294,22 +302,47 @@ def _manifest_summary(manifest: dict[str, Any]) -> dict[str, Any]:
     return {**{k: manifest.get(k) for k in keys}, **extra, "files": manifest["files"]}
 
 
-def _read_state(store: CheckpointStore, name: str, files: dict[str, int], problems: list[str]) -> dict[str, Any]:
-    """``trainer_state.json`` if it is a regular file that matches its schema; {} and a problem if not."""
+def _read_state(
+    store: CheckpointStore, name: str, files: dict[str, int], layout: str, problems: list[str]
+) -> Saved | None:
+    """``trainer_state.json`` as components, if it is a regular file that matches its schema; None
+    and a problem if not."""
     if STATE_FILE not in files:
         problems.append(f"{STATE_FILE} is missing or not a regular file")
-        return {}
+        return None
     try:
-        _, data = parse_trainer_state(
-            read_capped(store.fs, f"{store.path(name)}/{STATE_FILE}", store.is_local, MAX_STATE_BYTES)
-        )
+        raw = read_capped(store.fs, f"{store.path(name)}/{STATE_FILE}", store.is_local, MAX_STATE_BYTES)
+        return saved_from(raw, layout, set(files))
     except CheckpointError as err:
         problems.append(str(err))
-        return {}
     except OSError as err:
         problems.append(f"{STATE_FILE} is unreadable: {printable(str(err))}")
-        return {}
-    return data
+    return None
+
+
+def _progress(saved: Saved) -> dict[str, Any]:
+    """Where training stood: the progress and data components, and the writers."""
+    data = saved.components.get("data", {})
+    return {
+        **saved.components.get("progress", {}),
+        "epoch": data.get("epoch", saved.epoch),
+        "epoch_position": data.get("position"),
+        "world_size": saved.world,
+        "micro_batch_size": data.get("micro_batch_size"),
+        "grad_accum_steps": data.get("grad_accum_steps"),
+    }
+
+
+def _components(saved: Saved) -> dict[str, Any]:
+    """Each component and where its state is: JSON only, a file, DCP's shards, each rank's own."""
+    found: dict[str, Any] = {}
+    for name in saved.components:
+        where = saved.files.get(name)
+        found[name] = {
+            "tensors": where.tensors if where is not None else None,
+            "per_rank": bool(where is not None and where.rank_tensors) or any(name in mine for mine in saved.ranks),
+        }
+    return found
 
 
 def _config_sections(config: dict[str, Any]) -> dict[str, Any]:

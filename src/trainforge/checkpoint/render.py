@@ -75,7 +75,8 @@ def inspection_view(report: dict[str, Any]) -> RenderableType:
             f"rank {rank}: {v['files']} file(s), {human_bytes(v['bytes'])}" for rank, v in sharding["ranks"].items()
         )
         parts.append(f"sharding: sharded over {sharding['world_size']} rank(s) (torch.distributed.checkpoint); {ranks}")
-    parts.append(_pairs("progress", report["progress"]))
+    parts.append(_pairs("progress", {k: v for k, v in report["progress"].items() if v is not None}))
+    parts.append(_pairs("components", {name: _where(c) for name, c in report.get("components", {}).items()}))
     parts.append(_pairs("versions", report["versions"]))
     shown = {k: _short(v) for k, v in sorted(report["metrics"].items()) if k.startswith(("train/", "val/"))}
     parts.append(_pairs("metrics", shown) + f" ({len(report['metrics']) - len(shown)} more with --json)")
@@ -110,6 +111,12 @@ def inspection_view(report: dict[str, Any]) -> RenderableType:
 def _pairs(title: str, values: dict[str, Any]) -> str:
     body = ", ".join(f"{k} {v}" for k, v in values.items()) if values else "-"
     return f"{title}: {body}"
+
+
+def _where(component: dict[str, Any]) -> str:
+    """Where a component's state is kept, in a word or two."""
+    kept = [component["tensors"]] if component.get("tensors") else ["json"]
+    return "(" + ", ".join(kept + (["per rank"] if component.get("per_rank") else [])) + ")"
 
 
 def _short(value: Any) -> Any:

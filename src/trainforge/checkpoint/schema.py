@@ -1,5 +1,10 @@
 """Schemas of a checkpoint's JSON files (``manifest.json``, ``trainer_state.json``) and their parsers.
 
+``trainer_state.json`` has two shapes: format 3 holds ``{component: state}`` (each component's own
+state checked by that component's schema, which the caller passes: the worker's registry owns
+them), format 1 and 2 the fixed fields of the engine before components (``TrainerStateFile``),
+which ``checkpoint/saved.py`` maps onto the same components.
+
 Checkpoints are read back from storage, so they are untrusted input: every byte string gets either
 a parsed, typed value or a :class:`CheckpointError` with a one-line reason, never another exception.
 The schemas are what makes "verifies" mean "loads": a ``trainer_state.json`` whose progress, RNG
@@ -16,12 +21,15 @@ import json
 import os
 import re
 import stat
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Annotated, Any, BinaryIO, Literal, TypeVar
 
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    StrictBool,
     StrictFloat,
     StrictInt,
     StrictStr,
@@ -37,12 +45,15 @@ MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
 STATE_FILE = "trainer_state.json"
 SHARDED_DIR = "sharded"
-SYNC_FILE = "sync.pt"  # parallel.sync's state (worker/sync.py): anchor, outer optimizer, every rank's own
+SYNC_FILE = "sync.pt"  # format 2's parallel.sync file: anchor, outer optimizer, every rank's own
+RANKS_DIR = "ranks"  # format 3: each rank's own tensor state, ranks/<rank>/<component>.pt
 SHARDED_METADATA = f"{SHARDED_DIR}/.metadata"  # torch.distributed.checkpoint's metadata (rank 0)
 # Format 1: {size, sha256} per file, the full layout only. Format 2 names its hash ("hash") and its
-# layout ("layout": "full" or "sharded"), with {size, digest} per file. Both are read.
-FORMAT_VERSION = 2
-READ_FORMATS = (1, 2)
+# layout ("layout": "full" or "sharded"), with {size, digest} per file. Format 3 is format 2's
+# manifest over a checkpoint of components (trainer_state.json's "components", a file per component
+# with tensors, ranks/<rank>/ for each rank's own). All three are read.
+FORMAT_VERSION = 3
+READ_FORMATS = (1, 2, 3)
 FULL = "full"
 SHARDED = "sharded"
 HASHES = ("sha256", "blake3")
@@ -58,6 +69,10 @@ _OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEX
 _MODEL_NAME = re.compile(r" or instance of \w+")  # pydantic's class names mean nothing to a user
 _SAFE_PART = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,254}")
 _SHARD_FILE = re.compile(rf"{SHARDED_DIR}/__\d{{1,9}}_\d{{1,9}}\.distcp")
+_COMPONENT = r"[a-z][a-z0-9_]{0,63}"
+COMPONENT_NAME = re.compile(_COMPONENT)
+_RANK_FILE = re.compile(rf"{RANKS_DIR}/(\d{{1,9}})/{_COMPONENT}\.pt")
+_WEIGHTS_FILE = re.compile(rf"{_COMPONENT}\.safetensors")
 Hex64 = Annotated[StrictStr, Field(pattern=r"^[0-9a-f]{64}$")]
 
 NonNegative = Annotated[StrictInt, Field(ge=0)]
@@ -82,10 +97,20 @@ def is_checkpoint_name(rel: str) -> bool:
     return is_safe_name(rel) or rel == SHARDED_METADATA
 
 
-def is_sharded_name(rel: str) -> bool:
+def is_sharded_name(rel: str, format_version: int = FORMAT_VERSION) -> bool:
     """A file the sharded layout holds: trainer_state.json, sharded/.metadata,
-    sharded/__<rank>_<n>.distcp, and (a run's final checkpoint) the full weights, model.safetensors."""
-    return rel in (STATE_FILE, SHARDED_METADATA, MODEL_FILE) or _SHARD_FILE.fullmatch(rel) is not None
+    sharded/__<rank>_<n>.distcp, and (a run's final checkpoint) the full weights, model.safetensors;
+    from format 3 also any component's full weights (``ema.safetensors``) and each rank's own
+    state (``ranks/<rank>/<component>.pt``)."""
+    if rel in (STATE_FILE, SHARDED_METADATA, MODEL_FILE) or _SHARD_FILE.fullmatch(rel) is not None:
+        return True
+    return format_version >= 3 and (_WEIGHTS_FILE.fullmatch(rel) is not None or rank_file(rel) is not None)
+
+
+def rank_file(rel: str) -> int | None:
+    """The rank that wrote ``ranks/<rank>/<component>.pt`` (format 3); None for any other name."""
+    found = _RANK_FILE.fullmatch(rel)
+    return int(found.group(1)) if found else None
 
 
 def shard_rank(rel: str) -> int | None:
@@ -158,7 +183,7 @@ class Manifest(_Schema):
             if getattr(entry, key) is None:
                 raise ValueError(f"files.{printable(rel)}: format {self.format_version} gives each file a {key}")
         if self.layout == SHARDED:
-            odd = sorted(rel for rel in self.files if not is_sharded_name(rel))
+            odd = sorted(rel for rel in self.files if not is_sharded_name(rel, self.format_version))
             if odd:
                 raise ValueError(f"{printable(odd[0])} is not a file of the sharded layout")
             if self.world_size is None:
@@ -174,7 +199,9 @@ class Manifest(_Schema):
         return self
 
 
-class Progress(_Schema):
+class Format2Progress(_Schema):
+    """Format 1 and 2's ``progress`` (now the ``progress`` and ``data`` components)."""
+
     epoch: NonNegative
     global_step: NonNegative
     samples_seen: NonNegative
@@ -185,7 +212,8 @@ class Progress(_Schema):
 
 
 class RngState(_Schema):
-    """One rank's generators, as ``state.capture_rng`` writes them."""
+    """One rank's generators, as ``state.capture_rng`` writes them: the ``rng`` component's state
+    (``worker/components/training.py``), also in format 1 and 2's ``trainer_state.json``."""
 
     python: tuple[
         Annotated[StrictInt, Field(ge=0)],
@@ -230,9 +258,10 @@ class Scaler(_Schema):
 
 
 class TrainerStateFile(_Schema):
-    """``trainer_state.json``."""
+    """``trainer_state.json`` of formats 1 and 2: fixed fields, read for old checkpoints
+    (``checkpoint/saved.py`` maps them onto components)."""
 
-    progress: Progress
+    progress: Format2Progress
     scheduler: Scheduler
     scaler: Scaler
     rng: list[RngState]
@@ -256,18 +285,144 @@ class TrainerStateFile(_Schema):
         return self
 
 
+MAX_STEP = 10**10  # as the config's train.max_steps: a bigger step or epoch is no run's
+MAX_RANKS = 100_000
+Bounded = Annotated[StrictInt, Field(ge=0, le=MAX_STEP)]
+ComponentName = Annotated[StrictStr, Field(pattern=rf"^{_COMPONENT}$")]
+
+
+class ComponentFiles(_Schema):
+    """Where a component's tensors are (format 3): a file of the checkpoint, or ``sharded`` (in
+    torch.distributed.checkpoint's shards, under the component's name); ``rank_tensors``: every rank
+    wrote ``ranks/<rank>/<component>.pt``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    tensors: StrictStr | None = None
+    rank_tensors: StrictBool = False
+
+
+class StateFile(_Schema):
+    """``trainer_state.json`` of format 3: ``{component: state}`` (the same on every rank: rank 0's),
+    each rank's own ``{component: state}`` in ``ranks``, where each component's tensors are, which
+    files a finished run exports, and the record (metrics, config, versions). The components'
+    states are checked by their own schemas (``check_components``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    format_version: Literal[3]
+    global_step: Bounded
+    epoch: Bounded
+    world_size: Annotated[StrictInt, Field(ge=1, le=MAX_RANKS)]
+    layout: Literal["full", "sharded"]
+    plan: Annotated[StrictStr, Field(max_length=100)]
+    tensor_parallel: Annotated[StrictInt, Field(ge=1, le=MAX_RANKS)] = 1
+    components: dict[ComponentName, dict[str, Any]]
+    ranks: list[dict[ComponentName, dict[str, Any]]]
+    files: dict[ComponentName, ComponentFiles] = Field(default_factory=dict)
+    exports: dict[StrictStr, StrictStr] = Field(default_factory=dict)
+    metrics: dict[str, Number] = Field(default_factory=dict)
+    config: dict[str, Any] = Field(default_factory=dict)
+    versions: dict[str, StrictStr] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> StateFile:
+        if len(self.ranks) != self.world_size:
+            raise ValueError(f"holds {len(self.ranks)} rank states for {self.world_size} ranks")
+        named = set(self.components)
+        for index, mine in enumerate(self.ranks):
+            strays = sorted(set(mine) - named)
+            if strays:
+                raise ValueError(f"ranks.{index}: {strays[0]} is not one of the checkpoint's components")
+        for name, where in self.files.items():
+            if name not in named:
+                raise ValueError(f"files: {name} is not one of the checkpoint's components")
+            if where.tensors is None:
+                continue
+            if where.tensors == SHARDED:
+                if self.layout != SHARDED:
+                    raise ValueError(f"files.{name}: a full checkpoint holds no shards")
+            elif not is_safe_name(where.tensors) or where.tensors in (STATE_FILE, MANIFEST):
+                raise ValueError(f"files.{name}: {printable(where.tensors)} is not a tensor file of the checkpoint")
+        for target, source in self.exports.items():
+            if not (_WEIGHTS_FILE.fullmatch(target) and _WEIGHTS_FILE.fullmatch(source)):
+                raise ValueError(f"exports: {printable(target)} <- {printable(source)} are not weights files")
+        return self
+
+    def listed_files(self) -> set[str]:
+        """The tensor files this state refers to (each rank's own included), which the manifest must list."""
+        found = {w.tensors for w in self.files.values() if w.tensors not in (None, SHARDED)}
+        found |= set(self.exports.values())
+        for name, where in self.files.items():
+            if where.rank_tensors:
+                found |= {rank_path(rank, name) for rank in range(self.world_size)}
+        return {name for name in found if name is not None}
+
+
+def rank_path(rank: int, component: str) -> str:
+    """Where rank ``rank`` keeps ``component``'s own tensors (format 3)."""
+    return f"{RANKS_DIR}/{rank}/{component}.pt"
+
+
+def check_components(
+    components: Mapping[str, dict[str, Any]],
+    ranks: list[dict[str, dict[str, Any]]],
+    schemas: Mapping[str, ComponentSchemas],
+) -> None:
+    """Each component's state against its own schema (strict: unknown keys and wrong types are
+    refused before anything is applied); a component this trainforge does not know is refused too.
+    CheckpointError with a one-line reason."""
+    for name, values in components.items():
+        known = schemas.get(name)
+        if known is None:
+            raise CheckpointError(f"{STATE_FILE} holds a component {name} that this trainforge does not know")
+        _check_part(known.schema, values, f"components.{name}")
+    for index, mine in enumerate(ranks):
+        for name, values in mine.items():
+            _check_part(schemas[name].rank_schema, values, f"ranks.{index}.{name}")
+
+
+def _check_part(schema: type[BaseModel] | None, values: dict[str, Any], where: str) -> None:
+    if schema is None:
+        if values:
+            raise CheckpointError(f"{STATE_FILE} is malformed: {where}: holds state its component does not keep")
+        return
+    try:
+        schema.model_validate(values)
+    except ValidationError as err:
+        raise CheckpointError(f"{STATE_FILE} is malformed: {where}.{describe(err)}") from None
+    except RecursionError:
+        raise CheckpointError(f"{STATE_FILE} is malformed: {where}: nested too deeply") from None
+
+
+@dataclass(frozen=True)
+class ComponentSchemas:
+    """A component's schemas: of its state (the same on every rank) and of each rank's own."""
+
+    schema: type[BaseModel] | None = None
+    rank_schema: type[BaseModel] | None = None
+
+
 def parse_manifest(raw: bytes) -> tuple[Manifest, dict[str, Any]]:
     """A manifest from its bytes: the validated schema and the raw JSON object; CheckpointError
     saying what is wrong otherwise."""
     return _validated(raw, MANIFEST, MAX_MANIFEST_BYTES, Manifest)
 
 
-def parse_trainer_state(raw: bytes) -> tuple[TrainerStateFile, dict[str, Any]]:
-    """``trainer_state.json`` from its bytes, as :func:`parse_manifest`."""
-    return _validated(raw, STATE_FILE, MAX_STATE_BYTES, TrainerStateFile)
+def parse_trainer_state(raw: bytes) -> tuple[TrainerStateFile | StateFile, dict[str, Any]]:
+    """``trainer_state.json`` from its bytes, as :func:`parse_manifest`: format 3 (it names its
+    ``format_version``) or the fixed fields of formats 1 and 2."""
+    data = _json_object(raw, STATE_FILE, MAX_STATE_BYTES)
+    schema: type[TrainerStateFile | StateFile] = StateFile if "format_version" in data else TrainerStateFile
+    return _checked(data, STATE_FILE, schema), data
 
 
 def _validated(raw: bytes, what: str, cap: int, schema: type[_M]) -> tuple[_M, dict[str, Any]]:
+    data = _json_object(raw, what, cap)
+    return _checked(data, what, schema), data
+
+
+def _json_object(raw: bytes, what: str, cap: int) -> dict[str, Any]:
     if len(raw) > cap:
         raise CheckpointError(f"{what} is larger than {cap >> 20} MB: not a file trainforge wrote")
     try:
@@ -276,8 +431,12 @@ def _validated(raw: bytes, what: str, cap: int, schema: type[_M]) -> tuple[_M, d
         raise CheckpointError(f"{what} is malformed: {_first_line(err)}") from None
     if not isinstance(data, dict):
         raise CheckpointError(f"{what} is malformed: not a JSON object")
+    return data
+
+
+def _checked(data: dict[str, Any], what: str, schema: type[_M]) -> _M:
     try:
-        return schema.model_validate(data), data
+        return schema.model_validate(data)
     except ValidationError as err:
         raise CheckpointError(f"{what} is malformed: {describe(err)}") from None
     except RecursionError:

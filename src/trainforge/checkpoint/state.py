@@ -1,7 +1,9 @@
-"""Training state to and from a checkpoint directory, without pickle.
+"""A checkpoint's content in memory (a component's ``State``, one rank's ``Snapshot``) and its
+tensor files, without pickle.
 
-Tensors go through safetensors (model) or ``torch.save``/``torch.load(weights_only=True)``
-(optimizer); everything else is JSON, RNG byte states base64-encoded.
+Tensors go through safetensors (flat weights) or ``torch.save``/``torch.load(weights_only=True)``
+(optimizer state and the like); everything else is JSON (``checkpoint/writer.py`` writes it),
+RNG byte states base64-encoded.
 """
 
 from __future__ import annotations
@@ -12,8 +14,8 @@ import json
 import pickle
 import random
 import struct
-from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, cast
 
@@ -21,51 +23,69 @@ import numpy as np
 import torch
 import torch.utils.serialization as torch_serialization
 from safetensors import safe_open
-from safetensors.torch import _TYPES, _remove_duplicate_names, load_model
+from safetensors.torch import _TYPES, _remove_duplicate_names, load_file, load_model
 from torch import nn
+from torch.distributed.tensor import DTensor
 
-from trainforge.checkpoint.format import write_json_hashed
-from trainforge.checkpoint.hashing import DEFAULT_HASH, FileRecord, in_parallel, open_hashing
+from trainforge.checkpoint.hashing import DEFAULT_HASH, FileRecord, open_hashing
 from trainforge.checkpoint.schema import (
-    MAX_STATE_BYTES,
     MODEL_FILE,
     OPTIMIZER_FILE,
     STATE_FILE,
-    SYNC_FILE,
-    open_regular,
-    parse_trainer_state,
 )
 
-__all__ = ["MODEL_FILE", "OPTIMIZER_FILE", "STATE_FILE", "Progress", "TrainerState"]
+__all__ = ["MODEL_FILE", "OPTIMIZER_FILE", "STATE_FILE", "Record", "Snapshot", "State"]
 _SAFETENSORS_DTYPES = {dtype: name for name, dtype in _TYPES.items()}
 
 
 @dataclass
-class Progress:
-    """Where training stands: enough to continue with the next sample of the same epoch."""
+class State:
+    """One component's state, in up to four parts, each kept where it belongs in a checkpoint:
 
-    epoch: int = 0
-    global_step: int = 0
-    samples_seen: int = 0
-    epoch_position: int = 0  # samples this rank has consumed in the current epoch
-    world_size: int = 1
-    # The data source's split of a step when saved (auto batch size reuses it on resume); None in
-    # checkpoints written before it was recorded.
-    micro_batch_size: int | None = None
-    grad_accum_steps: int | None = None
+    * ``values``: JSON, the same on every rank (rank 0's is saved) -> ``trainer_state.json``;
+    * ``tensors``: tensors (and plain values) the same on every rank, or sharded like the model ->
+      ``<component>.safetensors`` / ``<component>.pt`` (written by rank 0), or the DCP shards;
+    * ``rank_values``: JSON, this rank's own -> ``trainer_state.json``'s ``ranks``;
+    * ``rank_tensors``: tensors, this rank's own -> ``ranks/<rank>/<component>.pt``.
+    """
+
+    values: dict[str, Any] = field(default_factory=dict)
+    tensors: Any = None
+    rank_values: dict[str, Any] | None = None
+    rank_tensors: Any = None
 
 
 @dataclass
-class TrainerState:
-    """Everything in trainer_state.json."""
+class Record:
+    """What rank 0 writes beside the components: the writers' layout (``plan``: ``ddp``, ``fsdp x
+    tp2``, for people; ``tensor_parallel``: the size of their tensor-parallel groups), the metrics at
+    save time, the resolved config (redacted: a record) and library versions."""
 
-    progress: Progress
-    scheduler: dict[str, Any]
-    scaler: dict[str, Any]
-    rng: list[dict[str, Any]]  # one entry per rank
+    plan: str
+    tensor_parallel: int = 1
     metrics: dict[str, float] = field(default_factory=dict)
     config: dict[str, Any] = field(default_factory=dict)
     versions: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Snapshot:
+    """One rank's part of a checkpoint at one step: host copies, so training goes on while it is written.
+
+    ``layout``: full (rank 0 writes the shared tensors) or sharded (every rank writes its shards).
+    ``exports``: the run directory's weights files and the component whose full weights each is
+    (``model.safetensors`` <- ``model``); ``full_weights``: rank 0's gathered full weights of a
+    sharded run's final save, by component."""
+
+    step: int
+    epoch: int
+    layout: str
+    states: dict[str, State]
+    rank: int = 0
+    world: int = 1
+    record: Record | None = None
+    exports: dict[str, str] = field(default_factory=dict)
+    full_weights: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
 
 
 def capture_rng() -> dict[str, Any]:
@@ -96,15 +116,22 @@ def restore_rng(state: dict[str, Any]) -> None:
 def snapshot_tensors(tree: Any, reuse: Any = None) -> Any:
     """A host copy of every tensor in a (nested) state dict, so training can go on while it is written.
 
+    A DTensor (a shard under FSDP or tensor parallelism) stays a DTensor over the same mesh and
+    placements, its local shard copied, as torch.distributed.checkpoint needs them to plan a save.
     ``reuse``: the previous snapshot of the same structure, whose buffers are overwritten in place
     when shapes and dtypes match. Allocating (and page-faulting) fresh host memory on every save
     costs several times more than the copy itself.
     """
+    if isinstance(tree, DTensor):
+        copy = cast(Any, tree.detach())
+        buffer = reuse.to_local() if isinstance(reuse, DTensor) else None
+        copy._local_tensor = _copy_to_host(tree.to_local(), buffer)  # as torch's own staging does
+        return copy
     if isinstance(tree, torch.Tensor):
         return _copy_to_host(tree, reuse if isinstance(reuse, torch.Tensor) else None)
     if isinstance(tree, dict):
-        old = reuse if isinstance(reuse, dict) else {}
-        return {k: snapshot_tensors(v, old.get(k)) for k, v in tree.items()}
+        previous = reuse if isinstance(reuse, dict) else {}
+        return {k: snapshot_tensors(v, previous.get(k)) for k, v in tree.items()}
     if isinstance(tree, (list, tuple)):
         old_items = list(reuse) if isinstance(reuse, (list, tuple)) and len(reuse) == len(tree) else [None] * len(tree)
         return type(tree)(snapshot_tensors(v, o) for v, o in zip(tree, old_items, strict=True))
@@ -123,37 +150,47 @@ def _copy_to_host(tensor: torch.Tensor, buffer: torch.Tensor | None) -> torch.Te
 def model_snapshot(model: nn.Module, reuse: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """The model's tensors copied to host memory, one entry per storage (tied weights once), as
     safetensors keeps them; ``reuse`` as in :func:`snapshot_tensors`."""
-    state = model.state_dict()
-    aliases = {name for names in _remove_duplicate_names(state).values() for name in names}
+    return weights_snapshot(model.state_dict(), reuse)
+
+
+def weights_snapshot(
+    weights: dict[str, torch.Tensor], reuse: dict[str, torch.Tensor] | None = None
+) -> dict[str, torch.Tensor]:
+    """Flat weights (name -> tensor) copied to host memory, tensors sharing storage (tied weights)
+    once, as safetensors keeps them; ``reuse`` as in :func:`snapshot_tensors`."""
+    aliases = {name for names in _remove_duplicate_names(weights).values() for name in names}
     old = reuse or {}
-    return {k: _copy_to_host(v, old.get(k)) for k, v in state.items() if k not in aliases}
+    return {k: _copy_to_host(v, old.get(k)) for k, v in weights.items() if k not in aliases}
 
 
-def write_state(
-    directory: Path,
-    model_state: dict[str, torch.Tensor],
-    optimizer_state: dict[str, Any] | None,
-    state: TrainerState,
-    *,
-    algorithm: str = DEFAULT_HASH,
-    extra: dict[str, Any] | None = None,
-) -> dict[str, FileRecord]:
-    """Write model, optimizer and trainer state files (not the manifest) into ``directory``, each
-    hashed as it is written and fsynced, the large ones in parallel; ``{file name: record}``.
-    ``extra``: more ``torch.save`` files by name (``sync.pt``), read back with ``weights_only``."""
-    directory.mkdir(parents=True, exist_ok=True)
-    jobs = {MODEL_FILE: lambda: write_safetensors(directory / MODEL_FILE, model_state, algorithm)}
-    if optimizer_state is not None:
-        jobs[OPTIMIZER_FILE] = lambda: write_torch(directory / OPTIMIZER_FILE, optimizer_state, algorithm)
-    for name, tree in (extra or {}).items():
-        jobs[name] = lambda name=name, tree=tree: write_torch(directory / name, tree, algorithm)  # type: ignore[misc]
-    jobs[STATE_FILE] = lambda: write_trainer_state(directory, state, algorithm)
-    return dict(zip(jobs, in_parallel(jobs.values()), strict=True))
+def is_flat_weights(tree: Any) -> bool:
+    """A plain ``{name: tensor}`` dict (of whole tensors): what safetensors stores."""
+    return (
+        isinstance(tree, dict)
+        and bool(tree)
+        and all(isinstance(k, str) and type(v) is torch.Tensor for k, v in tree.items())
+    )
 
 
-def write_trainer_state(directory: Path, state: TrainerState, algorithm: str = DEFAULT_HASH) -> FileRecord:
-    """``trainer_state.json``, hashed while written and fsynced."""
-    return write_json_hashed(directory / STATE_FILE, _state_to_json(state), algorithm)
+def tensor_file(component: str, tree: Any) -> str:
+    """The file a component's shared tensors are written to: ``<name>.safetensors`` for flat
+    weights, else ``<name>.pt`` (``torch.save``, read back ``weights_only``)."""
+    return f"{component}.safetensors" if is_flat_weights(tree) else f"{component}.pt"
+
+
+def write_tensors(path: Path, tree: Any, algorithm: str = DEFAULT_HASH) -> FileRecord:
+    """A component's tensors into ``path``: safetensors for ``.safetensors``, else ``torch.save``."""
+    if path.suffix == ".safetensors":
+        return write_safetensors(path, tree, algorithm)
+    return write_torch(path, tree, algorithm)
+
+
+def read_tensors(path: Path) -> Any:
+    """What :func:`write_tensors` wrote; nothing is unpickled but tensors and plain containers."""
+    if path.suffix == ".safetensors":
+        return load_file(str(path))
+    # weights_only=True: tensors and plain containers only, never arbitrary pickled objects.
+    return torch.load(path, map_location="cpu", weights_only=True)
 
 
 def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], algorithm: str = DEFAULT_HASH) -> FileRecord:
@@ -215,22 +252,6 @@ def _torch_save_crc32(enabled: bool) -> Iterator[None]:
         config.compute_crc32 = before
 
 
-def read_trainer_state(directory: Path) -> TrainerState:
-    """``trainer_state.json``, bounded and schema-checked; CheckpointError when it is not loadable."""
-    with open_regular(directory / STATE_FILE, STATE_FILE) as handle:
-        raw = handle.read(MAX_STATE_BYTES + 1)
-    schema, data = parse_trainer_state(raw)
-    return TrainerState(
-        progress=Progress(**schema.progress.model_dump()),
-        scheduler=data["scheduler"],
-        scaler=data["scaler"],
-        rng=data["rng"],
-        metrics={k: float(v) for k, v in schema.metrics.items()},
-        config=schema.config,
-        versions=dict(schema.versions),
-    )
-
-
 def load_weights(directory: Path, model: nn.Module) -> None:
     """Weights into ``model``; strict, with tied weights restored from the one stored copy."""
     load_model(model, str(directory / MODEL_FILE), strict=True)
@@ -241,21 +262,24 @@ def load_optimizer(directory: Path, optimizer: torch.optim.Optimizer) -> None:
     optimizer.load_state_dict(torch.load(directory / OPTIMIZER_FILE, map_location="cpu", weights_only=True))
 
 
-def check_loadable(directory: Path) -> str | None:
+def check_loadable(directory: Path, files: Iterable[str] | None = None) -> str | None:
     """Why a verified checkpoint still cannot be loaded safely (None if it can), without loading tensors.
 
-    A manifest proves the files are the ones written, not that whoever wrote them was benign:
-    ``optimizer.pt`` (and ``sync.pt``, parallel.sync) must unpickle under ``weights_only``
-    (tensors and plain containers only). (``trainer_state.json`` is checked against its schema by
-    the verification itself.)
+    A manifest proves the files are the ones written, not that whoever wrote them was benign: every
+    ``.safetensors`` file's header must parse, and every ``.pt`` file (optimizer, a component's
+    state, each rank's own) must unpickle under ``weights_only`` (tensors and plain containers
+    only). ``files``: the checkpoint's files by relative name (default: the full layout's two).
     """
+    names = sorted(files) if files is not None else [MODEL_FILE, OPTIMIZER_FILE]
     name = MODEL_FILE
     try:
-        with safe_open(str(directory / MODEL_FILE), framework="pt") as handle:
-            handle.keys()
-        for name in (OPTIMIZER_FILE, SYNC_FILE):
-            if (directory / name).exists():
-                torch.load(directory / name, map_location="cpu", weights_only=True, mmap=True)
+        for name in names:
+            path = directory / name
+            if name.endswith(".safetensors") and path.exists():
+                with safe_open(str(path), framework="pt") as handle:
+                    handle.keys()
+            elif name.endswith(".pt") and path.exists():
+                torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except pickle.UnpicklingError:
         return (
             f"refused to load: {name} holds pickled objects other than tensors and plain "
@@ -265,12 +289,6 @@ def check_loadable(directory: Path) -> str | None:
         first = str(err).strip().splitlines()[0] if str(err).strip() else ""
         return f"refused to load: {type(err).__name__}: {first[:300]}"
     return None
-
-
-def _state_to_json(state: TrainerState) -> dict[str, Any]:
-    data = asdict(state)
-    data["scheduler"] = {k: v for k, v in state.scheduler.items() if k != "lr_lambdas"}
-    return data
 
 
 def _b64(tensor: torch.Tensor) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,8 @@ from trainforge.checkpoint.names import (
     retired_name,
     staging_name,
 )
-from trainforge.checkpoint.schema import MANIFEST
+from trainforge.checkpoint.saved import saved_from
+from trainforge.checkpoint.schema import FULL, MANIFEST, MAX_STATE_BYTES, MODEL_FILE, STATE_FILE, ComponentSchemas
 from trainforge.checkpoint.verify import Verification
 from trainforge.errors import CheckpointError
 
@@ -144,10 +146,27 @@ class CheckpointStore:
         except CheckpointError as err:
             return None, str(err)
 
-    def verify(self, name: str, *, safe_load: bool = True) -> Verification:
+    def exports(self, name: str) -> dict[str, str]:
+        """The weights files checkpoint ``name`` holds for the run directory: ``{run-directory file:
+        checkpoint file}`` (``model.safetensors``, with ``train.ema`` also ``model_ema.safetensors``);
+        a checkpoint written before components, or one whose state does not read: the model's alone."""
+        manifest, _ = self.read_manifest(name)
+        if manifest is None:
+            return {MODEL_FILE: MODEL_FILE}
+        try:
+            raw = verify_module.read_capped(self.fs, f"{self.path(name)}/{STATE_FILE}", self.is_local, MAX_STATE_BYTES)
+            saved = saved_from(raw, str(manifest.get("layout", FULL)), set(manifest["files"]))
+        except (CheckpointError, OSError):
+            return {MODEL_FILE: MODEL_FILE}
+        return saved.exports or {MODEL_FILE: MODEL_FILE}
+
+    def verify(
+        self, name: str, *, safe_load: bool = True, schemas: Mapping[str, ComponentSchemas] | None = None
+    ) -> Verification:
         """The one verification (``checkpoint/verify.py``): exactly the listed regular files, sizes,
-        SHA-256 of every byte, schemas, and with ``safe_load`` the weights-only load check."""
-        return verify_module.verify_tree(self.fs, self.path(name), self.is_local, safe_load=safe_load)
+        the digest of every byte, schemas (the components' own when given), and with ``safe_load``
+        the weights-only load check."""
+        return verify_module.verify_tree(self.fs, self.path(name), self.is_local, safe_load=safe_load, schemas=schemas)
 
     def staging_dir(self, name: str, local_scratch: Path) -> Path:
         """Where a new checkpoint is written before ``commit``: beside its final place on a local

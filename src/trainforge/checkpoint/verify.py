@@ -10,10 +10,13 @@ before the checks that bound its cost):
 3. the files on storage are exactly the files the manifest lists, each with its declared size, and
    the only directory is a sharded checkpoint's real ``sharded/`` (not a link);
 4. every file's digest matches (reading no more than the declared size);
-5. ``trainer_state.json`` (bounded) matches its schema, so that what verifies also loads;
-6. optionally, the safe-load check: full layout, the safetensors header parses and
-   ``optimizer.pt`` unpickles under ``weights_only``; sharded layout, DCP's ``.metadata``
-   unpickles under an allow-list and points only inside the listed shards (this step needs torch).
+5. ``trainer_state.json`` (bounded) matches its schema and names only files the manifest lists;
+   given the components' schemas (the worker's registry owns them: restore, rotation and
+   ``trainforge ckpt`` pass them), every component's state matches its own, so that what verifies
+   also loads;
+6. optionally, the safe-load check: every safetensors header parses and every ``.pt`` file
+   unpickles under ``weights_only``; in the sharded layout also DCP's ``.metadata`` unpickles
+   under an allow-list and points only inside the listed shards (this step needs torch).
 It works over a pyarrow file system: the local one (where links and FIFOs exist) and object stores.
 """
 
@@ -22,6 +25,7 @@ from __future__ import annotations
 import os
 import stat
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,6 +33,7 @@ from typing import Any
 import pyarrow.fs as pafs
 
 from trainforge.checkpoint.hashing import LABELS, new_digest
+from trainforge.checkpoint.saved import saved_from
 from trainforge.checkpoint.schema import (
     MANIFEST,
     MAX_MANIFEST_BYTES,
@@ -36,12 +41,12 @@ from trainforge.checkpoint.schema import (
     SHARDED,
     SHARDED_METADATA,
     STATE_FILE,
+    ComponentSchemas,
     Manifest,
     is_checkpoint_name,
     kind_of,
     open_regular,
     parse_manifest,
-    parse_trainer_state,
     printable,
 )
 from trainforge.errors import CheckpointError
@@ -169,7 +174,14 @@ def read_manifest(fs: pafs.FileSystem, root: str, local: bool) -> tuple[Manifest
     return parse_manifest(raw)
 
 
-def verify_tree(fs: pafs.FileSystem, root: str, local: bool, *, safe_load: bool = True) -> Verification:
+def verify_tree(
+    fs: pafs.FileSystem,
+    root: str,
+    local: bool,
+    *,
+    safe_load: bool = True,
+    schemas: Mapping[str, ComponentSchemas] | None = None,
+) -> Verification:
     """Check the checkpoint directory at ``root`` (see the module docstring); never raises for
     anything the checkpoint holds, only lists problems."""
     where = Path(root)
@@ -185,7 +197,8 @@ def verify_tree(fs: pafs.FileSystem, root: str, local: bool, *, safe_load: bool 
         if not problems:
             problems = _hash_problems(fs, root, local, schema)
         if not problems:
-            parse_trainer_state(read_capped(fs, f"{root}/{STATE_FILE}", local, MAX_STATE_BYTES))
+            raw = read_capped(fs, f"{root}/{STATE_FILE}", local, MAX_STATE_BYTES)
+            saved_from(raw, schema.layout, set(schema.files), schemas)
             if safe_load:
                 refusal = _load_refusal(fs, root, local, schema)
                 problems = [refusal] if refusal else []
@@ -240,13 +253,17 @@ def _load_refusal(fs: pafs.FileSystem, root: str, local: bool, manifest: Manifes
         from trainforge.checkpoint.dcp_metadata import MAX_METADATA_BYTES, metadata_refusal  # torch
 
         raw = read_capped(fs, f"{root}/{SHARDED_METADATA}", local, MAX_METADATA_BYTES)
-        return metadata_refusal(raw, {rel: entry.size for rel, entry in manifest.files.items()})
+        refusal = metadata_refusal(raw, {rel: entry.size for rel, entry in manifest.files.items()})
+        if refusal:
+            return refusal
     from trainforge.checkpoint.state import check_loadable  # torch: only once the files verified
 
+    files = [rel for rel in manifest.files if rel.endswith((".pt", ".safetensors"))]
     if local:
-        return check_loadable(Path(root))
+        return check_loadable(Path(root), files)
     with tempfile.TemporaryDirectory(prefix="trainforge-check-") as scratch:
         local_copy = Path(scratch) / "checkpoint"
-        local_copy.mkdir()
-        pafs.copy_files(root, str(local_copy), fs, pafs.LocalFileSystem())
-        return check_loadable(local_copy)
+        for rel in files:
+            (local_copy / rel).parent.mkdir(parents=True, exist_ok=True)
+            pafs.copy_files(f"{root}/{rel}", str(local_copy / rel), fs, pafs.LocalFileSystem())
+        return check_loadable(local_copy, files)

@@ -23,8 +23,9 @@ def ckpt_list(
 ) -> None:
     """Every checkpoint of a run, verified: step, epoch, metrics, size, time, and valid or why not."""
     from trainforge.checkpoint.inspect import list_checkpoints, list_table
+    from trainforge.worker.registry import state_schemas
 
-    wide_console().print(list_table(location, list_checkpoints(location)))
+    wide_console().print(list_table(location, list_checkpoints(location, state_schemas())))
 
 
 @app.command("verify")
@@ -32,8 +33,9 @@ def ckpt_verify(path: CkptPathArg) -> None:
     """Check a checkpoint as restore does (sizes, digests, safe load): exit 0 if valid, 1 if not."""
     from trainforge.checkpoint.hashing import LABELS
     from trainforge.checkpoint.inspect import human_bytes, verify_checkpoint
+    from trainforge.worker.registry import state_schemas
 
-    check = verify_checkpoint(path)
+    check = verify_checkpoint(path, state_schemas())
     if check.ok:
         manifest = check.manifest or {}
         files = manifest.get("files", {})

@@ -113,7 +113,7 @@ def build_trainer(
             name=config.run.name,
             storage_path=config.storage_path,
             failure_config=FailureConfig(max_failures=config.failure.max_failures),
-            # trainforge writes, verifies and rotates checkpoints itself (checkpoint/manager.py);
+            # trainforge writes, verifies and rotates checkpoints itself (checkpoint/writer.py);
             # Ray's own checkpoint registry stays empty.
             callbacks=[ForwardingCallback(mailbox), *callbacks],
             worker_runtime_env={"env_vars": env},

@@ -19,7 +19,6 @@ import pyarrow.fs as pafs
 
 from trainforge.checkpoint.format import write_json_atomic
 from trainforge.checkpoint.names import name_of_uri, step_of_uri
-from trainforge.checkpoint.state import MODEL_FILE
 from trainforge.checkpoint.storage import CheckpointStore
 from trainforge.protocol import Report, Resumed, WorkerFailure
 from trainforge.redact import redact_config, redact_text
@@ -164,14 +163,16 @@ def finish_run_dir(run_dir: Path, record: RunRecord, store: CheckpointStore | No
 
 
 def export_final_weights(store: CheckpointStore, checkpoint_uri: str, run_dir: Path, final_step: int) -> int | None:
-    """Copy model.safetensors out of the run's last valid checkpoint (local or object store); the
-    step it holds, which is older than the final step when the final save failed (said in the log).
+    """Copy the weights files (model.safetensors, and what other components export, such as
+    model_ema.safetensors) out of the run's last valid checkpoint (local or object store); the
+    step they hold, which is older than the final step when the final save failed (said in the log).
     ``store`` is the run's own, opened from the config: the checkpoint's URI as the workers report
     it names bucket and key only, not the credentials or endpoint the storage path may carry."""
     name = name_of_uri(checkpoint_uri)
     step = step_of_uri(checkpoint_uri)
     try:
-        pafs.copy_files(f"{store.path(name)}/{MODEL_FILE}", str(run_dir / MODEL_FILE), store.fs, pafs.LocalFileSystem())
+        for target, source in store.exports(name).items():
+            pafs.copy_files(f"{store.path(name)}/{source}", str(run_dir / target), store.fs, pafs.LocalFileSystem())
     except OSError as err:
         log.error("could not copy the final weights out of %s: %s", redact_text(checkpoint_uri), err)
         return None

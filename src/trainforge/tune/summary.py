@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.table import Table
 
 from trainforge.checkpoint.format import write_json_atomic
-from trainforge.checkpoint.state import MODEL_FILE
+from trainforge.checkpoint.schema import MODEL_FILE
 from trainforge.checkpoint.storage import CheckpointStore
 from trainforge.config import Config
 from trainforge.driver.summary import SEARCH_DRIVER, RunLog, RunRecord, finish_run_dir

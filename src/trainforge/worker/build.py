@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import ray.train
@@ -21,11 +21,13 @@ from trainforge.data.stream import StreamFeed, StreamShape
 from trainforge.models import Task, build_model, build_task
 from trainforge.worker import collectives
 from trainforge.worker.blocks import repeated_blocks
-from trainforge.worker.components import DataSource
+from trainforge.worker.components.base import Component
+from trainforge.worker.components.data import DataSource
+from trainforge.worker.components.training import Progress
 from trainforge.worker.optim import build_optimizer, build_scheduler, effective_lr
 from trainforge.worker.plan import ParallelPlan, all_reduce_max, build_plan
+from trainforge.worker.registry import build_components
 from trainforge.worker.step import MetricSums, StepRunner
-from trainforge.worker.sync import LocalSync
 from trainforge.worker.tp import Layout, check_tensor_parallel
 
 
@@ -43,7 +45,8 @@ class WorkerRun:
     data: DataSource
     total_steps: int
     plan: ParallelPlan = field(default_factory=lambda: ParallelPlan(ParallelConfig(), torch.device("cpu")))
-    sync: LocalSync | None = None  # parallel.sync: local SGD / DiLoCo (worker/sync.py)
+    # Every stateful component by name (worker/registry.py): what a checkpoint saves and restores.
+    components: dict[str, Component] = field(default_factory=dict)
 
     @property
     def val_set(self) -> Any:
@@ -53,6 +56,20 @@ class WorkerRun:
     def data_world(self) -> int:
         """How many different batches one step reads: the workers over the tensor-parallel size."""
         return self.plan.layout.dp
+
+    @property
+    def progress(self) -> Progress:
+        return cast(Progress, self.components["progress"])
+
+    def after_step(self, step: int) -> None:
+        """Every component's part after an optimizer step (local SGD's sync, the weights' average)."""
+        for component in self.components.values():
+            component.after_step(step)
+
+    def finish(self, step: int) -> None:
+        """Every component's part at the end of a finished run (local SGD's last sync)."""
+        for component in self.components.values():
+            component.finish(step)
 
 
 def build(
@@ -118,8 +135,9 @@ def build(
         channels_last=config.parallel.channels_last,
     )
     runner.augmenter = build_augmenter(augment_of(config.data), data.spec)
-    sync = LocalSync(config.parallel.sync, model, optimizer, rank) if config.parallel.sync is not None else None
-    return WorkerRun(config, rank, world, device, model, task, runner, data, total_steps, plan, sync)
+    run = WorkerRun(config, rank, world, device, model, task, runner, data, total_steps, plan)
+    run.components = build_components(run)
+    return run
 
 
 def check_block_names(config: Config) -> None:
@@ -148,8 +166,19 @@ def pin_memory(cfg: Config, device: torch.device) -> bool:
     return cfg.data.pin_memory if cfg.data.pin_memory is not None else device.type == "cuda"
 
 
-@torch.no_grad()
 def evaluate(run: WorkerRun) -> dict[str, float]:
+    """Validation (``val/...``), and the passes components ask for with their own weights swapped
+    in (``train.ema``: ``val_ema/...``)."""
+    metrics = evaluate_model(run, "val")
+    for component in run.components.values():
+        for prefix, weights in component.evaluations():
+            with weights:
+                metrics.update(evaluate_model(run, prefix))
+    return metrics
+
+
+@torch.no_grad()
+def evaluate_model(run: WorkerRun, prefix: str) -> dict[str, float]:
     """Validation over every rank's disjoint share; metrics averaged over all samples of all ranks."""
     loader = run.data.val_batches()
     if loader is None:
@@ -186,4 +215,4 @@ def evaluate(run: WorkerRun) -> dict[str, float]:
     model.train()
     if not totals["count"]:
         return {}
-    return {f"val/{k}": v for k, v in run.task.finalize(totals).items()}
+    return {f"{prefix}/{k}": v for k, v in run.task.finalize(totals).items()}

@@ -17,7 +17,7 @@ from trainforge.metrics.worker.hook import metrics_hooks
 from trainforge.metrics.worker.system import system_hooks
 
 if TYPE_CHECKING:
-    from trainforge.checkpoint.manager import SaveOutcome
+    from trainforge.checkpoint.writer import SaveOutcome
     from trainforge.protocol import Report
     from trainforge.worker.build import WorkerRun
 

@@ -13,8 +13,8 @@ from trainforge.worker import collectives
 from trainforge.worker.step import MetricSums
 
 if TYPE_CHECKING:
-    from trainforge.checkpoint.state import Progress
     from trainforge.worker.build import WorkerRun
+    from trainforge.worker.components.training import Progress
 
 WARMUP_STEPS = 5  # steps excluded from the throughput figure (allocator, caches, first all-reduce)
 
@@ -210,7 +210,7 @@ def reduce_metrics(
 
     report = Report(
         step=progress.global_step,
-        epoch=progress.epoch,
+        epoch=run.data.epoch,
         samples_seen=progress.samples_seen,
         total_steps=run.total_steps,
         world_size=run.world,

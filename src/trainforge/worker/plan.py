@@ -194,19 +194,38 @@ class ParallelPlan:
             return
         self.eval_model(model).load_state_dict(state, strict=True)
 
-    def sharded_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """``{"model": ..., "optim": ...}`` keyed by parameter name, the form torch.distributed.checkpoint
-        saves and loads: DTensor shards under fsdp, whole tensors under ddp (which DCP then reshards)."""
-        return {
-            "model": get_model_state_dict(model),
-            "optim": get_optimizer_state_dict(model, optimizer),
-        }
+    def model_state(self, model: nn.Module) -> dict[str, Any]:
+        """The model's state for a checkpoint: whole tensors of the plain module (rank 0's are
+        written), or under a sharded plan the DTensor shards keyed by parameter name, the form
+        torch.distributed.checkpoint saves, loads and reshards."""
+        if self.sharded:
+            return get_model_state_dict(model)
+        return dict(self.eval_model(model).state_dict())
 
-    def load_sharded_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-        """What ``sharded_state`` gave, filled by torch.distributed.checkpoint (``optim`` may be absent)."""
-        set_model_state_dict(model, state["model"])
-        if "optim" in state:
-            set_optimizer_state_dict(model, optimizer, state["optim"])
+    def optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The optimizer's state for a checkpoint: torch's own (keyed by index), or under a sharded
+        plan keyed by parameter name with DTensor shards."""
+        if self.sharded:
+            return get_optimizer_state_dict(model, optimizer)
+        return optimizer.state_dict()
+
+    def load_model_state(self, model: nn.Module, state: dict[str, Any]) -> None:
+        """A template of ``get_model_state_dict`` filled by torch.distributed.checkpoint (DTensors
+        under a sharded plan, whole tensors under ddp)."""
+        set_model_state_dict(model, state)
+
+    def load_optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        """A template of ``get_optimizer_state_dict`` filled by torch.distributed.checkpoint."""
+        set_optimizer_state_dict(model, optimizer, state)
+
+    def model_template(self, model: nn.Module) -> dict[str, Any]:
+        """What a sharded checkpoint's weights load into, whatever this plan: keyed by parameter
+        name, DTensor shards under a sharded plan, whole tensors under ddp."""
+        return get_model_state_dict(model)
+
+    def optimizer_template(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """What a sharded checkpoint's optimizer state loads into, keyed by parameter name."""
+        return get_optimizer_state_dict(model, optimizer)
 
     def load_full_optimizer_state(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]

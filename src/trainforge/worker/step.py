@@ -19,7 +19,6 @@ from trainforge.config import ParallelConfig
 from trainforge.data.augment import Augmenter
 from trainforge.models import Task
 from trainforge.worker import collectives
-from trainforge.worker.components import Optimization
 from trainforge.worker.plan import ParallelPlan
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -93,9 +92,9 @@ class StepRunner:
         self.augmenter: Augmenter | None = None
 
     @property
-    def optim(self) -> Optimization:
-        """Optimizer, schedule and scaler as one stateful component (for checkpoints)."""
-        return Optimization(self.optimizer, self.scheduler, self.scaler)
+    def lr(self) -> float:
+        """The learning rate of the first parameter group, as the schedule left it."""
+        return float(self.optimizer.param_groups[0]["lr"])
 
     def autocast(self) -> contextlib.AbstractContextManager[None]:
         if self.autocast_dtype is None:

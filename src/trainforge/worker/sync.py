@@ -13,30 +13,41 @@ Floating-point buffers (BatchNorm statistics) are averaged at each sync point. A
 syncs once more at its end when steps are pending, so its final model is one model.
 
 Checkpoints can fall between sync points, where the workers' models and inner optimizer states
-differ: ``sync.pt`` holds the anchor, the outer optimizer's state, the step of the last sync and
-every rank's own model and optimizer state (gathered to rank 0). A run restarted from it with the
-same number of workers continues bit-identically (docs/checkpoints.md).
+differ: the ``sync`` component's state is the anchor and the outer optimizer's state (the same on
+every rank), the step of the last sync, and each rank's own model and optimizer state (written by
+each rank, ``ranks/<rank>/sync.pt``). A run restarted from it with the same number of workers
+continues bit-identically (docs/checkpoints.md).
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Annotated, ClassVar
 
 import torch
 import torch.distributed as dist
+from pydantic import BaseModel, Field
 from torch import nn
 
-from trainforge.checkpoint.schema import SYNC_FILE
-from trainforge.checkpoint.state import snapshot_tensors
+from trainforge.checkpoint.schema import MAX_STEP
+from trainforge.checkpoint.state import State
 from trainforge.config import SyncConfig
 from trainforge.worker.collectives import world_size
+from trainforge.worker.components.base import Component, Restore, StateSchema
 
-SYNC_FORMAT = 1  # sync.pt's own version: {"format", "every_n_steps", "last_sync", "anchor", "outer", "ranks"}
+if TYPE_CHECKING:
+    from trainforge.worker.build import WorkerRun
 
 
-class LocalSync:
+class SyncState(StateSchema):
+    last_sync: Annotated[int, Field(ge=0, le=MAX_STEP)]
+    every_n_steps: Annotated[int, Field(ge=1, le=MAX_STEP)]
+
+
+class LocalSync(Component):
     """The anchor model, the outer optimizer and when the workers last met."""
+
+    name: ClassVar[str] = "sync"
+    schema: ClassVar[type[BaseModel]] = SyncState
 
     def __init__(self, cfg: SyncConfig, model: nn.Module, optimizer: torch.optim.Optimizer, rank: int) -> None:
         self.cfg = cfg
@@ -54,17 +65,20 @@ class LocalSync:
             self.outer = torch.optim.SGD(self.anchor, lr=cfg.outer_lr, momentum=momentum, nesterov=nesterov)
         self.last_sync = 0
 
+    @classmethod
+    def from_run(cls, run: WorkerRun) -> LocalSync | None:
+        cfg = run.config.parallel.sync
+        return cls(cfg, run.model, run.runner.optimizer, run.rank) if cfg is not None else None
+
     @property
     def averaging(self) -> bool:
         """Plain local SGD: the new model is the workers' mean, exactly (no anchor arithmetic)."""
         return self.cfg.outer_optimizer == "sgd" and self.cfg.outer_lr == 1.0
 
-    def after_step(self, step: int) -> bool:
+    def after_step(self, step: int) -> None:
         """Every rank, after each optimizer step: sync when ``step`` is a sync point."""
-        if step % self.cfg.every_n_steps:
-            return False
-        self.sync(step)
-        return True
+        if step % self.cfg.every_n_steps == 0:
+            self.sync(step)
 
     def finish(self, step: int) -> None:
         """At the end of a finished run: one last sync if steps were taken since the last one."""
@@ -93,55 +107,40 @@ class LocalSync:
 
     # -- checkpoint --------------------------------------------------------------------------
 
-    def gather_state(self) -> dict[str, Any] | None:
-        """Every rank: this rank's model and inner optimizer state go to rank 0, which gets the
-        whole of ``sync.pt`` (host copies); None on the other ranks."""
-        local = {
-            "model": snapshot_tensors(dict(self.model.state_dict())),
-            "optim": snapshot_tensors(self.optimizer.state_dict()),
-        }
-        ranks: list[Any] = [local]
-        if world_size() > 1:
-            ranks = [None] * world_size() if self.rank == 0 else []
-            dist.gather_object(local, ranks if self.rank == 0 else None, dst=0)
-        if self.rank != 0:
-            return None
-        return {
-            "format": SYNC_FORMAT,
-            "every_n_steps": self.cfg.every_n_steps,
-            "last_sync": self.last_sync,
-            "anchor": {n: snapshot_tensors(a) for n, a in zip(self.names, self.anchor, strict=True)},
-            "outer": snapshot_tensors(self.outer.state_dict()) if self.outer is not None else {},
-            "ranks": ranks,
-        }
+    def state_dict(self) -> State:
+        return State(
+            {"last_sync": self.last_sync, "every_n_steps": self.cfg.every_n_steps},
+            {
+                "anchor": dict(zip(self.names, self.anchor, strict=True)),
+                "outer": self.outer.state_dict() if self.outer is not None else {},
+            },
+            rank_tensors={"model": dict(self.model.state_dict()), "optim": self.optimizer.state_dict()},
+        )
 
-    def restore(self, directory: Path, step: int, world: int) -> str | None:
-        """After the model and optimizer were restored at ``step``: this rank's own state, the
-        anchor and the outer optimizer from ``sync.pt``; without one (a checkpoint of a run without
-        ``parallel.sync``, or written by another number of workers), the restored model becomes the
-        anchor. A note for the run's events when the state was not continued exactly."""
-        path = directory / SYNC_FILE
-        if not path.is_file():
-            self.reset(step)
-            return "parallel.sync: the checkpoint has no local-sync state; the restored model is the anchor"
-        saved = cast(dict[str, Any], torch.load(path, map_location="cpu", weights_only=True))
-        ranks = saved["ranks"]
-        if len(ranks) != world:
-            self.reset(step)
-            return (
-                f"parallel.sync: the checkpoint's local state is of {len(ranks)} workers; "
+    def load_state_dict(self, state: State, restore: Restore) -> None:
+        """After the model and optimizer were restored: this rank's own state, the anchor and the
+        outer optimizer; without this rank's own (written by another number of workers), the
+        restored model becomes the anchor."""
+        saved = SyncState.model_validate(state.values)
+        if state.rank_tensors is None or state.tensors is None:
+            self.reset(restore.step)
+            restore.notes.append(
+                f"parallel.sync: the checkpoint's local state is of {restore.world} workers; "
                 "the restored model is the anchor"
             )
-        mine = ranks[self.rank]
-        self.model.load_state_dict(mine["model"], strict=True)
-        self.optimizer.load_state_dict(mine["optim"])
+            return
+        self.model.load_state_dict(state.rank_tensors["model"], strict=True)
+        self.optimizer.load_state_dict(state.rank_tensors["optim"])
         with torch.no_grad():
             for name, anchor in zip(self.names, self.anchor, strict=True):
-                anchor.copy_(saved["anchor"][name])
-        if self.outer is not None and saved["outer"]:
-            self.outer.load_state_dict(saved["outer"])
-        self.last_sync = int(saved["last_sync"])
-        return None
+                anchor.copy_(state.tensors["anchor"][name])
+        if self.outer is not None and state.tensors["outer"]:
+            self.outer.load_state_dict(state.tensors["outer"])
+        self.last_sync = saved.last_sync
+
+    def missing(self, restore: Restore) -> None:
+        self.reset(restore.step)
+        restore.notes.append("parallel.sync: the checkpoint has no local-sync state; the restored model is the anchor")
 
     @torch.no_grad()
     def reset(self, step: int) -> None:

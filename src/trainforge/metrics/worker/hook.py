@@ -18,7 +18,7 @@ from trainforge.metrics.worker.export import Gauges
 from trainforge.metrics.worker.gpu import NodeGpus
 
 if TYPE_CHECKING:
-    from trainforge.checkpoint.manager import SaveOutcome
+    from trainforge.checkpoint.writer import SaveOutcome
     from trainforge.config import Config
     from trainforge.protocol import Report
 

@@ -22,7 +22,7 @@ import psutil
 from trainforge.metrics.nvml import GB, Gpus
 
 if TYPE_CHECKING:
-    from trainforge.checkpoint.manager import SaveOutcome
+    from trainforge.checkpoint.writer import SaveOutcome
     from trainforge.config import Config
     from trainforge.protocol import Report
 

@@ -1,40 +1,49 @@
-"""A worker's stateful components besides the model: each is built from its own config section
-and has ``state_dict()`` / ``load_state_dict()``, so that checkpointing saves
-``{component: state}`` and restore hands each its part back, without reaching inside.
+"""The data component (``data``): where a rank's batches come from and where it stands in them.
 
-* :class:`DataSource` (``data``): where the rank's batches come from; its state is where it stands
-  in the data (epoch, samples consumed in the epoch), re-split when the number of workers changed,
-  and the micro-batch size and accumulation steps it hands out (chosen at the start of the run
-  under ``train.batch_size: auto``, and lowered after an out-of-memory step: ``worker/autobatch.py``).
-* :class:`Optimization` (``optim``, ``schedule``, ``precision``): optimizer, LR schedule and loss
-  scaler. Its state here is the schedule's and the scaler's; the optimizer's tensors travel with
-  the model's, whole or sharded as the parallel plan (``worker/plan.py``) decides.
-* :class:`RngState`: this process's random number generators (Python, NumPy, torch, CUDA).
-
-Progress (global step, samples seen) is :class:`trainforge.checkpoint.state.Progress`.
+Its state is the position in the data (epoch, samples this rank consumed in the epoch), re-split
+when the number of workers changed, and the micro-batch size and accumulation steps it hands out
+(chosen at the start of the run under ``train.batch_size: auto``, and lowered after an
+out-of-memory step: ``worker/autobatch.py``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar
 
 import torch
+from pydantic import BaseModel, Field
 from torch.utils.data import DataLoader
 
-from trainforge.checkpoint.state import Progress, capture_rng, restore_rng
-from trainforge.config import Config
+from trainforge.checkpoint.schema import MAX_RANKS, MAX_STEP
+from trainforge.checkpoint.state import State
+from trainforge.config import MAX_BATCH, Config
 from trainforge.data import ResumableDistributedSampler, build_datasets, make_loader
 from trainforge.data.spec import DataSpec
 from trainforge.data.stream import StreamEpoch, StreamFeed
 from trainforge.errors import ConfigError, DataError
+from trainforge.worker.components.base import Component, Restore, StateSchema
+
+if TYPE_CHECKING:
+    from trainforge.worker.build import WorkerRun
+
+
+class DataPosition(StateSchema):
+    epoch: Annotated[int, Field(ge=0, le=MAX_STEP)]
+    position: Annotated[int, Field(ge=0, le=2**62)]  # samples each rank consumed in the epoch
+    world_size: Annotated[int, Field(ge=1, le=MAX_RANKS)]  # the data-parallel ranks it was split over
+    micro_batch_size: Annotated[int, Field(ge=1, le=MAX_BATCH)] | None = None
+    grad_accum_steps: Annotated[int, Field(ge=1, le=MAX_BATCH)] | None = None
 
 
 @dataclass
-class DataSource:
+class DataSource(Component):
     """One rank's training and validation data. The same (epoch, position) gives the same next
     batch, on any restart: the position is all a checkpoint needs to resume mid-epoch."""
+
+    name: ClassVar[str] = "data"
+    schema: ClassVar[type[BaseModel]] = DataPosition
 
     train_set: Any  # a map-style data set, or the rank's Ray Data shard of a streamed one
     val_set: Any
@@ -52,9 +61,9 @@ class DataSource:
     # Where the split came from: config, or under auto batch size pending (not chosen yet), search,
     # checkpoint (a resume reuses the choice).
     batch_from: str = "config"
-    # Where the source stands is kept in the run's Progress (one record for checkpoints and
-    # reports): ``epoch`` and ``epoch_position``, the samples this rank consumed in the epoch.
-    progress: Progress = field(default_factory=Progress)
+    # Where the source stands: the epoch and the samples this rank consumed in it.
+    epoch: int = 0
+    position: int = 0
     # Streamed sources (data/stream.py: parquet, images, jsonl): the rank's Ray Data shards.
     feed: StreamFeed | None = None
 
@@ -102,6 +111,10 @@ class DataSource:
             feed=feed,
         )
 
+    @classmethod
+    def from_run(cls, run: WorkerRun) -> DataSource:
+        return run.data
+
     @property
     def samples_per_step(self) -> int:
         return self.micro_batch * self.accum
@@ -118,14 +131,6 @@ class DataSource:
     def epoch_samples(self) -> int:
         """Samples this rank consumes in a full epoch (whole steps only)."""
         return self.steps_per_epoch * self.samples_per_step
-
-    @property
-    def epoch(self) -> int:
-        return self.progress.epoch
-
-    @property
-    def position(self) -> int:
-        return self.progress.epoch_position
 
     def batches(self) -> Iterator[Sequence[torch.Tensor]]:
         """The training batches from the current position to the end of the epoch."""
@@ -171,7 +176,7 @@ class DataSource:
 
     def advance(self) -> None:
         """One optimizer step's samples consumed."""
-        self.progress.epoch_position += self.samples_per_step
+        self.position += self.samples_per_step
 
     @property
     def epoch_done(self) -> bool:
@@ -179,33 +184,35 @@ class DataSource:
 
     def finish_epoch(self) -> None:
         """The rest of the epoch is skipped (a loader that ran dry early)."""
-        self.progress.epoch_position = self.epoch_samples
+        self.position = self.epoch_samples
 
     def next_epoch(self) -> None:
-        self.progress.epoch += 1
-        self.progress.epoch_position = 0
+        self.epoch += 1
+        self.position = 0
 
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "epoch": self.epoch,
-            "position": self.position,
-            "world_size": self.world,
-            "micro_batch_size": self.micro_batch,
-            "grad_accum_steps": self.accum,
-        }
+    def state_dict(self) -> State:
+        return State(
+            {
+                "epoch": self.epoch,
+                "position": self.position,
+                "world_size": self.world,
+                "micro_batch_size": self.micro_batch,
+                "grad_accum_steps": self.accum,
+            }
+        )
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: State, restore: Restore) -> None:
         """Where the checkpoint stood; written by another number of workers, the same global
         position split over this many (whole steps; exactness is then not promised). Under auto
         batch size, the checkpoint's micro-batch when it still splits this rank's step."""
-        position, writers = int(state["position"]), int(state.get("world_size", self.world))
+        saved = DataPosition.model_validate(state.values)
+        position, writers = saved.position, saved.world_size
         if writers != self.world:
             position = position * writers // self.world // self.samples_per_step * self.samples_per_step
-        self.progress.epoch = int(state["epoch"])
-        self.progress.epoch_position = position
-        micro = state.get("micro_batch_size")
-        if self.config.train.auto_batch and micro and writers == self.world and self.samples_per_step % int(micro) == 0:
-            self.split(int(micro))
+        self.epoch, self.position = saved.epoch, position
+        micro = saved.micro_batch_size
+        if self.config.train.auto_batch and micro and writers == self.world and self.samples_per_step % micro == 0:
+            self.split(micro)
             self.batch_from = "checkpoint"
 
 
@@ -221,36 +228,3 @@ def configured_split(config: Config, world: int) -> tuple[int, int]:
             f"train.global_batch_size {global_batch} must be divisible by the {world} data-parallel workers"
         )
     return global_batch // world, 1
-
-
-@dataclass
-class Optimization:
-    """Optimizer, LR schedule and grad scaler of one worker."""
-
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    scaler: torch.amp.GradScaler
-
-    @property
-    def lr(self) -> float:
-        return float(self.optimizer.param_groups[0]["lr"])
-
-    def state_dict(self) -> dict[str, Any]:
-        """The schedule's position and the scaler's state (JSON-able; lambdas are code, not state)."""
-        schedule = {k: v for k, v in self.scheduler.state_dict().items() if k != "lr_lambdas"}
-        return {"scheduler": schedule, "scaler": self.scaler.state_dict()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        groups = len(self.optimizer.param_groups)
-        self.scheduler.load_state_dict({**state["scheduler"], "lr_lambdas": [None] * groups})
-        self.scaler.load_state_dict(state["scaler"])
-
-
-class RngState:
-    """This process's random number generators."""
-
-    def state_dict(self) -> dict[str, Any]:
-        return capture_rng()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        restore_rng(state)

@@ -1,0 +1,166 @@
+"""The small components of a worker's training state: progress, LR schedule, loss scaler, RNG.
+
+* :class:`Progress` (``progress``): optimizer steps taken and samples seen by all workers.
+* :class:`Schedule` (``schedule``): the LR schedule's position; when the checkpoint was written
+  under other optimizer or schedule settings (another run's checkpoint: a PBT exploit, a
+  fine-tune), this run's own values are put back on top (``worker/optim.apply_hyperparameters``).
+* :class:`Scaler` (``scaler``): the fp16 loss scaler (empty when it is off).
+* :class:`Rng` (``rng``): every rank's own Python, NumPy, torch and CUDA generators; restored only
+  onto the ranks that wrote them (another worker count cannot continue the same draws).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Annotated, ClassVar
+
+import torch
+from pydantic import BaseModel, Field
+
+from trainforge.checkpoint.schema import MAX_STEP, RngState
+from trainforge.checkpoint.state import State, capture_rng, restore_rng
+from trainforge.config import OptimConfig, ScheduleConfig
+from trainforge.worker.components.base import Component, Restore, StateSchema
+from trainforge.worker.optim import apply_hyperparameters, effective_lr, hyperparameters_differ
+
+if TYPE_CHECKING:
+    from trainforge.worker.build import WorkerRun
+
+Step = Annotated[int, Field(ge=0, le=MAX_STEP)]
+Count = Annotated[int, Field(ge=0, le=2**62)]
+
+
+class ProgressState(StateSchema):
+    global_step: Step
+    samples_seen: Count
+
+
+@dataclass
+class Progress(Component):
+    """How far training has come, over all workers."""
+
+    name: ClassVar[str] = "progress"
+    schema: ClassVar[type[BaseModel]] = ProgressState
+
+    global_step: int = 0
+    samples_seen: int = 0
+
+    @classmethod
+    def from_run(cls, run: WorkerRun) -> Progress:
+        return cls()
+
+    def state_dict(self) -> State:
+        return State({"global_step": self.global_step, "samples_seen": self.samples_seen})
+
+    def load_state_dict(self, state: State, restore: Restore) -> None:
+        saved = ProgressState.model_validate(state.values)
+        self.global_step, self.samples_seen = saved.global_step, saved.samples_seen
+
+
+class ScheduleState(StateSchema):
+    """What torch's LR schedulers keep (``lr_lambdas`` are code, not state, and are left out)."""
+
+    last_epoch: Annotated[int, Field(ge=-1, le=MAX_STEP)]
+    base_lrs: list[float]
+    step_count: Annotated[int | None, Field(ge=0, le=MAX_STEP + 1, alias="_step_count")] = None
+    last_lr: Annotated[list[float] | None, Field(alias="_last_lr")] = None
+    is_initial: Annotated[bool | None, Field(alias="_is_initial")] = None
+    get_lr_called: Annotated[bool | None, Field(alias="_get_lr_called_within_step")] = None
+    verbose: bool | None = None
+
+
+class Schedule(Component):
+    """The LR schedule of a worker's optimizer, with this run's hyperparameters re-applied when the
+    checkpoint's config set others."""
+
+    name: ClassVar[str] = "schedule"
+    schema: ClassVar[type[BaseModel]] = ScheduleState
+
+    def __init__(
+        self,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        optimizer: torch.optim.Optimizer,
+        optim: OptimConfig,
+        schedule: ScheduleConfig,
+        lr: float,
+    ) -> None:
+        self.scheduler = scheduler
+        self.optimizer = optimizer
+        self.optim = optim
+        self.schedule = schedule
+        self.lr = lr  # this run's base LR (after linear scaling): what a foreign checkpoint gets
+
+    @classmethod
+    def from_run(cls, run: WorkerRun) -> Schedule:
+        cfg, runner = run.config, run.runner
+        lr = effective_lr(cfg.optim, run.data.samples_per_step * run.data_world)
+        return cls(runner.scheduler, runner.optimizer, cfg.optim, cfg.schedule, lr)
+
+    def state_dict(self) -> State:
+        return State({k: v for k, v in self.scheduler.state_dict().items() if k != "lr_lambdas"})
+
+    def load_state_dict(self, state: State, restore: Restore) -> None:
+        saved = ScheduleState.model_validate(state.values).model_dump(by_alias=True, exclude_none=True)
+        groups = len(self.optimizer.param_groups)
+        if len(saved["base_lrs"]) != groups:
+            raise ValueError(f"the schedule has {len(saved['base_lrs'])} parameter groups, this optimizer {groups}")
+        self.scheduler.load_state_dict({**saved, "lr_lambdas": [None] * groups})
+        if restore.config and hyperparameters_differ(restore.config, self.optim, self.schedule):
+            apply_hyperparameters(self.optimizer, self.scheduler, self.optim, self.lr)
+            lr = self.optimizer.param_groups[0]["lr"]
+            restore.notes.append(f"optimizer hyperparameters from this run's config (lr now {lr:.4g})")
+
+    @property
+    def current_lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+
+class ScalerState(StateSchema):
+    """The fp16 loss scaler's state (empty when the scaler is off)."""
+
+    scale: float | None = None
+    growth_factor: float | None = None
+    backoff_factor: float | None = None
+    growth_interval: int | None = None
+    growth_tracker: Annotated[int | None, Field(alias="_growth_tracker")] = None
+
+
+class Scaler(Component):
+    name: ClassVar[str] = "scaler"
+    schema: ClassVar[type[BaseModel]] = ScalerState
+
+    def __init__(self, scaler: torch.amp.GradScaler) -> None:
+        self.scaler = scaler
+
+    @classmethod
+    def from_run(cls, run: WorkerRun) -> Scaler:
+        return cls(run.runner.scaler)
+
+    def state_dict(self) -> State:
+        return State(dict(self.scaler.state_dict()))
+
+    def load_state_dict(self, state: State, restore: Restore) -> None:
+        saved = ScalerState.model_validate(state.values)
+        self.scaler.load_state_dict(saved.model_dump(by_alias=True, exclude_none=True))
+
+
+class Rng(Component):
+    """This process's random number generators, each rank its own."""
+
+    name: ClassVar[str] = "rng"
+    rank_schema: ClassVar[type[BaseModel]] = RngState
+
+    def __init__(self, rank: int = 0) -> None:
+        self.rank = rank
+
+    @classmethod
+    def from_run(cls, run: WorkerRun) -> Rng:
+        return cls(run.rank)
+
+    def state_dict(self) -> State:
+        return State(rank_values=capture_rng())
+
+    def load_state_dict(self, state: State, restore: Restore) -> None:
+        if state.rank_values is not None:
+            RngState.model_validate(state.rank_values)
+            restore_rng(state.rank_values)
