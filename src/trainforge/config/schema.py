@@ -83,6 +83,14 @@ class ModelConfig(Section):
         return self
 
 
+class EmaConfig(Section):
+    """``train.ema``: an exponential moving average of the weights (worker/ema.py)."""
+
+    decay: Annotated[float, Field(gt=0.0, lt=1.0)] = 0.999
+    every_n_steps: Steps = 1  # update the average every this many optimizer steps
+    evaluate: bool = True  # also validate with the averaged weights (val_ema/...)
+
+
 class TrainConfig(Section):
     max_steps: Steps | None = None
     epochs: Annotated[int, Field(ge=1, le=MAX_EPOCHS)] | None = None
@@ -98,6 +106,7 @@ class TrainConfig(Section):
     eval_every_n_steps: Steps | None = None
     sync_batchnorm: bool = False
     threads_per_worker: Annotated[int, Field(ge=1, le=1024)] = 1
+    ema: EmaConfig | None = None
 
     @model_validator(mode="after")
     def _has_length(self) -> TrainConfig:

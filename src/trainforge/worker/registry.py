@@ -19,6 +19,7 @@ from trainforge.worker.components.data import DataSource
 from trainforge.worker.components.training import Progress, Rng, Scaler, Schedule
 from trainforge.worker.components.weights import ModelWeights, OptimizerState
 from trainforge.worker.compression import PowerSGDComponent
+from trainforge.worker.ema import Ema
 from trainforge.worker.sync import LocalSync
 
 if TYPE_CHECKING:
@@ -33,6 +34,7 @@ COMPONENTS: tuple[type[Component], ...] = (
     Scaler,
     LocalSync,
     PowerSGDComponent,
+    Ema,
     Rng,
 )
 
