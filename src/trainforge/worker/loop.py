@@ -137,7 +137,6 @@ class Session:
         self.history = IntervalHistory()
         self.meter = Throughput(self.per_step * self.run.data_world)
         self.progress = self.restored.progress
-        self.run.data.progress = self.progress  # the data source's position is the progress record's
         self.first_step = self.progress.global_step
         self.profiler = StepProfiler.for_run(self.run, self.checkpointing.store)  # off without `profile`
         # Right after a restore, report after the first step: the driver times recovery from it.
@@ -176,8 +175,7 @@ class Session:
                 data.finish_epoch()
                 break
             progress.global_step += 1
-            if run.sync is not None:  # local SGD / DiLoCo: the workers meet every H steps
-                run.sync.after_step(progress.global_step)
+            run.after_step(progress.global_step)  # local SGD's sync points, the weights' average
             self.profiler.at_step(progress.global_step)
             data.advance()
             progress.samples_seen += self.per_step * run.data_world
@@ -186,7 +184,7 @@ class Session:
                 self.sums.add(name, getattr(times, name))
             if progress.global_step % cfg.train.log_every_n_steps == 0:
                 # A point for the curves; it is reduced with the others at the next report.
-                self.history.close(self.sums, progress.global_step, run.runner.optim.lr)
+                self.history.close(self.sums, progress.global_step, run.runner.lr)
             if cfg.train.eval_every_n_steps and progress.global_step % cfg.train.eval_every_n_steps == 0:
                 self.val_metrics = self.timed_evaluate()
             if progress.global_step >= run.total_steps:
@@ -307,7 +305,7 @@ class Session:
 
     def save(self, report: Report | None, *, final: bool = False) -> None:
         # The snapshot stall is training time: it stays in the throughput figure.
-        self.checkpointing.save(self.progress, report.scalars() if report is not None else {}, final=final)
+        self.checkpointing.save(report.scalars() if report is not None else {}, final=final)
         self.last_save = time.perf_counter()
 
     def timed_evaluate(self) -> dict[str, float]:
@@ -321,8 +319,8 @@ class Session:
         """Final validation, final checkpoint (waited for), final report: what rank 0 returns."""
         run = self.run
         self.profiler.finish()
-        if status == "finished" and run.sync is not None:
-            run.sync.finish(self.progress.global_step)  # one model at the end, not one per worker
+        if status == "finished":
+            run.finish(self.progress.global_step)  # local SGD: one model at the end, not one per worker
         if status == "finished" and run.val_set is not None:
             self.val_metrics = self.timed_evaluate()
         report, control = self.report(final=True)
