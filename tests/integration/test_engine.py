@@ -43,7 +43,7 @@ def weights(result: trainforge.RunResult) -> dict[str, torch.Tensor]:
 def test_two_workers_train_digits_and_write_the_contract(tmp_path: Path) -> None:
     config = tiny_run(
         tmp_path,
-        train={"epochs": 4, "max_steps": None, "batch_size": 32},
+        train={"epochs": 4, "max_steps": None, "batch_size": 32, "ema": {"decay": 0.9}},
         optim={"name": "adamw", "lr": 0.003},
         scaling={"num_workers": 2},
     )
@@ -71,6 +71,11 @@ def test_two_workers_train_digits_and_write_the_contract(tmp_path: Path) -> None
     with torch.no_grad():
         accuracy = (model(inputs).argmax(1) == targets).float().mean().item()
     assert accuracy == pytest.approx(summary["final_metrics"]["val/accuracy"], abs=1e-6)
+    # train.ema: the averaged weights beside them load the same way and give the val_ema figures.
+    model.load_state_dict(load_file(str(result.run_dir / "model_ema.safetensors")))
+    with torch.no_grad():
+        accuracy = (model(inputs).argmax(1) == targets).float().mean().item()
+    assert accuracy == pytest.approx(summary["final_metrics"]["val_ema/accuracy"], abs=1e-6)
 
     reports = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r["step"] for r in reports if "step" in r]
