@@ -201,6 +201,17 @@ WRONG_TYPES = {
     "step as a string": (STATE_FILE, lambda s: progress(s).update(global_step="7"), "components.progress.global_step"),
     "rng of another rank count": (STATE_FILE, lambda s: s["ranks"].append(s["ranks"][0]), "holds 2 rank states for 1"),
     "python rng cut short": (STATE_FILE, lambda s: rng(s)["python"][1].pop(), "ranks.0.rng.python.1"),
+    # Verified and loaded, then crashed every restart, before components had their own schemas:
+    "a key the schedule does not hold": (
+        STATE_FILE,
+        lambda s: s["components"]["schedule"].update(optimizer=0),
+        "components.schedule.optimizer: Extra inputs are not permitted",
+    ),
+    "a component this trainforge does not know": (
+        STATE_FILE,
+        lambda s: s["components"].update(warp_drive={}),
+        "components.warp_drive: a component this trainforge does not know",
+    ),
     # Format 2 as before: its fixed fields are still read (restore maps them onto the components).
     "format 2 progress as a list": (
         STATE_FILE,

@@ -375,7 +375,9 @@ def check_components(
     for name, values in components.items():
         known = schemas.get(name)
         if known is None:
-            raise CheckpointError(f"{STATE_FILE} holds a component {name} that this trainforge does not know")
+            raise CheckpointError(
+                f"{STATE_FILE} is malformed: components.{name}: a component this trainforge does not know"
+            )
         _check_part(known.schema, values, f"components.{name}")
     for index, mine in enumerate(ranks):
         for name, values in mine.items():
