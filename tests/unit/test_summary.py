@@ -1,5 +1,5 @@
 """summary.json is built in one place (trainforge/summary.py): the run's driver (launch, at the end of
-``fit``) and a search's driver (tune/summary.py, for a trial Tune cut short) describe the same run
+``fit``) and a search's driver (tune/results.py, for a trial Tune cut short) describe the same run
 record the same way. No Ray: the driver's Pump is fed the events as its mailbox would deliver them."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from trainforge.driver.summary import (
     build_summary,
 )
 from trainforge.protocol import Report, Resumed, WorkerFailure
-from trainforge.tune.summary import complete_run_dir
+from trainforge.tune.results import complete_run_dir
 from trainforge.tune.trial import TrialOutcome
 
 T0 = 1_790_000_000.0

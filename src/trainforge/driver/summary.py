@@ -1,7 +1,7 @@
 """summary.json and the final weights: what a run directory holds once its run has ended.
 
 Two drivers end runs: the run's own (``launch``, at the end of ``fit``) and a search's
-(``tune.summary``, for a trial whose actor Tune ended before ``fit`` could). Both describe the run
+(``tune.results``, for a trial whose actor Tune ended before ``fit`` could). Both describe the run
 with a ``RunRecord`` and write it with ``finish_run_dir``, so summary.json has one shape and
 ``restarts``/``recovery_s`` one meaning (``Recovery``) whoever writes it.
 """

@@ -32,9 +32,9 @@ from trainforge.errors import ConfigError
 from trainforge.redact import redact_config
 from trainforge.tune.placement import Releaser, release, start_ledger
 from trainforge.tune.relay import relayed
+from trainforge.tune.results import write_outputs
 from trainforge.tune.schedulers import SearchSettings, build_scheduler, build_search_alg, make_settings
 from trainforge.tune.space import SearchSpace
-from trainforge.tune.summary import write_outputs
 from trainforge.tune.table import TrialWatch
 from trainforge.tune.tracking import start_search_run
 from trainforge.tune.trial import TUNE_DIR_PREFIX, TrialSetup, run_trial
