@@ -1,7 +1,7 @@
 """The Python entry points: ``fit(config) -> RunResult`` and ``tune(config, space) -> TuneResult``.
 
 The top of the driver's layers (pyproject.toml's import contracts): only the CLI and the package
-root import it. ``fit`` is ``launch.train`` on a config file; ``tune`` is ``trainforge.tune.search.search``.
+root import it. ``fit`` is ``driver/run.train`` on a config file; ``tune`` is ``trainforge.tune.search.search``.
 """
 
 from __future__ import annotations
@@ -60,9 +60,9 @@ def fit(
 ) -> RunResult:
     """Train the run a config describes; raises TrainforgeError for user errors and failed runs.
 
-    ``observers``: more observers of the run's reports (launch.train adds the standard ones).
+    ``observers``: more observers of the run's reports (driver/run.train adds the standard ones).
     ``train_callbacks``: extra Ray Train callbacks for the run's controller.
-    ``lock_wait_s``: how long to wait for another run holding the run directory (runlock.py) to
+    ``lock_wait_s``: how long to wait for another run holding the run directory (driver/runlock.py) to
     end before giving up with RunLockedError.
     """
     resolved = load_config(config, overrides)

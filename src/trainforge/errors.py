@@ -30,7 +30,7 @@ class CheckpointError(TrainforgeError):
 
 
 class RunLockedError(TrainforgeError):
-    """Another trainforge run holds the run directory or its checkpoint folder (runlock.py)."""
+    """Another trainforge run holds the run directory or its checkpoint folder (driver/runlock.py)."""
 
 
 class TrainingFailed(TrainforgeError):

@@ -1,4 +1,4 @@
-"""A local Ray started the way every run starts one (``launch.ray_session``) listens on loopback
+"""A local Ray started the way every run starts one (``driver/ray_session.ray_session``) listens on loopback
 only, unless ``cluster.bind_address: 0.0.0.0`` (docs/security.md, table 6).
 
 Every listening TCP socket of this process and its descendants (GCS, raylet, object manager,

@@ -1,6 +1,6 @@
 """A real Prometheus scrapes a real training run through Ray's metrics pipeline.
 
-One module fixture: a local Ray started the way ``trainforge train`` starts it (launch.ray_session,
+One module fixture: a local Ray started the way ``trainforge train`` starts it (driver/ray_session.ray_session,
 which also writes Ray's service-discovery file), Debian's ``prometheus`` on loopback with the
 shipped config (only paths and intervals substituted) and the shipped rules, and a short
 two-worker run. The tests then read Prometheus' HTTP API: the training metrics with their

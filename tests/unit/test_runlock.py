@@ -1,4 +1,5 @@
-"""The run lock (runlock.py): one driver per run directory, stale locks taken over, released however a run ends."""
+"""The run lock (driver/runlock.py): one driver per run directory, stale locks taken over,
+released however a run ends."""
 
 from __future__ import annotations
 

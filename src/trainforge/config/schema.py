@@ -304,7 +304,7 @@ class MetricsConfig(Section):
     # metrics_report_interval_ms; Ray floors it at 1 s). None: Ray's default, 10 s. A cluster sets
     # it at `ray start` (RAY_metrics_report_interval_ms); setting it for one is refused at connect.
     export_interval_s: Annotated[float, Field(ge=1.0, le=3600.0)] | None = None
-    # Time DDP's gradient all-reduce through a Python communication hook (metrics/comm.py); false
+    # Time DDP's gradient all-reduce through a Python communication hook (metrics/worker/comm.py); false
     # keeps DDP's built-in C++ all-reduce and exports no communication metrics.
     comm_timing: bool = True
     trial: str | None = None  # label `trial` on every series; `trainforge tune` sets it to the trial id

@@ -204,7 +204,7 @@ class MetricsLog:
 
     def on_start(self, info: RunInfo) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        # A driver session begins: a replay (summary.RunLog) counts restarts from the last one on.
+        # A driver session begins: a replay (driver/summary.RunLog) counts restarts from the last one on.
         self._append({"event": DRIVER_START, "time": time.time()})
 
     def on_report(self, report: Report) -> None:

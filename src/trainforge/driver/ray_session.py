@@ -122,7 +122,7 @@ def ray_session(config: Config, address: str | None, *, verbose: bool) -> Iterat
         # Logical CPUs: enough for every worker even on a 2-core laptop; threads are capped per worker.
         num_cpus = config.cluster.num_cpus or max(os.cpu_count() or 1, int(workers * cpus_per_worker) + 1, 4)
         # address="local": always a new cluster, never one some other `ray start` left on this machine.
-        # No dashboard (11 more processes, ~0.9 GB); metrics export works without it (metrics/session.py).
+        # No dashboard (11 more processes, ~0.9 GB); metrics export works without it (metrics/driver/session.py).
         options = local_ray_options(config.metrics)
         with bound_to(config.cluster.bind_address):
             ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **options, **quiet)  # type: ignore[arg-type]

@@ -257,7 +257,7 @@ def run_training(
     """Train to completion (or failure) and return the summary that was written to summary.json.
 
     The run's directory (and checkpoint folder) is locked from before Ray starts until the summary
-    is written, whatever the outcome (runlock.py); ``lock_wait_s`` waits for a holder that is ending.
+    is written, whatever the outcome (driver/runlock.py); ``lock_wait_s`` waits for a holder that is ending.
     """
     address = resolve_address(config, address)
     local = address is None

@@ -66,7 +66,7 @@ class RunLog:
 
     @classmethod
     def replay(cls, lines: Iterable[str]) -> RunLog:
-        """The lines observe.MetricsLog appended, in order; a line cut short (a stopped trial's
+        """The lines driver/events.MetricsLog appended, in order; a line cut short (a stopped trial's
         actor ended mid-write) or of another shape is skipped (``Report.from_json``: events by
         kind, a run's from before events had kinds as plain notes). ``restarts`` and ``recovery_s``
         cover the last driver session (from the last ``DRIVER_START`` line on), as the driver's

@@ -1,6 +1,6 @@
 """A background sender for one MLflow run: callers enqueue, one thread talks to the store.
 
-The driver's main loop (``observe.Pump``) hands reports to observers; nothing there may wait on
+The driver's main loop (``driver/events.Pump``) hands reports to observers; nothing there may wait on
 the network. ``Outbox`` takes metric points and calls into bounded in-memory queues and returns;
 its thread opens the run, sends metrics in batches of up to 1000 points, then the queued calls, in
 order. A call that fails for a reason that can pass (connection refused, timeout, 5xx, a locked

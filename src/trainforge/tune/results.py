@@ -106,7 +106,7 @@ def _read_json(path: Path) -> dict[str, Any]:
 def complete_run_dir(outcome: TrialOutcome) -> bool:
     """Write the run's summary.json (and final weights) when Tune ended the trial's actor before
     ``fit`` could: a trial a scheduler stopped, or one stopped while it was finishing. True if written.
-    The record is the run's metrics.jsonl, read back (summary.RunLog)."""
+    The record is the run's metrics.jsonl, read back (driver/summary.RunLog)."""
     run_dir = Path(outcome.run_dir)
     ran = RunLog.read(run_dir)
     if not ran.reports or (run_dir / "summary.json").is_file() or outcome.status not in ("stopped", "finished"):

@@ -1,7 +1,7 @@
 """One trial, inside Ray Tune's trial actor: a complete trainforge run with sampled hyperparameters.
 
-The trial function is the Ray Train driver of its run (``launch.train``, as ``trainforge.fit``): its own worker group,
-run directory ``<search dir>/<trial id>/``, checkpoints, restarts and summary. Reports reach Tune
+The trial function is the Ray Train driver of its run (``driver/run.train``, as ``trainforge.fit``):
+its own worker group, run directory ``<search dir>/<trial id>/``, checkpoints, restarts and summary. Reports reach Tune
 through an observer on the run's report stream (``TuneReporter``), which forwards each report that
 carries the search metric with ``step`` as Tune's time attribute.
 
@@ -43,7 +43,7 @@ TUNE_DIR_PREFIX = ".ray-"  # Tune's own trial folders (params, results, PBT chec
 TRIAL_FILE = "trial.json"  # in a Tune checkpoint: which trial's trainforge checkpoint it holds
 ADOPTED_FILE = "adopted.json"  # in a run dir: the PBT exploits this trial went through
 # A trial Tune restarts (PBT's exploit, a restored search) runs in the run dir of its previous
-# actor, whose process may still be exiting: its run lock (runlock.py) is waited for, not refused.
+# actor, whose process may still be exiting: its run lock (driver/runlock.py) is waited for, not refused.
 TRIAL_LOCK_WAIT_S = 60.0
 
 

@@ -9,7 +9,7 @@ the global batch and a step sees the same samples whatever the split.
 * ``choose_batch`` (after restore, before the first step): a resumed run keeps its checkpoint's
   split. Otherwise each rank finds the largest micro-batch that fits on its own, without
   communicating (one rank's out-of-memory error must not leave the others in a collective): the
-  memory planner's estimate (``worker/memory.py``) against ``train.memory_limit_gb`` (CPU) or the
+  memory planner's estimate (``worker/capacity/estimate.py``) against ``train.memory_limit_gb`` (CPU) or the
   device's memory (GPU) bounds it, then trial steps (forward and backward of real samples, no
   optimizer step) search down from that bound, catching ``torch.OutOfMemoryError``; on GPU the
   choice keeps a margin below the largest that passed. The ranks then agree on the smallest. When

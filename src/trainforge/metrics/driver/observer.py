@@ -91,5 +91,5 @@ class RunMetrics:
 
 
 def metrics_observers(config: Config) -> list[RunMetrics]:
-    """What ``launch.train`` adds to its observers, when ``metrics.enabled``."""
+    """What ``driver/run.train`` adds to its observers, when ``metrics.enabled``."""
     return [RunMetrics(config)] if config.metrics.enabled else []

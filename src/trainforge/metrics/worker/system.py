@@ -1,6 +1,6 @@
 """Per-node system metrics, sampled by the first worker of each node at every report.
 
-Keys, added to that worker's report (``observe.merge_reports`` collects every node's):
+Keys, added to that worker's report (``driver/events.merge_reports`` collects every node's):
 ``system/<node>/cpu_percent, memory_used_gb, memory_percent, net_sent_mb_s, net_recv_mb_s,
 disk_read_mb_s, disk_write_mb_s`` and, where NVML initialises, per GPU ``gpu<i>_util_percent,
 gpu<i>_memory_used_gb, gpu<i>_temperature_c, gpu<i>_power_w``. ``<node>`` is the node's IP.

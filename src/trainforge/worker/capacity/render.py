@@ -2,7 +2,7 @@
 
 Every strategy that applies (ddp, fsdp, fsdp with activation checkpointing, fsdp x tensor
 parallelism 2/4/8 ways, with and without checkpointing) is estimated from one fake-tensor profile of
-the model (``worker/memory.py``); the first that fits, in the order of ``STRATEGIES``, is recommended.
+the model (``worker/capacity/estimate.py``); the first that fits, in the order of ``STRATEGIES``, is recommended.
 Figures are GiB (2^30 bytes), as ``torch.cuda`` and nvidia-smi count them.
 """
 
