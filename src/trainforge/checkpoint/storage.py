@@ -226,7 +226,12 @@ class CheckpointStore:
             target = f"{self.path(name)}/{rel}"
             self._make_parent(target)
             self.fs.copy_file(f"{source}/{rel}", target)
-        self.fs.delete_dir(source)
+        # Committed is committed: a staging prefix left behind costs space, not the save (the
+        # writer's first save of a later session removes it).
+        try:
+            self.fs.delete_dir(source)
+        except OSError as err:
+            log.warning("could not remove the staging prefix %s after committing %s: %s", staging, name, err)
 
     def discard_staging(self, staging: str) -> None:
         """Remove a staging directory (or prefix) of this store that a failed save left."""
