@@ -165,7 +165,7 @@ def test_pbt_exploit_continues_from_the_donor_with_its_own_mutated_lr(tmp_path: 
     for run_dir in exploited:
         adoption = json.loads((run_dir / "adopted.json").read_text())[0]
         donor_state = json.loads((Path(adoption["checkpoint"]) / "trainer_state.json").read_text())
-        assert donor_state["progress"]["global_step"] == adoption["donor_step"]
+        assert donor_state["components"]["progress"]["global_step"] == adoption["donor_step"]
         reports = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         resumed = next(
             r for r in reports if any(e.text.startswith(f"resumed from {adoption['checkpoint']}") for e in events_of(r))
