@@ -98,6 +98,35 @@ def test_worker_killed_mid_epoch_resumes_bit_identical(
     )
 
 
+# A model that owns its step (model.task: custom) on dict batches, through real Ray workers.
+CUSTOM_STEP = {
+    "scaling": {"num_workers": 2},
+    "model": {
+        "name": None,
+        "factory": "tests.helpers.user_models:paced_own_step",
+        "kwargs": {"delay_s": 0.03},
+        "task": "custom",
+    },
+    "data": {"name": "factory", "factory": "tests.helpers.user_data:digits_dicts"},
+}
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("ray_local")
+def test_a_custom_step_worker_killed_mid_epoch_resumes_bit_identical(
+    tmp_path: Path, straight: Callable[[str, dict], trainforge.RunResult]
+) -> None:
+    reference = straight("custom-step", CUSTOM_STEP)
+    run_dir = tmp_path / "killed" / "t"
+    killed = kill_a_worker_after(run_dir / "checkpoint_000000020")
+    resumed = trainforge.fit(paced_config(tmp_path / "killed", **CUSTOM_STEP))
+
+    assert killed, "no worker was killed"
+    assert resumed.summary["status"] == "finished" and resumed.summary["restarts"] == 1
+    assert {"train/accuracy", "val/accuracy"} <= resumed.summary["final_metrics"].keys()
+    assert_bit_identical(checkpoint_state(reference.run_dir, 60), checkpoint_state(run_dir, 60))
+
+
 @pytest.mark.slow
 @pytest.mark.usefixtures("ray_local")
 def test_driver_stopped_and_rerun_resumes_bit_identical(

@@ -174,3 +174,23 @@ def digits_ray(data: DataConfig, seed: int) -> UserData:
         num_classes=10,
         input_shape=(1, 8, 8),
     )
+
+
+class DictDigits(Dataset[Any]):
+    """Digits as dict samples, {"image": (1, 8, 8) float, "label": int}: a batch of the data's own
+    shape, for a model that owns its step (model.task: custom)."""
+
+    def __init__(self, part: slice = slice(None)) -> None:
+        self.pairs = NumpyDigits(part)
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        image, label = self.pairs[index]
+        return {"image": torch.from_numpy(image), "label": label}
+
+
+def digits_dicts(data: DataConfig, seed: int) -> UserData:
+    """Digits as dicts, the last 360 held out, for model.task custom."""
+    return UserData(train=DictDigits(slice(0, 1437)), val=DictDigits(slice(1437, None)), kind="custom", num_classes=10)

@@ -111,3 +111,66 @@ class IdRecorder(nn.Module):
 
 def id_recorder(record_to: str, delay_s: float = 0.05, hidden: int = 32) -> nn.Module:
     return IdRecorder(record_to, delay_s, hidden)
+
+
+class OwnStep(nn.Module):
+    """A digits classifier that owns its step (model.task: custom): dict batches {"image", "label"},
+    its loss and an accuracy of its own, and a validation step."""
+
+    def __init__(self, hidden: int, dropout: float) -> None:
+        super().__init__()
+        layers: list[nn.Module] = [nn.Flatten(), nn.Linear(64, hidden), nn.ReLU()]
+        if dropout:
+            layers.append(nn.Dropout(dropout))
+        self.net = nn.Sequential(*layers, nn.Linear(hidden, 10))
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.net(images)
+
+    def training_step(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        logits = self(batch["image"])
+        loss = nn.functional.cross_entropy(logits, batch["label"])
+        return loss, {"accuracy": (logits.argmax(1) == batch["label"]).float().mean()}
+
+    def validation_step(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        loss, values = self.training_step(batch)
+        return {"loss": loss, **values}
+
+
+def own_step(hidden: int = 32, dropout: float = 0.0) -> nn.Module:
+    return OwnStep(hidden, dropout)
+
+
+class Returns(nn.Module):
+    """A model whose training_step returns ``what`` (for the checks on what a step may return)."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__()
+        self.what = what
+        self.weight = nn.Parameter(torch.ones(3))
+
+    def training_step(self, batch: object) -> object:
+        loss = self.weight.sum()
+        return {"vector": self.weight * 2, "number": 1.5, "dict": {"total": loss}}[self.what]
+
+
+def tiny_lm(vocab_size: int = 256) -> nn.Module:
+    """An embedding and a head over ``vocab_size`` token ids: (B, T) -> (B, T, vocab_size)."""
+    return nn.Sequential(nn.Embedding(vocab_size, 16), nn.Linear(16, vocab_size))
+
+
+class PacedOwnStep(OwnStep):
+    """OwnStep whose training steps take at least ``delay_s``: slow enough for a test to act mid-run."""
+
+    def __init__(self, hidden: int, dropout: float, delay_s: float) -> None:
+        super().__init__(hidden, dropout)
+        self.delay_s = delay_s
+
+    def training_step(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        if self.training:
+            time.sleep(self.delay_s)
+        return super().training_step(batch)
+
+
+def paced_own_step(hidden: int = 32, dropout: float = 0.1, delay_s: float = 0.03) -> nn.Module:
+    return PacedOwnStep(hidden, dropout, delay_s)

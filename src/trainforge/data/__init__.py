@@ -3,7 +3,7 @@ augmentation and the resumable distributed sampler. ``registry.py`` holds every 
 
 from trainforge.data.factory import UserData, check_data_factory, is_ray_dataset, load_user_data
 from trainforge.data.registry import MAP_STYLE, REGISTRY, Source, SourceBuilder, build_datasets, open_stream, source_of
-from trainforge.data.sampler import ResumableDistributedSampler, make_loader
+from trainforge.data.sampler import ResumableDistributedSampler, collate_of, make_loader
 from trainforge.data.sources import PairDataset
 from trainforge.data.spec import DataSpec
 
@@ -18,6 +18,7 @@ __all__ = [
     "UserData",
     "build_datasets",
     "check_data_factory",
+    "collate_of",
     "is_ray_dataset",
     "load_user_data",
     "make_loader",

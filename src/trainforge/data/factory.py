@@ -41,19 +41,24 @@ EXPECTED = (
     "a trainforge.data.UserData(train=..., val=..., num_classes=... or vocab_size=...), "
     "a map-style torch Dataset of (input, target) pairs or a ray.data.Dataset"
 )
-Kind = Literal["image", "tokens"]
+Kind = Literal["image", "tokens", "custom"]
 
 
 @dataclass(frozen=True)
 class UserData:
     """What a data factory returns: the data and the facts a model is shaped by.
 
-    ``kind`` is ``image`` for classification (a float input of any shape, an integer class target)
-    and ``tokens`` for language modelling (integer input and target of ``seq_len`` tokens). Left
+    ``kind`` is ``image`` for classification (a float input of any shape, an integer class target),
+    ``tokens`` for language modelling (integer input and target of ``seq_len`` tokens) and
+    ``custom`` for samples of the data's own shape (dicts, tuples of any length) that a model with
+    its own ``training_step`` reads (``model.task: custom``). Left
     out, ``kind``, ``input_shape`` and ``seq_len`` are read from the first training sample and
     ``num_classes`` from the set's ``classes`` attribute where it has one; ``num_classes`` (image)
-    or ``vocab_size`` (tokens) must otherwise be given. ``mean``/``std`` are the per-channel
-    statistics ``data.augment`` normalises with. A Ray Dataset is not read here: give its facts.
+    or ``vocab_size`` (tokens) must otherwise be given (for custom data they are optional facts the
+    model factory may read). ``collate``: how a batch is made of samples (default: torch's
+    ``default_collate``, which stacks tensors and keeps dicts and tuples). ``mean``/``std`` are the
+    per-channel statistics ``data.augment`` normalises with. A Ray Dataset is not read here: give
+    its facts.
     """
 
     train: Any
@@ -65,6 +70,7 @@ class UserData:
     kind: Kind | None = None
     mean: tuple[float, ...] | None = None
     std: tuple[float, ...] | None = None
+    collate: Callable[[list[Any]], Any] | None = None
 
 
 def is_ray_dataset(obj: object) -> bool:
@@ -252,7 +258,10 @@ def as_tensor(value: object) -> Tensor | None:
 
 def split_pair(item: object, path: str, where: str) -> tuple[Tensor, Tensor]:
     if not isinstance(item, tuple | list) or len(item) != 2:
-        raise DataError(f"data.factory {path!r}: {where} is {type_name(item)}, expected an (input, target) pair")
+        raise DataError(
+            f"data.factory {path!r}: {where} is {type_name(item)}, expected an (input, target) pair "
+            "(samples of your own shape: return UserData(..., kind='custom') for a model.task custom model)"
+        )
     inputs, target = as_tensor(item[0]), as_tensor(item[1])
     if inputs is None or target is None:
         raise DataError(
@@ -280,14 +289,47 @@ class CheckedPairs(PairDataset):
         return self.rule.pair(self.dataset[source], f"{self.what} sample {source}")
 
 
-def first_sample(dataset: Any, path: str, what: str) -> tuple[Tensor, Tensor]:
+def sample_zero(dataset: Any, path: str, what: str) -> Any:
     try:
-        item = dataset[0]
+        return dataset[0]
     except TrainforgeError:
         raise
     except Exception as err:
         raise DataError(f"data.factory {path!r}: reading {what} sample 0 raised {describe(err)}") from err
-    return split_pair(item, path, f"{what} sample 0")
+
+
+def first_sample(dataset: Any, path: str, what: str) -> tuple[Tensor, Tensor]:
+    return split_pair(sample_zero(dataset, path, what), path, f"{what} sample 0")
+
+
+class Samples(Dataset[Any]):
+    """A factory's map-style set of custom samples (or the ``indices`` of it), as they come, with
+    the factory's ``collate``: the loaders batch it with that."""
+
+    def __init__(self, dataset: Any, collate: Callable[[list[Any]], Any] | None, indices: Tensor | None = None):
+        self.dataset = dataset
+        self.collate = collate
+        self.indices = indices.tolist() if indices is not None else None
+
+    def __len__(self) -> int:
+        return len(self.indices) if self.indices is not None else len(self.dataset)
+
+    def __getitem__(self, index: int) -> Any:
+        return self.dataset[self.indices[index] if self.indices is not None else index]
+
+
+def custom_samples(user: UserData, cfg: FactoryData, path: str) -> UserData:
+    """Custom samples: no (input, target) checks (the model's training_step reads them); the
+    validation set given, or ``data.val_fraction`` split off as for the other kinds."""
+    train, val = Samples(user.train, user.collate), None
+    if user.val is not None:
+        dataset_length(user.val, "val", path)
+        val = Samples(user.val, user.collate)
+    elif cfg.val_fraction > 0:
+        total = len(train)
+        train_idx, val_idx = split_indices(total, val_count(total, cfg.val_fraction, f"data.factory {path!r}"))
+        train, val = Samples(user.train, user.collate, train_idx), Samples(user.train, user.collate, val_idx)
+    return replace(user, train=train, val=val, kind="custom", input_shape=tuple(user.input_shape or ()))
 
 
 def infer_kind(inputs: Tensor, target: Tensor) -> Kind | None:
@@ -301,6 +343,8 @@ def infer_kind(inputs: Tensor, target: Tensor) -> Kind | None:
 def checked_map_style(user: UserData, cfg: FactoryData, path: str) -> UserData:
     """``user`` with its sets wrapped in checked views and every fact filled in, or a DataError."""
     dataset_length(user.train, "train", path)
+    if user.kind == "custom":
+        return custom_samples(user, cfg, path)
     inputs, target = first_sample(user.train, path, "train")
     kind = user.kind or infer_kind(inputs, target)
     if kind is None:
@@ -360,6 +404,16 @@ def classes_of(dataset: Any) -> int | None:
 def user_data_spec(user: UserData, path: str) -> DataSpec:
     """The DataSpec a model is built from; for a Ray Dataset from the declared facts alone."""
     kind = user.kind or ("tokens" if user.vocab_size is not None else "image")
+    if kind == "custom":
+        return DataSpec(
+            kind="custom",
+            input_shape=tuple(user.input_shape or ()),
+            num_classes=user.num_classes,
+            vocab_size=user.vocab_size,
+            seq_len=user.seq_len,
+            train_size=len(user.train),
+            val_size=len(user.val) if user.val is not None else 0,
+        )
     shape = declared_shape(user, path)
     needed = "vocab_size and seq_len" if kind == "tokens" else "num_classes and input_shape"
     facts = (user.vocab_size, shape) if kind == "tokens" else (user.num_classes, shape)

@@ -9,12 +9,12 @@ from __future__ import annotations
 import functools
 import multiprocessing
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
 from trainforge.data.sources import mix_seed
 from trainforge.errors import DataError
@@ -120,7 +120,7 @@ def make_loader(
     The explicit generator also keeps the loader from drawing on the global torch RNG, whose
     state a checkpoint restores.
     """
-    options: dict[str, Any] = {}
+    options: dict[str, Any] = {"collate_fn": collate_of(dataset)}
     if num_workers > 0:
         # In loader workers, reseed per sample: what a sample's augmentation draws then depends
         # on (seed, epoch, index) alone, not on which worker loads it or where a resumed epoch
@@ -145,6 +145,12 @@ def make_loader(
         generator=torch.Generator().manual_seed(mix_seed(seed, epoch, rank)),
         **options,
     )
+
+
+def collate_of(dataset: Any) -> Callable[[list[Any]], Any]:
+    """How a batch of ``dataset``'s samples is made: its own ``collate`` (a factory's custom samples,
+    data/factory.py), else torch's ``default_collate``."""
+    return getattr(dataset, "collate", None) or default_collate
 
 
 class SampleSeeded(Dataset[Any]):

@@ -10,8 +10,10 @@ from typing import Literal
 class DataSpec:
     """What a model needs to know about its data: shapes, classes, vocabulary."""
 
-    kind: Literal["image", "tokens"]
-    input_shape: tuple[int, ...]  # per sample, e.g. (1, 8, 8) or (seq_len,)
+    # image: (input, class) pairs; tokens: (ids, next ids) pairs; custom: samples of the data's own
+    # shape (dicts, tuples), for a model that owns its step (model.task custom)
+    kind: Literal["image", "tokens", "custom"]
+    input_shape: tuple[int, ...]  # per sample, e.g. (1, 8, 8) or (seq_len,); () for custom samples
     num_classes: int | None = None  # image classification
     vocab_size: int | None = None  # tokens
     seq_len: int | None = None  # tokens

@@ -1,16 +1,29 @@
-"""Task heads: the loss a model trains on and the metrics it reports.
+"""Tasks: what one training or validation step of a model computes, and the metrics it reports.
 
-Metrics go through sums so they can be all-reduced across ranks before dividing: a rank reports
-``stats`` (correct, count) per batch, the caller adds ``loss_sum = loss * count``, sums everything
-over batches and ranks, and ``finalize`` turns the totals into averages.
+A task takes the model (as the parallel plan wrapped it) and a batch, and gives the loss to
+backpropagate with the step's metric sums; metrics go through sums so they can be all-reduced
+across ranks before dividing (``loss_sum = loss * count`` and the like), and ``finalize`` turns
+the reduced totals into averages.
+
+* Built-in supervised tasks (``classification``, ``causal_lm``) see ``(inputs, targets)`` batches:
+  cross-entropy over the last dimension of ``model(inputs)``.
+* ``custom``: the model owns its step. Its ``training_step(batch)`` returns the loss, or
+  ``(loss, {name: value})``, or ``{"loss": loss, name: value}``; its optional
+  ``validation_step(batch)`` returns ``{name: value}`` (without it, validation is the training
+  step's loss and values under ``no_grad``). A batch is whatever the data yields (tensors, tuples,
+  dicts). The step runs through the wrapped model's ``forward``, so DDP and FSDP see it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from trainforge.config import ModelConfig
 from trainforge.data.spec import DataSpec
@@ -22,15 +35,37 @@ IGNORE_INDEX = -100
 MAX_LOG_PERPLEXITY = 50.0
 """Perplexity is reported as exp(min(loss, this)), so an untrained or diverged model gives a finite number."""
 
+Stats = dict[str, torch.Tensor]
+
 
 class Task:
-    """Cross-entropy over the last dimension of the logits; subclasses name the task and its metrics.
+    """Cross-entropy over the last dimension of the logits of ``(inputs, targets)`` batches;
+    subclasses name the task and its metrics.
 
     Classification sees ``(B, C)`` logits and ``(B,)`` targets, a causal LM ``(B, T, V)`` logits and
     ``(B, T)`` targets already shifted by the data, so both reduce to one prediction per target.
     """
 
     name: str = ""
+    supervised: bool = True  # batches are (inputs, targets): augmentation and memory format apply to inputs
+
+    def train_step(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, Stats]:
+        """The loss to backpropagate (mean over the batch) and the batch's metric sums."""
+        inputs, targets = batch
+        output = model(inputs)
+        loss = self.loss(output, targets)
+        return loss, self.sums(loss, output, targets)
+
+    @torch.no_grad()
+    def eval_step(self, model: nn.Module, batch: Any) -> Stats:
+        """The batch's metric sums for validation."""
+        inputs, targets = batch
+        output = model(inputs)
+        return self.sums(self.loss(output, targets), output, targets)
+
+    def sums(self, loss: torch.Tensor, output: torch.Tensor, targets: torch.Tensor) -> Stats:
+        stats = self.stats(output.detach(), targets)
+        return {"loss_sum": loss.detach().float() * stats["count"], **stats}
 
     def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy over all predictions whose target is not IGNORE_INDEX."""
@@ -39,14 +74,14 @@ class Task:
         return F.cross_entropy(logits.float(), target.reshape(-1), ignore_index=IGNORE_INDEX)
 
     @torch.no_grad()
-    def stats(self, output: torch.Tensor, target: torch.Tensor) -> dict[str, torch.Tensor]:
+    def stats(self, output: torch.Tensor, target: torch.Tensor) -> Stats:
         """float32 scalar sums for all-reduce: correct argmax predictions and counted predictions."""
         self._check_shapes(output, target)
         counted = target != IGNORE_INDEX
         correct = (output.argmax(dim=-1) == target) & counted
         return {"correct": correct.sum().float(), "count": counted.sum().float()}
 
-    def finalize(self, sums: dict[str, float]) -> dict[str, float]:
+    def finalize(self, sums: Mapping[str, float]) -> dict[str, float]:
         """Mean loss and accuracy from reduced sums (``loss_sum``, ``correct``, ``count``); NaN if nothing counted."""
         count = float(sums["count"])
         if count <= 0:
@@ -72,18 +107,235 @@ class CausalLMTask(Task):
 
     name = "causal_lm"
 
-    def finalize(self, sums: dict[str, float]) -> dict[str, float]:
+    def finalize(self, sums: Mapping[str, float]) -> dict[str, float]:
         metrics = super().finalize(sums)
         loss = metrics["loss"]
         metrics["perplexity"] = loss if math.isnan(loss) else math.exp(min(loss, MAX_LOG_PERPLEXITY))
         return metrics
 
 
+VALUE_PREFIX = "value/"  # a custom step's own values, summed weighted by the batch's samples
+
+
+class CustomTask(Task):
+    """The model's own ``training_step`` (and ``validation_step``): losses and values averaged over
+    samples (a batch counts as many samples as its tensors' leading dimension)."""
+
+    name = "custom"
+    supervised = False
+
+    def __init__(self, module: nn.Module) -> None:
+        if not callable(getattr(module, "training_step", None)):
+            raise ModelError(
+                f"model.task custom needs the model to define training_step(batch) -> loss; "
+                f"{type(module).__name__} has none (or leave model.task out for a built-in task)"
+            )
+        self.has_validation_step = callable(getattr(module, "validation_step", None))
+
+    def train_step(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, Stats]:
+        loss, values = split_result(call_step(model, "training_step", batch), "training_step")
+        return loss, self._sums(loss, values, batch)
+
+    @torch.no_grad()
+    def eval_step(self, model: nn.Module, batch: Any) -> Stats:
+        if not self.has_validation_step:
+            loss, values = split_result(call_step(model, "training_step", batch), "training_step")
+            return self._sums(loss, values, batch)
+        result = call_step(model, "validation_step", batch)
+        if not isinstance(result, Mapping):
+            raise ModelError(
+                f"model.task custom: validation_step returned {type(result).__name__}; it must return "
+                "{name: value} (scalar tensors or numbers)"
+            )
+        values = {str(k): scalar(v, f"validation_step's {k!r}") for k, v in result.items()}
+        return self._sums(values.pop("loss") if "loss" in values else None, values, batch)
+
+    def _sums(self, loss: torch.Tensor | None, values: dict[str, torch.Tensor], batch: Any) -> Stats:
+        """Sums weighted by the batch's samples, on the loss's device (no host sync per step)."""
+        device = loss.device if loss is not None else torch.device("cpu")
+        count = torch.tensor(float(batch_size(batch)), device=device)
+        sums: Stats = {"count": count}
+        if loss is not None:
+            sums["loss_sum"] = loss.detach().float() * count
+        for name, value in values.items():
+            sums[VALUE_PREFIX + name] = value.detach().float().to(device) * count
+        return sums
+
+    def finalize(self, sums: Mapping[str, float]) -> dict[str, float]:
+        count = float(sums.get("count", 0.0))
+        if count <= 0:
+            return {"loss": math.nan}
+        metrics = {"loss": float(sums["loss_sum"]) / count} if "loss_sum" in sums else {}
+        for key, total in sums.items():
+            if key.startswith(VALUE_PREFIX):
+                metrics[key[len(VALUE_PREFIX) :]] = float(total) / count
+        return metrics
+
+
+def split_result(result: Any, method: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """A training step's loss and values from what it returned, or a one-line ModelError."""
+    values: dict[str, Any] = {}
+    if isinstance(result, Mapping):
+        if "loss" not in result:
+            keys = ", ".join(sorted(map(str, result))) or "none"
+            raise ModelError(f"model.task custom: {method} returned a dict without 'loss' (keys: {keys})")
+        loss, values = result["loss"], {str(k): v for k, v in result.items() if k != "loss"}
+    elif isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], Mapping):
+        loss, values = result[0], {str(k): v for k, v in result[1].items()}
+    else:
+        loss = result
+    if not isinstance(loss, torch.Tensor):
+        raise ModelError(
+            f"model.task custom: {method} returned {type(loss).__name__} as its loss; it must return a scalar "
+            "tensor (or (loss, {name: value}), or {'loss': loss, ...})"
+        )
+    if loss.numel() != 1 or loss.ndim > 1:
+        raise ModelError(
+            f"model.task custom: {method} returned a loss of shape {tuple(loss.shape)}; it must be a scalar "
+            "(reduce it, e.g. .mean())"
+        )
+    return loss.reshape(()), {name: scalar(value, f"{method}'s {name!r}") for name, value in values.items()}
+
+
+def scalar(value: Any, what: str) -> torch.Tensor:
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.detach().reshape(())
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return torch.tensor(float(value))
+    raise ModelError(f"model.task custom: {what} is not a number or a one-element tensor")
+
+
+def batch_size(batch: Any) -> int:
+    """The samples in a batch: the leading dimension of its first tensor (tensors, tuples, dicts)."""
+    for tensor in tensors_of(batch):
+        if tensor.ndim > 0:
+            return int(tensor.shape[0])
+    return 1
+
+
+def tensors_of(batch: Any) -> Iterator[torch.Tensor]:
+    if isinstance(batch, torch.Tensor):
+        yield batch
+    elif isinstance(batch, Mapping):
+        for value in batch.values():
+            yield from tensors_of(value)
+    elif isinstance(batch, (list, tuple)):
+        for value in batch:
+            yield from tensors_of(value)
+
+
+def to_device(batch: Any, device: torch.device, non_blocking: bool = False) -> Any:
+    """Every tensor of a batch (tensors, tuples, lists, dicts) on ``device``, the structure kept."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=non_blocking)
+    if isinstance(batch, Mapping):
+        return type(batch)({k: to_device(v, device, non_blocking) for k, v in batch.items()})  # type: ignore[call-arg]
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a named tuple
+        return type(batch)(*(to_device(v, device, non_blocking) for v in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(v, device, non_blocking) for v in batch)
+    return batch
+
+
+def call_step(model: nn.Module, method: str, batch: Any) -> Any:
+    """``method(batch)`` of the user's module, called through ``model`` (DDP or FSDP around it, or
+    the module itself) as its forward, so that the wrapper's hooks run around it as around any
+    forward. Inside the step, ``self(x)`` is the module's own forward again."""
+    module = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+    with routed_forward(module, getattr(module, method)):
+        return model(batch)
+
+
+@contextlib.contextmanager
+def routed_forward(module: nn.Module, step: Any) -> Iterator[None]:
+    """For one call: ``module``'s forward is ``step``; the first call puts the real one back."""
+
+    def routed(*args: Any, **kwargs: Any) -> Any:
+        module.__dict__.pop("forward", None)
+        return step(*args, **kwargs)
+
+    module.forward = routed
+    try:
+        yield
+    finally:
+        module.__dict__.pop("forward", None)
+
+
+def check_fits(model: nn.Module, cfg: ModelConfig, spec: DataSpec, sample: Any) -> None:
+    """Before the first step, one line instead of an IndexError deep in a worker: the model's input
+    embedding against the data's vocabulary, and its outputs per prediction against the classes
+    (or the vocabulary), from one forward of one ``sample`` (eval mode, no gradients, the RNG
+    state kept). Built-in supervised tasks only: a custom step reads its batches its own way."""
+    if spec.kind == "custom" or cfg.task == "custom":
+        return
+    size, key = (spec.vocab_size, "vocab_size") if spec.kind == "tokens" else (spec.num_classes, "num_classes")
+    if not size:
+        return
+    setting = (
+        f"set model.kwargs.{key}: {size}"
+        if cfg.factory is None or key in cfg.kwargs
+        else (f"build the model with the data's {key} ({size}: your factory gets it as spec.{key})")
+    )
+    embedding = input_embedding(model) if spec.kind == "tokens" else None
+    if embedding is not None and embedding.num_embeddings < size:
+        raise ModelError(
+            f"the model's input embedding has {embedding.num_embeddings} token ids but the data's vocabulary "
+            f"has {size} (ids up to {size - 1}): {setting}"
+        )
+    inputs = sample[0] if isinstance(sample, (tuple, list)) else sample
+    if not isinstance(inputs, torch.Tensor):
+        return
+    output = output_shape(model, inputs.unsqueeze(0))
+    if output is not None and len(output) >= 1 and output[-1] < size:
+        raise ModelError(
+            f"the model gives {output[-1]} outputs per prediction but the data has {size} "
+            f"{'tokens' if spec.kind == 'tokens' else 'classes'}: {setting}"
+        )
+
+
+def output_shape(model: nn.Module, inputs: torch.Tensor) -> tuple[int, ...] | None:
+    """The shape ``model(inputs)`` would have, traced on fake tensors: no compute, no memory for
+    activations (None when the model does not trace)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True):
+            output = model(inputs)
+    except Exception:  # a model fake tensors cannot run: the first step will say what is wrong
+        return None
+    finally:
+        model.train(training)
+    return tuple(output.shape) if isinstance(output, torch.Tensor) else None
+
+
+def input_embedding(model: nn.Module) -> nn.Embedding | None:
+    """The embedding the input ids go through: transformers' ``get_input_embeddings``, else the first."""
+    getter = getattr(model, "get_input_embeddings", None)
+    if callable(getter):
+        with contextlib.suppress(NotImplementedError, AttributeError):
+            found = getter()
+            if isinstance(found, nn.Embedding):
+                return found
+    return next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+
+
 TASKS: dict[str, type[Task]] = {"classification": ClassificationTask, "causal_lm": CausalLMTask}
 
 
-def build_task(cfg: ModelConfig, spec: DataSpec) -> Task:
-    """``model.task`` if set, else classification for image data and causal_lm for token data."""
+def build_task(cfg: ModelConfig, spec: DataSpec, model: nn.Module | None = None) -> Task:
+    """``model.task`` if set, else classification for image data and causal_lm for token data.
+    ``custom`` needs the (plain) model, whose ``training_step`` it calls."""
+    if cfg.task == "custom":
+        if model is None:
+            raise ModelError("model.task custom: the task is built with the model it calls")
+        return CustomTask(model)
+    if spec.kind == "custom":
+        raise ModelError(
+            "the data yields batches of its own shape (not (input, target) pairs): set model.task: custom "
+            "and give the model a training_step(batch) -> loss"
+        )
     name = cfg.task or ("causal_lm" if spec.kind == "tokens" else "classification")
     if name == "causal_lm" and spec.kind != "tokens":
         raise ModelError(f"model.task causal_lm needs token data, but data.kind is {spec.kind!r}")

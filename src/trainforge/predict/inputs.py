@@ -14,12 +14,12 @@ import time
 from dataclasses import dataclass
 
 import torch
-from torch.utils.data import default_collate
 
 from trainforge.config import Config
-from trainforge.data import DataSpec, PairDataset, build_datasets
+from trainforge.data import DataSpec, PairDataset, build_datasets, collate_of
 from trainforge.errors import TrainforgeError
 from trainforge.models import build_model, build_task
+from trainforge.models.tasks import to_device
 from trainforge.predict.model import DDP_BUCKET_BYTES, Workload
 from trainforge.worker.blocks import repeated_blocks
 from trainforge.worker.optim import build_optimizer
@@ -110,16 +110,16 @@ def measure_compute(config: Config, steps: int = 3, data: TrainingSet | None = N
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(config.seed)
         model = build_model(config.model, spec).to(device)
-        task = build_task(config.model, spec)
+        task = build_task(config.model, spec, model)
     optimizer = build_optimizer(config.optim, model, config.optim.lr)
-    inputs, targets = (t.to(device) for t in default_collate([train_set[i % len(train_set)] for i in range(micro)]))
+    batch = to_device(collate_of(train_set)([train_set[i % len(train_set)] for i in range(micro)]), device)
     autocast = config.precision in ("bf16", "fp16")
     dtype = torch.bfloat16 if config.precision == "bf16" else torch.float16
 
     def one_step() -> None:
         for _ in range(accumulate):
             with torch.autocast(device.type, dtype=dtype, enabled=autocast):
-                loss = task.loss(model(inputs), targets) / accumulate
+                loss = task.train_step(model, batch)[0] / accumulate
             loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -27,13 +27,13 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.utils.data import default_collate
 
 from trainforge.checkpoint.state import capture_rng, restore_rng
-from trainforge.errors import ConfigError
+from trainforge.data import collate_of
+from trainforge.errors import ConfigError, ModelError
 from trainforge.worker import collectives
 from trainforge.worker.capacity.estimate import GIB, max_micro_batch, optimizer_states
 
@@ -122,7 +122,7 @@ def planner_bound(run: WorkerRun) -> int:
     memory = torch.cuda.get_device_properties(run.device).total_memory if cuda else cfg.train.memory_limit_gb * GIB
     try:
         bound = max_micro_batch(cfg, run.world, int(memory))
-    except (RuntimeError, ValueError, TypeError, NotImplementedError) as err:
+    except (RuntimeError, ValueError, TypeError, NotImplementedError, ModelError) as err:
         if run.rank == 0:
             log.warning("batch size auto: the memory planner could not estimate this model (%s); trial steps only", err)
         return run.data.samples_per_step
@@ -166,16 +166,17 @@ def fits(run: WorkerRun, size: int) -> bool:
 def trial_step(run: WorkerRun, model: torch.nn.Module, size: int) -> None:
     """Forward and backward of ``size`` real training samples on the plain module (no gradient
     communication), as the step runs them; no optimizer step."""
-    inputs, targets = run.runner.on_device(trial_batch(run, size))
+    batch = run.runner.on_device(trial_batch(run, size))
     with run.runner.autocast():
-        loss = run.task.loss(model(inputs), targets)
+        loss, _ = run.task.train_step(model, batch)
     loss.backward()
 
 
-def trial_batch(run: WorkerRun, size: int) -> list[torch.Tensor]:
-    """``size`` samples from the start of the training set (repeated when it is smaller)."""
+def trial_batch(run: WorkerRun, size: int) -> Any:
+    """``size`` samples from the start of the training set (repeated when it is smaller), batched
+    as the loader batches them."""
     data = run.data.train_set
-    return list(default_collate([data[i % len(data)] for i in range(size)]))
+    return collate_of(data)([data[i % len(data)] for i in range(size)])
 
 
 @contextlib.contextmanager

@@ -12,13 +12,14 @@ import ray.train
 import ray.train.torch
 import torch
 from torch import nn
-from torch.utils.data import default_collate
 
+from trainforge.checkpoint.state import capture_rng, restore_rng
 from trainforge.config import Config, ParallelConfig
-from trainforge.data import build_datasets
+from trainforge.data import build_datasets, collate_of
 from trainforge.data.augment import augment_of, build_augmenter
 from trainforge.data.stream import StreamFeed, StreamShape
 from trainforge.models import Task, build_model, build_task
+from trainforge.models.tasks import check_fits, to_device
 from trainforge.worker import collectives
 from trainforge.worker.blocks import repeated_blocks
 from trainforge.worker.components.base import Component
@@ -111,7 +112,13 @@ def build(
     # Same seed on every rank for the weights; DDP also broadcasts rank 0's copy.
     seed_all(config.seed)
     plain = build_model(config.model, data.spec)
-    task = build_task(config.model, data.spec)
+    task = build_task(config.model, data.spec, plain)
+    if data.feed is None:  # a map-style set: its first sample, read with every generator kept
+        drawn = capture_rng()
+        try:
+            check_fits(plain, config.model, data.spec, data.train_set[0])
+        finally:
+            restore_rng(drawn)
     plan = build_plan(config.parallel, device, sync_batchnorm=config.train.sync_batchnorm, layout=layout)
     model = plan.wrap(plain)
     # Per-replica streams from here on (dropout, augmentation), reproducible per data-parallel
@@ -156,6 +163,18 @@ def check_block_names(config: Config) -> None:
         check_tensor_parallel(model, parallel.tensor_parallel, parallel.tp_plan)
 
 
+def eval_batch(run: WorkerRun, batch: Any) -> Any:
+    """A validation batch on the device: the inputs as evaluation sees them (data.augment's
+    evaluation transform) for (input, target) pairs; a custom task's batch as it came."""
+    if not run.task.supervised:
+        return to_device(batch, run.device)
+    inputs, targets = batch
+    inputs = inputs.to(run.device)
+    if run.runner.augmenter is not None:
+        inputs = run.runner.augmenter.evaluate(inputs)
+    return inputs, targets.to(run.device)
+
+
 def seed_all(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
@@ -195,24 +214,19 @@ def evaluate_model(run: WorkerRun, prefix: str) -> dict[str, float]:
     for index in range(passes):
         batch = next(batches, None) if index < len(loader) else None
         if first is None:  # a rank with no samples of its own still joins each forward
-            first = batch if batch is not None else default_collate([run.val_set[0]])
-        inputs, targets = batch if batch is not None else first
-        inputs, targets = inputs.to(run.device), targets.to(run.device)
-        if run.runner.augmenter is not None:
-            inputs = run.runner.augmenter.evaluate(inputs)
+            first = batch if batch is not None else collate_of(run.val_set)([run.val_set[0]])
         with run.runner.autocast():
-            output = model(inputs)
-            loss = run.task.loss(output, targets)
+            stats = run.task.eval_step(model, eval_batch(run, batch if batch is not None else first))
         if batch is None:
             continue
-        stats = run.task.stats(output, targets)
-        sums.add("loss_sum", loss.float() * stats["count"])
         for name, value in stats.items():
             sums.add(name, value)
-    names = ["loss_sum", "correct", "count"]
-    values = [sums.values.get(n, torch.zeros((), dtype=torch.float64, device=run.device)) for n in names]
+    # Every rank's names (a rank without validation samples has none): one table for the all-reduce.
+    names = sorted(set().union(*cast(list[list[str]], collectives.all_gather_objects(sorted(sums.values)))))
+    zero = torch.zeros((), dtype=torch.float64, device=run.device)
+    values = [sums.values.get(n, zero) for n in names]
     totals = dict(zip(names, collectives.all_reduce_sum(torch.stack(values), run.device).tolist(), strict=True))
     model.train()
-    if not totals["count"]:
+    if not totals.get("count"):
         return {}
     return {f"{prefix}/{k}": v for k, v in run.task.finalize(totals).items()}

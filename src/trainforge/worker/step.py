@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -18,6 +19,7 @@ from torch import nn
 from trainforge.config import ParallelConfig
 from trainforge.data.augment import Augmenter
 from trainforge.models import Task
+from trainforge.models.tasks import to_device
 from trainforge.worker import collectives
 from trainforge.worker.plan import ParallelPlan
 
@@ -101,7 +103,7 @@ class StepRunner:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
-    def run(self, batches: Iterator[Sequence[torch.Tensor]], accum: int, sums: MetricSums) -> StepTimes | None:
+    def run(self, batches: Iterator[Any], accum: int, sums: MetricSums) -> StepTimes | None:
         """Consume ``accum`` micro-batches and step; None when the iterator ends before the first one."""
         times = StepTimes()
         self.model.train()
@@ -116,7 +118,7 @@ class StepRunner:
                 continue
             start = time.perf_counter()
             try:
-                inputs, targets = self.on_device(next(batches))
+                batch = self.on_device(next(batches))
             except StopIteration:
                 if micro == 0:
                     return None
@@ -126,15 +128,13 @@ class StepRunner:
             start = time.perf_counter()
             # Gradients are communicated in backward; only the last micro-batch's needs to.
             with self.plan.gradient_sync(self.model, last):
-                forward = self._forward(inputs, targets)
+                forward = self._forward(batch)
                 if last and self.recover_oom:
                     self._agree_on_memory(forward is None)
                 if forward is not None:
-                    output, loss = forward
+                    loss, stats = forward
                     # Mean over the micro-batch divided by k: the summed gradient is the mean over k*b.
                     if self._backward(loss / accum, last):
-                        stats = self.task.stats(output.detach(), targets)
-                        step_sums.add("loss_sum", loss.detach().float() * stats["count"])
                         for name, value in stats.items():
                             step_sums.add(name, value)
                 oom = forward is None or oom
@@ -160,9 +160,11 @@ class StepRunner:
         times.optim_s += self._elapsed(start)
         return times
 
-    def on_device(self, batch: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """A training batch's inputs (augmented, data.augment) and targets on the device, in the
-        model's memory format."""
+    def on_device(self, batch: Any) -> Any:
+        """A training batch on the device: (inputs, targets) with the inputs augmented
+        (data.augment) and in the model's memory format; a custom task's batch as it came."""
+        if not self.task.supervised:
+            return to_device(batch, self.device, non_blocking=True)
         inputs, targets = batch
         inputs = inputs.to(self.device, non_blocking=True)
         if self.augmenter is not None:
@@ -174,12 +176,12 @@ class StepRunner:
     def _caught(self, *, synchronising: bool = False) -> tuple[type[BaseException], ...]:
         return (torch.OutOfMemoryError,) if self.recover_oom and not synchronising else ()
 
-    def _forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Output and loss; None when it ran out of memory (recover_oom only; otherwise it raises)."""
+    def _forward(self, batch: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]] | None:
+        """The loss and the batch's metric sums (the task's step); None when it ran out of memory
+        (recover_oom only; otherwise it raises)."""
         try:
             with self.autocast():
-                output = self.model(inputs)
-                return output, self.task.loss(output, targets)
+                return self.task.train_step(self.model, batch)
         except self._caught():
             return None
 

@@ -25,7 +25,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from trainforge.config import MAX_BATCH, Config
 from trainforge.data import build_datasets
-from trainforge.errors import TrainforgeError
+from trainforge.errors import ModelError, TrainforgeError
 from trainforge.models import build_model, build_task
 from trainforge.worker.blocks import repeated_blocks
 from trainforge.worker.capacity.activations import ActivationProfile, PerBatch, measure_activations
@@ -177,6 +177,12 @@ def tp_problems(model: nn.Module, config: Config) -> tuple[dict[int, str | None]
 def profile_model(config: Config) -> ModelProfile:
     """Build the model under FakeTensorMode and measure it; the global RNG is left as it was."""
     _, _, spec = build_datasets(config.data, config.seed)
+    if config.model.task == "custom" or spec.kind == "custom":
+        raise ModelError(
+            "the memory planner measures activations on (input, target) batches; a model.task custom model "
+            "steps on batches of its own shape, which it cannot fake: set train.batch_size (trainforge plan "
+            "has no estimate for it)"
+        )
     with torch.random.fork_rng(devices=[]), FakeTensorMode() as mode:
         model = build_model(config.model, spec)
         task = build_task(config.model, spec)
