@@ -72,9 +72,9 @@ class ModelConfig(Section):
     name: str | None = None
     factory: str | None = None
     kwargs: PlainDict = Field(default_factory=dict)
-    # None: classification for image data, causal_lm for token data; custom: the model's own
-    # training_step / validation_step (models/tasks.py)
-    task: Literal["classification", "causal_lm", "custom"] | None = None
+    # None: classification for image data, causal_lm for token data; masked_lm: BERT's objective;
+    # custom: the model's own training_step / validation_step (models/tasks.py)
+    task: Literal["classification", "causal_lm", "masked_lm", "custom"] | None = None
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelConfig:

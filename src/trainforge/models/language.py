@@ -14,7 +14,7 @@ from torch import nn
 
 from trainforge.data.spec import DataSpec
 from trainforge.errors import ModelError
-from trainforge.models.registry import HFLogits, hf_config, register
+from trainforge.models.registry import MASKED_LM_MODELS, HFLogits, hf_config, register
 
 
 def require_tokens(spec: DataSpec, name: str) -> tuple[int, int]:
@@ -62,30 +62,50 @@ def gpt2_base(spec: DataSpec, **overrides: Any) -> nn.Module:
     return hf_gpt2("gpt2_base", spec, {"n_layer": 12, "n_embd": 768, "n_head": 12}, overrides)
 
 
-def hf_bert(name: str, spec: DataSpec, arch: dict[str, Any], overrides: dict[str, Any]) -> nn.Module:
-    from transformers import BertConfig, BertLMHeadModel
+def hf_bert(
+    name: str, spec: DataSpec, arch: dict[str, Any], overrides: dict[str, Any], *, masked: bool = False
+) -> nn.Module:
+    """A BERT on the data's vocabulary: a causal LM (``is_decoder``), or with ``masked`` an encoder
+    with BERT's masked-LM head over one more id, the mask token (models/tasks.MaskedLMTask)."""
+    from transformers import BertConfig, BertForMaskedLM, BertLMHeadModel
 
     vocab_size, seq_len = require_tokens(spec, name)
     # pad_token_id=None: the data has no padding token, so every id gets a trainable embedding
     defaults = {**arch, "max_position_embeddings": max(512, seq_len), "pad_token_id": None}
-    fixed = {"vocab_size": vocab_size, "is_decoder": True, "attn_implementation": "sdpa"}
+    fixed = {"vocab_size": vocab_size + (1 if masked else 0), "is_decoder": not masked, "attn_implementation": "sdpa"}
     config = hf_config(name, BertConfig, defaults, fixed, overrides)
     check_positions(name, "max_position_embeddings", config, seq_len)
+    if masked:
+        return HFLogits(BertForMaskedLM(config))
     return HFLogits(BertLMHeadModel(config), use_cache=False)
+
+
+BERT_SMALL = {"num_hidden_layers": 4, "hidden_size": 512, "num_attention_heads": 8, "intermediate_size": 2048}
+BERT_BASE = {"num_hidden_layers": 12, "hidden_size": 768, "num_attention_heads": 12, "intermediate_size": 3072}
 
 
 @register("bert_small")
 def bert_small(spec: DataSpec, **overrides: Any) -> nn.Module:
     """A 4-layer, 512-wide BERT trained as a causal LM; ``overrides`` are BertConfig fields."""
-    arch = {"num_hidden_layers": 4, "hidden_size": 512, "num_attention_heads": 8, "intermediate_size": 2048}
-    return hf_bert("bert_small", spec, arch, overrides)
+    return hf_bert("bert_small", spec, BERT_SMALL, overrides)
 
 
 @register("bert_base")
 def bert_base(spec: DataSpec, **overrides: Any) -> nn.Module:
     """BERT-base (12 layers, 768 wide, 12 heads) trained as a causal LM; ``overrides`` are BertConfig fields."""
-    arch = {"num_hidden_layers": 12, "hidden_size": 768, "num_attention_heads": 12, "intermediate_size": 3072}
-    return hf_bert("bert_base", spec, arch, overrides)
+    return hf_bert("bert_base", spec, BERT_BASE, overrides)
+
+
+@register("bert_small", MASKED_LM_MODELS)
+def bert_small_masked(spec: DataSpec, **overrides: Any) -> nn.Module:
+    """bert_small as BERT trains: an encoder with the masked-LM head (model.task masked_lm)."""
+    return hf_bert("bert_small", spec, BERT_SMALL, overrides, masked=True)
+
+
+@register("bert_base", MASKED_LM_MODELS)
+def bert_base_masked(spec: DataSpec, **overrides: Any) -> nn.Module:
+    """bert_base as BERT trains: an encoder with the masked-LM head (model.task masked_lm)."""
+    return hf_bert("bert_base", spec, BERT_BASE, overrides, masked=True)
 
 
 def hf_llama(name: str, spec: DataSpec, arch: dict[str, Any], overrides: dict[str, Any]) -> nn.Module:

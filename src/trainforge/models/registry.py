@@ -23,15 +23,16 @@ Builder = Callable[..., nn.Module]
 """``builder(spec, **kwargs) -> nn.Module``; raises ModelError when the data does not fit."""
 
 BUILTIN_MODELS: dict[str, Builder] = {}
+MASKED_LM_MODELS: dict[str, Builder] = {}  # the built-ins' forms for model.task masked_lm (an encoder)
 
 
-def register(name: str) -> Callable[[Builder], Builder]:
-    """Decorator adding a builder to :data:`BUILTIN_MODELS` under ``name``."""
+def register(name: str, table: dict[str, Builder] = BUILTIN_MODELS) -> Callable[[Builder], Builder]:
+    """Decorator adding a builder to ``table`` (:data:`BUILTIN_MODELS`) under ``name``."""
 
     def add(builder: Builder) -> Builder:
-        if name in BUILTIN_MODELS:
+        if name in table:
             raise ValueError(f"built-in model {name!r} is registered twice")
-        BUILTIN_MODELS[name] = builder
+        table[name] = builder
         return builder
 
     return add
@@ -39,6 +40,14 @@ def register(name: str) -> Callable[[Builder], Builder]:
 
 def build_model(cfg: ModelConfig, spec: DataSpec) -> nn.Module:
     """Build the model the config names, shaped for ``spec`` (built-ins) or as the factory returns it."""
+    if cfg.name is not None and cfg.task == "masked_lm":
+        require_builtin(cfg.name)
+        if cfg.name not in MASKED_LM_MODELS:
+            raise ModelError(
+                f"model.task masked_lm: built-in {cfg.name!r} has no masked-LM form; "
+                f"use one of {', '.join(sorted(MASKED_LM_MODELS))} or your own model.factory"
+            )
+        return build_builtin(cfg.name, spec, cfg.kwargs, MASKED_LM_MODELS)
     if cfg.name is not None:
         return build_builtin(cfg.name, spec, cfg.kwargs)
     if cfg.factory is not None:
@@ -60,9 +69,12 @@ def require_builtin(name: str) -> Builder:
     return builder
 
 
-def build_builtin(name: str, spec: DataSpec, kwargs: Mapping[str, Any]) -> nn.Module:
-    """Look ``name`` up, check ``kwargs`` against the builder, and turn any build failure into a ModelError."""
-    builder = require_builtin(name)
+def build_builtin(
+    name: str, spec: DataSpec, kwargs: Mapping[str, Any], table: Mapping[str, Builder] | None = None
+) -> nn.Module:
+    """Look ``name`` up (in ``table``, or the built-ins), check ``kwargs`` against the builder, and
+    turn any build failure into a ModelError."""
+    builder = table[name] if table is not None else require_builtin(name)
     try:
         inspect.signature(builder).bind(spec, **kwargs)
     except TypeError:

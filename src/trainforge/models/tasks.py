@@ -114,6 +114,57 @@ class CausalLMTask(Task):
         return metrics
 
 
+MASK_RATE = 0.15  # BERT's: of the tokens, this share is predicted ...
+MASK_SPLIT = (0.8, 0.1)  # ... of which 80% shown as [MASK], 10% as a random token, 10% as they are
+
+
+class MaskedLMTask(Task):
+    """BERT's objective on token windows: 15% of the tokens are chosen, of those 80% replaced by
+    the mask token (the id after the data's vocabulary), 10% by a random token, 10% left; the
+    model predicts the chosen ones. Reports the masked tokens' loss, accuracy and perplexity.
+
+    Training draws the mask from torch's generator of the batch's device, which a checkpoint saves
+    with every rank's RNG, so a resumed run masks as the uninterrupted one did. Validation masks
+    each batch with a generator seeded by its content: the same tokens every pass, no draw on the
+    training's generator."""
+
+    name = "masked_lm"
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self.mask_id = vocab_size  # one id past the data's: the model's vocabulary is one larger
+
+    def train_step(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, Stats]:
+        inputs, labels = self.mask(batch[0], None)
+        output = model(inputs)
+        loss = self.loss(output, labels)
+        return loss, self.sums(loss, output, labels)
+
+    @torch.no_grad()
+    def eval_step(self, model: nn.Module, batch: Any) -> Stats:
+        tokens = batch[0]
+        generator = torch.Generator(tokens.device).manual_seed(int(tokens.sum()) % 2**31)
+        inputs, labels = self.mask(tokens, generator)
+        output = model(inputs)
+        return self.sums(self.loss(output, labels), output, labels)
+
+    def mask(self, tokens: torch.Tensor, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the inputs with the chosen tokens replaced, labels: the chosen tokens, IGNORE_INDEX elsewhere)."""
+        chosen = torch.rand(tokens.shape, generator=generator, device=tokens.device) < MASK_RATE
+        labels = torch.where(chosen, tokens, torch.full_like(tokens, IGNORE_INDEX))
+        how = torch.rand(tokens.shape, generator=generator, device=tokens.device)
+        masked, randomised = how < MASK_SPLIT[0], (how >= MASK_SPLIT[0]) & (how < sum(MASK_SPLIT))
+        others = torch.randint(self.vocab_size, tokens.shape, generator=generator, device=tokens.device)
+        inputs = torch.where(chosen & masked, torch.full_like(tokens, self.mask_id), tokens)
+        return torch.where(chosen & randomised, others.to(tokens.dtype), inputs), labels
+
+    def finalize(self, sums: Mapping[str, float]) -> dict[str, float]:
+        metrics = super().finalize(sums)
+        loss = metrics["loss"]
+        metrics["perplexity"] = loss if math.isnan(loss) else math.exp(min(loss, MAX_LOG_PERPLEXITY))
+        return metrics
+
+
 VALUE_PREFIX = "value/"  # a custom step's own values, summed weighted by the batch's samples
 
 
@@ -271,6 +322,7 @@ def check_fits(model: nn.Module, cfg: ModelConfig, spec: DataSpec, sample: Any) 
     size, key = (spec.vocab_size, "vocab_size") if spec.kind == "tokens" else (spec.num_classes, "num_classes")
     if not size:
         return
+    size += 1 if cfg.task == "masked_lm" else 0  # the mask token, after the data's ids
     setting = (
         f"set model.kwargs.{key}: {size}"
         if cfg.factory is None or key in cfg.kwargs
@@ -337,6 +389,8 @@ def build_task(cfg: ModelConfig, spec: DataSpec, model: nn.Module | None = None)
             "and give the model a training_step(batch) -> loss"
         )
     name = cfg.task or ("causal_lm" if spec.kind == "tokens" else "classification")
-    if name == "causal_lm" and spec.kind != "tokens":
-        raise ModelError(f"model.task causal_lm needs token data, but data.kind is {spec.kind!r}")
+    if name in ("causal_lm", "masked_lm") and spec.kind != "tokens":
+        raise ModelError(f"model.task {name} needs token data, but data.kind is {spec.kind!r}")
+    if name == "masked_lm":
+        return MaskedLMTask(int(spec.vocab_size or 0))
     return TASKS[name]()
