@@ -178,7 +178,11 @@ class Fit:
 
 
 def fit_alpha_beta(points: Sequence[Point]) -> Fit:
-    """Least squares of ``time = alpha + bytes * beta`` on relative residuals (weights 1/time)."""
+    """Least squares of ``time = alpha + bytes * beta`` on relative residuals (weights 1/time),
+    with ``alpha, beta >= 0``: a latency or a per-byte cost below zero means nothing, and noisy
+    timings (a loaded machine, few iterations) can tilt the unconstrained line below zero. A
+    ``beta`` of 0 (no bandwidth term: ``bandwidth_GBps`` infinite) says the sizes did not
+    separate bandwidth from noise; ``predict --link measured`` refuses such a fit."""
     if len(points) < 2:
         only = points[0]
         return Fit(0.0, only.time_s / only.bytes, only.bytes / only.time_s / GB)
@@ -192,6 +196,12 @@ def fit_alpha_beta(points: Sequence[Point]) -> Fit:
     det = s_ww * s_wwxx - s_wwx**2
     alpha = (s_wwt * s_wwxx - s_wwx * s_wwxt) / det
     beta = (s_ww * s_wwxt - s_wwx * s_wwt) / det
+    # The constrained optimum lies on the boundary the unconstrained one crossed (a convex
+    # quadratic in two variables): fit the one parameter left.
+    if beta < 0:
+        alpha, beta = s_wwt / s_ww, 0.0
+    elif alpha < 0:
+        alpha, beta = 0.0, s_wwxt / s_wwxx
     return Fit(alpha, beta, (1 / beta) / GB if beta > 0 else math.inf)
 
 

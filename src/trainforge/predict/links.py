@@ -81,7 +81,11 @@ def measured_link(path: Path) -> Link:
             f"{where}: expected the JSON of trainforge bench collectives --output (workers, fits.all_reduce)"
         ) from None
     if workers < 2 or beta <= 0:
-        raise TrainforgeError(f"{where}: needs an all-reduce over >= 2 workers with a positive beta")
+        raise TrainforgeError(
+            f"{where}: needs an all-reduce over >= 2 workers with a positive beta "
+            "(a beta of 0: the timings did not separate bandwidth from noise; "
+            "rerun with larger --sizes or more --iters)"
+        )
     steps = 2 * (workers - 1)
     return Link(
         "measured",
