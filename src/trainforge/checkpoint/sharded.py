@@ -138,3 +138,20 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
         else:
             self.state_dict[read_item.dest_index.fqn] = loaded
+
+
+def read_sharded_whole(directory: Path, key: str) -> dict[str, Any]:
+    """Component ``key``'s tensors in a verified sharded checkpoint, whole: every rank's shards
+    read in this process, with no template and no process group (an export, a warm start). It
+    holds the whole component in memory; a run's last save also has it in ``model.safetensors``."""
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    class _SafeWholePlanner(_EmptyStateDictLoadPlanner):
+        load_bytes = _SafeLoadPlanner.load_bytes
+
+    state: dict[str, Any] = {}
+    reader = _SafeReader(directory / SHARDED_DIR)
+    _load_state_dict(state, storage_reader=reader, planner=_SafeWholePlanner(keys={key}), no_dist=True)
+    found = state.get(key)
+    return dict(found) if isinstance(found, dict) else {}

@@ -1,7 +1,7 @@
 """The ``trainforge`` command: each verb parses, builds a config, calls the API and prints.
 
 One module per verb group: ``run`` (train, tune, config show), ``jobs`` (submit, jobs), ``bench``,
-``ckpt``, ``data``, ``plan`` (plan, predict), ``report`` (report, generate); ``common`` holds what
+``ckpt``, ``data``, ``plan`` (plan, predict), ``report`` (report, generate), ``export``; ``common`` holds what
 they share. Verbs import torch, Ray and the driver only once their flags are checked, so a
 mistake costs milliseconds.
 """
@@ -14,7 +14,7 @@ from typing import Annotated
 import typer
 from rich.markup import escape
 
-from trainforge.cli import bench, ckpt, data, jobs, plan, report, run
+from trainforge.cli import bench, ckpt, data, export, jobs, plan, report, run
 from trainforge.cli.common import err_console
 from trainforge.errors import TrainforgeError
 from trainforge.redact import redact_text
@@ -26,7 +26,16 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     add_completion=False,
 )
-for command in (run.train, run.tune, jobs.submit, plan.plan, plan.predict, report.report, report.generate):
+for command in (
+    run.train,
+    run.tune,
+    jobs.submit,
+    plan.plan,
+    plan.predict,
+    report.report,
+    report.generate,
+    export.export,
+):
     app.command()(command)
 app.add_typer(run.app, name="config")
 app.add_typer(bench.app, name="bench")

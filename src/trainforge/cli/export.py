@@ -1,0 +1,34 @@
+"""``trainforge export``: a run's trained model as a Hugging Face directory or safetensors weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from trainforge.errors import TrainforgeError
+
+FORMATS = ("hf", "safetensors")
+
+
+def export(
+    run_dir: Annotated[Path, typer.Argument(help="A run directory: <run.output_dir>/<run.name>.")],
+    format: Annotated[str, typer.Option("--format", help="hf (transformers' from_pretrained) or safetensors.")],
+    output: Annotated[Path, typer.Option("--output", help="A new (or empty) folder to write.")],
+    checkpoint: Annotated[
+        str, typer.Option("--checkpoint", help="last (newest that verifies), best (lowest val/loss) or a path.")
+    ] = "last",
+    merge_lora: Annotated[
+        bool, typer.Option("--merge-lora", help="Fold LoRA adapters into the base weights (runs with model.lora).")
+    ] = False,
+) -> None:
+    """Write the run's model where tools without trainforge load it; the weights come from a verified checkpoint."""
+    if format not in FORMATS:
+        raise TrainforgeError(f"--format {format!r}: one of {', '.join(FORMATS)}")
+    if not run_dir.is_dir():
+        raise TrainforgeError(f"RUN_DIR {run_dir}: no such directory")
+    from trainforge.models.export import check_output, describe, export_run
+
+    check_output(output)
+    typer.echo(describe(export_run(run_dir, format, output, checkpoint, merge_lora=merge_lora)))

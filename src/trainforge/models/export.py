@@ -1,0 +1,157 @@
+"""``trainforge export RUN_DIR``: a trained model out of trainforge, loadable without it.
+
+``--format hf`` writes the transformers model inside a built-in (``config.json`` and
+``model.safetensors``: ``transformers.AutoModel*.from_pretrained(DIR)`` loads it);
+``--format safetensors`` the weights by the model's own names with the resolved ``config.yaml``
+(what ``model.pretrained`` and trainforge's factory read). Both add ``trainforge_export.json``:
+the checkpoint, its step, its metrics and the files' digests.
+
+The weights come from a checkpoint that verifies: the newest (``last``), the one with the lowest
+``val/loss`` its record holds (``best``), or a checkpoint directory. The output is written beside
+its final place and renamed into it, so an interrupted export leaves no half a model; a folder
+that is not empty is never written into.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from safetensors.torch import save_model
+from torch import nn
+
+from trainforge.checkpoint.hashing import SHA256, hash_file
+from trainforge.checkpoint.saved import read_saved
+from trainforge.checkpoint.schema import MANIFEST, MODEL_FILE
+from trainforge.config import Config, load_config
+from trainforge.data import build_datasets
+from trainforge.errors import CheckpointError, ModelError
+from trainforge.models.pretrained import checkpoint_source, load_weights
+from trainforge.models.registry import HFLogits, build_model
+
+log = logging.getLogger("trainforge.export")
+
+FORMATS = ("hf", "safetensors")
+CONFIG_FILE = "config.yaml"
+EXPORT_RECORD = "trainforge_export.json"
+
+
+@dataclass(frozen=True)
+class Exported:
+    """Where the export went and what it holds."""
+
+    output: Path
+    format: str
+    checkpoint: str
+    step: int
+    files: list[str]
+
+
+def export_run(run_dir: Path, fmt: str, output: Path, which: str = "last", *, merge_lora: bool = False) -> Exported:
+    """Export the model of the run at ``run_dir`` from checkpoint ``which`` (last, best or a path)."""
+    if fmt not in FORMATS:
+        raise ModelError(f"--format {fmt!r}: one of {', '.join(FORMATS)}")
+    check_output(output)
+    config_path = run_dir / CONFIG_FILE
+    if not config_path.is_file():
+        raise CheckpointError(f"RUN_DIR {run_dir} holds no {CONFIG_FILE}: not a trainforge run directory")
+    config = load_config(config_path)
+    if merge_lora:
+        raise ModelError("--merge-lora: this run trained no LoRA adapters (model.lora is not set in its config)")
+    checkpoint = pick_checkpoint(run_dir, config, which)
+    source = checkpoint_source(checkpoint, f"--checkpoint {which}")
+    saved = read_saved(checkpoint)
+    model = run_model(config)
+    if fmt == "hf" and not isinstance(model, HFLogits):
+        raise ModelError(
+            f"--format hf needs a built-in transformers model (gpt2_*, bert_*, llama_*, resnet*, vit_*); "
+            f"{config.model.name or config.model.factory} is not one: use --format safetensors"
+        )
+    load_weights(model, source, key=f"checkpoint {checkpoint}")
+    staging = output.parent / f".tmp-export-{output.name}-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    try:
+        if fmt == "hf":
+            assert isinstance(model, HFLogits)
+            write_hf(model.model, staging)
+        else:
+            save_model(model, str(staging / MODEL_FILE))
+            (staging / CONFIG_FILE).write_text(config_path.read_text())
+        files = sorted(p.name for p in staging.iterdir())
+        record: dict[str, Any] = {
+            "format": fmt,
+            "run_dir": str(run_dir.resolve()),
+            "checkpoint": str(checkpoint.resolve()),
+            "step": saved.step,
+            "metrics": saved.metrics,
+            "model": config.model.name or config.model.factory,
+            "sha256": {name: hash_file(staging / name, SHA256).digest for name in files},
+        }
+        (staging / EXPORT_RECORD).write_text(json.dumps(record, indent=2) + "\n")
+        if output.exists():
+            output.rmdir()  # empty (check_output): replaced by the finished export
+        staging.rename(output)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return Exported(output, fmt, str(checkpoint), saved.step, sorted([*files, EXPORT_RECORD]))
+
+
+def check_output(output: Path) -> None:
+    """``--output DIR``: new, or an empty folder; never one with files in it."""
+    if output.exists() and (not output.is_dir() or any(output.iterdir())):
+        raise ModelError(f"--output {output}: exists and is not an empty folder (nothing is overwritten)")
+    if not output.parent.is_dir():
+        raise ModelError(f"--output {output}: folder {output.parent} does not exist")
+
+
+def pick_checkpoint(run_dir: Path, config: Config, which: str) -> Path:
+    """The checkpoint directory ``which`` names: a path, or the run's newest / best that verifies."""
+    if which not in ("last", "best"):
+        path = Path(which).expanduser()
+        if not (path / MANIFEST).is_file():
+            raise CheckpointError(f"--checkpoint {which}: not a checkpoint directory (no {MANIFEST})")
+        return path
+    found = sorted(p for p in run_dir.glob("checkpoint_*") if (p / MANIFEST).is_file())
+    if not found and config.checkpoint.storage_path and "://" not in config.checkpoint.storage_path:
+        stored = Path(config.checkpoint.storage_path).expanduser() / config.run.name
+        found = sorted(p for p in stored.glob("checkpoint_*") if (p / MANIFEST).is_file())
+    if not found:
+        raise CheckpointError(f"RUN_DIR {run_dir}: no checkpoint to export (the run saved none, or they were removed)")
+    if which == "last":
+        return found[-1]
+    scored = []
+    for path in found:
+        loss = read_saved(path).metrics.get("val/loss")
+        if loss is not None:
+            scored.append((float(loss), path))
+    if not scored:
+        raise CheckpointError(f"--checkpoint best: no checkpoint of {run_dir} recorded a val/loss; use last or a path")
+    return min(scored, key=lambda pair: pair[0])[1]
+
+
+def run_model(config: Config) -> nn.Module:
+    """The run's model, shaped by its data (read through the run's data section), random weights."""
+    _, _, spec = build_datasets(config.data, config.seed)
+    return build_model(config.model, spec)
+
+
+def write_hf(model: nn.Module, folder: Path) -> None:
+    """transformers' own ``save_pretrained``: config.json and model.safetensors."""
+    save = getattr(model, "save_pretrained", None)
+    if save is None:
+        raise ModelError("--format hf: the model has no save_pretrained (not a transformers model)")
+    save(str(folder), safe_serialization=True)
+
+
+def describe(exported: Exported) -> str:
+    return (
+        f"exported step {exported.step} ({exported.checkpoint}) as {exported.format} to {exported.output}: "
+        f"{', '.join(exported.files)}"
+    )

@@ -1,0 +1,322 @@
+"""``model.pretrained``: weights read into the built model before the first step.
+
+A warm start, not a resume: only the weights come in; the optimizer, the schedule, the data
+position and the progress start fresh (``--resume`` continues a run instead). Sources are paths on
+this machine, never downloaded:
+
+* a Hugging Face model directory: ``config.json`` with ``model.safetensors`` or the shards a
+  ``model.safetensors.index.json`` names (``pytorch_model.bin`` is a pickle and is not read);
+* a ``.safetensors`` file;
+* a trainforge checkpoint directory, verified before it is read (every byte against its
+  manifest), or a run directory: its newest checkpoint that verifies.
+
+The file's tensor names meet the model's ``state_dict`` names as they are, or with the ``model.``
+prefix of trainforge's wrapper around a transformers model added or taken away, whichever matches
+more: a Hugging Face directory loads into a built-in, and a built-in's weights into a factory that
+returns the bare transformers model. Each rank reads only what it keeps: a parameter that FSDP or
+tensor parallelism sharded is read as its local rows or columns, straight out of the
+memory-mapped file.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from trainforge.checkpoint.saved import read_saved
+from trainforge.checkpoint.schema import MANIFEST, MODEL_FILE, SHARDED
+from trainforge.checkpoint.sharded import read_sharded_whole
+from trainforge.checkpoint.storage import CheckpointStore
+from trainforge.errors import ModelError
+
+log = logging.getLogger("trainforge.pretrained")
+
+HF_CONFIG = "config.json"
+HF_INDEX = "model.safetensors.index.json"
+MAX_INDEX_BYTES = 64 << 20
+WRAPPER_PREFIX = "model."  # models/registry.HFLogits keeps the transformers model as ``.model``
+SHOWN = 3  # names shown per kind of mismatch in a one-line error
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where the weights are: safetensors files (read lazily, a slice at a time), or the tensors of
+    a sharded checkpoint read whole."""
+
+    description: str
+    files: tuple[Path, ...] = ()
+    sharded_checkpoint: Path | None = None
+
+
+def resolve(given: str) -> Source:
+    """The weights ``model.pretrained`` names, or one line that says what to give instead."""
+    key = f"model.pretrained {given!r}"
+    if "://" in given:
+        raise ModelError(f"{key}: a local path only (trainforge downloads nothing); copy the weights here first")
+    path = Path(given).expanduser()
+    if not path.exists():
+        if re.fullmatch(r"[\w.-]+/[\w.-]+", given):
+            raise ModelError(
+                f"{key} is not a path on this machine and hub names are not fetched: download the model first "
+                f"(huggingface-cli download {given} --local-dir DIR) and set model.pretrained: DIR"
+            )
+        raise ModelError(f"{key}: no such file or directory")
+    if path.is_file():
+        if path.suffix != ".safetensors":
+            raise ModelError(
+                f"{key}: a file must be .safetensors (trainforge loads no pickles); "
+                "or give a Hugging Face model directory or a trainforge run or checkpoint directory"
+            )
+        return Source(f"safetensors file {path}", (path,))
+    if (path / MANIFEST).is_file():
+        return checkpoint_source(path, key)
+    if (path / HF_CONFIG).is_file():
+        return hf_source(path, key)
+    checkpoints = sorted(p for p in path.glob("checkpoint_*") if (p / MANIFEST).is_file())
+    if checkpoints:
+        return run_source(path, checkpoints, key)
+    if (path / MODEL_FILE).is_file():
+        return Source(f"run directory {path} ({MODEL_FILE}, no checkpoint to verify)", (path / MODEL_FILE,))
+    raise ModelError(
+        f"{key}: a directory with neither {HF_CONFIG} (Hugging Face), {MANIFEST} (a checkpoint) nor "
+        f"checkpoints or {MODEL_FILE} (a trainforge run)"
+    )
+
+
+def hf_source(path: Path, key: str) -> Source:
+    index = path / HF_INDEX
+    if index.is_file():
+        with index.open("rb") as handle:
+            raw = handle.read(MAX_INDEX_BYTES + 1)
+        try:
+            weight_map = json.loads(raw)["weight_map"] if len(raw) <= MAX_INDEX_BYTES else None
+        except (ValueError, KeyError, TypeError):
+            weight_map = None
+        if not isinstance(weight_map, dict):
+            raise ModelError(f"{key}: {HF_INDEX} is not an index of safetensors shards (no weight_map)")
+        names = sorted({str(v) for v in weight_map.values()})
+        bad = [n for n in names if "/" in n or n.startswith(".") or not (path / n).is_file()]
+        if bad:
+            raise ModelError(f"{key}: {HF_INDEX} names {bad[0]!r}, which is not a file of the directory")
+        return Source(f"Hugging Face directory {path} ({len(names)} shards)", tuple(path / n for n in names))
+    if (path / MODEL_FILE).is_file():
+        return Source(f"Hugging Face directory {path}", (path / MODEL_FILE,))
+    raise ModelError(
+        f"{key}: a Hugging Face directory without {MODEL_FILE} or {HF_INDEX} "
+        "(pytorch_model.bin is a pickle and is not read: convert it to safetensors)"
+    )
+
+
+def run_source(path: Path, checkpoints: list[Path], key: str) -> Source:
+    """A run directory: its newest checkpoint that verifies, saying which newer ones did not."""
+    problems = []
+    for checkpoint in reversed(checkpoints):
+        try:
+            return checkpoint_source(checkpoint, key)
+        except ModelError as err:
+            problems.append(str(err))
+            log.warning("model.pretrained: skipping %s", err)
+    raise ModelError(f"{key}: none of the run's {len(checkpoints)} checkpoints verifies ({problems[0]})")
+
+
+def checkpoint_source(path: Path, key: str) -> Source:
+    store, name = CheckpointStore.for_checkpoint(str(path))
+    verification = store.verify(name)
+    if not verification.ok:
+        raise ModelError(f"{key}: checkpoint {path.name} does not verify: {verification.problems[0]}")
+    saved = read_saved(path)
+    where = f"checkpoint {path} (step {saved.step}, verified)"
+    exported = {v: k for k, v in saved.exports.items()}.get(MODEL_FILE)
+    model_files = saved.files.get("model")
+    tensors = model_files.tensors if model_files is not None else MODEL_FILE  # formats 1-2: model.safetensors
+    if tensors != SHARDED and tensors is not None:
+        return Source(where, (path / tensors,))
+    if exported is not None or (path / MODEL_FILE).is_file():
+        return Source(where, (path / (exported or MODEL_FILE),))
+    return Source(where, sharded_checkpoint=path)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading
+
+
+class Weights:
+    """The tensors of a source by name: shapes from the headers, and slices read on demand."""
+
+    def __init__(self, source: Source) -> None:
+        from safetensors import safe_open
+
+        self.source = source
+        self.where: dict[str, Any] = {}
+        self.whole: dict[str, torch.Tensor] = {}
+        if source.sharded_checkpoint is not None:
+            saved = read_saved(source.sharded_checkpoint)
+            self.whole = read_sharded_whole(source.sharded_checkpoint, saved.shard_key("model"))
+        for file in source.files:
+            try:
+                handle = safe_open(str(file), framework="pt")
+                names = list(handle.keys())
+            except Exception as err:  # safetensors' header errors
+                raise ModelError(f"model.pretrained: {file} is not a readable safetensors file ({err})") from None
+            for name in names:
+                self.where[name] = handle
+
+    def names(self) -> list[str]:
+        return sorted([*self.where, *self.whole])
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        if name in self.whole:
+            return tuple(self.whole[name].shape)
+        return tuple(self.where[name].get_slice(name).get_shape())
+
+    def read(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
+        if name in self.whole:
+            return self.whole[name][index]
+        part = self.where[name].get_slice(name)
+        return part[index] if index else part[:]
+
+
+@dataclass
+class Matching:
+    """The model's names against the file's: ``pairs`` model name -> file name."""
+
+    pairs: dict[str, str] = field(default_factory=dict)
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+    mismatched: list[str] = field(default_factory=list)  # "name: file (a, b) vs model (c, d)"
+
+    @property
+    def exact(self) -> bool:
+        return not (self.missing or self.unexpected or self.mismatched)
+
+    def describe(self) -> str:
+        parts = []
+        for what, names in (
+            ("missing from the file", self.missing),
+            ("not in the model", self.unexpected),
+            ("of another shape", self.mismatched),
+        ):
+            if names:
+                shown = ", ".join(names[:SHOWN]) + (f", ... ({len(names) - SHOWN} more)" if len(names) > SHOWN else "")
+                parts.append(f"{len(names)} {what} ({shown})")
+        return "; ".join(parts)
+
+
+def target_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """What a pretrained file fills: the model's parameters and persistent buffers by name, one
+    name per tensor (tied weights, such as GPT-2's output layer and input embedding, once)."""
+    keep = set(model.state_dict(keep_vars=True))
+    found: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, tensor in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        if name in keep and id(tensor) not in seen:
+            seen.add(id(tensor))
+            found[name] = tensor
+    return found
+
+
+def aliases(model: nn.Module) -> set[str]:
+    """Names of tensors that another name already holds (tied weights)."""
+    kept = set(target_tensors(model))
+    return set(model.state_dict(keep_vars=True)) - kept
+
+
+NAMINGS = (
+    lambda n: n,
+    lambda n: WRAPPER_PREFIX + n,  # a transformers model's names into trainforge's built-in
+    lambda n: n.removeprefix(WRAPPER_PREFIX),  # a built-in's names into the bare transformers model
+)
+
+
+def match(model: nn.Module, weights: Weights) -> Matching:
+    """Pair the model's tensors with the file's under the naming that matches most."""
+    targets = target_tensors(model)
+    tied = aliases(model)
+    names = weights.names()
+    renamings = [{rename(n): n for n in names} for rename in NAMINGS]
+    chosen = max(renamings, key=lambda renamed: sum(t in renamed for t in targets))
+    pairs = {t: chosen[t] for t in targets if t in chosen}
+    result = Matching()
+    result.missing = sorted(t for t in targets if t not in pairs)
+    # A file written from a whole state_dict also holds tied copies: those are not "unexpected".
+    result.unexpected = sorted(n for t, n in chosen.items() if t not in pairs and t not in tied)
+    for target, name in pairs.items():
+        want, have = tuple(targets[target].shape), weights.shape(name)
+        if want != have:
+            result.mismatched.append(f"{target}: file {have} vs model {want}")
+    result.mismatched.sort()
+    result.pairs = {t: n for t, n in pairs.items() if tuple(targets[t].shape) == weights.shape(n)}
+    return result
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """What one rank read: tensors filled, bytes read (its shards only), seconds, and the rest."""
+
+    tensors: int
+    bytes_read: int
+    total_bytes: int
+    seconds: float
+    left: str  # what strict: false left out, "" when the file and the model match exactly
+    source: str  # what was read, for people
+
+    def line(self) -> str:
+        text = (
+            f"model.pretrained: {self.tensors} tensors from {self.source}; this rank read "
+            f"{self.bytes_read / 1e6:.1f} of {self.total_bytes / 1e6:.1f} MB in {self.seconds:.2f} s"
+        )
+        return text + (f"; not loaded: {self.left}" if self.left else "")
+
+
+def local_index(tensor: torch.Tensor) -> tuple[tuple[slice, ...], torch.Tensor]:
+    """The part of the whole tensor this rank holds (its index into the global shape) and the
+    local tensor to fill: all of it for a plain tensor, the shard for a DTensor."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(tensor, DTensor):
+        return (), tensor.data
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+    index = tuple(slice(start, start + size) for start, size in zip(offset, shape, strict=True))
+    return index, tensor.to_local().data
+
+
+def load_pretrained(model: nn.Module, given: str, *, strict: bool = True) -> Loaded:
+    """Fill ``model``'s tensors from the weights ``model.pretrained`` names (see :func:`load_weights`)."""
+    return load_weights(model, resolve(given), strict=strict, key=f"model.pretrained {given!r}")
+
+
+@torch.no_grad()
+def load_weights(model: nn.Module, source: Source, *, strict: bool = True, key: str = "the weights") -> Loaded:
+    """Fill ``model``'s tensors from ``source`` (wrapped or not: FSDP's and tensor parallelism's
+    shards are read as slices); one line naming what does not match unless ``strict`` is off."""
+    started = time.perf_counter()
+    weights = Weights(source)
+    found = match(model, weights)
+    if not found.pairs:
+        raise ModelError(
+            f"{key}: none of its {len(weights.names())} tensors matches the model's names ({found.describe()})"
+        )
+    if strict and not found.exact:
+        raise ModelError(
+            f"{key} does not fit the model: {found.describe()}; set model.pretrained_strict: false to load what matches"
+        )
+    targets = target_tensors(model)
+    read = total = 0
+    for target, name in found.pairs.items():
+        index, local = local_index(targets[target])
+        value = weights.read(name, index)
+        local.copy_(value.to(dtype=local.dtype))
+        read += value.numel() * value.element_size()
+        total += targets[target].numel() * local.element_size()
+    elapsed = time.perf_counter() - started
+    return Loaded(len(found.pairs), read, total, elapsed, "" if strict else found.describe(), source.description)
