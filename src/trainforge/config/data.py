@@ -34,6 +34,8 @@ WHOLE_SECTION_KEYS = frozenset(
     }
 )  # fmt: skip
 
+MAX_TARGET_COLUMNS = 4096
+
 
 class ColumnsConfig(Section):
     """Which columns of a streaming source (parquet, images, jsonl) hold the input and the target;
@@ -91,6 +93,19 @@ _VocabSize = Annotated[int, Field(ge=2, le=MAX_DIM)]
 _ShuffleBuffer = Annotated[int, Field(ge=0, le=MAX_BATCH)]
 _PrefetchBatches = Annotated[int, Field(ge=0, le=1024)]
 _FactoryPath = Annotated[str | None, AfterValidator(_factory_path)]
+_Column = Annotated[str, Field(min_length=1, max_length=256)]
+
+
+def _distinct_columns(value: str | list[str] | None) -> str | list[str] | None:
+    if isinstance(value, list) and len(set(value)) != len(value):
+        raise ValueError(f"names a column twice: {value}")
+    return value
+
+
+_Target = Annotated[
+    _Column | Annotated[list[_Column], Field(min_length=1, max_length=MAX_TARGET_COLUMNS)] | None,
+    AfterValidator(_distinct_columns),
+]
 
 
 class DataConfig(Section):
@@ -118,6 +133,12 @@ class DataConfig(Section):
     def __init__(self, **data: Any) -> None:  # any source's keys: __new__ chose the section's class
         super().__init__(**data)
 
+    @property
+    def float_targets(self) -> bool | None:
+        """Whether the samples' targets are floats (``model.task: regression``); None where that is
+        known only once the data is built (a factory's)."""
+        return False
+
     @classmethod
     def model_validate(cls, obj: Any, **options: Any) -> Self:
         chosen = _section_class(obj) if cls is DataConfig else cls
@@ -139,14 +160,19 @@ class SyntheticData(DataConfig):
     """``synthetic``: generated, learnable samples (data/synthetic.py), images or token sequences."""
 
     name: Literal["synthetic"] = "synthetic"
-    kind: Literal["image", "tokens"] = "image"
-    input_shape: _InputShape = Field(default_factory=lambda: [3, 32, 32])  # image: C, H, W
+    # regression: float inputs of input_shape, one float target (a linear function of them plus noise)
+    kind: Literal["image", "tokens", "regression"] = "image"
+    input_shape: _InputShape = Field(default_factory=lambda: [3, 32, 32])  # image: C, H, W; regression: any
     num_classes: _NumClasses = 10  # image
     num_samples: _NumSamples = 1024  # train + validation
     seq_len: _SeqLen = 64  # tokens
     vocab_size: _VocabSize = 1000  # tokens
     val_fraction: _ValFraction = 0.2  # the last samples validate
     augment: _Augment = None
+
+    @property
+    def float_targets(self) -> bool:
+        return self.kind == "regression"
 
 
 class DigitsData(DataConfig):
@@ -220,12 +246,44 @@ class StreamedData(DataConfig):
         return value
 
 
-class ParquetData(StreamedData):
+class TabularData(StreamedData):
+    """The keys of the streamed sources whose rows are columns (parquet, jsonl): numeric inputs, and
+    an integer class (``columns.target``) or float targets (``target``: one column or a list)."""
+
+    input_shape: _InputShape | None = None  # numeric inputs are reshaped to it
+    num_classes: _NumClasses = 10
+    # float target column(s), read as float32: one name gives a target per row, a list k per row
+    target: _Target = None
+
+    @model_validator(mode="after")
+    def _one_kind_of_target(self) -> Self:
+        if self.target is None:
+            return self
+        if self.columns.target is not None:
+            raise ValueError(
+                "data.target names float target columns (regression) and data.columns.target an integer class "
+                "column (classification): set one of them"
+            )
+        if "num_classes" in self.model_fields_set:
+            raise ValueError("data.num_classes is for class targets; data.target names float targets: leave it out")
+        return self
+
+    @property
+    def float_targets(self) -> bool:
+        return self.target is not None
+
+    @property
+    def target_columns(self) -> tuple[str, ...]:
+        """``data.target`` as a tuple of column names (empty for class targets)."""
+        if self.target is None:
+            return ()
+        return (self.target,) if isinstance(self.target, str) else tuple(self.target)
+
+
+class ParquetData(TabularData):
     """``parquet``: rows of parquet files; the input a fixed-length list of numbers or image bytes."""
 
     name: Literal["parquet"] = "parquet"
-    input_shape: _InputShape | None = None  # numeric inputs are reshaped to it
-    num_classes: _NumClasses = 10
     image_size: Dim | None = None  # encoded images are resized to this square size
 
 
@@ -236,12 +294,10 @@ class ImagesData(StreamedData):
     image_size: Dim | None = None
 
 
-class JsonlData(StreamedData):
+class JsonlData(TabularData):
     """``jsonl``: one JSON object per line; the input a list of numbers."""
 
     name: Literal["jsonl"] = "jsonl"
-    input_shape: _InputShape | None = None
-    num_classes: _NumClasses = 10
 
 
 class FactoryData(DataConfig):
@@ -266,6 +322,10 @@ class FactoryData(DataConfig):
     vocab_size: _VocabSize = 1000
     image_size: Dim | None = None
 
+    @property
+    def float_targets(self) -> None:
+        return None  # the factory's samples say, once it is called
+
 
 def _section_tag(value: Any) -> str | None:
     """The source a raw data section is for: ``factory`` when it names a ``data.factory``, else its
@@ -289,6 +349,18 @@ def _factory_names(section: DataConfig) -> DataConfig:
         if section.name not in (FACTORY_SOURCE, DEFAULT_SOURCE):
             raise ValueError(factory_conflict_message(section.name, section.factory))
     return section
+
+
+def float_targets_hint(section: DataConfig) -> str:
+    """How ``section`` would give float targets (model.task regression), in a few words."""
+    if isinstance(section, TabularData):
+        return f"set data.target to the float column(s) of the {section.name} files"
+    if isinstance(section, SyntheticData):
+        return "set data.kind: regression"
+    return (
+        f"data.name {section.name} has class or token targets; use a parquet or jsonl source with data.target, "
+        "synthetic data with data.kind: regression, or a data.factory whose targets are floats"
+    )
 
 
 def factory_conflict_message(name: str, factory: str | None) -> str:

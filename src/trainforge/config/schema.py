@@ -8,9 +8,9 @@ import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, Field, field_validator, model_validator
+from pydantic import AfterValidator, BeforeValidator, Field, field_validator, model_validator
 
-from trainforge.config.data import DataSection, DigitsData
+from trainforge.config.data import DataSection, DigitsData, TabularData, float_targets_hint
 from trainforge.config.safeyaml import MAX_DEPTH
 from trainforge.config.section import (
     MAX_BATCH,
@@ -56,6 +56,16 @@ def _check_plain(value: dict[str, Any]) -> dict[str, Any]:
 PlainDict = Annotated[dict[str, Any], AfterValidator(_check_plain)]
 
 
+def _one_or_more(value: Any) -> Any:
+    """A single glob where a list of them goes (``--set model.freeze=encoder.*``)."""
+    return [value] if isinstance(value, str) else value
+
+
+# fnmatch-style patterns over parameter names (``encoder.*``, ``*.bias``): model.freeze, optim.param_groups
+Glob = Annotated[str, Field(min_length=1, max_length=500)]
+Globs = Annotated[list[Glob], BeforeValidator(_one_or_more), Field(max_length=256)]
+
+
 class RunConfig(Section):
     name: str = "run"
     output_dir: str = "runs"
@@ -72,9 +82,16 @@ class ModelConfig(Section):
     name: str | None = None
     factory: str | None = None
     kwargs: PlainDict = Field(default_factory=dict)
-    # None: classification for image data, causal_lm for token data; masked_lm: BERT's objective;
-    # custom: the model's own training_step / validation_step (models/tasks.py)
-    task: Literal["classification", "causal_lm", "masked_lm", "custom"] | None = None
+    # None: classification for image data, causal_lm for token data, regression for float targets;
+    # masked_lm: BERT's objective; custom: the model's own training_step / validation_step (models/tasks.py)
+    task: Literal["classification", "causal_lm", "masked_lm", "regression", "custom"] | None = None
+    loss: Literal["mse", "l1"] | None = None  # regression's loss; None: mse
+    # Weights read before the first step (models/pretrained.py): a Hugging Face directory, a
+    # .safetensors file, or a trainforge run or checkpoint directory; paths only, nothing downloaded.
+    pretrained: Annotated[str, Field(min_length=1, max_length=4096)] | None = None
+    pretrained_strict: bool = True  # false: load the tensors that match, list the rest
+    # parameters by name held fixed (worker/params.py): not trained, not in the optimizer
+    freeze: Globs = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelConfig:
@@ -82,6 +99,12 @@ class ModelConfig(Section):
             raise ValueError("give exactly one of model.name (a built-in) or model.factory ('pkg.module:function')")
         if self.factory is not None and not re.fullmatch(r"[\w.]+:[\w.]+", self.factory):
             raise ValueError(f"model.factory must look like 'package.module:function', got {self.factory!r}")
+        return self
+
+    @model_validator(mode="after")
+    def _loss_of_regression(self) -> ModelConfig:
+        if self.loss is not None and self.task not in ("regression", None):
+            raise ValueError(f"model.loss needs model.task: regression (model.task {self.task} has its own loss)")
         return self
 
 
@@ -131,6 +154,15 @@ class TrainConfig(Section):
         return self.batch_size == "auto"
 
 
+class ParamGroupConfig(Section):
+    """An entry of ``optim.param_groups``: the parameters its globs name, with their own settings."""
+
+    params: Annotated[Globs, Field(min_length=1)]
+    lr: Annotated[float, Field(ge=0, le=1e3)] | None = None  # None: optim.lr (both scaled by lr_scaling)
+    # None: optim.weight_decay on matrices and kernels, none on biases and norms, as for the rest
+    weight_decay: Annotated[float, Field(ge=0.0, le=1e3)] | None = None
+
+
 class OptimConfig(Section):
     name: Literal["sgd", "adam", "adamw"] = "adamw"
     lr: Annotated[float, Field(gt=0, le=1e3)] = 1e-3
@@ -141,6 +173,8 @@ class OptimConfig(Section):
     eps: Annotated[float, Field(gt=0, le=1.0)] = 1e-8
     lr_scaling: Literal["none", "linear"] = "none"
     base_batch_size: Annotated[int, Field(ge=1, le=MAX_BATCH)] = 256
+    # per-group settings by parameter name (worker/optim.py); a parameter takes the first entry that matches
+    param_groups: Annotated[list[ParamGroupConfig], Field(max_length=64)] = Field(default_factory=list)
 
 
 class ScheduleConfig(Section):
@@ -440,6 +474,20 @@ class Config(Section):
                 "parallel.fsdp.mixed_precision and precision both set compute precision; "
                 "use one (mixed_precision: bf16 with precision: fp32, or mixed_precision: none)"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _task_fits_targets(self) -> Config:
+        """Float targets go with model.task regression and regression with float targets, where the
+        data section says which it gives (a factory's data says so once built: models/tasks.py)."""
+        task, floats = self.model.task, self.data.float_targets
+        if self.model.loss is not None and task is None and floats is False:
+            raise ValueError("model.loss needs model.task: regression (and data with float targets)")
+        if task == "regression" and floats is False:
+            raise ValueError(f"model.task regression needs float targets: {float_targets_hint(self.data)}")
+        if task not in ("regression", "custom", None) and floats:
+            where = "data.target names" if isinstance(self.data, TabularData) else "data.kind regression gives"
+            raise ValueError(f"{where} float targets, which model.task {task} cannot learn: set model.task: regression")
         return self
 
     @model_validator(mode="after")

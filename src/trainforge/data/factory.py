@@ -41,7 +41,7 @@ EXPECTED = (
     "a trainforge.data.UserData(train=..., val=..., num_classes=... or vocab_size=...), "
     "a map-style torch Dataset of (input, target) pairs or a ray.data.Dataset"
 )
-Kind = Literal["image", "tokens", "custom"]
+Kind = Literal["image", "tokens", "regression", "custom"]
 
 
 @dataclass(frozen=True)
@@ -49,10 +49,12 @@ class UserData:
     """What a data factory returns: the data and the facts a model is shaped by.
 
     ``kind`` is ``image`` for classification (a float input of any shape, an integer class target),
-    ``tokens`` for language modelling (integer input and target of ``seq_len`` tokens) and
-    ``custom`` for samples of the data's own shape (dicts, tuples of any length) that a model with
-    its own ``training_step`` reads (``model.task: custom``). Left
-    out, ``kind``, ``input_shape`` and ``seq_len`` are read from the first training sample and
+    ``tokens`` for language modelling (integer input and target of ``seq_len`` tokens),
+    ``regression`` for float targets (a float input of any shape, float targets of one shape,
+    ``target_shape``: ``()`` one value per sample) and ``custom`` for samples of the data's own
+    shape (dicts, tuples of any length) that a model with its own ``training_step`` reads
+    (``model.task: custom``). Left out, ``kind``, ``input_shape``, ``seq_len`` and ``target_shape``
+    are read from the first training sample and
     ``num_classes`` from the set's ``classes`` attribute where it has one; ``num_classes`` (image)
     or ``vocab_size`` (tokens) must otherwise be given (for custom data they are optional facts the
     model factory may read). ``collate``: how a batch is made of samples (default: torch's
@@ -71,6 +73,7 @@ class UserData:
     mean: tuple[float, ...] | None = None
     std: tuple[float, ...] | None = None
     collate: Callable[[list[Any]], Any] | None = None
+    target_shape: tuple[int, ...] | None = None
 
 
 def is_ray_dataset(obj: object) -> bool:
@@ -204,12 +207,23 @@ class SampleRule:
     input_shape: tuple[int, ...]
     num_classes: int | None = None
     vocab_size: int | None = None
+    target_shape: tuple[int, ...] | None = None
 
     def pair(self, item: object, where: str) -> Pair:
         """The item as (input, target) tensors, or a DataError naming the sample and what was expected."""
         inputs, target = split_pair(item, self.path, where)
         if tuple(inputs.shape) != self.input_shape:
             self.fail(where, f"an input of shape {tuple(inputs.shape)}", f"shape {self.input_shape}")
+        if self.kind == "regression":
+            if not inputs.is_floating_point():
+                self.fail(where, f"a {dtype_name(inputs)} input", "a floating-point input")
+            if not target.is_floating_point() or tuple(target.shape) != self.target_shape:
+                self.fail(
+                    where,
+                    f"a {dtype_name(target)} target of shape {tuple(target.shape)}",
+                    f"a float target of shape {self.target_shape}",
+                )
+            return (inputs.float() if inputs.dtype == torch.float64 else inputs), target.float()
         if self.kind == "image":
             if not inputs.is_floating_point():
                 self.fail(where, f"a {dtype_name(inputs)} input", "a floating-point input (e.g. x.float() / 255)")
@@ -335,6 +349,8 @@ def custom_samples(user: UserData, cfg: FactoryData, path: str) -> UserData:
 def infer_kind(inputs: Tensor, target: Tensor) -> Kind | None:
     if target.ndim == 0 and is_integer(target):
         return "image"
+    if inputs.is_floating_point() and target.is_floating_point():
+        return "regression"
     if is_integer(inputs) and is_integer(target) and target.shape == inputs.shape and inputs.ndim == 1:
         return "tokens"
     return None
@@ -351,10 +367,14 @@ def checked_map_style(user: UserData, cfg: FactoryData, path: str) -> UserData:
         raise DataError(
             f"data.factory {path!r}: train sample 0 is a {dtype_name(inputs)} input of shape {tuple(inputs.shape)} "
             f"and a {dtype_name(target)} target of shape {tuple(target.shape)}, expected a float input and an "
-            "integer class (kind image) or integer token ids of one shape (kind tokens)"
+            "integer class (kind image), float targets (kind regression) or integer token ids of one shape "
+            "(kind tokens)"
         )
     shape = declared_shape(user, path) or tuple(inputs.shape)
-    if kind == "tokens":
+    if kind == "regression":
+        target_shape = tuple(user.target_shape) if user.target_shape is not None else tuple(target.shape)
+        rule = SampleRule(path, kind, shape, target_shape=target_shape)
+    elif kind == "tokens":
         if user.vocab_size is None:
             raise DataError(f"data.factory {path!r}: token data needs vocab_size; return UserData(..., vocab_size=N)")
         rule = SampleRule(path, kind, shape, vocab_size=user.vocab_size)
@@ -381,7 +401,14 @@ def checked_map_style(user: UserData, cfg: FactoryData, path: str) -> UserData:
         val = CheckedPairs(user.train, rule, "train", val_idx)
     seq_len = shape[0] if kind == "tokens" else None
     return replace(
-        user, train=train, val=val, kind=kind, input_shape=shape, seq_len=seq_len, num_classes=rule.num_classes
+        user,
+        train=train,
+        val=val,
+        kind=kind,
+        input_shape=shape,
+        seq_len=seq_len,
+        num_classes=rule.num_classes,
+        target_shape=rule.target_shape,
     )
 
 
@@ -415,6 +442,19 @@ def user_data_spec(user: UserData, path: str) -> DataSpec:
             val_size=len(user.val) if user.val is not None else 0,
         )
     shape = declared_shape(user, path)
+    if kind == "regression":
+        if is_ray_dataset(user.train):
+            raise DataError(
+                f"data.factory {path!r}: float targets from a ray.data.Dataset are not read; return map-style "
+                "sets, or stream parquet or jsonl files with data.target"
+            )
+        return DataSpec(
+            kind="image",
+            input_shape=tuple(shape or ()),
+            target_shape=tuple(user.target_shape or ()),
+            train_size=len(user.train),
+            val_size=len(user.val) if user.val is not None else 0,
+        )
     needed = "vocab_size and seq_len" if kind == "tokens" else "num_classes and input_shape"
     facts = (user.vocab_size, shape) if kind == "tokens" else (user.num_classes, shape)
     if any(fact is None for fact in facts):

@@ -8,7 +8,7 @@ from typing import Literal
 
 @dataclass(frozen=True)
 class DataSpec:
-    """What a model needs to know about its data: shapes, classes, vocabulary."""
+    """What a model needs to know about its data: shapes, classes, vocabulary, float targets."""
 
     # image: (input, class) pairs; tokens: (ids, next ids) pairs; custom: samples of the data's own
     # shape (dicts, tuples), for a model that owns its step (model.task custom)
@@ -23,3 +23,6 @@ class DataSpec:
     # None: data.augment normalises with data.augment.mean/std or 0.5 (data/augment.py).
     pixel_mean: tuple[float, ...] | None = None
     pixel_std: tuple[float, ...] | None = None
+    # Float targets (regression) of this shape per sample: () one value, (k,) k values; None: the
+    # targets are classes (image) or token ids (tokens).
+    target_shape: tuple[int, ...] | None = None

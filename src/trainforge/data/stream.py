@@ -75,6 +75,8 @@ class StreamShape:
     def from_dict(cls, state: dict[str, Any]) -> StreamShape:
         spec = dict(state["spec"])
         spec["input_shape"] = tuple(spec["input_shape"])
+        if spec.get("target_shape") is not None:
+            spec["target_shape"] = tuple(spec["target_shape"])
         return cls(
             state["source"],
             int(state["train_rows"]),
@@ -227,11 +229,14 @@ def count_rows(source: str, files: Files) -> int:
 
 
 class Decode:
-    """Turns a batch of raw rows into ``{"input": float32 (N, *shape), "target": int64 (N,)}``.
+    """Turns a batch of raw rows into ``{"input": float32 (N, *shape), "target": int64 (N,)}``, or
+    with float targets (``data.target``) ``"target": float32 (N,)`` or ``(N, k)``.
 
     Inputs may be encoded images (PNG/JPEG bytes, or decoded HWC arrays from ``read_images``),
     scaled to [0, 1] and laid out CHW, or fixed-length numeric lists reshaped to ``shape``.
-    Targets are integers, or (images) the class folder of each file's path.
+    Targets are integers, or (images) the class folder of each file's path, or the float columns
+    ``float_targets`` names: one name gives its values (a number per row, or a list), a tuple of
+    names one number per column, side by side.
     """
 
     def __init__(
@@ -241,25 +246,66 @@ class Decode:
         shape: tuple[int, ...] | None,
         classes: Sequence[str] = (),
         image_size: int | None = None,
+        float_targets: str | tuple[str, ...] | None = None,
     ) -> None:
         self.input_col = input_col
         self.target_col = target_col
         self.shape = shape
         self.classes = {name: i for i, name in enumerate(classes)}
         self.image_size = image_size
+        self.float_targets = float_targets
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, np.ndarray]:
-        for col in (self.input_col, self.target_col):
+        wanted = (self.input_col, *self.target_columns())
+        for col in wanted:
             if col not in batch and not (col == self.target_col and self.classes):
                 have = ", ".join(sorted(batch)) or "none"
-                raise DataError(f"the data has no column {col!r} (columns: {have}): set data.columns")
+                key = "data.columns" if col == self.input_col or self.float_targets is None else "data.target"
+                raise DataError(f"the data has no column {col!r} (columns: {have}): set {key}")
         inputs = self.inputs(batch[self.input_col])
         if self.classes:
             names = [p.replace("\\", "/").rsplit("/", 2)[-2] for p in batch["path"]]
             targets = np.array([self.classes[n] for n in names], dtype=np.int64)
+        elif self.float_targets is not None:
+            targets = self.floats(batch)
         else:
-            targets = np.asarray(batch[self.target_col]).astype(np.int64)
+            targets = self.classes_of(np.asarray(batch[self.target_col]))
         return {"input": inputs, "target": targets}
+
+    def classes_of(self, column: np.ndarray) -> np.ndarray:
+        """int64 classes; a fractional value is refused rather than truncated (it is a float target)."""
+        values = column.astype(np.float64) if column.dtype == object and column.size else column
+        if values.dtype.kind == "f" and not np.array_equal(values, np.round(values)):
+            raise DataError(
+                f"the target column {self.target_col!r} holds fractions ({values[values != np.round(values)][0]:g}), "
+                f"not classes: for regression set data.target: {self.target_col} and model.task: regression"
+            )
+        return values.astype(np.int64)
+
+    def target_columns(self) -> tuple[str, ...]:
+        if self.float_targets is None:
+            return (self.target_col,)
+        return (self.float_targets,) if isinstance(self.float_targets, str) else self.float_targets
+
+    def floats(self, batch: dict[str, Any]) -> np.ndarray:
+        """float32 targets: (N,) or (N, *row) for one column, (N, k) for k columns of numbers."""
+        columns = []
+        for name in self.target_columns():
+            column = batch[name]
+            try:
+                if isinstance(column, np.ndarray) and column.dtype != object:
+                    values = column.astype(np.float32)
+                else:
+                    values = np.stack([np.asarray(row, dtype=np.float32) for row in column])
+            except (TypeError, ValueError):
+                raise DataError(f"data.target column {name!r} holds values that are not numbers") from None
+            if isinstance(self.float_targets, tuple) and values.ndim != 1:
+                raise DataError(
+                    f"data.target column {name!r} holds lists; a list of columns needs one number per row in each "
+                    "(or name that one column alone)"
+                )
+            columns.append(values)
+        return columns[0] if isinstance(self.float_targets, str) else np.stack(columns, axis=1)
 
     def inputs(self, column: Any) -> np.ndarray:
         first = column[0]
@@ -333,7 +379,15 @@ def build_stream(cfg: StreamedData, seed: int = 0, progress: Callable[[str], Non
         (cfg.input_shape, cfg.num_classes) if isinstance(cfg, ParquetData | JsonlData) else (None, 0)
     )
     image_size = cfg.image_size if isinstance(cfg, ParquetData | ImagesData) else None
-    decode = Decode(input_col, target_col, tuple(declared) if declared else None, classes, image_size)
+    float_targets = cfg.target if isinstance(cfg, ParquetData | JsonlData) else None
+    decode = Decode(
+        input_col,
+        target_col,
+        tuple(declared) if declared else None,
+        classes,
+        image_size,
+        float_targets if isinstance(float_targets, str | None) else tuple(float_targets),
+    )
 
     # Ray Data's file-based datasource v2 lists and sizes the files in a task at the start of every
     # execution, that is every epoch: 5-15 s an epoch on 2 cores for a handful of files, against
@@ -343,7 +397,7 @@ def build_stream(cfg: StreamedData, seed: int = 0, progress: Callable[[str], Non
     def read(split: Files) -> Any:
         paths = list(split.paths)
         if source == "parquet":
-            wanted = [input_col, target_col]
+            wanted = [input_col, *decode.target_columns()]
             ds = ray.data.read_parquet(paths, filesystem=split.fs, columns=wanted, shuffle=None)
         elif source == "images":
             size = (image_size, image_size) if image_size else None
@@ -356,6 +410,12 @@ def build_stream(cfg: StreamedData, seed: int = 0, progress: Callable[[str], Non
     val = read(val_files) if val_files is not None and val_rows else None
     first = decode(first_row(source, train_files, image_size))
     input_shape = tuple(int(d) for d in first["input"].shape[1:])
+    if float_targets is not None:
+        target_shape = tuple(int(d) for d in first["target"].shape[1:])
+        spec = DataSpec(
+            kind="image", input_shape=input_shape, target_shape=target_shape, train_size=train_rows, val_size=val_rows
+        )
+        return Stream(train, val, StreamShape(source, train_rows, val_rows, spec), cfg.path)
     num_classes = len(classes) if classes else declared_classes
     target = int(first["target"][0])
     if not 0 <= target < num_classes:
@@ -376,6 +436,11 @@ def stream_from_factory(cfg: FactoryData, seed: int, progress: Callable[[str], N
     user = load_user_data(cfg, seed)
     if not is_ray_dataset(user.train):
         return None
+    if user.kind == "regression":
+        raise DataError(
+            f"data.factory {cfg.factory!r}: float targets from a ray.data.Dataset are not read; return map-style "
+            "sets, or stream parquet or jsonl files with data.target"
+        )
     input_col, target_col = cfg.columns.input or "input", cfg.columns.target or "target"
     shape = user.input_shape or (tuple(cfg.input_shape) if "input_shape" in cfg.model_fields_set else None)
     decode = Decode(input_col, target_col, shape)

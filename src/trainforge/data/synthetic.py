@@ -18,6 +18,7 @@ from trainforge.data.spec import DataSpec
 DATA_SEED = 1234  # fixed on purpose: the data must not change with the training seed
 IMAGE_NOISE_STD = 1.0  # noise around each class prototype, in prototype standard deviations
 TOKEN_NOISE = 0.1  # chance that the next token is uniform instead of the table's successor
+REGRESSION_NOISE_STD = 0.1  # noise added to the regression target, whose noise-free part has unit variance
 
 
 def _generator(*parts: int) -> torch.Generator:
@@ -83,6 +84,30 @@ class SyntheticTokens(PairDataset):
         return sequence[:-1], sequence[1:]
 
 
+class SyntheticRegression(PairDataset):
+    """Float inputs of ``shape`` (standard normal) and one float target: a fixed random linear
+    function of them with unit variance, plus ``REGRESSION_NOISE_STD`` noise. The best possible
+    mean squared error is the noise's variance (0.01) against the target's variance (1.01)."""
+
+    def __init__(self, shape: tuple[int, ...], offset: int, length: int) -> None:
+        self.shape = shape
+        self.offset = offset
+        self.length = length
+        weights = torch.randn(math.prod(shape), generator=_generator(DATA_SEED, 4))
+        self.weights = weights / weights.norm()
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> Pair:
+        if not 0 <= index < self.length:
+            raise IndexError(f"index {index} out of range for {self.length} samples")
+        gen = _generator(DATA_SEED, 5, self.offset + index)
+        features = torch.randn(self.shape, generator=gen)
+        noise = float(torch.randn((), generator=gen)) * REGRESSION_NOISE_STD
+        return features, torch.tensor(float(features.reshape(-1) @ self.weights) + noise, dtype=torch.float32)
+
+
 def build_synthetic(cfg: SyntheticData, seed: int) -> Splits:
     """``data.num_samples`` synthetic samples of ``data.kind``; the last ``data.val_fraction`` validate.
 
@@ -92,7 +117,12 @@ def build_synthetic(cfg: SyntheticData, seed: int) -> Splits:
     num_train = cfg.num_samples - num_val
     train: PairDataset
     val: PairDataset | None
-    if cfg.kind == "image":
+    if cfg.kind == "regression":
+        shape = tuple(cfg.input_shape)
+        train = SyntheticRegression(shape, 0, num_train)
+        val = SyntheticRegression(shape, num_train, num_val) if num_val else None
+        spec = DataSpec(kind="image", input_shape=shape, target_shape=(), train_size=num_train, val_size=num_val)
+    elif cfg.kind == "image":
         shape = tuple(cfg.input_shape)
         train = SyntheticImages(shape, cfg.num_classes, 0, num_train)
         val = SyntheticImages(shape, cfg.num_classes, num_train, num_val) if num_val else None

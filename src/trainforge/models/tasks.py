@@ -7,6 +7,8 @@ the reduced totals into averages.
 
 * Built-in supervised tasks (``classification``, ``causal_lm``) see ``(inputs, targets)`` batches:
   cross-entropy over the last dimension of ``model(inputs)``.
+* ``regression``: float targets, mean squared (``model.loss: mse``) or absolute (``l1``) error;
+  mse, mae and r2 from sums.
 * ``custom``: the model owns its step. Its ``training_step(batch)`` returns the loss, or
   ``(loss, {name: value})``, or ``{"loss": loss, name: value}``; its optional
   ``validation_step(batch)`` returns ``{name: value}`` (without it, validation is the training
@@ -165,6 +167,73 @@ class MaskedLMTask(Task):
         return metrics
 
 
+R2_MAX_OUTPUTS = 64  # r2 needs a sum per target value per sample: reported up to this many
+
+
+class RegressionTask(Task):
+    """Float targets ``(B,)`` or ``(B, *shape)``: the mean squared error (``mse``) or mean absolute
+    error (``l1``) over every target value is the loss. Reports the loss, ``mse`` and ``mae`` (over
+    every value) and ``r2`` (1 - squared error / the targets' variance around each output's mean,
+    summed over outputs: scikit-learn's variance-weighted r2), all from sums, computed in float64.
+
+    A model output with as many values per sample as the targets is read in the targets' shape:
+    ``(B, 1)`` for ``(B,)`` targets, ``(B, 6)`` for ``(B, 2, 3)``."""
+
+    name = "regression"
+
+    def __init__(self, loss: str = "mse", target_shape: tuple[int, ...] = ()) -> None:
+        self.loss_name = loss
+        self.target_shape = target_shape
+        self.outputs = math.prod(target_shape)
+
+    def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        error = self.prediction(output, target).float() - target.float()
+        return error.abs().mean() if self.loss_name == "l1" else error.square().mean()
+
+    def prediction(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """``output`` in the targets' shape, or a one-line ModelError."""
+        if output.shape == target.shape:
+            return output
+        if output.ndim >= 1 and output.shape[0] == target.shape[0] and output[0].numel() == target[0].numel():
+            return output.reshape(target.shape)
+        raise ModelError(
+            f"regression task got model output {tuple(output.shape)} for targets {tuple(target.shape)}; "
+            f"the model must return {max(self.outputs, 1)} value(s) per sample"
+        )
+
+    @torch.no_grad()
+    def stats(self, output: torch.Tensor, target: torch.Tensor) -> Stats:
+        """float64 sums: samples, squared and absolute errors and, for r2, the targets' squares and
+        their sum per output."""
+        values = target.double()
+        error = self.prediction(output, target).double() - values
+        stats = {
+            "count": torch.tensor(float(target.shape[0]), dtype=torch.float64, device=target.device),
+            "squared_error": error.square().sum(),
+            "absolute_error": error.abs().sum(),
+        }
+        if self.outputs <= R2_MAX_OUTPUTS:
+            per_output = values.reshape(target.shape[0], -1)
+            stats["target_squares"] = per_output.square().sum()
+            for index, total in enumerate(per_output.sum(dim=0).unbind()):
+                stats[f"target_sum/{index}"] = total
+        return stats
+
+    def finalize(self, sums: Mapping[str, float]) -> dict[str, float]:
+        count = float(sums["count"])
+        if count <= 0:
+            return {"loss": math.nan, "mse": math.nan, "mae": math.nan}
+        values = count * self.outputs
+        squared = float(sums["squared_error"])
+        metrics = {"loss": float(sums["loss_sum"]) / count, "mse": squared / values}
+        metrics["mae"] = float(sums["absolute_error"]) / values
+        if "target_squares" in sums:
+            totals = [float(v) for k, v in sums.items() if k.startswith("target_sum/")]
+            variance = float(sums["target_squares"]) - sum(total * total for total in totals) / count
+            metrics["r2"] = 1.0 - squared / variance if variance > 0 else math.nan
+        return metrics
+
+
 VALUE_PREFIX = "value/"  # a custom step's own values, summed weighted by the batch's samples
 
 
@@ -319,6 +388,9 @@ def check_fits(model: nn.Module, cfg: ModelConfig, spec: DataSpec, sample: Any) 
     state kept). Built-in supervised tasks only: a custom step reads its batches its own way."""
     if spec.kind == "custom" or cfg.task == "custom":
         return
+    if spec.target_shape is not None:
+        check_regression_fits(model, cfg, spec, sample)
+        return
     size, key = (spec.vocab_size, "vocab_size") if spec.kind == "tokens" else (spec.num_classes, "num_classes")
     if not size:
         return
@@ -342,6 +414,27 @@ def check_fits(model: nn.Module, cfg: ModelConfig, spec: DataSpec, sample: Any) 
         raise ModelError(
             f"the model gives {output[-1]} outputs per prediction but the data has {size} "
             f"{'tokens' if spec.kind == 'tokens' else 'classes'}: {setting}"
+        )
+
+
+def check_regression_fits(model: nn.Module, cfg: ModelConfig, spec: DataSpec, sample: Any) -> None:
+    """The model's values per sample against the float targets' (one forward on fake tensors)."""
+    inputs = sample[0] if isinstance(sample, (tuple, list)) else sample
+    if not isinstance(inputs, torch.Tensor):
+        return
+    output = output_shape(model, inputs.unsqueeze(0))
+    if output is None or len(output) < 1:
+        return
+    given, wanted = math.prod(output[1:]), math.prod(spec.target_shape or ())
+    if given != wanted:
+        setting = (
+            "a built-in sizes its output from the data: leave model.kwargs' output size out"
+            if cfg.factory is None
+            else f"build the model with {wanted} output(s) per sample"
+        )
+        raise ModelError(
+            f"the model gives {given} output(s) per sample but the data's float targets (data.target) hold "
+            f"{wanted} value(s) per sample {list(spec.target_shape or ())}: {setting}"
         )
 
 
@@ -374,10 +467,12 @@ def input_embedding(model: nn.Module) -> nn.Embedding | None:
 
 
 TASKS: dict[str, type[Task]] = {"classification": ClassificationTask, "causal_lm": CausalLMTask}
+"""The tasks built without arguments; masked_lm, regression and custom are built from the data or model."""
 
 
 def build_task(cfg: ModelConfig, spec: DataSpec, model: nn.Module | None = None) -> Task:
-    """``model.task`` if set, else classification for image data and causal_lm for token data.
+    """``model.task`` if set, else classification for image data, regression for float targets and
+    causal_lm for token data.
     ``custom`` needs the (plain) model, whose ``training_step`` it calls."""
     if cfg.task == "custom":
         if model is None:
@@ -388,7 +483,22 @@ def build_task(cfg: ModelConfig, spec: DataSpec, model: nn.Module | None = None)
             "the data yields batches of its own shape (not (input, target) pairs): set model.task: custom "
             "and give the model a training_step(batch) -> loss"
         )
-    name = cfg.task or ("causal_lm" if spec.kind == "tokens" else "classification")
+    floats = spec.target_shape is not None
+    name = cfg.task or ("causal_lm" if spec.kind == "tokens" else "regression" if floats else "classification")
+    if cfg.loss is not None and name != "regression":
+        raise ModelError(f"model.loss needs model.task: regression (model.task {name} has its own loss)")
+    if name == "regression":
+        if not floats:
+            raise ModelError(
+                "model.task regression needs float targets, but the data's targets are classes or token ids: "
+                "set data.target (parquet, jsonl), data.kind: regression (synthetic) or give a data.factory "
+                "float targets"
+            )
+        return RegressionTask(cfg.loss or "mse", spec.target_shape or ())
+    if floats:
+        raise ModelError(
+            f"the data's targets are floats, which model.task {name} cannot learn: set model.task: regression"
+        )
     if name in ("causal_lm", "masked_lm") and spec.kind != "tokens":
         raise ModelError(f"model.task {name} needs token data, but data.kind is {spec.kind!r}")
     if name == "masked_lm":

@@ -1,4 +1,5 @@
-"""Built-in image classifiers: ``(B, C, H, W) -> (B, num_classes)`` logits.
+"""Built-in image classifiers: ``(B, C, H, W) -> (B, num_classes)`` logits; with float targets
+(regression) ``(B, values per sample)``.
 
 ``mlp`` and ``small_cnn`` are small enough to define here; the standard architectures come from
 transformers' model classes with random init, shaped by the data spec.
@@ -19,12 +20,15 @@ from trainforge.models.registry import HFLogits, hf_config, register
 
 
 def require_classes(spec: DataSpec, name: str) -> int:
-    """Check that ``spec`` is labelled image data and return its number of classes."""
+    """Check that ``spec`` is labelled image data and return the outputs per sample: its number of
+    classes, or with float targets (regression) the values per sample (1 for one target)."""
     if spec.kind != "image":
         raise ModelError(
             f"built-in {name!r} is an image classifier but data.kind is {spec.kind!r}; "
             "pick a language model (llama_*, gpt2_small, gpt2_base, bert_small, bert_base) or image data"
         )
+    if spec.target_shape is not None:
+        return math.prod(spec.target_shape)
     if spec.num_classes is None or spec.num_classes < 2:
         raise ModelError(f"built-in {name!r} needs data with num_classes >= 2, got {spec.num_classes}")
     return spec.num_classes
