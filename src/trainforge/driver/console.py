@@ -26,6 +26,7 @@ def describe(figures: Mapping[str, float], *, epoch: int | None = None, currency
         ("train/accuracy", "acc", "{:.3f}"),
         ("val/loss", "val_loss", "{:.4f}"),
         ("val/accuracy", "val_acc", "{:.3f}"),
+        ("val/mse", "val_mse", "{:.4g}"),  # regression
         ("perf/samples_per_s", "samples/s", "{:,.0f}"),
     ):
         if key in figures:
