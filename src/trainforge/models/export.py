@@ -28,7 +28,7 @@ from torch import nn
 from trainforge.checkpoint.hashing import SHA256, hash_file
 from trainforge.checkpoint.saved import read_saved
 from trainforge.checkpoint.schema import MANIFEST, MODEL_FILE
-from trainforge.config import Config, load_config
+from trainforge.config import Config, load_config, to_yaml
 from trainforge.data import build_datasets
 from trainforge.errors import CheckpointError, ModelError
 from trainforge.models.pretrained import checkpoint_source, load_weights
@@ -58,14 +58,16 @@ def export_run(run_dir: Path, fmt: str, output: Path, which: str = "last", *, me
         raise ModelError(f"--format {fmt!r}: one of {', '.join(FORMATS)}")
     check_output(output)
     config_path = run_dir / CONFIG_FILE
-    if not config_path.is_file():
-        raise CheckpointError(f"RUN_DIR {run_dir} holds no {CONFIG_FILE}: not a trainforge run directory")
-    config = load_config(config_path)
-    if merge_lora:
-        raise ModelError("--merge-lora: this run trained no LoRA adapters (model.lora is not set in its config)")
-    checkpoint = pick_checkpoint(run_dir, config, which)
+    run_config = load_config(config_path) if config_path.is_file() else None
+    checkpoint = pick_checkpoint(run_dir, run_config, which)
     source = checkpoint_source(checkpoint, f"--checkpoint {which}")
     saved = read_saved(checkpoint)
+    # The checkpoint's own record of the resolved config (verified with it); config.yaml where it has none.
+    config = load_config(saved.config) if saved.config else run_config
+    if config is None:
+        raise CheckpointError(f"RUN_DIR {run_dir}: neither {CONFIG_FILE} nor a config in {checkpoint.name}")
+    if merge_lora:
+        raise ModelError("--merge-lora: this run trained no LoRA adapters (model.lora is not set in its config)")
     model = run_model(config)
     if fmt == "hf" and not isinstance(model, HFLogits):
         raise ModelError(
@@ -82,7 +84,7 @@ def export_run(run_dir: Path, fmt: str, output: Path, which: str = "last", *, me
             write_hf(model.model, staging)
         else:
             save_model(model, str(staging / MODEL_FILE))
-            (staging / CONFIG_FILE).write_text(config_path.read_text())
+            (staging / CONFIG_FILE).write_text(to_yaml(config))
         files = sorted(p.name for p in staging.iterdir())
         record: dict[str, Any] = {
             "format": fmt,
@@ -111,15 +113,18 @@ def check_output(output: Path) -> None:
         raise ModelError(f"--output {output}: folder {output.parent} does not exist")
 
 
-def pick_checkpoint(run_dir: Path, config: Config, which: str) -> Path:
-    """The checkpoint directory ``which`` names: a path, or the run's newest / best that verifies."""
+def pick_checkpoint(run_dir: Path, config: Config | None, which: str) -> Path:
+    """The checkpoint directory ``which`` names: a path, or the run's newest / best (in the run
+    directory, or where its config stored them)."""
     if which not in ("last", "best"):
         path = Path(which).expanduser()
         if not (path / MANIFEST).is_file():
             raise CheckpointError(f"--checkpoint {which}: not a checkpoint directory (no {MANIFEST})")
         return path
     found = sorted(p for p in run_dir.glob("checkpoint_*") if (p / MANIFEST).is_file())
-    if not found and config.checkpoint.storage_path and "://" not in config.checkpoint.storage_path:
+    if not found and config is None:
+        raise CheckpointError(f"RUN_DIR {run_dir}: not a trainforge run directory (no {CONFIG_FILE}, no checkpoints)")
+    if not found and config and config.checkpoint.storage_path and "://" not in config.checkpoint.storage_path:
         stored = Path(config.checkpoint.storage_path).expanduser() / config.run.name
         found = sorted(p for p in stored.glob("checkpoint_*") if (p / MANIFEST).is_file())
     if not found:

@@ -290,6 +290,25 @@ def local_index(tensor: torch.Tensor) -> tuple[tuple[slice, ...], torch.Tensor]:
     return index, tensor.to_local().data
 
 
+def check_pretrained(model: nn.Module, given: str, *, strict: bool = True) -> None:
+    """Before Ray starts: the source resolves, and its names and shapes fit ``model`` (built on the
+    meta device: no memory) when ``strict``. Only headers are read; a sharded checkpoint without a
+    full export is left to the workers, which read it whole."""
+    source = resolve(given)
+    if source.sharded_checkpoint is not None:
+        return
+    refuse_mismatch(match(model, Weights(source)), f"model.pretrained {given!r}", strict)
+
+
+def refuse_mismatch(found: Matching, key: str, strict: bool) -> None:
+    if not found.pairs:
+        raise ModelError(f"{key}: none of its tensors matches the model's names ({found.describe()})")
+    if strict and not found.exact:
+        raise ModelError(
+            f"{key} does not fit the model: {found.describe()}; set model.pretrained_strict: false to load what matches"
+        )
+
+
 def load_pretrained(model: nn.Module, given: str, *, strict: bool = True) -> Loaded:
     """Fill ``model``'s tensors from the weights ``model.pretrained`` names (see :func:`load_weights`)."""
     return load_weights(model, resolve(given), strict=strict, key=f"model.pretrained {given!r}")
@@ -302,14 +321,7 @@ def load_weights(model: nn.Module, source: Source, *, strict: bool = True, key: 
     started = time.perf_counter()
     weights = Weights(source)
     found = match(model, weights)
-    if not found.pairs:
-        raise ModelError(
-            f"{key}: none of its {len(weights.names())} tensors matches the model's names ({found.describe()})"
-        )
-    if strict and not found.exact:
-        raise ModelError(
-            f"{key} does not fit the model: {found.describe()}; set model.pretrained_strict: false to load what matches"
-        )
+    refuse_mismatch(found, key, strict)
     targets = target_tensors(model)
     read = total = 0
     for target, name in found.pairs.items():

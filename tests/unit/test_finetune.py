@@ -1,0 +1,141 @@
+"""Fine-tuning from an export: a llama_tiny trained on one corpus, exported with ``trainforge export
+--format hf`` (transformers loads it and gives the same logits), fine-tuned from that directory on a
+second corpus. Its first validation loss is below a random init's, its last below training from
+scratch for the same steps, and FSDP on 2 ranks starts from the same weights. The worker Session in
+gloo ranks without Ray (tests/helpers/sessions.py); the CLI in this process."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.helpers.runs import tiny_run
+from tests.helpers.sessions import Trained, train_each_once
+from trainforge.cli import main
+from trainforge.config import load_config
+from trainforge.data.corpus import PrepareOptions, prepare_corpus
+from trainforge.models.export import run_model
+from trainforge.models.pretrained import load_pretrained
+
+FIRST = ("the", "of", "and", "to", "in", "is", "was", "for", "on", "that", "with", "as", "by", "at", "from")
+SECOND = ("their", "often", "and", "into", "was", "forty", "one", "that", "with", "as", "but", "at", "fresh")
+LLAMA = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2}
+
+
+def make_corpus(root: Path, name: str, words: tuple[str, ...], seed: int) -> Path:
+    raw = root / f"{name}-texts"
+    raw.mkdir()
+    rng = random.Random(seed)
+    for number in range(30):
+        text = "".join(" ".join(rng.choice(words) for _ in range(rng.randint(4, 12))) + ".\n" for _ in range(20))
+        (raw / f"doc{number:02d}.txt").write_text(text)
+    prepare_corpus(PrepareOptions([str(raw)], root / name, tokenizer="bytes", val_fraction=0.1))
+    return root / name
+
+
+def lm_run(tmp: Path, corpus: Path, name: str, steps: int, **extra: Any) -> dict[str, Any]:
+    return tiny_run(
+        tmp,
+        run={"name": name, "output_dir": str(tmp)},
+        model={"name": "llama_tiny", "kwargs": LLAMA, **extra.pop("model", {})},
+        data={"name": "tokens", "path": str(corpus), "seq_len": 32},
+        train={"max_steps": steps, "batch_size": 16, "log_every_n_steps": 1, "eval_every_n_steps": steps},
+        optim={"name": "adamw", "lr": 3e-3},
+        schedule={"name": "constant"},
+        checkpoint={"every_n_steps": steps},
+        seed=3,
+        **extra,
+    )
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    tmp = tmp_path_factory.mktemp("finetune")
+    first, second = make_corpus(tmp, "first", FIRST, 0), make_corpus(tmp, "second", SECOND, 1)
+    base = train_each_once({"base": lm_run(tmp, first, "base", 150)})["base"]
+    exported = tmp / "base-hf"
+    main(["export", str(base.run_dir), "--format", "hf", "--output", str(exported)])
+    pretrained = {"model": {"pretrained": str(exported)}}
+    fsdp = {"parallel": {"strategy": "fsdp"}, "scaling": {"num_workers": 2}}
+    trained = train_each_once(
+        {
+            "scratch_1": lm_run(tmp, second, "scratch_1", 1),
+            "tuned_1": lm_run(tmp, second, "tuned_1", 1, **pretrained),
+            "scratch": lm_run(tmp, second, "scratch", 30),
+            "tuned": lm_run(tmp, second, "tuned", 30, **pretrained),
+            "tuned_fsdp_1": lm_run(tmp, second, "tuned_fsdp_1", 1, **pretrained, **fsdp),
+        }
+    )
+    return {"base": base, "exported": exported, "tmp": tmp, **trained}
+
+
+def val_loss(run: Trained) -> float:
+    return float(run.outcome.final["val/loss"])
+
+
+def test_the_hf_export_loads_in_transformers_with_the_same_logits(runs: dict[str, Any]) -> None:
+    from transformers import AutoModelForCausalLM
+
+    exported: Path = runs["exported"]
+    record = json.loads((exported / "trainforge_export.json").read_text())
+    assert record["step"] == 150 and record["format"] == "hf" and "model.safetensors" in record["sha256"]
+    theirs = AutoModelForCausalLM.from_pretrained(exported).eval()
+    base: Trained = runs["base"]
+    ours = run_model(load_config(base.config))
+    ours.load_state_dict(load_file(str(base.run_dir / "checkpoint_000000150" / "model.safetensors")))
+    ours.eval()
+    ids = torch.randint(0, 257, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.allclose(theirs(ids).logits, ours(ids), atol=1e-5)
+
+
+def test_fine_tuning_from_the_export_starts_and_ends_below_training_from_scratch(runs: dict[str, Any]) -> None:
+    assert val_loss(runs["tuned_1"]) < val_loss(runs["scratch_1"]) - 0.5, (runs["tuned_1"], runs["scratch_1"])
+    assert val_loss(runs["tuned"]) < val_loss(runs["scratch"]), (runs["tuned"], runs["scratch"])
+    # FSDP on 2 ranks starts from the same weights: its first step's loss is the warm start's, not a random init's.
+    fsdp, single = runs["tuned_fsdp_1"].outcome.losses[1], runs["tuned_1"].outcome.losses[1]
+    assert fsdp < runs["scratch_1"].outcome.losses[1] - 0.5 and abs(fsdp - single) < 0.3, (fsdp, single)
+
+
+def test_a_safetensors_export_holds_the_run_config_and_loads_as_model_pretrained(runs: dict[str, Any]) -> None:
+    base: Trained = runs["base"]
+    out = runs["tmp"] / "base-st"
+    main(["export", str(base.run_dir), "--format", "safetensors", "--output", str(out), "--checkpoint", "best"])
+    assert sorted(p.name for p in out.iterdir()) == ["config.yaml", "model.safetensors", "trainforge_export.json"]
+    model = run_model(load_config(out / "config.yaml"))
+    load_pretrained(model, str(out / "model.safetensors"))
+    expected = load_file(str(base.run_dir / "checkpoint_000000150" / "model.safetensors"))
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in expected.items())
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--format", "onnx"], "--format 'onnx': one of hf, safetensors"),
+        (["--format", "hf", "--checkpoint", "/nowhere"], "--checkpoint /nowhere: not a checkpoint directory"),
+        (["--format", "hf", "--merge-lora"], "--merge-lora: this run trained no LoRA adapters"),
+        (["--format", "hf", "--existing"], "exists and is not an empty folder (nothing is overwritten)"),
+    ],
+)
+def test_export_refuses_in_one_line_and_writes_nothing(
+    runs: dict[str, Any], capsys: pytest.CaptureFixture[str], args: list[str], expected: str
+) -> None:
+    base: Trained = runs["base"]
+    existing = runs["tmp"] / "taken"
+    existing.mkdir(exist_ok=True)
+    (existing / "keep.txt").write_text("mine")
+    output = existing if "--existing" in args else runs["tmp"] / "never"
+    args = [a for a in args if a != "--existing"]
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exited:
+        main(["export", str(base.run_dir), "--output", str(output), *args])
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert exited.value.code == 2 and len(errors) == 1 and expected in errors[0], errors
+    assert not (runs["tmp"] / "never").exists() and (existing / "keep.txt").read_text() == "mine"
+    assert not list(runs["tmp"].glob(".tmp-export-*"))
