@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 PAYLOAD_KEY = REPORT_KEY = "trainforge"
 HISTORY_KEY = "history"
 EVENTS_KEY = "events"
+PARAMETERS_KEY = "parameters"
 # The report keys the driver adds to every report when a price is set (driver/cost.py), for the
 # progress line, MLflow, metrics.jsonl and Prometheus.
 SO_FAR_KEY = "cost/so_far"
@@ -173,6 +174,28 @@ def _fits(value: Any, hint: Any) -> bool:
 
 
 @dataclass(frozen=True)
+class ParameterCounts:
+    """How many parameter elements the model trains and how many ``model.freeze`` holds fixed
+    (summary.json's ``parameters``)."""
+
+    trainable: int
+    frozen: int = 0
+
+    def to_json(self) -> dict[str, int]:
+        return {"trainable": self.trainable, "frozen": self.frozen}
+
+    @classmethod
+    def from_json(cls, value: Any) -> ParameterCounts | None:
+        """Read back from metrics.jsonl (not trusted: never raises); None unless both are counts."""
+        if not isinstance(value, Mapping):
+            return None
+        trainable, frozen = value.get("trainable"), value.get("frozen")
+        if not (_is_count(trainable) and _is_count(frozen)):
+            return None
+        return cls(trainable=trainable, frozen=frozen)
+
+
+@dataclass(frozen=True)
 class Report:
     """One report of the workers (rank 0's figures, all-reduced, so the same on every rank), and
     the last one, with ``status``, that rank 0 returns.
@@ -196,6 +219,7 @@ class Report:
     status: str | None = None  # the final report's: finished or stopped
     final_save_error: str | None = None  # why the run's last save failed
     currency: str | None = None  # the driver's cost figures' ("cost/currency")
+    parameters: ParameterCounts | None = None  # the model's trainable and frozen parameters
 
     def scalars(self) -> dict[str, float]:
         """Every number of the report's own (not its history's), by metrics.jsonl's key."""
@@ -224,6 +248,8 @@ class Report:
             record[EVENTS_KEY] = [event_to_json(event) for event in self.events]
         if self.status is not None:
             record["status"] = self.status
+        if self.parameters is not None:
+            record[PARAMETERS_KEY] = self.parameters.to_json()
         return record
 
     @classmethod
@@ -233,7 +259,7 @@ class Report:
         if not isinstance(record, Mapping) or not _is_number(record.get("step")):
             return None
         own = {"step", HISTORY_KEY, EVENTS_KEY, "checkpoint/path", "checkpoint/final_save_error", "status"}
-        own |= {CURRENCY_KEY, *(key for key, _ in _COORDINATE_KEYS)}
+        own |= {CURRENCY_KEY, PARAMETERS_KEY, *(key for key, _ in _COORDINATE_KEYS)}
         history = record.get(HISTORY_KEY)
         events = record.get(EVENTS_KEY)
         found = (event_from_json(event) for event in events) if isinstance(events, list) else iter(())
@@ -248,6 +274,7 @@ class Report:
             status=_str_or_none(record.get("status")),
             final_save_error=_str_or_none(record.get("checkpoint/final_save_error")),
             currency=_str_or_none(record.get(CURRENCY_KEY)),
+            parameters=ParameterCounts.from_json(record.get(PARAMETERS_KEY)),
         )
 
     def _coordinates(self) -> list[tuple[str, float | None]]:
@@ -266,6 +293,10 @@ _COORDINATE_KEYS = (
 
 def _is_number(value: Any) -> TypeGuard[int | float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_count(value: Any) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _int_or_none(value: Any) -> int | None:

@@ -52,6 +52,7 @@ class Outcome:
     events: list[str] = field(default_factory=list)
     losses: dict[int, float] = field(default_factory=dict)
     crashed: bool = False
+    parameters: dict[str, int] | None = None  # the final report's trainable and frozen counts
 
 
 def session(rank: int, world: int, config_dict: dict[str, Any], crash_at: int | None = None) -> Outcome:
@@ -86,6 +87,7 @@ def session(rank: int, world: int, config_dict: dict[str, Any], crash_at: int | 
         events=[e.text for r in channel.reports for e in r.events],
         losses=losses,
         crashed=crashed,
+        parameters=final.get("parameters"),
     )
 
 

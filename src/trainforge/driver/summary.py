@@ -117,7 +117,8 @@ class RunRecord:
 
 
 def build_summary(record: RunRecord) -> dict[str, Any]:
-    """summary.json's content (DESIGN's contract plus ``recovery_s``, ``stopped_early``, ``written_by``)."""
+    """summary.json's content (DESIGN's contract plus ``recovery_s``, ``stopped_early``, ``written_by``,
+    and ``parameters``: the model's trainable and frozen parameter elements, as the workers counted)."""
     final = record.final if record.final is not None else Report(step=0)
     figures = final.scalars()
     return {
@@ -134,6 +135,7 @@ def build_summary(record: RunRecord) -> dict[str, Any]:
         "config": redact_config(dict(record.config)),
         "stopped_early": record.stopped_early,
         "written_by": record.written_by,
+        **({"parameters": final.parameters.to_json()} if final.parameters is not None else {}),
         **({"batch": batch_choice(final, record.config)} if "batch/micro_batch_size" in final.figures else {}),
         **({"cost": dict(record.cost)} if record.cost is not None else {}),
         **({"error": redact_text(record.error.strip().splitlines()[-1])} if record.error else {}),

@@ -20,12 +20,14 @@ from trainforge.data.augment import augment_of, build_augmenter
 from trainforge.data.stream import StreamFeed, StreamShape
 from trainforge.models import Task, build_model, build_task
 from trainforge.models.tasks import check_fits, to_device
+from trainforge.protocol import ParameterCounts
 from trainforge.worker import collectives
 from trainforge.worker.blocks import repeated_blocks
 from trainforge.worker.components.base import Component
 from trainforge.worker.components.data import DataSource
 from trainforge.worker.components.training import Progress
-from trainforge.worker.optim import build_optimizer, build_scheduler, effective_lr
+from trainforge.worker.optim import build_optimizer, build_scheduler, effective_lr, group_parameters
+from trainforge.worker.params import freeze
 from trainforge.worker.plan import ParallelPlan, all_reduce_max, build_plan
 from trainforge.worker.registry import build_components
 from trainforge.worker.step import MetricSums, StepRunner
@@ -48,6 +50,7 @@ class WorkerRun:
     plan: ParallelPlan = field(default_factory=lambda: ParallelPlan(ParallelConfig(), torch.device("cpu")))
     # Every stateful component by name (worker/registry.py): what a checkpoint saves and restores.
     components: dict[str, Component] = field(default_factory=dict)
+    parameters: ParameterCounts | None = None  # trainable and frozen (model.freeze), for the reports
 
     @property
     def val_set(self) -> Any:
@@ -113,6 +116,7 @@ def build(
     seed_all(config.seed)
     plain = build_model(config.model, data.spec)
     task = build_task(config.model, data.spec, plain)
+    parameters = freeze(plain, config.model.freeze)  # before wrapping: DDP and FSDP see what trains
     if data.feed is None:  # a map-style set: its first sample, read with every generator kept
         drawn = capture_rng()
         try:
@@ -128,7 +132,8 @@ def build(
     epochs_steps = (config.train.epochs or math.inf) * data.steps_per_epoch
     total_steps = int(min(config.train.max_steps or math.inf, epochs_steps))
     global_batch = data.samples_per_step * layout.dp
-    optimizer = build_optimizer(config.optim, model, effective_lr(config.optim, global_batch))
+    # Over the module under the wrapper: the same parameters, by the plain model's names.
+    optimizer = build_optimizer(config.optim, plan.eval_model(model), effective_lr(config.optim, global_batch))
     scheduler = build_scheduler(config.schedule, optimizer, total_steps)
     runner = StepRunner(
         model,
@@ -142,7 +147,7 @@ def build(
         channels_last=config.parallel.channels_last,
     )
     runner.augmenter = build_augmenter(augment_of(config.data), data.spec)
-    run = WorkerRun(config, rank, world, device, model, task, runner, data, total_steps, plan)
+    run = WorkerRun(config, rank, world, device, model, task, runner, data, total_steps, plan, parameters=parameters)
     run.components = build_components(run)
     return run
 
@@ -161,6 +166,18 @@ def check_block_names(config: Config) -> None:
         repeated_blocks(model, parallel.fsdp.wrap)
     if parallel.tensor_parallel > 1:
         check_tensor_parallel(model, parallel.tensor_parallel, parallel.tp_plan)
+
+
+def check_parameter_names(config: Config) -> None:
+    """``model.freeze`` and ``optim.param_groups`` name parameters: match them against the model
+    built on the meta device, so that a glob that matches nothing fails before Ray starts."""
+    if not config.model.freeze and not config.optim.param_groups:
+        return
+    _, _, spec = build_datasets(config.data, config.seed)
+    with torch.device("meta"):
+        model = build_model(config.model, spec)
+    freeze(model, config.model.freeze)
+    group_parameters(config.optim, model.named_parameters(remove_duplicate=False))
 
 
 def eval_batch(run: WorkerRun, batch: Any) -> Any:

@@ -215,6 +215,7 @@ def reduce_metrics(
         total_steps=run.total_steps,
         world_size=run.world,
         time=time.time(),
+        parameters=run.parameters,
         figures={
             "train/lr": lr,
             **interval_figures(run, totals, interval_s, meter.global_batch),

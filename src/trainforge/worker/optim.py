@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
+from torch import nn
 
 from trainforge.config import OptimConfig, ScheduleConfig
+from trainforge.errors import ConfigError
+from trainforge.worker.params import check_globs, matching
 
 
 def effective_lr(cfg: OptimConfig, global_batch: int) -> float:
@@ -17,15 +22,92 @@ def effective_lr(cfg: OptimConfig, global_batch: int) -> float:
     return cfg.lr
 
 
-def build_optimizer(cfg: OptimConfig, model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
-    # Weight decay on matrices and convolution kernels only, as is standard for biases and norms.
-    decay: list[torch.nn.Parameter] = []
-    no_decay: list[torch.nn.Parameter] = []
-    for param in model.parameters():
-        if param.requires_grad:
-            (decay if param.ndim >= 2 else no_decay).append(param)
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    groups = [g for g in groups if g["params"]]
+@dataclass(frozen=True)
+class GroupSettings:
+    """What the config sets for one of the optimizer's parameter groups."""
+
+    lr: float | None  # an optim.param_groups entry's own (before lr_scaling); None: optim.lr
+    weight_decay: float
+
+
+def group_parameters(
+    cfg: OptimConfig, named: Iterable[tuple[str, nn.Parameter]]
+) -> list[tuple[GroupSettings, list[nn.Parameter]]]:
+    """The optimizer's parameter groups, from the plain model's parameters by name; frozen ones are
+    in none. First the parameters no ``optim.param_groups`` entry takes, then each entry's, in
+    order: without entries the groups are what they always were, and group 0 is optim.lr's. An
+    entry whose glob matches no name, or that takes no trainable parameter, is a ConfigError."""
+    named = list(named)
+    every_name = [name for name, _ in named]
+    for number, entry in enumerate(cfg.param_groups):
+        check_globs(f"optim.param_groups[{number}].params", entry.params, every_name)
+    names = names_by_parameter(named)
+    taken: dict[int | None, list[nn.Parameter]] = {None: [], **{i: [] for i in range(len(cfg.param_groups))}}
+    for param in unique(p for _, p in named if p.requires_grad):
+        taken[entry_of(cfg, names[id(param)])].append(param)
+    groups: list[tuple[GroupSettings, list[nn.Parameter]]] = []
+    for index, params in taken.items():
+        if index is not None and not params:
+            raise ConfigError(
+                f"optim.param_groups[{index}].params: {cfg.param_groups[index].params} matches only parameters "
+                "that are frozen (model.freeze) or that an earlier entry takes (a parameter goes to the first "
+                "entry that matches)"
+            )
+        own = cfg.param_groups[index] if index is not None else None
+        if own is not None and own.weight_decay is not None:
+            parts = [params]
+        else:  # weight decay on matrices and convolution kernels only, as is standard for biases and norms
+            parts = [[p for p in params if p.ndim >= 2], [p for p in params if p.ndim < 2]]
+        groups += [(settings_of(cfg, index, part), part) for part in parts if part]
+    return groups
+
+
+def names_by_parameter(named: Iterable[tuple[str, nn.Parameter]]) -> dict[int, list[str]]:
+    """Every name of each parameter (a tied one has several), by the parameter's id."""
+    names: dict[int, list[str]] = {}
+    for name, param in named:
+        names.setdefault(id(param), []).append(name)
+    return names
+
+
+def entry_of(cfg: OptimConfig, names: Sequence[str]) -> int | None:
+    """The first ``optim.param_groups`` entry that matches one of a parameter's names; None: none does."""
+    for index, entry in enumerate(cfg.param_groups):
+        if matching(entry.params, names):
+            return index
+    return None
+
+
+def settings_of(cfg: OptimConfig, entry: int | None, params: Sequence[nn.Parameter]) -> GroupSettings:
+    """The settings of a group of ``entry``'s parameters: the entry's own, else the optimizer's
+    (its weight decay on a group of matrices and kernels, none on biases and norms)."""
+    own = cfg.param_groups[entry] if entry is not None else None
+    if own is not None and own.weight_decay is not None:
+        decay = own.weight_decay
+    else:
+        decay = cfg.weight_decay if any(p.ndim >= 2 for p in params) else 0.0
+    return GroupSettings(own.lr if own is not None else None, decay)
+
+
+def unique(params: Iterable[nn.Parameter]) -> list[nn.Parameter]:
+    """Each parameter once (a tied one has several names), in order."""
+    return list({id(p): p for p in params}.values())
+
+
+def group_lr(settings: GroupSettings, cfg: OptimConfig, lr: float) -> float:
+    """A group's base LR: ``lr`` (optim.lr after lr_scaling), or the entry's own scaled the same way."""
+    return lr if settings.lr is None else settings.lr * (lr / cfg.lr)
+
+
+def build_optimizer(cfg: OptimConfig, model: nn.Module, lr: float) -> torch.optim.Optimizer:
+    """The optimizer over ``model``'s trainable parameters (``model``: the plain one, or one whose
+    parameter names are the plain model's), grouped by ``group_parameters``; base LR ``lr``."""
+    groups: list[dict[str, Any]] = []
+    for settings, params in group_parameters(cfg, model.named_parameters(remove_duplicate=False)):
+        group: dict[str, Any] = {"params": params, "weight_decay": settings.weight_decay}
+        if settings.lr is not None:
+            group["lr"] = group_lr(settings, cfg, lr)
+        groups.append(group)
     if cfg.name == "sgd":
         return torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum, nesterov=cfg.nesterov and cfg.momentum > 0)
     if cfg.name == "adam":
@@ -64,9 +146,16 @@ GROUP_KEYS = {"sgd": ("momentum", "nesterov"), "adam": ("betas", "eps"), "adamw"
 
 def hyperparameters_differ(saved: dict, cfg_optim: OptimConfig, cfg_schedule: ScheduleConfig) -> bool:
     """Whether a checkpoint's config (``saved``, a config dict) set other optimizer or schedule
-    values than this run's: then restoring the optimizer and schedule state brought them back."""
-    mine = {"optim": cfg_optim.model_dump(mode="json"), "schedule": cfg_schedule.model_dump(mode="json")}
-    return any(saved.get(section) != values for section, values in mine.items())
+    values than this run's: then restoring the optimizer and schedule state brought them back.
+    A key the checkpoint's config lacks (written before the key existed) had its default."""
+    mine = {"optim": cfg_optim, "schedule": cfg_schedule}
+    for section, values in mine.items():
+        theirs = saved.get(section)
+        if not isinstance(theirs, dict):
+            return True
+        if {**type(values)().model_dump(mode="json"), **theirs} != values.model_dump(mode="json"):
+            return True
+    return False
 
 
 def apply_hyperparameters(
@@ -74,23 +163,27 @@ def apply_hyperparameters(
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     cfg: OptimConfig,
     lr: float,
+    names: Mapping[int, Sequence[str]] | None = None,
 ) -> None:
     """Put this run's optimizer hyperparameters into a restored optimizer and schedule.
 
     ``load_state_dict`` restores the param groups (lr, initial_lr, weight decay, momentum, betas)
     and the schedule's base LRs of the run that saved the checkpoint. A run that starts from
     another run's checkpoint with its own values (a PBT exploit, a fine-tune) keeps the restored
-    weights, moments and step count, but trains with its own values: base LR ``lr``, scaled by its
-    own schedule at the restored step.
+    weights, moments and step count, but trains with its own values: base LR ``lr`` scaled by its
+    own schedule at the restored step, or where ``optim.param_groups`` sets a group's own, that
+    (``names``: each parameter's names by its id, to match the entries' globs).
     """
     assert isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR), "build_scheduler makes LambdaLR schedules"
     factor = scheduler.lr_lambdas[0](scheduler.last_epoch) if scheduler.last_epoch >= 0 else 1.0
     extra = GROUP_KEYS[cfg.name]
+    names = names or {}
     for group in optimizer.param_groups:
-        group["initial_lr"] = lr
-        group["lr"] = lr * factor
-        decays = any(param.ndim >= 2 for param in group["params"])
-        group["weight_decay"] = cfg.weight_decay if decays else 0.0
+        first = next(iter(group["params"]), None)
+        own = settings_of(cfg, entry_of(cfg, names.get(id(first), ())), group["params"])
+        group["initial_lr"] = group_lr(own, cfg, lr)
+        group["lr"] = group["initial_lr"] * factor
+        group["weight_decay"] = own.weight_decay
         for key in extra:
             if key == "nesterov":
                 group[key] = cfg.nesterov and cfg.momentum > 0
@@ -98,5 +191,5 @@ def apply_hyperparameters(
                 group[key] = tuple(cfg.betas)
             else:
                 group[key] = getattr(cfg, key)
-    scheduler.base_lrs = [lr] * len(optimizer.param_groups)
+    scheduler.base_lrs = [group["initial_lr"] for group in optimizer.param_groups]  # each group's own
     scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]  # what get_last_lr() reports

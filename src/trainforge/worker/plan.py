@@ -160,6 +160,11 @@ class ParallelPlan:
         """The module evaluation runs: the plain one (no DDP hooks; ranks may run different counts)."""
         return model.module if isinstance(model, DistributedDataParallel) else model
 
+    def named_parameters(self, model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+        """The wrapped model's parameters by the plain model's names (what model.freeze and
+        optim.param_groups match; a tied parameter under each of its names)."""
+        return list(self.eval_model(model).named_parameters(remove_duplicate=False))
+
     @property
     def eval_in_lockstep(self) -> bool:
         """Whether every rank must run the same number of evaluation forwards (they communicate)."""
@@ -234,8 +239,14 @@ class ParallelPlan:
         if not self.sharded:
             optimizer.load_state_dict(state)
             return
-        # Parameters are numbered in the optimizer's own order, which the same config builds the
-        # same way: name them, and let the state-dict API shard them.
+        # Parameters are numbered in the optimizer's own order, which the same config (model.freeze,
+        # optim.param_groups) builds the same way: name them, and let the state-dict API shard them.
+        saved, mine = (
+            [len(g["params"]) for g in state["param_groups"]],
+            [len(g["params"]) for g in optimizer.param_groups],
+        )
+        if saved != mine:
+            raise ValueError(f"the checkpoint's optimizer groups hold {saved} parameters, this optimizer's {mine}")
         names = {id(p): n for n, p in model.named_parameters()}
         order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
         by_index = dict(enumerate(order))

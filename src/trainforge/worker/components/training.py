@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, ClassVar
 
@@ -21,7 +22,7 @@ from trainforge.checkpoint.schema import MAX_STEP, RngState
 from trainforge.checkpoint.state import State, capture_rng, restore_rng
 from trainforge.config import OptimConfig, ScheduleConfig
 from trainforge.worker.components.base import Component, Restore, StateSchema
-from trainforge.worker.optim import apply_hyperparameters, effective_lr, hyperparameters_differ
+from trainforge.worker.optim import apply_hyperparameters, effective_lr, hyperparameters_differ, names_by_parameter
 
 if TYPE_CHECKING:
     from trainforge.worker.build import WorkerRun
@@ -83,18 +84,21 @@ class Schedule(Component):
         optim: OptimConfig,
         schedule: ScheduleConfig,
         lr: float,
+        names: Mapping[int, Sequence[str]] | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.optimizer = optimizer
         self.optim = optim
         self.schedule = schedule
         self.lr = lr  # this run's base LR (after linear scaling): what a foreign checkpoint gets
+        self.names = names  # each parameter's names by id: which optim.param_groups entry it is in
 
     @classmethod
     def from_run(cls, run: WorkerRun) -> Schedule:
         cfg, runner = run.config, run.runner
         lr = effective_lr(cfg.optim, run.data.samples_per_step * run.data_world)
-        return cls(runner.scheduler, runner.optimizer, cfg.optim, cfg.schedule, lr)
+        names = names_by_parameter(run.plan.named_parameters(run.model))
+        return cls(runner.scheduler, runner.optimizer, cfg.optim, cfg.schedule, lr, names)
 
     def state_dict(self) -> State:
         return State({k: v for k, v in self.scheduler.state_dict().items() if k != "lr_lambdas"})
@@ -106,7 +110,7 @@ class Schedule(Component):
             raise ValueError(f"the schedule has {len(saved['base_lrs'])} parameter groups, this optimizer {groups}")
         self.scheduler.load_state_dict({**saved, "lr_lambdas": [None] * groups})
         if restore.config and hyperparameters_differ(restore.config, self.optim, self.schedule):
-            apply_hyperparameters(self.optimizer, self.scheduler, self.optim, self.lr)
+            apply_hyperparameters(self.optimizer, self.scheduler, self.optim, self.lr, self.names)
             lr = self.optimizer.param_groups[0]["lr"]
             restore.notes.append(f"optimizer hyperparameters from this run's config (lr now {lr:.4g})")
 
