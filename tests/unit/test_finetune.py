@@ -139,3 +139,22 @@ def test_export_refuses_in_one_line_and_writes_nothing(
     assert exited.value.code == 2 and len(errors) == 1 and expected in errors[0], errors
     assert not (runs["tmp"] / "never").exists() and (existing / "keep.txt").read_text() == "mine"
     assert not list(runs["tmp"].glob(".tmp-export-*"))
+
+
+def test_train_refuses_pretrained_weights_that_do_not_fit_before_ray_starts(
+    runs: dict[str, Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    import yaml
+
+    tmp: Path = runs["tmp"]
+    deeper = lm_run(tmp, tmp / "second", "deeper", 5, model={"pretrained": str(runs["exported"])})
+    deeper["model"]["kwargs"] = {**LLAMA, "num_hidden_layers": 3}
+    path = tmp / "deeper.yaml"
+    path.write_text(yaml.safe_dump(deeper))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exited:
+        main(["train", str(path)])
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert exited.value.code == 2 and len(errors) == 1, errors
+    assert "does not fit the model: 9 missing from the file (model.model.layers.2." in errors[0]
+    assert not (tmp / "deeper").exists()  # nothing written for the run

@@ -44,7 +44,7 @@ from trainforge.protocol import PAYLOAD_KEY, Payload, Report, RunInfo, UserError
 from trainforge.redact import install_on_logger, redact_text
 from trainforge.report import ReportWriter
 from trainforge.tracking import make_tracker
-from trainforge.worker.build import check_block_names, check_parameter_names
+from trainforge.worker.build import check_block_names, check_parameter_names, check_pretrained_fits
 from trainforge.worker.loop import train_loop_per_worker, worker_env
 from trainforge.worker.profiling import fetch_profiles
 
@@ -158,6 +158,7 @@ def preflight(config: Config, *, local: bool) -> None:
         load_factory(config.model.factory)
     check_data_factory(config.data)
     check_block_names(config)
+    check_pretrained_fits(config)
     check_parameter_names(config)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ from trainforge.data import build_datasets, collate_of
 from trainforge.data.augment import augment_of, build_augmenter
 from trainforge.data.stream import StreamFeed, StreamShape
 from trainforge.models import Task, build_model, build_task
+from trainforge.models.pretrained import check_pretrained, load_pretrained
 from trainforge.models.tasks import check_fits, to_device
 from trainforge.protocol import ParameterCounts
 from trainforge.worker import collectives
@@ -32,6 +34,8 @@ from trainforge.worker.plan import ParallelPlan, all_reduce_max, build_plan
 from trainforge.worker.registry import build_components
 from trainforge.worker.step import MetricSums, StepRunner
 from trainforge.worker.tp import Layout, check_tensor_parallel
+
+log = logging.getLogger("trainforge.worker")
 
 
 @dataclass
@@ -125,6 +129,11 @@ def build(
             restore_rng(drawn)
     plan = build_plan(config.parallel, device, sync_batchnorm=config.train.sync_batchnorm, layout=layout)
     model = plan.wrap(plain)
+    if config.model.pretrained is not None:
+        # After wrapping: each rank reads only the shards it keeps. Before the components: the
+        # weights' average (train.ema) starts from the pretrained weights.
+        loaded = load_pretrained(plain, config.model.pretrained, strict=config.model.pretrained_strict)
+        log.info("rank %d: %s", rank, loaded.line())
     # Per-replica streams from here on (dropout, augmentation), reproducible per data-parallel
     # rank; the ranks of a tensor-parallel group share theirs, so their replicated parts agree.
     seed_all(config.seed * 1000 + layout.dp_rank + 1)
@@ -178,6 +187,17 @@ def check_parameter_names(config: Config) -> None:
         model = build_model(config.model, spec)
     freeze(model, config.model.freeze)
     group_parameters(config.optim, model.named_parameters(remove_duplicate=False))
+
+
+def check_pretrained_fits(config: Config) -> None:
+    """``model.pretrained`` resolves and its tensors fit the model (built on the meta device), or
+    one line before Ray starts."""
+    if config.model.pretrained is None:
+        return
+    _, _, spec = build_datasets(config.data, config.seed)
+    with torch.device("meta"):
+        model = build_model(config.model, spec)
+    check_pretrained(model, config.model.pretrained, strict=config.model.pretrained_strict)
 
 
 def eval_batch(run: WorkerRun, batch: Any) -> Any:
