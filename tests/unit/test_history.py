@@ -32,6 +32,7 @@ def fake_run(world: int = 1) -> Any:
         runner=SimpleNamespace(optimizer=optimizer),
         task=ClassificationTask(),
         data=SimpleNamespace(epoch=0),
+        parameters=None,
     )
 
 
