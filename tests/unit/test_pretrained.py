@@ -4,6 +4,7 @@ FSDP ranks that read only their own rows of the file. In this process and in 2 g
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ from trainforge.config import ModelConfig
 from trainforge.data import DataSpec
 from trainforge.errors import ModelError
 from trainforge.models import build_model
-from trainforge.models.pretrained import load_pretrained, resolve
+from trainforge.models.pretrained import load_pretrained, materialize, parameters_on_meta, resolve
 
 TINY = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2}
 
@@ -111,25 +112,36 @@ def test_tied_weights_load_from_a_file_that_keeps_them_once(tmp_path: Path) -> N
     assert target.model.lm_head.weight is target.model.transformer.wte.weight  # still tied
 
 
-def fsdp_rank(rank: int, world: int, folder: str) -> dict[str, Any]:
+def fsdp_rank(rank: int, world: int, folder: str, on_meta: bool) -> dict[str, Any]:
     from torch.distributed.fsdp import fully_shard
 
-    model = llama(rank + 10)
+    with parameters_on_meta() if on_meta else contextlib.nullcontext():
+        model = llama(rank + 10)
+    assert all(p.is_meta for p in model.parameters()) == on_meta
     for layer in model.model.model.layers:
         fully_shard(layer)
     fully_shard(model)
+    if on_meta:
+        materialize(model, torch.device("cpu"))
     loaded = load_pretrained(model, folder)
     full = {name: param.full_tensor() for name, param in model.named_parameters()}
-    return {"read": loaded.bytes_read, "total": loaded.total_bytes, "full": full if rank == 0 else None}
+    buffers = dict(model.named_buffers())
+    return {"read": loaded.bytes_read, "total": loaded.total_bytes, "full": full, "buffers": buffers}
 
 
-def test_fsdp_ranks_read_only_their_own_rows(tmp_path: Path) -> None:
+@pytest.mark.parametrize("on_meta", [False, True], ids=["built-then-sharded", "built-on-meta"])
+def test_fsdp_ranks_read_only_their_own_rows(tmp_path: Path, on_meta: bool) -> None:
     source = llama(1)
     source.model.save_pretrained(tmp_path / "hf")
-    ranks = spawn_ranks(fsdp_rank, 2, str(tmp_path / "hf"))
+    ranks = spawn_ranks(fsdp_rank, 2, str(tmp_path / "hf"), on_meta)
     total = ranks[0]["total"]
     assert total == sum(v.numel() * v.element_size() for v in source.state_dict().values())
     assert ranks[0]["read"] + ranks[1]["read"] == total  # every byte read once, by the rank that keeps it
     assert all(0.4 * total < r["read"] < 0.6 * total for r in ranks)
     expected = dict(source.named_parameters())
-    assert all(torch.equal(value, expected[name]) for name, value in ranks[0]["full"].items())
+    expected_buffers = dict(source.named_buffers())  # rotary frequencies: in no file, computed at build
+    for rank in ranks:
+        assert rank["full"].keys() == expected.keys()
+        assert all(torch.equal(value, expected[name]) for name, value in rank["full"].items())
+        assert rank["buffers"].keys() == expected_buffers.keys()
+        assert all(torch.equal(value, expected_buffers[name]) for name, value in rank["buffers"].items())

@@ -22,8 +22,11 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -160,14 +163,18 @@ class Weights:
         if source.sharded_checkpoint is not None:
             saved = read_saved(source.sharded_checkpoint)
             self.whole = read_sharded_whole(source.sharded_checkpoint, saved.shard_key("model"))
+        self.spans: dict[str, tuple[Path, int, str]] = {}  # name -> (file, first data byte, dtype)
         for file in source.files:
             try:
-                handle = safe_open(str(file), framework="pt")
+                handle = safe_open(str(file), framework="pt")  # validates the header and the offsets
                 names = list(handle.keys())
             except Exception as err:  # safetensors' header errors
                 raise ModelError(f"model.pretrained: {file} is not a readable safetensors file ({err})") from None
+            data_start, header = read_header(file)
             for name in names:
                 self.where[name] = handle
+                entry = header[name]
+                self.spans[name] = (file, data_start + int(entry["data_offsets"][0]), str(entry["dtype"]))
 
     def names(self) -> list[str]:
         return sorted([*self.where, *self.whole])
@@ -182,6 +189,67 @@ class Weights:
             return self.whole[name][index]
         part = self.where[name].get_slice(name)
         return part[index] if index else part[:]
+
+    def read_into(self, name: str, index: tuple[slice, ...], local: torch.Tensor) -> int:
+        """Fill ``local`` with the part ``index`` of tensor ``name``; the bytes read. A run of whole
+        rows (FSDP's shards, a plain tensor) of a file's tensor in ``local``'s own dtype is read
+        straight into ``local``: no memory map left resident, no copy in between."""
+        span = self.spans.get(name)
+        shape = self.shape(name)
+        rows = rows_of(index, shape)
+        if span is None or rows is None or SAFETENSORS_DTYPES.get(span[2]) != local.dtype or not local.is_contiguous():
+            value = self.read(name, index)
+            local.copy_(value.to(dtype=local.dtype))
+            return value.numel() * value.element_size()
+        file, offset, _ = span
+        row_bytes = math.prod(shape[1:]) * local.element_size()
+        target = local.view(-1).view(torch.uint8).numpy().data  # a writable view of local's bytes
+        with file.open("rb", buffering=0) as handle:
+            handle.seek(offset + rows[0] * row_bytes)
+            done = 0
+            while done < target.nbytes:  # readinto may return less than asked
+                got = handle.readinto(target[done:])
+                if not got:
+                    raise ModelError(f"model.pretrained: {file} ends inside tensor {name!r}")
+                done += got
+        return target.nbytes
+
+
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+def read_header(file: Path) -> tuple[int, dict[str, Any]]:
+    """A safetensors file's header (already validated by safetensors) and where its data starts."""
+    with file.open("rb") as handle:
+        size = int.from_bytes(handle.read(8), "little")
+        header = json.loads(handle.read(size))
+    return 8 + size, header
+
+
+def rows_of(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[int, int] | None:
+    """``(first, stop)`` when ``index`` takes whole rows of a tensor of ``shape`` (every dimension
+    but the first in full), else None."""
+    if not shape:
+        return None
+    if not index:
+        return 0, shape[0]
+    first, *rest = index
+    if any(
+        (s.start or 0) != 0 or (s.stop if s.stop is not None else d) != d for s, d in zip(rest, shape[1:], strict=True)
+    ):
+        return None
+    return first.start or 0, first.stop if first.stop is not None else shape[0]
 
 
 @dataclass
@@ -326,9 +394,41 @@ def load_weights(model: nn.Module, source: Source, *, strict: bool = True, key: 
     read = total = 0
     for target, name in found.pairs.items():
         index, local = local_index(targets[target])
-        value = weights.read(name, index)
-        local.copy_(value.to(dtype=local.dtype))
-        read += value.numel() * value.element_size()
+        read += weights.read_into(name, index, local)
         total += targets[target].numel() * local.element_size()
     elapsed = time.perf_counter() - started
     return Loaded(len(found.pairs), read, total, elapsed, "" if strict else found.describe(), source.description)
+
+
+# ---------------------------------------------------------------------------------------------
+# Building without the weights: a sharded model that pretrained weights fill completely
+
+
+@contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Modules built inside keep their parameters on the meta device (no memory; each is made on
+    the CPU and dropped as it is registered, so one tensor at a time) and their buffers where
+    they are: a buffer that no checkpoint holds (rotary frequencies) keeps the value its module
+    computed. :func:`materialize` gives the parameters memory once the plan has sharded them."""
+    original = nn.Module.register_parameter
+
+    def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and not param.is_meta:
+            param = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+        original(module, name, param)
+
+    nn.Module.register_parameter = register  # type: ignore[method-assign, assignment]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+def materialize(model: nn.Module, device: torch.device) -> None:
+    """Memory for parameters left on the meta device (only each rank's shards, after FSDP), their
+    values unset until the pretrained weights are read; buffers keep the values they had."""
+    buffers = {name: buffer.detach().clone() for name, buffer in model.named_buffers()}
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            buffer.copy_(buffers[name])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import random
@@ -20,7 +21,7 @@ from trainforge.data import build_datasets, collate_of
 from trainforge.data.augment import augment_of, build_augmenter
 from trainforge.data.stream import StreamFeed, StreamShape
 from trainforge.models import Task, build_model, build_task
-from trainforge.models.pretrained import check_pretrained, load_pretrained
+from trainforge.models.pretrained import check_pretrained, load_pretrained, materialize, parameters_on_meta
 from trainforge.models.tasks import check_fits, to_device
 from trainforge.protocol import ParameterCounts
 from trainforge.worker import collectives
@@ -118,7 +119,11 @@ def build(
     data = DataSource.build(config, layout.dp_rank, layout.dp, pin_memory=pin_memory(config, device), feed=feed)
     # Same seed on every rank for the weights; DDP also broadcasts rank 0's copy.
     seed_all(config.seed)
-    plain = build_model(config.model, data.spec)
+    # FSDP with weights that fill every parameter: build on the meta device and give memory only
+    # to each rank's shards (models/pretrained.py), not a whole random copy per rank first.
+    deferred = defers_weights(config, world)
+    with parameters_on_meta() if deferred else contextlib.nullcontext():
+        plain = build_model(config.model, data.spec)
     task = build_task(config.model, data.spec, plain)
     parameters = freeze(plain, config.model.freeze)  # before wrapping: DDP and FSDP see what trains
     if data.feed is None:  # a map-style set: its first sample, read with every generator kept
@@ -129,6 +134,8 @@ def build(
             restore_rng(drawn)
     plan = build_plan(config.parallel, device, sync_batchnorm=config.train.sync_batchnorm, layout=layout)
     model = plan.wrap(plain)
+    if deferred:
+        materialize(plain, device)
     if config.model.pretrained is not None:
         # After wrapping: each rank reads only the shards it keeps. Before the components: the
         # weights' average (train.ema) starts from the pretrained weights.
@@ -187,6 +194,20 @@ def check_parameter_names(config: Config) -> None:
         model = build_model(config.model, spec)
     freeze(model, config.model.freeze)
     group_parameters(config.optim, model.named_parameters(remove_duplicate=False))
+
+
+def defers_weights(config: Config, world: int) -> bool:
+    """Whether the model is built without weights: FSDP over several ranks (no tensor
+    parallelism) whose every parameter ``model.pretrained`` fills (strict), so a random init
+    would only be overwritten."""
+    parallel = config.parallel
+    return (
+        config.model.pretrained is not None
+        and config.model.pretrained_strict
+        and parallel.strategy == "fsdp"
+        and parallel.tensor_parallel == 1
+        and world > 1
+    )
 
 
 def check_pretrained_fits(config: Config) -> None:

@@ -72,7 +72,10 @@ class ParallelPlan:
 
     def wrap(self, model: nn.Module) -> nn.Module:
         """Tensor parallel, switches, then the strategy's wrapper; the same parameter names before and after."""
-        model = model.to(self.device)
+        if any(p.is_meta for p in model.parameters()):  # built for pretrained weights: only buffers have memory
+            model._apply(lambda t: t if t.is_meta else t.to(self.device))
+        else:
+            model = model.to(self.device)
         found = repeated_blocks(model, self.cfg.fsdp.wrap)
         if self.layout.tp > 1:
             self.mesh = self.layout.device_mesh(self.device)
