@@ -108,3 +108,35 @@ def test_a_factory_returning_ray_datasets_streams_through_the_shards(tmp_path: P
     assert summary["status"] == "finished"
     assert summary["global_step"] == 1437 // 2 // 32  # the rows Ray Data counted, split equally
     assert summary["final_metrics"]["val/accuracy"] >= 0.6, summary["final_metrics"]
+
+
+def test_float_targets_stream_from_parquet_columns_and_an_mlp_regresses_them(tmp_path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tests.helpers.regression_data import rows
+
+    folder = tmp_path / "houses"
+    folder.mkdir()
+    inputs, targets = rows(1024, 1).tensors
+    for part in range(4):  # one file of four validates
+        chunk = slice(part * 256, (part + 1) * 256)
+        table = {"features": inputs[chunk].tolist(), "price": targets[chunk, 0].tolist(), "rent": targets[chunk, 1]}
+        pq.write_table(pa.table({**table, "rent": table["rent"].tolist()}), folder / f"part-{part}.parquet")
+    config = parquet_run(
+        tmp_path,
+        str(folder),
+        data={"name": "parquet", "path": str(folder), "columns": {"input": "features"}, "target": ["price", "rent"]},
+        model={"name": "mlp", "task": "regression", "kwargs": {"hidden_sizes": [32]}},
+        train={"epochs": 6, "batch_size": 16},
+        optim={"name": "adamw", "lr": 0.01, "weight_decay": 0.0},
+        scaling={"num_workers": 1},
+    )
+    config["data"].pop("input_shape")
+    summary = trainforge.fit(config).summary
+
+    assert summary["status"] == "finished"
+    final = summary["final_metrics"]
+    # the targets' variances are 1 and 9 (+ 0.01 of noise): variance-weighted r2 near 1
+    assert final["val/r2"] > 0.95 and final["val/mse"] < 0.5, final
+    assert "val/accuracy" not in final

@@ -138,6 +138,15 @@ def test_a_task_and_targets_that_do_not_match_are_one_line_from_the_cli(
     assert_user_error(in_process("train", str(config), capsys=capsys), message)
 
 
+def test_a_regression_config_reads_back_as_the_workers_and_a_resumed_run_read_it(tmp_path: Path) -> None:
+    from trainforge.config import Config, load_config
+
+    data = {"name": "parquet", "path": "/data", "columns": {"input": "x"}, "target": ["price", "rent"]}
+    config = load_config(tiny_run(tmp_path, model={"name": "mlp", "task": "regression", "loss": "l1"}, data=data))
+    again = Config.model_validate(config.to_dict())  # every default written out, as config.yaml holds it
+    assert again == config and again.data.float_targets and again.model.loss == "l1"
+
+
 def write_table(path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     table = pa.table(

@@ -251,7 +251,7 @@ class TabularData(StreamedData):
     an integer class (``columns.target``) or float targets (``target``: one column or a list)."""
 
     input_shape: _InputShape | None = None  # numeric inputs are reshaped to it
-    num_classes: _NumClasses = 10
+    num_classes: _NumClasses = 10  # class targets; not read with target
     # float target column(s), read as float32: one name gives a target per row, a list k per row
     target: _Target = None
 
@@ -264,8 +264,6 @@ class TabularData(StreamedData):
                 "data.target names float target columns (regression) and data.columns.target an integer class "
                 "column (classification): set one of them"
             )
-        if "num_classes" in self.model_fields_set:
-            raise ValueError("data.num_classes is for class targets; data.target names float targets: leave it out")
         return self
 
     @property

@@ -346,10 +346,11 @@ def custom_samples(user: UserData, cfg: FactoryData, path: str) -> UserData:
     return replace(user, train=train, val=val, kind="custom", input_shape=tuple(user.input_shape or ()))
 
 
-def infer_kind(inputs: Tensor, target: Tensor) -> Kind | None:
+def infer_kind(inputs: Tensor, target: Tensor, *, classes: bool = False) -> Kind | None:
+    """The kind the first sample shows; float targets are regression unless classes were declared."""
     if target.ndim == 0 and is_integer(target):
         return "image"
-    if inputs.is_floating_point() and target.is_floating_point():
+    if inputs.is_floating_point() and target.is_floating_point() and not classes:
         return "regression"
     if is_integer(inputs) and is_integer(target) and target.shape == inputs.shape and inputs.ndim == 1:
         return "tokens"
@@ -362,13 +363,15 @@ def checked_map_style(user: UserData, cfg: FactoryData, path: str) -> UserData:
     if user.kind == "custom":
         return custom_samples(user, cfg, path)
     inputs, target = first_sample(user.train, path, "train")
-    kind = user.kind or infer_kind(inputs, target)
+    kind = user.kind or infer_kind(inputs, target, classes=user.num_classes is not None)
     if kind is None:
+        classes = user.num_classes is not None and target.is_floating_point()
         raise DataError(
             f"data.factory {path!r}: train sample 0 is a {dtype_name(inputs)} input of shape {tuple(inputs.shape)} "
             f"and a {dtype_name(target)} target of shape {tuple(target.shape)}, expected a float input and an "
             "integer class (kind image), float targets (kind regression) or integer token ids of one shape "
             "(kind tokens)"
+            + ("; num_classes says classes: for regression return UserData(kind='regression') without it" * classes)
         )
     shape = declared_shape(user, path) or tuple(inputs.shape)
     if kind == "regression":
