@@ -330,6 +330,29 @@ class TrackingConfig(Section):
     max_buffered_points: Annotated[int, Field(ge=1, le=10**8)] = (
         100_000  # metric points kept while the server is away; oldest dropped
     )
+    # Log the final model as an MLflow model and register a new version under this name (tracking/registry.py)
+    register_model: str | None = None
+
+    @field_validator("register_model")
+    @classmethod
+    def _model_name(cls, value: str | None) -> str | None:
+        """MLflow's rules for registered model names (mlflow.utils.validation._validate_model_name),
+        plus its database's 256 characters, so a bad name fails before training, not after it."""
+        if value is None:
+            return None
+        if not value.strip() or len(value) > 256:
+            raise ValueError("an MLflow model name is 1-256 characters, not all blank")
+        if "/" in value or ":" in value or not value.isprintable():
+            raise ValueError("an MLflow model name may not contain '/', ':' or control characters")
+        if value in (".", "..") or value.startswith(".."):
+            raise ValueError("an MLflow model name may not be '.' or start with '..'")
+        return value
+
+    @model_validator(mode="after")
+    def _register_needs_tracking(self) -> TrackingConfig:
+        if self.register_model is not None and not self.enabled:
+            raise ValueError("tracking.register_model needs tracking.enabled: true (the model is registered in MLflow)")
+        return self
 
 
 class MetricsConfig(Section):

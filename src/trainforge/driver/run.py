@@ -241,6 +241,8 @@ def train(
         if tracker is not None:
             tracker.on_error()
         raise
+    if tracker is not None and tracker.registered_model is not None:
+        summary["registered_model"] = tracker.registered_model  # as the tracker added it to summary.json
     raise_if_failed(summary, run_dir)
     if tracker is not None:
         tracker.raise_if_incomplete()

@@ -17,6 +17,7 @@ from trainforge.tracking.records import (
     scaling_tags,
     version_tags,
 )
+from trainforge.tracking.registry import ModelRegistration
 from trainforge.tracking.runs import (
     RESUME_FILE,
     RunPlan,
@@ -71,6 +72,7 @@ class MlflowTracker:
         self.restarts = 0
         self.world_size: int | None = None
         self.leftover: Leftover | None = None
+        self.registration: ModelRegistration | None = None
 
     def on_start(self, info: RunInfo) -> None:
         static = {
@@ -109,6 +111,11 @@ class MlflowTracker:
                 }
             )
         )
+        model_name = self.settings.register_model
+        if model_name:  # before the artifacts: its outcome goes into the summary.json they upload
+            self.registration = ModelRegistration(model_name, self.config, self.run_dir, summary)
+            if self.registration.package():
+                self.outbox.add_call(f"model registration {model_name}", self.registration.call)
         for name in ARTIFACT_FILES:
             if (self.run_dir / name).is_file():
                 self.outbox.add_call(f"artifact {name}", artifact_call(self.run_dir / name))
@@ -129,13 +136,25 @@ class MlflowTracker:
     def _close(self) -> None:
         what = f"the run in {self.run_dir} (all of it is in that directory)"
         self.leftover = self.outbox.close_and_say(self.settings.flush_timeout_s, what)
+        if self.registration is not None:
+            self.registration.finish()
+
+    @property
+    def registered_model(self) -> dict[str, Any] | None:
+        """summary.json's ``registered_model`` (name, version, uri; or why there is no version)."""
+        return self.registration.record if self.registration is not None else None
 
     def raise_if_incomplete(self) -> None:
         """With ``tracking.required``, a run whose record in MLflow is incomplete ends in an error."""
-        if self.settings.required and self.leftover:
+        missing = self.leftover.describe() if self.leftover else ""
+        if self.registration is not None and self.registration.expected and not self.registration.registered:
+            missing = (
+                missing or f"a version of model {self.registration.name} ({(self.registered_model or {}).get('error')})"
+            )
+        if self.settings.required and missing:
             raise TrackingError(
                 f"training ended ({self.run_dir / 'summary.json'}) but tracking.required is set and MLflow at "
-                f"{self.uri} is missing: {self.leftover.describe()}"
+                f"{self.uri} is missing: {missing}"
             )
 
 
