@@ -116,7 +116,7 @@ def test_without_a_uri_the_run_lands_in_the_local_store(
 ) -> None:
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     with caplog.at_level(logging.INFO, logger="trainforge"):
-        result = trainforge.fit(tiny_run(tmp_path))
+        result = trainforge.fit(tiny_run(tmp_path, tracking={"register_model": "digits-mlp"}))
     store = f"sqlite:///{tmp_path.resolve()}/mlflow.db"
     assert f"mlflow ui --backend-store-uri {store}" in caplog.text
     client = MlflowClient(store)
@@ -125,6 +125,12 @@ def test_without_a_uri_the_run_lands_in_the_local_store(
     assert steps(client, run.info.run_id) == [5, 10, 15, 20]
     assert {a.path for a in client.list_artifacts(run.info.run_id)} >= RUN_FILES
     assert run.info.artifact_uri.startswith((tmp_path.resolve() / "mlartifacts").as_uri())
+    # tracking.register_model through fit: version 1, recorded in the result and in summary.json
+    record = result.summary["registered_model"]
+    assert record["version"] == 1 and record["run_id"] == run.info.run_id and record["step"] == 20
+    assert json.loads((result.run_dir / "summary.json").read_text())["registered_model"] == record
+    version = client.get_model_version("digits-mlp", "1")
+    assert float(version.tags["metric.val/accuracy"]) == result.metrics["val/accuracy"]
 
 
 def test_two_workers_make_one_run_and_a_resume_continues_it_through_a_server_outage(

@@ -28,6 +28,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import logging
+import os
 import shutil
 import tempfile
 import uuid
@@ -63,6 +64,7 @@ PYFUNC_LOADER = Path(__file__).with_name("pyfunc_logits.py")
 ZOO_FLAVOUR = "python_function (transformers)"
 PT2_FLAVOUR = "pytorch (pt2)"
 PICKLE_FLAVOUR = "pytorch (pickle)"
+PROGRESS_BAR_ENV = "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"
 TOKEN_TAG = "trainforge.registration"  # one registration's id: a retry finds the version it made
 
 
@@ -228,6 +230,7 @@ def version_tags(summary: Mapping[str, Any], run_dir: Path, step: int, flavour: 
 
 def save_mlflow_model(config: Config, weights: Path, dest: Path) -> str:
     """The run's model with its final weights, written as an MLflow model folder; its flavour."""
+    os.environ.setdefault(PROGRESS_BAR_ENV, "false")  # MLflow's bars would cut into the console's last lines
     _, _, spec = build_datasets(config.data, config.seed)
     model = build_model(config.model, spec)
     load_pretrained(model, str(weights))
