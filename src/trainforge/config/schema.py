@@ -78,6 +78,19 @@ class RunConfig(Section):
         return value
 
 
+class LoraConfig(Section):
+    """``model.lora``: low-rank adapters by PEFT (models/lora.py); only they train and are saved."""
+
+    r: Annotated[int, Field(ge=1, le=4096)] = 8
+    alpha: Annotated[int, Field(ge=1, le=1 << 20)] = 16  # the adapters' output is scaled by alpha / r
+    dropout: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.0
+    # Module names (or their last parts) to adapt, e.g. [q_proj, v_proj]; None: PEFT's choice for
+    # the transformers model types it knows (a factory's model must name them).
+    target_modules: (
+        Annotated[list[Annotated[str, Field(min_length=1, max_length=200)]], Field(min_length=1, max_length=256)] | None
+    ) = None
+
+
 class ModelConfig(Section):
     name: str | None = None
     factory: str | None = None
@@ -92,6 +105,7 @@ class ModelConfig(Section):
     pretrained_strict: bool = True  # false: load the tensors that match, list the rest
     # parameters by name held fixed (worker/params.py): not trained, not in the optimizer
     freeze: Globs = Field(default_factory=list)
+    lora: LoraConfig | None = None  # low-rank adapters (models/lora.py); the base weights stay fixed
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelConfig:

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from safetensors.torch import save_model
+import torch
+from safetensors.torch import save_file, save_model
 from torch import nn
 
 from trainforge.checkpoint.hashing import SHA256, hash_file
@@ -31,7 +32,8 @@ from trainforge.checkpoint.schema import MANIFEST, MODEL_FILE
 from trainforge.config import Config, load_config, to_yaml
 from trainforge.data import build_datasets
 from trainforge.errors import CheckpointError, ModelError
-from trainforge.models.pretrained import checkpoint_source, load_weights
+from trainforge.models.lora import ADAPTER_MARK, apply_lora, lora_target, merge
+from trainforge.models.pretrained import Source, checkpoint_source, load_pretrained, load_weights
 from trainforge.models.registry import HFLogits, build_model
 
 log = logging.getLogger("trainforge.export")
@@ -66,15 +68,24 @@ def export_run(run_dir: Path, fmt: str, output: Path, which: str = "last", *, me
     config = load_config(saved.config) if saved.config else run_config
     if config is None:
         raise CheckpointError(f"RUN_DIR {run_dir}: neither {CONFIG_FILE} nor a config in {checkpoint.name}")
-    if merge_lora:
+    lora = config.model.lora
+    if merge_lora and lora is None:
         raise ModelError("--merge-lora: this run trained no LoRA adapters (model.lora is not set in its config)")
+    if lora is not None and fmt == "hf" and not merge_lora:
+        raise ModelError(
+            "this run trained LoRA adapters: add --merge-lora to fold them into the base weights "
+            "(or --format safetensors for the adapters alone)"
+        )
     model = run_model(config)
     if fmt == "hf" and not isinstance(model, HFLogits):
         raise ModelError(
             f"--format hf needs a built-in transformers model (gpt2_*, bert_*, llama_*, resnet*, vit_*); "
             f"{config.model.name or config.model.factory} is not one: use --format safetensors"
         )
-    load_weights(model, source, key=f"checkpoint {checkpoint}")
+    if lora is None:
+        load_weights(model, source, key=f"checkpoint {checkpoint}")
+    else:
+        model = adapted_model(model, config, source, f"checkpoint {checkpoint}", merge_lora)
     staging = output.parent / f".tmp-export-{output.name}-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
@@ -82,6 +93,10 @@ def export_run(run_dir: Path, fmt: str, output: Path, which: str = "last", *, me
         if fmt == "hf":
             assert isinstance(model, HFLogits)
             write_hf(model.model, staging)
+        elif lora is not None and not merge_lora:  # the adapters alone, by the adapted model's names
+            adapters = {n: p.detach().contiguous() for n, p in model.named_parameters() if ADAPTER_MARK in n}
+            save_file(adapters, str(staging / MODEL_FILE))
+            (staging / CONFIG_FILE).write_text(to_yaml(config))
         else:
             save_model(model, str(staging / MODEL_FILE))
             (staging / CONFIG_FILE).write_text(to_yaml(config))
@@ -142,9 +157,28 @@ def pick_checkpoint(run_dir: Path, config: Config | None, which: str) -> Path:
 
 
 def run_model(config: Config) -> nn.Module:
-    """The run's model, shaped by its data (read through the run's data section), random weights."""
+    """The run's model, shaped by its data (read through the run's data section), with the
+    weights its workers started from before any pretrained file: seeded as they seed them."""
     _, _, spec = build_datasets(config.data, config.seed)
+    torch.manual_seed(config.seed)
     return build_model(config.model, spec)
+
+
+def adapted_model(model: nn.Module, config: Config, source: Source, key: str, merge_lora: bool) -> nn.Module:
+    """A LoRA run's model: the base as the workers built it (``model.pretrained``, else the
+    seeded initialisation), the checkpoint's adapters, and with ``merge_lora`` the adapters folded
+    into the base weights (the base model's names again)."""
+    assert config.model.lora is not None
+    if config.model.pretrained is not None:
+        load_pretrained(model, config.model.pretrained, strict=config.model.pretrained_strict)
+    apply_lora(model, config.model.lora)
+    loaded = load_weights(model, source, strict=False, key=key)
+    adapters = [n for n, _ in model.named_parameters() if ADAPTER_MARK in n]
+    if loaded.tensors != len(adapters):
+        raise CheckpointError(f"{key}: holds {loaded.tensors} tensors for the model's {len(adapters)} LoRA adapters")
+    if merge_lora:
+        merge(lora_target(model))
+    return model
 
 
 def write_hf(model: nn.Module, folder: Path) -> None:

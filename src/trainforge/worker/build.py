@@ -21,6 +21,7 @@ from trainforge.data import build_datasets, collate_of
 from trainforge.data.augment import augment_of, build_augmenter
 from trainforge.data.stream import StreamFeed, StreamShape
 from trainforge.models import Task, build_model, build_task
+from trainforge.models.lora import apply_lora
 from trainforge.models.pretrained import check_pretrained, load_pretrained, materialize, parameters_on_meta
 from trainforge.models.tasks import check_fits, to_device
 from trainforge.protocol import ParameterCounts
@@ -125,6 +126,14 @@ def build(
     with parameters_on_meta() if deferred else contextlib.nullcontext():
         plain = build_model(config.model, data.spec)
     task = build_task(config.model, data.spec, plain)
+    if config.model.lora is not None:
+        # The base weights first, by their own names; then the adapters (which rename the layers
+        # they adapt to <layer>.base_layer), the only parameters that train and are saved.
+        if config.model.pretrained is not None:
+            loaded = load_pretrained(plain, config.model.pretrained, strict=config.model.pretrained_strict)
+            log.info("rank %d: %s", rank, loaded.line())
+        adapted = apply_lora(plain, config.model.lora)
+        log.info("rank %d: model.lora: adapters on %d layers", rank, adapted)
     parameters = freeze(plain, config.model.freeze)  # before wrapping: DDP and FSDP see what trains
     if data.feed is None:  # a map-style set: its first sample, read with every generator kept
         drawn = capture_rng()
@@ -133,10 +142,11 @@ def build(
         finally:
             restore_rng(drawn)
     plan = build_plan(config.parallel, device, sync_batchnorm=config.train.sync_batchnorm, layout=layout)
+    plan.adapters_only = config.model.lora is not None
     model = plan.wrap(plain)
     if deferred:
         materialize(plain, device)
-    if config.model.pretrained is not None:
+    if config.model.pretrained is not None and config.model.lora is None:
         # After wrapping: each rank reads only the shards it keeps. Before the components: the
         # weights' average (train.ema) starts from the pretrained weights.
         loaded = load_pretrained(plain, config.model.pretrained, strict=config.model.pretrained_strict)
@@ -203,6 +213,7 @@ def defers_weights(config: Config, world: int) -> bool:
     parallel = config.parallel
     return (
         config.model.pretrained is not None
+        and config.model.lora is None
         and config.model.pretrained_strict
         and parallel.strategy == "fsdp"
         and parallel.tensor_parallel == 1

@@ -58,6 +58,7 @@ class ParallelPlan:
     layout: Layout = field(default_factory=lambda: Layout(0, 1))
     mesh: Any = None  # the ("dp", "tp") DeviceMesh, with tensor parallelism
     compression: Compression | None = None  # parallel.grad_compression's DDP hook (worker/compression.py)
+    adapters_only: bool = False  # model.lora: weights saved and restored are the trainable adapters only
     name = "ddp"
 
     @property
@@ -189,26 +190,46 @@ class ParallelPlan:
     def full_model_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """The full weights by parameter name; sharded, gathered to rank 0 (empty elsewhere)."""
         if self.sharded:
-            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=self.adapters_only)
             return cast(dict[str, torch.Tensor], get_model_state_dict(model, options=options))
-        return dict(self.eval_model(model).state_dict())
+        return self._saved(self.eval_model(model))
 
     def load_full_model_state(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-        """Full weights (every rank holds all of them) into this model, strictly; sharded, each
-        rank keeps its part."""
+        """Full weights (every rank holds all of them) into this model, strictly (with adapters,
+        strictly the adapters); sharded, each rank keeps its part."""
+        self._check_saved(model, state)
         if self.sharded:
-            options = StateDictOptions(full_state_dict=True, strict=True)
+            options = StateDictOptions(full_state_dict=True, strict=not self.adapters_only)
             set_model_state_dict(model, cast(Any, state), options=options)
             return
-        self.eval_model(model).load_state_dict(state, strict=True)
+        self.eval_model(model).load_state_dict(state, strict=not self.adapters_only)
 
     def model_state(self, model: nn.Module) -> dict[str, Any]:
         """The model's state for a checkpoint: whole tensors of the plain module (rank 0's are
         written), or under a sharded plan the DTensor shards keyed by parameter name, the form
-        torch.distributed.checkpoint saves, loads and reshards."""
+        torch.distributed.checkpoint saves, loads and reshards. With LoRA adapters
+        (``adapters_only``) only the trainable parameters: the base comes back from its source."""
         if self.sharded:
-            return get_model_state_dict(model)
-        return dict(self.eval_model(model).state_dict())
+            return get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=self.adapters_only))
+        return self._saved(self.eval_model(model))
+
+    def _saved(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        state = dict(module.state_dict())
+        if not self.adapters_only:
+            return state
+        trainable = {name for name, p in module.named_parameters() if p.requires_grad}
+        return {name: value for name, value in state.items() if name in trainable}
+
+    def _check_saved(self, model: nn.Module, state: dict[str, Any]) -> None:
+        """With adapters, a checkpoint holds exactly the trainable parameters (no partial loads)."""
+        if not self.adapters_only:
+            return
+        trainable = {name for name, p in self.eval_model(model).named_parameters() if p.requires_grad}
+        if set(state) != trainable:
+            missing, extra = sorted(trainable - set(state)), sorted(set(state) - trainable)
+            raise ValueError(
+                f"the checkpoint's adapters differ from the model's (missing {missing[:3]}, extra {extra[:3]})"
+            )
 
     def optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """The optimizer's state for a checkpoint: torch's own (keyed by index), or under a sharded
@@ -220,7 +241,8 @@ class ParallelPlan:
     def load_model_state(self, model: nn.Module, state: dict[str, Any]) -> None:
         """A template of ``get_model_state_dict`` filled by torch.distributed.checkpoint (DTensors
         under a sharded plan, whole tensors under ddp)."""
-        set_model_state_dict(model, state)
+        self._check_saved(model, state)
+        set_model_state_dict(model, state, options=StateDictOptions(strict=not self.adapters_only))
 
     def load_optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
         """A template of ``get_optimizer_state_dict`` filled by torch.distributed.checkpoint."""
@@ -229,7 +251,7 @@ class ParallelPlan:
     def model_template(self, model: nn.Module) -> dict[str, Any]:
         """What a sharded checkpoint's weights load into, whatever this plan: keyed by parameter
         name, DTensor shards under a sharded plan, whole tensors under ddp."""
-        return get_model_state_dict(model)
+        return get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=self.adapters_only))
 
     def optimizer_template(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """What a sharded checkpoint's optimizer state loads into, keyed by parameter name."""
