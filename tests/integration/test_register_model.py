@@ -110,6 +110,7 @@ def test_two_runs_register_versions_1_and_2_tagged_with_their_metrics(registered
         assert found.tags["trainforge.step"] == str(summary["global_step"])
         assert float(found.tags["metric.val/loss"]) == summary["final_metrics"]["val/loss"]
         assert float(found.tags["metric.train/loss"]) == summary["final_metrics"]["train/loss"]
+        assert not [tag for tag in found.tags if tag.startswith(("metric.perf/", "metric.time/", "metric.train/lr"))]
         assert f"step {summary['global_step']}: " in found.description and "val/loss" in found.description
         assert "model/MLmodel" in {a.path for a in client.list_artifacts(run_id, "model")}
         # the summary.json MLflow holds is the one with the record

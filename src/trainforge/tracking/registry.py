@@ -64,6 +64,7 @@ PYFUNC_LOADER = Path(__file__).with_name("pyfunc_logits.py")
 ZOO_FLAVOUR = "python_function (transformers)"
 PT2_FLAVOUR = "pytorch (pt2)"
 PICKLE_FLAVOUR = "pytorch (pickle)"
+TRAIN_QUALITY = frozenset(f"train/{name}" for name in ("loss", "accuracy", "perplexity", "mse", "mae", "r2"))
 PROGRESS_BAR_ENV = "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"
 TOKEN_TAG = "trainforge.registration"  # one registration's id: a retry finds the version it made
 
@@ -190,12 +191,12 @@ class ModelRegistration:
         )
         return (
             f"{model} trained by trainforge on {self.config.data.name} (tracking.register_model). Each version "
-            f"is one run's final weights, tagged with its final metrics (metric.*). Load: "
-            f"mlflow.pyfunc.load_model('models:/{self.name}/<version>').predict(array) gives the logits; {how}."
+            f"is one run's final weights, tagged with its final metrics (metric.*). Version N loads with "
+            f"mlflow.pyfunc.load_model('models:/{self.name}/N'); its predict(array) gives the logits; loading {how}."
         )
 
     def _version_description(self) -> str:
-        figures = ", ".join(f"{k} {v:.4g}" for k, v in final_numbers(self.summary).items() if "/" in k)
+        figures = ", ".join(f"{k} {v:.4g}" for k, v in final_numbers(self.summary).items())
         return f"run {self.config.run.name}, step {self.step}" + (f": {figures}" if figures else "")
 
     def _write_summary(self) -> None:
@@ -209,8 +210,16 @@ class ModelRegistration:
 
 
 def final_numbers(summary: Mapping[str, Any]) -> dict[str, float]:
+    """The final figures that say how good the model is: every validation figure (``val/*``,
+    ``val_ema/*``) and training's loss and quality; the rest (lr, speeds, times) is on the run."""
     final = summary.get("final_metrics") or {}
-    return {k: float(v) for k, v in final.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    return {
+        key: float(value)
+        for key, value in final.items()
+        if isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and (key.startswith("val") or key in TRAIN_QUALITY)
+    }
 
 
 def version_tags(summary: Mapping[str, Any], run_dir: Path, step: int, flavour: str, token: str) -> dict[str, str]:
