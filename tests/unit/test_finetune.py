@@ -258,3 +258,21 @@ def test_a_lora_run_exports_adapters_alone_or_merged_only_when_asked(
     main(["export", str(lora.run_dir), "--format", "safetensors", "--output", str(out)])
     saved = load_file(str(out / "model.safetensors"))
     assert saved.keys() == load_file(str(lora.run_dir / "checkpoint_000000030" / "model.safetensors")).keys()
+
+
+def test_lora_targets_that_match_nothing_are_one_line_before_ray_starts(
+    runs: dict[str, Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    import yaml
+
+    tmp: Path = runs["tmp"]
+    config = lm_run(tmp, tmp / "second", "bad_lora", 5, model={"lora": {"target_modules": ["qkv"]}})
+    path = tmp / "bad_lora.yaml"
+    path.write_text(yaml.safe_dump(config))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exited:
+        main(["train", str(path)])
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert exited.value.code == 2 and len(errors) == 1, errors
+    assert "model.lora.target_modules ['qkv'] cannot be applied" in errors[0] and "q_proj" in errors[0]
+    assert not (tmp / "bad_lora").exists()

@@ -222,14 +222,17 @@ def defers_weights(config: Config, world: int) -> bool:
 
 
 def check_pretrained_fits(config: Config) -> None:
-    """``model.pretrained`` resolves and its tensors fit the model (built on the meta device), or
-    one line before Ray starts."""
-    if config.model.pretrained is None:
+    """``model.pretrained`` resolves and its tensors fit the model, and ``model.lora`` finds the
+    layers it adapts (the model built on the meta device), or one line before Ray starts."""
+    if config.model.pretrained is None and config.model.lora is None:
         return
     _, _, spec = build_datasets(config.data, config.seed)
     with torch.device("meta"):
         model = build_model(config.model, spec)
-    check_pretrained(model, config.model.pretrained, strict=config.model.pretrained_strict)
+    if config.model.pretrained is not None:
+        check_pretrained(model, config.model.pretrained, strict=config.model.pretrained_strict)
+    if config.model.lora is not None:
+        apply_lora(model, config.model.lora)
 
 
 def eval_batch(run: WorkerRun, batch: Any) -> Any:
