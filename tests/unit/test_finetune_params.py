@@ -28,7 +28,7 @@ from trainforge.driver.summary import Recovery, RunRecord, build_summary
 from trainforge.errors import ConfigError
 from trainforge.models import build_model
 from trainforge.protocol import ParameterCounts, Report
-from trainforge.worker.build import seed_all
+from trainforge.worker.build import check_parameter_names, seed_all
 from trainforge.worker.optim import (
     apply_hyperparameters,
     build_optimizer,
@@ -306,3 +306,12 @@ def test_frozen_and_lr_zero_parameters_stay_and_resume_is_bit_identical(runs: di
     # What the driver gets: the counts, in every rank's final report.
     trainable = 32 * 32 + 32 + 10 * 32 + 10
     assert straight.parameters == resumed.parameters == {"trainable": trainable, "frozen": 32 * 64 + 32}
+
+
+def test_the_preflight_matches_the_names_the_workers_see_with_lora() -> None:
+    """With model.lora the workers match globs after the adapters are in: so does the preflight."""
+    base = {"model": {"name": "mlp", "lora": {"target_modules": ["3"]}}, "train": {"max_steps": 5}}
+    adapters = {"param_groups": [{"params": "*lora_B*", "lr": 0.01}]}
+    check_parameter_names(load_config({**base, "optim": adapters}, env={}))
+    with pytest.raises(ConfigError, match=r"'\*lora_C\*' matches no parameter"):
+        check_parameter_names(load_config({**base, "optim": {"param_groups": [{"params": "*lora_C*"}]}}, env={}))

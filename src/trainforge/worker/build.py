@@ -202,6 +202,8 @@ def check_parameter_names(config: Config) -> None:
     _, _, spec = build_datasets(config.data, config.seed)
     with torch.device("meta"):
         model = build_model(config.model, spec)
+    if config.model.lora is not None:  # the names the workers match: adapters and their base layers
+        apply_lora(model, config.model.lora)
     freeze(model, config.model.freeze)
     group_parameters(config.optim, model.named_parameters(remove_duplicate=False))
 
