@@ -193,7 +193,7 @@ def test_lora_trains_a_few_percent_of_the_full_fine_tune_and_learns(runs: dict[s
 def test_a_merged_lora_export_loads_in_transformers_with_the_adapted_logits(runs: dict[str, Any]) -> None:
     from transformers import AutoModelForCausalLM
 
-    from trainforge.models.export import adapted_model
+    from trainforge.models.export import adapted_model, final_model
     from trainforge.models.pretrained import checkpoint_source
 
     lora: Trained = runs["lora"]
@@ -210,6 +210,9 @@ def test_a_merged_lora_export_loads_in_transformers_with_the_adapted_logits(runs
         adapted = ours(ids)
         assert torch.allclose(theirs(ids).logits, adapted, atol=1e-5)
         assert not torch.allclose(base.eval()(ids), adapted, atol=1e-3)  # the adapters changed something
+        # What generate and the model registry rebuild from a LoRA run's model.safetensors (the adapters).
+        rebuilt = final_model(config, checkpoint / "model.safetensors").eval()
+        assert torch.allclose(rebuilt(ids), adapted, atol=1e-5)
 
 
 @pytest.fixture(scope="module")

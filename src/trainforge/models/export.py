@@ -164,6 +164,17 @@ def run_model(config: Config) -> nn.Module:
     return build_model(config.model, spec)
 
 
+def final_model(config: Config, weights: Path) -> nn.Module:
+    """A finished run's model from its ``model.safetensors`` (``weights``): the weights loaded, or
+    for a LoRA run (whose file holds the adapters) its base with the adapters merged in."""
+    model = run_model(config)
+    source = Source(f"{weights}", (weights,))
+    if config.model.lora is not None:
+        return adapted_model(model, config, source, str(weights), merge_lora=True)
+    load_weights(model, source, key=str(weights))
+    return model
+
+
 def adapted_model(model: nn.Module, config: Config, source: Source, key: str, merge_lora: bool) -> nn.Module:
     """A LoRA run's model: the base as the workers built it (``model.pretrained``, else the
     seeded initialisation), the checkpoint's adapters, and with ``merge_lora`` the adapters folded

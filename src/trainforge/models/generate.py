@@ -24,6 +24,7 @@ from trainforge.data.spec import DataSpec
 from trainforge.data.tokenizer import Tokenizer, load_corpus_tokenizer
 from trainforge.errors import CheckpointError, DataError, ModelError
 from trainforge.models import build_model
+from trainforge.models.export import final_model
 
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.yaml"
@@ -63,7 +64,10 @@ def load_run_model(run_dir: Path) -> RunModel:
     spec = DataSpec(kind="tokens", input_shape=(seq_len,), vocab_size=manifest.vocab_size, seq_len=seq_len)
     model = build_model(config.model, spec)
     try:
-        load_model(model, str(weights), strict=True)
+        if config.model.lora is not None:  # the file holds the adapters: the base and them, merged
+            model = final_model(config, weights)
+        else:
+            load_model(model, str(weights), strict=True)
     except Exception as err:  # safetensors' header errors, missing or unexpected keys, shape mismatches
         first = " ".join(str(err).split())[:300]
         raise ModelError(
