@@ -16,8 +16,9 @@ What is logged, and why:
   loading it needs trainforge (or the user's factory) importable.
 
 The model is rebuilt and filled on the driver at the end of the run, from the resolved config and
-``<run dir>/model.safetensors`` (the workers are gone by then; building the data section once
-gives the shapes, as ``trainforge export`` does). Registering is one call of the tracker's
+``<run dir>/model.safetensors`` (``models.export.final_model``; a LoRA run's adapters merged): the
+workers are gone by then, and building the data section gives the shapes, as ``trainforge
+export`` does. Registering is one call of the tracker's
 ``Outbox``, after the final metrics: retried while the store is away, its outcome recorded in
 summary.json's ``registered_model`` (a version, or why there is none), and with
 ``tracking.required`` a missing version fails the run like any other missing record.
@@ -43,9 +44,8 @@ from torch import nn
 from trainforge.checkpoint.format import write_json_atomic
 from trainforge.data import build_datasets
 from trainforge.data.spec import DataSpec
-from trainforge.models.export import write_hf
-from trainforge.models.pretrained import load_pretrained
-from trainforge.models.registry import HFLogits, build_model
+from trainforge.models.export import final_model, write_hf
+from trainforge.models.registry import HFLogits
 from trainforge.tracking.outbox import is_transient
 from trainforge.tracking.records import clean_tags
 from trainforge.tracking.store import first_line
@@ -240,10 +240,8 @@ def version_tags(summary: Mapping[str, Any], run_dir: Path, step: int, flavour: 
 def save_mlflow_model(config: Config, weights: Path, dest: Path) -> str:
     """The run's model with its final weights, written as an MLflow model folder; its flavour."""
     os.environ.setdefault(PROGRESS_BAR_ENV, "false")  # MLflow's bars would cut into the console's last lines
-    _, _, spec = build_datasets(config.data, config.seed)
-    model = build_model(config.model, spec)
-    load_pretrained(model, str(weights))
-    model.eval()
+    model = final_model(config, weights).eval()  # a LoRA run's: its base with the adapters merged
+    _, _, spec = build_datasets(config.data, config.seed)  # the shapes, for the signature
     example, signature = model_signature(model, spec)
     with warnings.catch_warnings():  # MLflow's advice on type hints and input examples, for the console
         warnings.simplefilter("ignore")
