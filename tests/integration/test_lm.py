@@ -86,4 +86,4 @@ def test_lm_stdlib_beats_the_unigram_entropy_and_generates(
     )
     assert tuned.status == "finished" and tuned.metrics["val/loss"] < entropy - 0.1, (tuned.metrics, entropy)
     lines = [line for line in (tuned.run_dir / "workers.log").read_text().splitlines() if "model.pretrained:" in line]
-    assert len(lines) == 2 and all("this rank read" in line for line in lines), lines
+    assert len(lines) == 2 and all("this rank read" in line and "host memory +" in line for line in lines), lines

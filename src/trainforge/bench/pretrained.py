@@ -17,11 +17,9 @@ import argparse
 import contextlib
 import gc
 import tempfile
-import threading
 import time
 from typing import Any
 
-import psutil
 import torch
 
 from trainforge.bench.ranks import spawn_ranks
@@ -44,43 +42,13 @@ def llama_config(hidden: int, layers: int, vocab: int) -> Any:
     )
 
 
-class PeakMemory:
-    """The largest resident set size of this process between ``start`` and ``stop``, sampled."""
-
-    def __init__(self, every_s: float = 0.005) -> None:
-        self.every_s = every_s
-        self.process = psutil.Process()
-        self.peak = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, self.process.memory_info().rss)
-            time.sleep(self.every_s)
-
-    def __enter__(self) -> PeakMemory:
-        self.before = self.process.memory_info().rss
-        self.peak = self.before
-        self._thread.start()
-        return self
-
-    def __exit__(self, *_: Any) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, self.process.memory_info().rss)
-
-    @property
-    def added(self) -> int:
-        return self.peak - self.before
-
-
 def rank_load(rank: int, world: int, folder: str, hidden: int, layers: int, vocab: int, mode: str) -> dict[str, Any]:
     from safetensors.torch import load_file
     from torch.distributed.fsdp import fully_shard
     from transformers import LlamaForCausalLM
 
     from trainforge.models.pretrained import (
+        PeakMemory,
         load_pretrained,
         local_index,
         materialize,

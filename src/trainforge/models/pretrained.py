@@ -24,6 +24,7 @@ import json
 import logging
 import math
 import re
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -31,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 from torch import nn
 
@@ -137,7 +139,7 @@ def checkpoint_source(path: Path, key: str) -> Source:
         raise ModelError(f"{key}: checkpoint {path.name} does not verify: {verification.problems[0]}")
     saved = read_saved(path)
     where = f"checkpoint {path} (step {saved.step}, verified)"
-    exported = {v: k for k, v in saved.exports.items()}.get(MODEL_FILE)
+    exported = saved.exports.get(MODEL_FILE)  # the checkpoint file the run directory's weights come from
     model_files = saved.files.get("model")
     tensors = model_files.tensors if model_files is not None else MODEL_FILE  # formats 1-2: model.safetensors
     if tensors != SHARDED and tensors is not None:
@@ -336,12 +338,47 @@ class Loaded:
     left: str  # what strict: false left out, "" when the file and the model match exactly
     source: str  # what was read, for people
 
-    def line(self) -> str:
+    def line(self, peak_added: int | None = None) -> str:
+        """One line for the worker's log; ``peak_added``: host memory the loading added at its peak."""
         text = (
             f"model.pretrained: {self.tensors} tensors from {self.source}; this rank read "
             f"{self.bytes_read / 1e6:.1f} of {self.total_bytes / 1e6:.1f} MB in {self.seconds:.2f} s"
         )
+        if peak_added is not None:
+            text += f", host memory +{peak_added / 1e6:.1f} MB at peak"
         return text + (f"; not loaded: {self.left}" if self.left else "")
+
+
+class PeakMemory:
+    """The largest resident set size of this process inside the ``with`` block, sampled every
+    ``every_s`` by a thread (``added``: the peak over what it was on entry)."""
+
+    def __init__(self, every_s: float = 0.005) -> None:
+        self.every_s = every_s
+        self.process = psutil.Process()
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.process.memory_info().rss)
+            time.sleep(self.every_s)
+
+    def __enter__(self) -> PeakMemory:
+        self.before = self.process.memory_info().rss
+        self.peak = self.before
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self.process.memory_info().rss)
+
+    @property
+    def added(self) -> int:
+        return self.peak - self.before
 
 
 def local_index(tensor: torch.Tensor) -> tuple[tuple[slice, ...], torch.Tensor]:

@@ -22,7 +22,13 @@ from trainforge.data.augment import augment_of, build_augmenter
 from trainforge.data.stream import StreamFeed, StreamShape
 from trainforge.models import Task, build_model, build_task
 from trainforge.models.lora import apply_lora
-from trainforge.models.pretrained import check_pretrained, load_pretrained, materialize, parameters_on_meta
+from trainforge.models.pretrained import (
+    PeakMemory,
+    check_pretrained,
+    load_pretrained,
+    materialize,
+    parameters_on_meta,
+)
 from trainforge.models.tasks import check_fits, to_device
 from trainforge.protocol import ParameterCounts
 from trainforge.worker import collectives
@@ -144,13 +150,14 @@ def build(
     plan = build_plan(config.parallel, device, sync_batchnorm=config.train.sync_batchnorm, layout=layout)
     plan.adapters_only = config.model.lora is not None
     model = plan.wrap(plain)
-    if deferred:
-        materialize(plain, device)
     if config.model.pretrained is not None and config.model.lora is None:
         # After wrapping: each rank reads only the shards it keeps. Before the components: the
         # weights' average (train.ema) starts from the pretrained weights.
-        loaded = load_pretrained(plain, config.model.pretrained, strict=config.model.pretrained_strict)
-        log.info("rank %d: %s", rank, loaded.line())
+        with PeakMemory() as memory:
+            if deferred:
+                materialize(plain, device)  # the shards' pages are touched as they are read
+            loaded = load_pretrained(plain, config.model.pretrained, strict=config.model.pretrained_strict)
+        log.info("rank %d: %s", rank, loaded.line(memory.added))
     # Per-replica streams from here on (dropout, augmentation), reproducible per data-parallel
     # rank; the ranks of a tensor-parallel group share theirs, so their replicated parts agree.
     seed_all(config.seed * 1000 + layout.dp_rank + 1)
