@@ -10,7 +10,8 @@ import pytest
 
 from tests.helpers.runs import tiny_run
 from trainforge.config import load_config
-from trainforge.driver.jobs import EXCLUDES, Token, dashboard_address, excludes, exit_code, find_token, job_config
+from trainforge.driver.dashboard import Token, dashboard_address, find_token
+from trainforge.driver.jobs import EXCLUDES, excludes, exit_code, job_config
 from trainforge.errors import ConfigError
 
 CLEAN = ("RAY_ADDRESS", "RAY_JOBS_ADDRESS", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Annotated
@@ -15,6 +16,7 @@ from trainforge.cli.common import (
     resolve_config_path,
     wide_console,
 )
+from trainforge.errors import TrainforgeError
 
 if TYPE_CHECKING:
     from trainforge.driver.jobs import Jobs
@@ -42,6 +44,17 @@ TokenFileOpt = Annotated[
 ]
 
 
+WaitOpt = Annotated[
+    str,
+    typer.Option(
+        "--wait-for-cluster",
+        metavar="SECONDS",
+        help="Wait up to SECONDS for a head that is still starting (connection refused, HTTP 5xx such as "
+        "Ray's 'No available agent'), retrying with a progress line on stderr; 0: try once.",
+    ),
+]
+
+
 JobArg = Annotated[str, typer.Argument(help="A job's id (raysubmit_...), as submit and jobs list print it.")]
 
 
@@ -51,6 +64,7 @@ def submit(
     set_: SetOpt = None,
     no_wait: Annotated[bool, typer.Option("--no-wait", help="Print the job id and return at once.")] = False,
     token_file: TokenFileOpt = None,
+    wait_for_cluster: WaitOpt = "60",
 ) -> None:
     """Run CONFIG on the cluster at --address as a Ray job and follow it; exit with its status.
 
@@ -61,11 +75,12 @@ def submit(
     """
     from trainforge.config import load_config
 
-    # The config is checked before anything is sent: a mistake costs milliseconds and one line.
+    # The flags and the config are checked before anything is sent: a mistake costs milliseconds and one line.
+    wait_s = wait_seconds(wait_for_cluster)
     resolved = load_config(resolve_config_path(config), set_ or [])
-    from trainforge.driver.jobs import Jobs, is_loopback, submit_run
+    from trainforge.driver.jobs import is_loopback, submit_run
 
-    jobs = Jobs(address, token_file)
+    jobs = _jobs(address, token_file, wait_s)
     submitted = submit_run(resolved, jobs, Path.cwd())
     err_console.print(f"submitted job {submitted.job_id} to {jobs.address}", highlight=False, soft_wrap=True)
     err_console.print(
@@ -96,19 +111,21 @@ def submit(
 
 
 @app.command("list")
-def jobs_list(address: AddressOpt = None, token_file: TokenFileOpt = None) -> None:
+def jobs_list(address: AddressOpt = None, token_file: TokenFileOpt = None, wait_for_cluster: WaitOpt = "60") -> None:
     """Every job the cluster knows, oldest first: id, status, run, start, duration."""
-    from trainforge.driver.jobs import Jobs, jobs_table
+    from trainforge.driver.jobs import jobs_table
 
-    wide_console().print(jobs_table(Jobs(address, token_file).list()))
+    wide_console().print(jobs_table(_jobs(address, token_file, wait_seconds(wait_for_cluster)).list()))
 
 
 @app.command("status")
-def jobs_status(job: JobArg, address: AddressOpt = None, token_file: TokenFileOpt = None) -> None:
+def jobs_status(
+    job: JobArg, address: AddressOpt = None, token_file: TokenFileOpt = None, wait_for_cluster: WaitOpt = "60"
+) -> None:
     """A job's status, run, where its results are, start, end and exit code."""
-    from trainforge.driver.jobs import Jobs, job_fields
+    from trainforge.driver.jobs import job_fields
 
-    for label, value in job_fields(Jobs(address, token_file).info(job)):
+    for label, value in job_fields(_jobs(address, token_file, wait_seconds(wait_for_cluster)).info(job)):
         typer.echo(f"{label + ':':<13}{value}")
 
 
@@ -120,26 +137,45 @@ def jobs_logs(
     follow: Annotated[
         bool, typer.Option("--follow", "-f", help="Follow the log until the job ends; exit with its status.")
     ] = False,
+    wait_for_cluster: WaitOpt = "60",
 ) -> None:
     """A job's output (the remote trainforge train's progress lines and errors)."""
-    from trainforge.driver.jobs import Jobs
-
-    jobs = Jobs(address, token_file)
+    jobs = _jobs(address, token_file, wait_seconds(wait_for_cluster))
     if follow:
         raise typer.Exit(_follow(jobs, job, sys.stdout))
     typer.echo(jobs.logs(job), nl=False)
 
 
 @app.command("stop")
-def jobs_stop(job: JobArg, address: AddressOpt = None, token_file: TokenFileOpt = None) -> None:
+def jobs_stop(
+    job: JobArg, address: AddressOpt = None, token_file: TokenFileOpt = None, wait_for_cluster: WaitOpt = "60"
+) -> None:
     """Ask a job to stop: trainforge checkpoints at the next report and ends (Ray kills it after 120 s)."""
-    from trainforge.driver.jobs import Jobs
-
-    jobs = Jobs(address, token_file)
+    jobs = _jobs(address, token_file, wait_seconds(wait_for_cluster))
     if jobs.stop(job):
         typer.echo(f"stopping {job}: it checkpoints at its next report (trainforge jobs status {job})")
     else:
         typer.echo(f"{job} was not running ({jobs.info(job).status})")
+
+
+def wait_seconds(text: str) -> float:
+    """``--wait-for-cluster``: seconds from 0 (try once) to an hour."""
+    from trainforge.driver.dashboard import MAX_WAIT_S
+
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not 0 <= seconds <= MAX_WAIT_S:  # NaN fails too
+        raise TrainforgeError(f"--wait-for-cluster {text!r}: seconds from 0 (try once) to {MAX_WAIT_S:g}")
+    return seconds
+
+
+def _jobs(address: str | None, token_file: Path | None, wait_s: float) -> Jobs:
+    """The dashboard's client, waiting up to ``wait_s`` for a head that is starting (a line on stderr)."""
+    from trainforge.driver.jobs import Jobs
+
+    return Jobs(address, token_file, wait_s=wait_s, progress=sys.stderr)
 
 
 def _follow(jobs: Jobs, job: str, out: IO[str]) -> int:

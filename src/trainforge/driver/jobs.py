@@ -7,9 +7,9 @@ cluster runs what ``config show`` prints on this machine, with only the cluster'
 ``TRAINFORGE_*`` variables applied on top. The job's driver connects to its own cluster (Ray sets
 ``RAY_ADDRESS`` for every job), so ``cluster.address`` is dropped from it.
 
-The first contact is bounded: a TCP connect, then ``GET /api/version`` with the token, each with
-a short timeout, before Ray's SDK (whose requests have no timeout) is used. A wrong token, a
-missing one or an unreachable address is a ``ClusterError`` (one line, exit code 2).
+Every request goes through the command's ``DashboardWait`` (``dashboard.py``): a head that is
+still starting is waited for, up to ``--wait-for-cluster`` seconds; a wrong token, a missing one or
+an address that is not a Ray dashboard is a ``ClusterError`` at once (one line, exit code 2).
 """
 
 from __future__ import annotations
@@ -19,28 +19,37 @@ import contextlib
 import logging
 import os
 import re
+import secrets
 import shlex
-import socket
+import string
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlparse
 
 import yaml
 
 from trainforge.config import Config
+from trainforge.driver.dashboard import (
+    WAIT_S,
+    DashboardWait,
+    NotReady,
+    answer_reason,
+    auth_headers,
+    check_dashboard,
+    connection_reason,
+    dashboard_address,
+    find_token,
+)
 from trainforge.errors import ClusterError, ConfigError
 
 if TYPE_CHECKING:
     from ray.job_submission import JobDetails, JobSubmissionClient
     from rich.table import Table
 
-ADDRESS_ENV = "RAY_JOBS_ADDRESS"
-CONNECT_TIMEOUT_S = 3.0
-REQUEST_TIMEOUT_S = 5.0
 # Ray's job stop sends SIGTERM, then SIGKILL after this many seconds (Ray's default is 3): the
 # remote `trainforge train` needs the time to checkpoint at its next report and return.
 STOP_GRACE_S = 120
@@ -65,15 +74,10 @@ SDK_LOGGERS = (
     "ray._private.runtime_env.packaging",
 )
 CONFIG_PREFIX = "trainforge-submit-"
+ID_CHARACTERS = "".join(sorted(set(string.ascii_letters + string.digits) - set("IlOo0")))
 EXIT_STOPPED = 130
 
-
-@dataclass(frozen=True)
-class Token:
-    """A Ray authentication token and where it was found (named in errors, never the value)."""
-
-    value: str
-    source: str
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -86,94 +90,22 @@ class Submission:
     checkpoints: str  # the run's checkpoint folder: what `trainforge ckpt list` takes
 
 
-def dashboard_address(address: str | None) -> str:
-    """``--address``, else ``RAY_JOBS_ADDRESS``, else ``RAY_ADDRESS`` when it is a dashboard URL."""
-    given = address or os.environ.get(ADDRESS_ENV) or None
-    ray_address = os.environ.get("RAY_ADDRESS", "")
-    if given is None and ray_address.startswith(("http://", "https://")):
-        given = ray_address
-    if given is None:
-        raise ConfigError(f"no cluster: give --address http://HEAD:8265 (the Ray dashboard), or set {ADDRESS_ENV}")
-    parsed = urlparse(given)
-    if parsed.scheme not in ("http", "https") or not parsed.hostname:
-        raise ConfigError(
-            f"--address {given!r}: the Ray dashboard's URL, http://HEAD:8265 (not the GCS HEAD:6379 or ray://)"
-        )
-    return given.rstrip("/")
-
-
-def find_token(token_file: Path | None) -> Token | None:
-    """The token to send: ``--token-file``, else Ray's own sources in Ray's order
-    (``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH``, ``~/.ray/auth_token``); None when there is none."""
-    if token_file is not None:
-        return _read_token(token_file, f"--token-file {token_file}", required=True)
-    if os.environ.get("RAY_AUTH_TOKEN", "").strip():
-        return Token(os.environ["RAY_AUTH_TOKEN"].strip(), "RAY_AUTH_TOKEN")
-    if os.environ.get("RAY_AUTH_TOKEN_PATH"):
-        path = Path(os.environ["RAY_AUTH_TOKEN_PATH"]).expanduser()
-        return _read_token(path, f"RAY_AUTH_TOKEN_PATH {path}", required=True)
-    return _read_token(Path.home() / ".ray" / "auth_token", "~/.ray/auth_token", required=False)
-
-
-def _read_token(path: Path, source: str, *, required: bool) -> Token | None:
-    try:
-        with path.open("rb") as file:
-            value = file.read(4097).decode("utf-8").strip()
-    except FileNotFoundError:
-        if not required:
-            return None
-        raise ConfigError(f"{source}: no such file") from None
-    except (OSError, UnicodeDecodeError) as err:
-        raise ConfigError(f"{source}: cannot read the token ({err})") from None
-    if not value or len(value) > 4096 or any(c.isspace() for c in value):
-        raise ConfigError(f"{source}: not a Ray token (one line; `ray get-auth-token` prints the cluster's)")
-    return Token(value, source)
-
-
-def check_dashboard(address: str, token: Token | None) -> None:
-    """The dashboard answers and takes the token, within seconds; else one ClusterError."""
-    import requests
-
-    parsed = urlparse(address)
-    port = parsed.port or (443 if parsed.scheme == "https" else 80)
-    try:
-        with socket.create_connection((parsed.hostname, port), timeout=CONNECT_TIMEOUT_S):
-            pass
-        answer = requests.get(f"{address}/api/version", headers=auth_headers(token), timeout=REQUEST_TIMEOUT_S)
-    except (OSError, requests.RequestException) as err:
-        reason = type(err).__name__ if isinstance(err, requests.RequestException) else err.strerror or str(err)
-        raise ClusterError(
-            f"cannot reach the Ray dashboard at {address} ({reason}); check the address (http://HEAD:8265)"
-        ) from None
-    if answer.status_code == 401:
-        raise ClusterError(
-            f"the Ray cluster at {address} requires a token and none was found: set RAY_AUTH_TOKEN or "
-            "RAY_AUTH_TOKEN_PATH, or give --token-file (`ray get-auth-token` on the head prints it)"
-        )
-    if answer.status_code == 403:
-        source = token.source if token else "the request"
-        raise ClusterError(
-            f"the Ray cluster at {address} refused the token from {source}: it is not this cluster's "
-            "token (`ray get-auth-token` on the head prints it)"
-        )
-    if answer.status_code != 200:
-        raise ClusterError(
-            f"{address} answered HTTP {answer.status_code} to /api/version: is it a Ray dashboard (port 8265)?"
-        )
-
-
-def auth_headers(token: Token | None) -> dict[str, str]:
-    """Ray's dashboard reads ``Authorization: Bearer <token>`` (ray/_private/authentication)."""
-    return {"Authorization": f"Bearer {token.value}"} if token else {}
-
-
 class Jobs:
-    """Ray's ``JobSubmissionClient`` for one dashboard, its errors turned into ClusterErrors."""
+    """Ray's ``JobSubmissionClient`` for one dashboard: every call waits for a head that is still
+    starting (``DashboardWait``), and the SDK's errors become ClusterErrors."""
 
-    def __init__(self, address: str | None, token_file: Path | None = None) -> None:
+    def __init__(
+        self,
+        address: str | None,
+        token_file: Path | None = None,
+        *,
+        wait_s: float = WAIT_S,
+        progress: IO[str] | None = None,
+    ) -> None:
         self.address = dashboard_address(address)
         token = find_token(token_file)
-        check_dashboard(self.address, token)
+        self.wait = DashboardWait(self.address, wait_s, progress)
+        self.wait.run(lambda: check_dashboard(self.address, token))
         # Imported only now: Ray takes seconds to import, and a wrong address or token is told sooner.
         from ray.job_submission import JobSubmissionClient
 
@@ -182,12 +114,24 @@ class Jobs:
             logging.getLogger(name).setLevel(logging.WARNING)
 
         # The SDK lets RAY_ADDRESS / RAY_API_SERVER_ADDRESS override the address it is given.
-        with _without_env("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS"), self.errors():
-            self.client: JobSubmissionClient = JobSubmissionClient(self.address, headers=auth_headers(token))
+        with _without_env("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS"):
+            self.client: JobSubmissionClient = self._call(
+                lambda: JobSubmissionClient(self.address, headers=auth_headers(token))
+            )
+
+    def _call(self, call: Callable[[], T], job_id: str | None = None) -> T:
+        """One SDK call, repeated while the dashboard is not ready (within the command's wait)."""
+
+        def attempt() -> T:
+            with self._errors(job_id):
+                return call()
+
+        return self.wait.run(attempt)
 
     @contextlib.contextmanager
-    def errors(self, job_id: str | None = None) -> Iterator[None]:
-        """The SDK's exceptions (RuntimeError with an HTTP status, requests' errors) as one line."""
+    def _errors(self, job_id: str | None = None) -> Iterator[None]:
+        """The SDK's exceptions (RuntimeError with an HTTP status, requests' errors) as one line, or
+        ``NotReady`` for a lost connection and a 5xx answer (the head may still be starting)."""
         import requests
         from ray.exceptions import AuthenticationError
 
@@ -195,9 +139,21 @@ class Jobs:
             yield
         except AuthenticationError:
             raise ClusterError(f"the Ray cluster at {self.address} refused the token") from None
-        except (requests.RequestException, ConnectionError) as err:
+        except requests.exceptions.SSLError as err:
+            raise ClusterError(f"TLS with the Ray dashboard at {self.address} failed ({type(err).__name__})") from None
+        except requests.HTTPError as err:  # the SDK's version check
+            status = err.response.status_code if err.response is not None else 0
+            if status >= 500:
+                raise NotReady(answer_reason(status, err.response.text if err.response is not None else "")) from None
+            raise ClusterError(f"the Ray cluster at {self.address}: HTTP {status} to /api/version") from None
+        except (requests.ConnectionError, requests.Timeout, ConnectionError) as err:
+            raise NotReady(connection_reason(err)) from None
+        except requests.RequestException as err:
             raise ClusterError(f"lost the Ray dashboard at {self.address} ({type(err).__name__})") from None
         except RuntimeError as err:
+            answered = re.match(r"Request failed with status code (5\d\d): (.*)\.\Z", str(err), re.DOTALL)
+            if answered:
+                raise NotReady(answer_reason(int(answered.group(1)), answered.group(2))) from None
             text = " ".join(str(err).split())
             if job_id is not None and "status code 404" in text:
                 raise ClusterError(
@@ -210,21 +166,48 @@ class Jobs:
                 ) from None
             raise ClusterError(f"the Ray cluster at {self.address}: {text}") from None
 
+    def submit(self, entrypoint: str, runtime_env: dict[str, Any], metadata: dict[str, str]) -> str:
+        """Submit a job under an id chosen here, so that a retry after an answer that was lost (a
+        dropped connection, a proxy's 5xx) finds the job submitted instead of submitting it twice."""
+        submission_id = new_submission_id()
+        attempts = 0
+
+        def attempt() -> str:
+            nonlocal attempts
+            attempts += 1
+            if attempts > 1 and self._exists(submission_id):
+                return submission_id
+            try:
+                return self.client.submit_job(
+                    entrypoint=entrypoint, runtime_env=runtime_env, metadata=metadata, submission_id=submission_id
+                )
+            except RuntimeError as err:
+                if submission_id in str(err) and "already exists" in str(err):
+                    return submission_id
+                raise
+
+        return self._call(attempt)
+
+    def _exists(self, job_id: str) -> bool:
+        try:
+            self.client.get_job_info(job_id)
+        except RuntimeError as err:
+            if "status code 404" in str(err):
+                return False
+            raise
+        return True
+
     def info(self, job_id: str) -> JobDetails:
-        with self.errors(job_id):
-            return self.client.get_job_info(job_id)
+        return self._call(lambda: self.client.get_job_info(job_id), job_id)
 
     def list(self) -> list[JobDetails]:
-        with self.errors():
-            return sorted(self.client.list_jobs(), key=lambda job: job.start_time or 0)
+        return sorted(self._call(self.client.list_jobs), key=lambda job: job.start_time or 0)
 
     def logs(self, job_id: str) -> str:
-        with self.errors(job_id):
-            return self.client.get_job_logs(job_id)
+        return self._call(lambda: self.client.get_job_logs(job_id), job_id)
 
     def stop(self, job_id: str) -> bool:
-        with self.errors(job_id):
-            return self.client.stop_job(job_id)
+        return self._call(lambda: self.client.stop_job(job_id), job_id)
 
     def follow(self, job_id: str, out: IO[str]) -> JobDetails:
         """Write the job's log to ``out`` as it grows; its details once it has ended.
@@ -286,16 +269,15 @@ def submit_run(config: Config, jobs: Jobs, working_dir: Path) -> Submission:
     storage = str(shipped["checkpoint"]["storage_path"] or shipped["run"]["output_dir"])
     checkpoints = f"{storage.rstrip('/')}/{config.run.name}"
     try:
-        with jobs.errors():
-            job_id = jobs.client.submit_job(
-                entrypoint=f"trainforge train {shlex.quote(config_file.name)}",
-                runtime_env={
-                    "working_dir": str(working_dir),
-                    "excludes": excludes(config, working_dir),
-                    "env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": str(STOP_GRACE_S)},
-                },
-                metadata={"trainforge_run": config.run.name, "run_dir": run_dir, "checkpoints": checkpoints},
-            )
+        job_id = jobs.submit(
+            entrypoint=f"trainforge train {shlex.quote(config_file.name)}",
+            runtime_env={
+                "working_dir": str(working_dir),
+                "excludes": excludes(config, working_dir),
+                "env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": str(STOP_GRACE_S)},
+            },
+            metadata={"trainforge_run": config.run.name, "run_dir": run_dir, "checkpoints": checkpoints},
+        )
     finally:
         config_file.unlink(missing_ok=True)
     return Submission(job_id=job_id, address=jobs.address, run_dir=run_dir, checkpoints=checkpoints)
@@ -324,6 +306,11 @@ def excludes(config: Config, working_dir: Path) -> list[str]:
                 found.append(f"/{folder.relative_to(root).as_posix()}")
                 break
     return list(dict.fromkeys(found))
+
+
+def new_submission_id() -> str:
+    """An id in Ray's own form (``raysubmit_`` and 16 letters and digits, none easily confused)."""
+    return "raysubmit_" + "".join(secrets.choice(ID_CHARACTERS) for _ in range(16))
 
 
 def is_loopback(address: str) -> bool:
