@@ -141,6 +141,26 @@ def test_what_waiting_will_not_change_is_told_at_once(
     assert progress.getvalue() == ""
 
 
+def test_an_unresolvable_host_is_told_at_once() -> None:
+    address = "http://no-such-host.invalid:8265"
+    with pytest.raises(ClusterError, match=r"cannot resolve the host of http://no-such-host\.invalid:8265"):
+        DashboardWait(address, 30).run(lambda: check_dashboard(address, None))
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_on_a_terminal_the_progress_line_is_rewritten_in_place_and_cleared(dashboard: Dashboard) -> None:
+    dashboard.version = [(503, "Service Unavailable"), (503, "Service Unavailable"), (200, json.dumps(VERSION))]
+    progress = Terminal()
+    DashboardWait(dashboard.url, 30, progress).run(lambda: check_dashboard(dashboard.url, None))
+    line = f"waiting for the Ray dashboard at {dashboard.url} (HTTP 503: Service Unavailable; "
+    assert progress.getvalue().count(f"\r{line}") == 2
+    assert "\n" not in progress.getvalue() and progress.getvalue().endswith("\r\033[K")
+
+
 def test_a_submission_whose_answer_was_lost_is_found_not_submitted_twice(dashboard: Dashboard) -> None:
     # The head is starting (no agent yet), then takes the job but a proxy loses its answer.
     dashboard.submit = [(500, NO_AGENT), (502, "lost: Bad Gateway"), (200, "")]
