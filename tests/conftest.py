@@ -38,6 +38,8 @@ LONGEST_FIRST = (
     "integration/test_bench_peers.py",  # 170
     "integration/test_fsdp.py",  # 164
     "integration/test_mlflow.py",  # 142
+    "unit/test_finetune.py",  # ~100 (gloo ranks: base, fine-tunes, LoRA resumes)
+    "integration/test_lm.py",  # 74
     "integration/test_cli.py",  # 129
     "faults/test_hang.py",  # 100
     "cluster/test_scaling.py",  # 100 (alone)
