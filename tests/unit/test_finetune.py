@@ -27,6 +27,10 @@ from trainforge.data.corpus import PrepareOptions, prepare_corpus
 from trainforge.models.export import run_model
 from trainforge.models.pretrained import load_pretrained
 
+# Several trainings in gloo ranks (about 100 s): in the full suite, out of the fast subset
+# (test_pretrained.py keeps the loader's own checks there).
+pytestmark = pytest.mark.slow
+
 FIRST = ("the", "of", "and", "to", "in", "is", "was", "for", "on", "that", "with", "as", "by", "at", "from")
 SECOND = ("their", "often", "and", "into", "was", "forty", "one", "that", "with", "as", "but", "at", "fresh")
 LLAMA = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2}
