@@ -113,13 +113,15 @@ CUSTOM_STEP = {
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("ray_local")
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_a_custom_step_worker_killed_mid_epoch_resumes_bit_identical(
-    tmp_path: Path, straight: Callable[[str, dict], trainforge.RunResult]
+    tmp_path: Path, straight: Callable[[str, dict], trainforge.RunResult], strategy: str
 ) -> None:
-    reference = straight("custom-step", CUSTOM_STEP)
+    sections = {**CUSTOM_STEP, "parallel": {"strategy": strategy}}
+    reference = straight(f"custom-step-{strategy}", sections)
     run_dir = tmp_path / "killed" / "t"
     killed = kill_a_worker_after(run_dir / "checkpoint_000000020")
-    resumed = trainforge.fit(paced_config(tmp_path / "killed", **CUSTOM_STEP))
+    resumed = trainforge.fit(paced_config(tmp_path / "killed", **sections))
 
     assert killed, "no worker was killed"
     assert resumed.summary["status"] == "finished" and resumed.summary["restarts"] == 1
