@@ -156,20 +156,12 @@ def test_export_refuses_in_one_line_and_writes_nothing(
 def test_train_refuses_pretrained_weights_that_do_not_fit_before_ray_starts(
     runs: dict[str, Any], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    import yaml
 
     tmp: Path = runs["tmp"]
     deeper = lm_run(tmp, tmp / "second", "deeper", 5, model={"pretrained": str(runs["exported"])})
     deeper["model"]["kwargs"] = {**LLAMA, "num_hidden_layers": 3}
-    path = tmp / "deeper.yaml"
-    path.write_text(yaml.safe_dump(deeper))
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as exited:
-        main(["train", str(path)])
-    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
-    assert exited.value.code == 2 and len(errors) == 1, errors
-    assert "does not fit the model: 9 missing from the file (model.model.layers.2." in errors[0]
-    assert not (tmp / "deeper").exists()  # nothing written for the run
+    error = train_refused(tmp, deeper, capsys)
+    assert "does not fit the model: 9 missing from the file (model.model.layers.2." in error
 
 
 def size_of(folder: Path) -> int:
@@ -270,16 +262,24 @@ def test_a_lora_run_exports_adapters_alone_or_merged_only_when_asked(
 def test_lora_targets_that_match_nothing_are_one_line_before_ray_starts(
     runs: dict[str, Any], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    import yaml
 
     tmp: Path = runs["tmp"]
     config = lm_run(tmp, tmp / "second", "bad_lora", 5, model={"lora": {"target_modules": ["qkv"]}})
-    path = tmp / "bad_lora.yaml"
+    error = train_refused(tmp, config, capsys)
+    assert "model.lora.target_modules ['qkv'] cannot be applied" in error and "q_proj" in error
+
+
+def train_refused(tmp: Path, config: dict[str, Any], capsys: pytest.CaptureFixture[str]) -> str:
+    """``trainforge train`` on ``config``: exit 2 with one error line (returned) and no run directory."""
+    import yaml
+
+    name = config["run"]["name"]
+    path = tmp / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))
     capsys.readouterr()
     with pytest.raises(SystemExit) as exited:
         main(["train", str(path)])
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert exited.value.code == 2 and len(errors) == 1, errors
-    assert "model.lora.target_modules ['qkv'] cannot be applied" in errors[0] and "q_proj" in errors[0]
-    assert not (tmp / "bad_lora").exists()
+    assert not (tmp / name).exists()  # nothing written for the run
+    return errors[0]

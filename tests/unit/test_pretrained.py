@@ -5,11 +5,13 @@ FSDP ranks that read only their own rows of the file. In this process and in 2 g
 from __future__ import annotations
 
 import contextlib
+import gc
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from safetensors.torch import save_model
 
 from tests.helpers.ranks import spawn_ranks
@@ -125,7 +127,12 @@ def fsdp_rank(rank: int, world: int, folder: str, on_meta: bool) -> dict[str, An
         materialize(model, torch.device("cpu"))
     loaded = load_pretrained(model, folder)
     full = {name: param.full_tensor() for name, param in model.named_parameters()}
-    buffers = dict(model.named_buffers())
+    buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}
+    # The sharded model goes while the process group is alive, and no rank leaves before the
+    # others are done with it: its teardown at interpreter exit aborted a rank now and then.
+    del model
+    gc.collect()
+    dist.barrier()
     return {"read": loaded.bytes_read, "total": loaded.total_bytes, "full": full, "buffers": buffers}
 
 

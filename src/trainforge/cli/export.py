@@ -9,8 +9,6 @@ import typer
 
 from trainforge.errors import TrainforgeError
 
-FORMATS = ("hf", "safetensors")
-
 
 def export(
     run_dir: Annotated[Path, typer.Argument(help="A run directory: <run.output_dir>/<run.name>.")],
@@ -24,11 +22,8 @@ def export(
     ] = False,
 ) -> None:
     """Write the run's model where tools without trainforge load it; the weights come from a verified checkpoint."""
-    if format not in FORMATS:
-        raise TrainforgeError(f"--format {format!r}: one of {', '.join(FORMATS)}")
     if not run_dir.is_dir():
         raise TrainforgeError(f"RUN_DIR {run_dir}: no such directory")
-    from trainforge.models.export import check_output, describe, export_run
+    from trainforge.models.export import describe, export_run  # checks --format and --output first
 
-    check_output(output)
     typer.echo(describe(export_run(run_dir, format, output, checkpoint, merge_lora=merge_lora)))

@@ -31,6 +31,7 @@ from trainforge.checkpoint.saved import read_saved
 from trainforge.checkpoint.schema import MANIFEST, MODEL_FILE
 from trainforge.config import Config, load_config, to_yaml
 from trainforge.data import build_datasets
+from trainforge.data.spec import DataSpec
 from trainforge.errors import CheckpointError, ModelError
 from trainforge.models.lora import ADAPTER_MARK, apply_lora, lora_target, merge
 from trainforge.models.pretrained import Source, checkpoint_source, load_pretrained, load_weights
@@ -156,18 +157,23 @@ def pick_checkpoint(run_dir: Path, config: Config | None, which: str) -> Path:
     return min(scored, key=lambda pair: pair[0])[1]
 
 
-def run_model(config: Config) -> nn.Module:
-    """The run's model, shaped by its data (read through the run's data section), with the
-    weights its workers started from before any pretrained file: seeded as they seed them."""
-    _, _, spec = build_datasets(config.data, config.seed)
+def run_spec(config: Config) -> DataSpec:
+    """The shapes of the run's data (read through its data section): what sizes the model."""
+    return build_datasets(config.data, config.seed)[2]
+
+
+def run_model(config: Config, spec: DataSpec | None = None) -> nn.Module:
+    """The run's model, shaped by its data (``spec``, else read through the run's data section),
+    with the weights its workers started from before any pretrained file: seeded as they seed them."""
+    spec = spec if spec is not None else run_spec(config)
     torch.manual_seed(config.seed)
     return build_model(config.model, spec)
 
 
-def final_model(config: Config, weights: Path) -> nn.Module:
+def final_model(config: Config, weights: Path, spec: DataSpec | None = None) -> nn.Module:
     """A finished run's model from its ``model.safetensors`` (``weights``): the weights loaded, or
     for a LoRA run (whose file holds the adapters) its base with the adapters merged in."""
-    model = run_model(config)
+    model = run_model(config, spec)
     source = Source(f"{weights}", (weights,))
     if config.model.lora is not None:
         return adapted_model(model, config, source, str(weights), merge_lora=True)

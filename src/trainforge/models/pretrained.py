@@ -293,12 +293,6 @@ def target_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return found
 
 
-def aliases(model: nn.Module) -> set[str]:
-    """Names of tensors that another name already holds (tied weights)."""
-    kept = set(target_tensors(model))
-    return set(model.state_dict(keep_vars=True)) - kept
-
-
 NAMINGS = (
     lambda n: n,
     lambda n: WRAPPER_PREFIX + n,  # a transformers model's names into trainforge's built-in
@@ -309,7 +303,7 @@ NAMINGS = (
 def match(model: nn.Module, weights: Weights) -> Matching:
     """Pair the model's tensors with the file's under the naming that matches most."""
     targets = target_tensors(model)
-    tied = aliases(model)
+    tied = set(model.state_dict(keep_vars=True)) - set(targets)  # names another name already holds
     names = weights.names()
     renamings = [{rename(n): n for n in names} for rename in NAMINGS]
     chosen = max(renamings, key=lambda renamed: sum(t in renamed for t in targets))

@@ -42,9 +42,8 @@ import torch
 from torch import nn
 
 from trainforge.checkpoint.format import write_json_atomic
-from trainforge.data import build_datasets
 from trainforge.data.spec import DataSpec
-from trainforge.models.export import final_model, write_hf
+from trainforge.models.export import final_model, run_spec, write_hf
 from trainforge.models.registry import HFLogits
 from trainforge.tracking.outbox import is_transient
 from trainforge.tracking.records import clean_tags
@@ -240,8 +239,8 @@ def version_tags(summary: Mapping[str, Any], run_dir: Path, step: int, flavour: 
 def save_mlflow_model(config: Config, weights: Path, dest: Path) -> str:
     """The run's model with its final weights, written as an MLflow model folder; its flavour."""
     os.environ.setdefault(PROGRESS_BAR_ENV, "false")  # MLflow's bars would cut into the console's last lines
-    model = final_model(config, weights).eval()  # a LoRA run's: its base with the adapters merged
-    _, _, spec = build_datasets(config.data, config.seed)  # the shapes, for the signature
+    spec = run_spec(config)  # the shapes: the model's and the signature's
+    model = final_model(config, weights, spec).eval()  # a LoRA run's: its base with the adapters merged
     example, signature = model_signature(model, spec)
     with warnings.catch_warnings():  # MLflow's advice on type hints and input examples, for the console
         warnings.simplefilter("ignore")

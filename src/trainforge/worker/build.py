@@ -135,9 +135,7 @@ def build(
     if config.model.lora is not None:
         # The base weights first, by their own names; then the adapters (which rename the layers
         # they adapt to <layer>.base_layer), the only parameters that train and are saved.
-        if config.model.pretrained is not None:
-            loaded = load_pretrained(plain, config.model.pretrained, strict=config.model.pretrained_strict)
-            log.info("rank %d: %s", rank, loaded.line())
+        read_pretrained(plain, config, rank)
         adapted = apply_lora(plain, config.model.lora)
         log.info("rank %d: model.lora: adapters on %d layers", rank, adapted)
     parameters = freeze(plain, config.model.freeze)  # before wrapping: DDP and FSDP see what trains
@@ -150,14 +148,10 @@ def build(
     plan = build_plan(config.parallel, device, sync_batchnorm=config.train.sync_batchnorm, layout=layout)
     plan.adapters_only = config.model.lora is not None
     model = plan.wrap(plain)
-    if config.model.pretrained is not None and config.model.lora is None:
+    if config.model.lora is None:
         # After wrapping: each rank reads only the shards it keeps. Before the components: the
         # weights' average (train.ema) starts from the pretrained weights.
-        with PeakMemory() as memory:
-            if deferred:
-                materialize(plain, device)  # the shards' pages are touched as they are read
-            loaded = load_pretrained(plain, config.model.pretrained, strict=config.model.pretrained_strict)
-        log.info("rank %d: %s", rank, loaded.line(memory.added))
+        read_pretrained(plain, config, rank, materialize_on=device if deferred else None)
     # Per-replica streams from here on (dropout, augmentation), reproducible per data-parallel
     # rank; the ranks of a tensor-parallel group share theirs, so their replicated parts agree.
     seed_all(config.seed * 1000 + layout.dp_rank + 1)
@@ -213,6 +207,19 @@ def check_parameter_names(config: Config) -> None:
         apply_lora(model, config.model.lora)
     freeze(model, config.model.freeze)
     group_parameters(config.optim, model.named_parameters(remove_duplicate=False))
+
+
+def read_pretrained(plain: nn.Module, config: Config, rank: int, materialize_on: torch.device | None = None) -> None:
+    """``model.pretrained`` into ``plain`` (wrapped or not), logging what this rank read and the
+    host memory it took at peak; ``materialize_on``: first give a model built on the meta device
+    its shards' memory there (their pages are touched as the file is read into them)."""
+    if config.model.pretrained is None:
+        return
+    with PeakMemory() as memory:
+        if materialize_on is not None:
+            materialize(plain, materialize_on)
+        loaded = load_pretrained(plain, config.model.pretrained, strict=config.model.pretrained_strict)
+    log.info("rank %d: %s", rank, loaded.line(memory.added))
 
 
 def defers_weights(config: Config, world: int) -> bool:
