@@ -40,6 +40,7 @@ LONGEST_FIRST = (
     "integration/test_mlflow.py",  # 142
     "unit/test_finetune.py",  # ~100 (gloo ranks: base, fine-tunes, LoRA resumes)
     "integration/test_lm.py",  # 74
+    "integration/test_bench_startup.py",  # 66
     "integration/test_cli.py",  # 129
     "faults/test_hang.py",  # 100
     "cluster/test_scaling.py",  # 100 (alone)

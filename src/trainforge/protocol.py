@@ -382,6 +382,14 @@ class WorkerFailure:
 
 
 @dataclass(frozen=True)
+class StartupMarks:
+    """When phases of a run's start ended (unix times by phase name, driver/startup.py's): sent by
+    the controller (its phases) and by rank 0 after its first step (the worker's)."""
+
+    marks: tuple[tuple[str, float], ...]
+
+
+@dataclass(frozen=True)
 class LogLine:
     """One worker log line, tagged with rank and node (worker/logs.py); ``level`` is logging's."""
 

@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import yaml
 
@@ -223,6 +224,42 @@ def test_train_command_runs_and_prints_the_summary_path(tmp_path: Path) -> None:
     assert "Traceback" not in result.stderr
     assert "step 20/20" in result.stderr  # one progress line per report when not on a terminal
     assert (summary_path.parent / "ray.log").exists()
+    # The start, phase by phase, from the process's start: the CLI's, the driver's, the
+    # controller's (its callback) and rank 0's marks all arrived, and add up.
+    startup = summary["startup"]
+    phases = startup["phases"]
+    for phase in ("cli", "imports", "ray", "controller", "workers", "process_group", "train_fn", "model", "first_step"):
+        assert phase in phases, phases
+    assert all(seconds >= 0 for seconds in phases.values())
+    assert startup["to_first_step_s"] == pytest.approx(sum(phases.values()), abs=0.01)
+    assert startup["start_unix"] <= summary_path.stat().st_mtime - startup["to_first_step_s"]
+    assert "SIGTERM handler" not in result.stderr  # Ray's warning for an init off the main thread
+
+
+def test_a_failed_check_stops_the_ray_that_started_early(tmp_path: Path) -> None:
+    """``trainforge train`` starts a local Ray while it imports; a check that fails after that
+    (a data path that does not exist) stops it: no Ray process of that session outlives the command."""
+    ray_tmp = tmp_path / "ray"  # Ray's session folder, named on every one of its processes' command lines
+    ray_tmp.mkdir()
+    config = write_config(tmp_path, data={"name": "cifar10", "path": str(tmp_path / "absent")})
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TERM": "dumb", "RAY_TMPDIR": str(ray_tmp)}
+    result = subprocess.run(
+        [sys.executable, "-m", "trainforge", "train", str(config)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert_user_error(result, str(tmp_path / "absent"))
+    assert list(ray_tmp.iterdir()), "the command started no Ray: this test would prove nothing"
+    left = [
+        p.info["pid"]
+        for p in psutil.process_iter(["pid", "cmdline"])
+        if str(ray_tmp) in " ".join(p.info["cmdline"] or [])
+    ]
+    assert left == [], f"Ray processes left running: {left}"
 
 
 @pytest.mark.slow

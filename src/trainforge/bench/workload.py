@@ -116,10 +116,13 @@ class StepClock:
         self.steps = 0
         self.started: float | None = None
         self.last = 0.0
+        self.first_at = 0.0  # unix time at the end of the first step (bench startup)
 
     def step_done(self) -> None:
         now = time.perf_counter()
         self.steps += 1
+        if self.steps == 1:
+            self.first_at = time.time()
         if self.steps == self.warmup:
             self.started = now
         self.last = now
@@ -134,7 +137,12 @@ class StepClock:
 
     def result(self) -> dict[str, float]:
         rate = self.timed_steps * self.global_batch / self.timed_s if self.timed_s > 0 else 0.0
-        return {"samples_per_s": rate, "timed_steps": self.timed_steps, "timed_s": self.timed_s}
+        return {
+            "samples_per_s": rate,
+            "timed_steps": self.timed_steps,
+            "timed_s": self.timed_s,
+            "first_step_unix": self.first_at,
+        }
 
 
 def run_steps(

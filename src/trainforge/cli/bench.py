@@ -56,6 +56,39 @@ def bench_peers(
     )
 
 
+@app.command("startup")
+def bench_startup(
+    workers: Annotated[int, typer.Option(help="Workers of the tiny job (2: the issue's job).")] = 2,
+    repeats: Annotated[int, typer.Option(help="Measurements per peer and setting; the median is shown.")] = 2,
+    setting: Annotated[
+        str, typer.Option(help="cold (each command starts its runtime), running (inside one running Ray), or both.")
+    ] = "both",
+    output: Annotated[Path | None, typer.Option(help="Also write every raw figure as JSON here.")] = None,
+) -> None:
+    """Seconds to the first step and to exit: torchrun, plain Ray Train and trainforge, cold and in a running Ray."""
+    from trainforge.config import MAX_WORKERS
+
+    if not 1 <= workers <= min(MAX_WORKERS, 64):
+        raise TrainforgeError(f"--workers {workers}: must be 1-64")
+    if repeats < 1:
+        raise TrainforgeError(f"--repeats {repeats}: must be >= 1")
+    if setting not in ("cold", "running", "both"):
+        raise TrainforgeError(f"--setting {setting!r}: cold, running or both")
+    check_output_folder(output)
+    from trainforge.bench.startup import run_bench
+
+    setup_logging(False)
+    logging.getLogger("trainforge").setLevel(logging.WARNING)
+    run_bench(
+        workers=workers,
+        repeats=repeats,
+        output=output,
+        console=wide_console(),
+        cold=setting != "running",
+        running=setting != "cold",
+    )
+
+
 @app.command("checkpoint")
 def bench_checkpoint(
     size_mb: Annotated[float, typer.Option(help="Model size in MB (10^6 bytes); Adam state adds twice that.")] = 500,

@@ -42,9 +42,18 @@ def train(
     overrides = [*(set_ or []), *([f"checkpoint.resume={resume}"] if resume is not None else [])]
     # Validate before importing torch and Ray, so a config error costs milliseconds.
     resolved = load_config(resolve_config_path(config), overrides)
-    from trainforge.api import fit
+    from trainforge.driver.startup import command_started
 
-    result = fit(resolved, address=address, verbose=verbose, console=err_console)
+    command_started()  # the run's start-up is timed from this process's start (summary.json's startup)
+    from trainforge.driver.ray_session import cancel_early, start_early
+
+    start_early(resolved, address, verbose=verbose)  # a local Ray boots while torch and the driver import
+    try:
+        from trainforge.api import fit
+
+        result = fit(resolved, address=address, verbose=verbose, console=err_console)
+    finally:
+        cancel_early()  # the run stopped before it took that Ray (a failed check): stop it too
     typer.echo(str(result.run_dir / "summary.json"))
     if result.status == "aborted":
         raise typer.Exit(130)

@@ -30,15 +30,17 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import ray
+from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
 from ray.train.v2.api.callback import UserCallback
 
 from trainforge.driver.cost import CostMeter
+from trainforge.driver.startup import Timeline
 from trainforge.driver.summary import DRIVER_START, Recovery
-from trainforge.protocol import REPORT_KEY, LogBatch, LogLine, Report, RunInfo, WorkerFailure
+from trainforge.protocol import REPORT_KEY, LogBatch, LogLine, Report, RunInfo, StartupMarks, WorkerFailure
 
 log = logging.getLogger("trainforge")
 
-Mail = Report | WorkerFailure | LogBatch  # what the mailbox holds
+Mail = Report | WorkerFailure | LogBatch | StartupMarks  # what the mailbox holds
 
 
 def start_mailbox() -> Any:
@@ -88,6 +90,32 @@ class ForwardingCallback(UserCallback):
             int(rank): f"{type(err).__name__}: {err}".splitlines()[0][:500] for rank, err in worker_exceptions.items()
         }
         self.mailbox.put.remote(WorkerFailure(errors, time.time()))
+
+
+class StartupCallback(ControllerCallback, WorkerGroupCallback):
+    """Runs in the Ray Train controller; marks its phases of the run's first start (driver/startup.py).
+
+    Ray Train runs the run config's callbacks after its own, so ``after_worker_group_start`` comes
+    after the process group is set up (its BackendSetupCallback)."""
+
+    def __init__(self, mailbox: Any) -> None:
+        self.mailbox = mailbox
+        self.sent = False
+
+    def _send(self, **marks: float) -> None:
+        if not self.sent:
+            self.mailbox.put.remote(StartupMarks(tuple(marks.items())))
+
+    def after_controller_start(self, train_run_context: Any) -> None:
+        self._send(controller=time.time())
+
+    def before_init_train_context(self, workers: list[Any]) -> dict[str, list[Any]]:
+        self._send(workers=time.time())  # the actors are up: Ray Train read their metadata
+        return {}
+
+    def after_worker_group_start(self, worker_group: Any) -> None:
+        self._send(process_group=time.time())
+        self.sent = True  # a restarted group's start is recovery, not start-up
 
 
 PER_NODE_PREFIX = "system/"
@@ -162,12 +190,15 @@ class Pump:
     the same ``summary.Recovery`` that a replay of metrics.jsonl gives.
     """
 
-    def __init__(self, mailbox: Any, observers: Observers, cost: CostMeter | None = None) -> None:
+    def __init__(
+        self, mailbox: Any, observers: Observers, cost: CostMeter | None = None, startup: Timeline | None = None
+    ) -> None:
         self.mailbox = mailbox
         self.observers = observers
         self.cost = cost  # with a price set, every report gains cost/so_far and cost/projected_total
         self.last_report: Report | None = None
         self.recovery = Recovery()
+        self.startup = startup if startup is not None else Timeline()  # the marks of the run's first start
 
     def drain(self) -> None:
         try:
@@ -183,6 +214,8 @@ class Pump:
                 self.observers.on_worker_error(item)
             elif isinstance(item, LogBatch):
                 self.observers.on_log(list(item.lines))
+            elif isinstance(item, StartupMarks):
+                self.startup.add(dict(item.marks))
 
     def _on_report(self, report: Report) -> None:
         if self.cost is not None:

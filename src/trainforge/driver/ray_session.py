@@ -8,11 +8,14 @@ do the benchmarks that start one of their own (``bench/prometheus.py``, ``bench/
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
 import socket
+import threading
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -104,7 +107,8 @@ def ray_logs_to(path: Path, *, verbose: bool) -> Iterator[None]:
 @contextlib.contextmanager
 def ray_session(config: Config, address: str | None, *, verbose: bool) -> Iterator[str]:
     """Connect to the cluster at ``address`` or start a local Ray; yields a description of it."""
-    if ray.is_initialized():
+    started_early = not address and "ray" in _early  # being started on a thread: is_initialized may say so already
+    if ray.is_initialized() and not started_early:
         yield "the Ray instance already running in this process"
         return
     quiet = {"log_to_driver": verbose, "configure_logging": False}
@@ -117,19 +121,129 @@ def ray_session(config: Config, address: str | None, *, verbose: bool) -> Iterat
             raise ClusterError(f"cannot connect to the Ray cluster at {address}: {err}") from None
         where = f"the Ray cluster at {address}"
     else:
-        workers = config.scaling.max_workers
-        cpus_per_worker = (config.scaling.resources_per_worker or {}).get("CPU", 1)
-        # Logical CPUs: enough for every worker even on a 2-core laptop; threads are capped per worker.
-        num_cpus = config.cluster.num_cpus or max(os.cpu_count() or 1, int(workers * cpus_per_worker) + 1, 4)
-        # address="local": always a new cluster, never one some other `ray start` left on this machine.
-        # No dashboard (11 more processes, ~0.9 GB); metrics export works without it (metrics/driver/session.py).
-        options = local_ray_options(config.metrics)
-        with bound_to(config.cluster.bind_address):
-            ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **options, **quiet)  # type: ignore[arg-type]
-        where = f"a local Ray ({num_cpus} logical CPUs, listening on {config.cluster.bind_address})"
+        where = start_local(config, verbose=verbose)
     try:
         # Prometheus finds a local Ray's metrics agent through the file Ray's dashboard would write.
         with contextlib.nullcontext() if address else publish_local_targets(config.metrics):
             yield where
     finally:
-        ray.shutdown()
+        shutdown()
+
+
+def local_init_options(config: Config, *, verbose: bool) -> dict[str, object]:
+    """``ray.init``'s arguments for the run's local Ray."""
+    workers = config.scaling.max_workers
+    cpus_per_worker = (config.scaling.resources_per_worker or {}).get("CPU", 1)
+    # Logical CPUs: enough for every worker even on a 2-core laptop; threads are capped per worker.
+    num_cpus = config.cluster.num_cpus or max(os.cpu_count() or 1, int(workers * cpus_per_worker) + 1, 4)
+    # address="local": always a new cluster, never one some other `ray start` left on this machine.
+    # No dashboard (11 more processes, ~0.9 GB); metrics export works without it (metrics/driver/session.py).
+    return {
+        "address": "local",
+        "num_cpus": num_cpus,
+        "include_dashboard": False,
+        **local_ray_options(config.metrics),
+        "log_to_driver": verbose,
+        "configure_logging": False,
+    }
+
+
+def start_local(config: Config, *, verbose: bool) -> str:
+    """Start the run's local Ray (or take the one ``start_early`` started for it); says what it is."""
+    options = local_init_options(config, verbose=verbose)
+    early = _early.get("ray")
+    if early is None or not early.take(options):
+        with bound_to(config.cluster.bind_address):
+            ray.init(**options)  # type: ignore[arg-type]
+    return f"a local Ray ({options['num_cpus']} logical CPUs, listening on {config.cluster.bind_address})"
+
+
+def shutdown() -> None:
+    """Stop this process's Ray, and the thread that started it early, if one did."""
+    ray.shutdown()
+    early = _early.pop("ray", None)
+    if early is not None:
+        early.release.set()
+
+
+class _NotMainThread(logging.Filter):
+    """Drops Ray's warning that a ``ray.init`` off the main thread sets no SIGTERM handler: the
+    run installs its own (driver/run.py's graceful_stop)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "not the main thread" not in record.getMessage()
+
+
+@dataclass
+class EarlyRay:
+    """A local Ray started on a thread while the command imports torch and the driver: Ray's
+    processes boot on the machine's other cores in the seconds those imports take (the
+    ``ray`` phase of a run's start, driver/startup.py).
+
+    The thread lives until Ray is shut down: Ray's node processes die with the thread that
+    started them (Linux's parent-death signal is per thread)."""
+
+    options: dict[str, object]
+    bind_address: str
+    error: BaseException | None = None
+    up: threading.Event = field(default_factory=threading.Event)
+    release: threading.Event = field(default_factory=threading.Event)
+    taken: bool = False
+
+    def __post_init__(self) -> None:
+        threading.Thread(target=self._run, name="trainforge-ray", daemon=True).start()
+        atexit.register(self.abandon)  # the last resort: cancel_early is the way
+
+    def _run(self) -> None:
+        quiet = _NotMainThread()
+        worker_log = logging.getLogger("ray._private.worker")
+        worker_log.addFilter(quiet)
+        try:
+            with bound_to(self.bind_address):
+                ray.init(**self.options)  # type: ignore[arg-type]
+        except BaseException as err:  # re-raised where the run asks for its Ray
+            self.error = err
+        finally:
+            worker_log.removeFilter(quiet)
+            self.up.set()
+        self.release.wait()
+
+    def take(self, options: dict[str, object]) -> bool:
+        """The early Ray for a run that wants ``options``: True when it is that Ray, up; False
+        when the run wants another one (the early one is stopped). Raises what its start raised."""
+        self.up.wait()
+        atexit.unregister(self.abandon)
+        if self.error is not None:
+            _early.pop("ray", None)
+            self.release.set()
+            raise self.error
+        if options != self.options:
+            shutdown()
+            return False
+        self.taken = True
+        return True
+
+    def abandon(self) -> None:
+        self.up.wait(timeout=120)
+        if _early.get("ray") is self:
+            shutdown()
+
+
+_early: dict[str, EarlyRay] = {}
+
+
+def start_early(config: Config, address: str | None, *, verbose: bool) -> None:
+    """Begin starting the local Ray the run will ask for, on a thread (``trainforge train`` calls
+    this before it imports torch and the driver). Nothing for a cluster run or a running Ray."""
+    if resolve_address(config, address) is not None or ray.is_initialized() or "ray" in _early:
+        return
+    _early["ray"] = EarlyRay(local_init_options(config, verbose=verbose), config.cluster.bind_address)
+
+
+def cancel_early() -> None:
+    """Stop a Ray that ``start_early`` started and no run took (the run failed its checks first);
+    nothing once a run took it (its session shuts it down)."""
+    early = _early.get("ray")
+    if early is not None and early.up.wait(timeout=120) and not early.taken:
+        atexit.unregister(early.abandon)
+        shutdown()

@@ -33,9 +33,19 @@ from trainforge.data.stream import check_stream_config, ordered_split_config
 from trainforge.data.tokens import prepare_or_verify
 from trainforge.driver.console import ProgressDisplay
 from trainforge.driver.cost import CostMeter
-from trainforge.driver.events import ForwardingCallback, MetricsLog, Observer, Observers, Pump, WorkerLog, start_mailbox
+from trainforge.driver.events import (
+    ForwardingCallback,
+    MetricsLog,
+    Observer,
+    Observers,
+    Pump,
+    StartupCallback,
+    WorkerLog,
+    start_mailbox,
+)
 from trainforge.driver.ray_session import ray_logs_to, ray_session, resolve_address
 from trainforge.driver.runlock import run_locks
+from trainforge.driver.startup import Timeline
 from trainforge.driver.summary import RunRecord, finish_run_dir
 from trainforge.errors import CheckpointError, TrainforgeError, TrainingFailed
 from trainforge.metrics.driver.observer import metrics_observers
@@ -115,7 +125,9 @@ def build_trainer(
             failure_config=FailureConfig(max_failures=config.failure.max_failures),
             # trainforge writes, verifies and rotates checkpoints itself (checkpoint/writer.py);
             # Ray's own checkpoint registry stays empty.
-            callbacks=[ForwardingCallback(mailbox), *callbacks],
+            # StartupCallback is one of Ray Train's internal callback kinds, which RunConfig accepts
+            # beside UserCallbacks (its annotation names only those).
+            callbacks=[ForwardingCallback(mailbox), StartupCallback(mailbox), *callbacks],  # type: ignore[list-item]
             worker_runtime_env={"env_vars": env},
         ),
         **streamed,
@@ -263,16 +275,25 @@ def run_training(
     The run's directory (and checkpoint folder) is locked from before Ray starts until the summary
     is written, whatever the outcome (driver/runlock.py); ``lock_wait_s`` waits for a holder that is ending.
     """
+    startup = Timeline()
+    startup.mark("imports")
     address = resolve_address(config, address)
     local = address is None
     preflight(config, local=local)
     with run_locks(config, local=local, wait_s=lock_wait_s):
         check_resume(config, local=local)
-        return _train(config, observers, address=address, verbose=verbose, callbacks=callbacks)
+        startup.mark("preflight")
+        return _train(config, observers, address=address, verbose=verbose, callbacks=callbacks, startup=startup)
 
 
 def _train(
-    config: Config, observers: list[Observer], *, address: str | None, verbose: bool, callbacks: Sequence[Any]
+    config: Config,
+    observers: list[Observer],
+    *,
+    address: str | None,
+    verbose: bool,
+    callbacks: Sequence[Any],
+    startup: Timeline,
 ) -> dict[str, Any]:
     run_dir = config.run_dir
     (run_dir / "config.yaml").write_text(to_yaml(config))
@@ -285,8 +306,9 @@ def _train(
         ray_logs_to(run_dir / "ray.log", verbose=verbose),
         ray_session(config, address, verbose=verbose) as where,
     ):
+        startup.mark("ray")
         mailbox = start_mailbox()
-        pump = Pump(mailbox, fanout, CostMeter.for_config(config, started))
+        pump = Pump(mailbox, fanout, CostMeter.for_config(config, started), startup)
         fanout.on_start(RunInfo(config.run.name, config.scaling.num_workers, where, str(run_dir)))
         outcome = _fit(build_trainer(config, mailbox, callbacks, local_ray=address is None), pump, started)
     store = CheckpointStore.for_run(config.storage_path, config.run.name) if outcome.checkpoint else None
@@ -407,6 +429,7 @@ def run_record(config: Config, outcome: Outcome, pump: Pump) -> RunRecord:
         num_workers=config.scaling.max_workers,
         error=outcome.error,
         cost=pump.cost.final(final, outcome.wall_time_s).to_dict() if pump.cost is not None else None,
+        startup=pump.startup.to_dict(),
     )
 
 

@@ -114,6 +114,7 @@ class RunRecord:
     stopped_early: bool = False  # a search's scheduler stopped the trial before its budget
     written_by: str = RUN_DRIVER
     cost: Mapping[str, Any] | None = None  # cost.CostEstimate.to_dict(), when a price is set
+    startup: Mapping[str, Any] | None = None  # startup.Timeline.to_dict(): seconds to the first step, by phase
 
 
 def build_summary(record: RunRecord) -> dict[str, Any]:
@@ -138,6 +139,7 @@ def build_summary(record: RunRecord) -> dict[str, Any]:
         **({"parameters": final.parameters.to_json()} if final.parameters is not None else {}),
         **({"batch": batch_choice(final, record.config)} if "batch/micro_batch_size" in final.figures else {}),
         **({"cost": dict(record.cost)} if record.cost is not None else {}),
+        **({"startup": dict(record.startup)} if record.startup is not None else {}),
         **({"error": redact_text(record.error.strip().splitlines()[-1])} if record.error else {}),
     }
 

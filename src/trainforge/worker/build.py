@@ -6,6 +6,7 @@ import contextlib
 import logging
 import math
 import random
+import time
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -94,11 +95,13 @@ def build(
     *,
     stream: dict[str, Any] | None = None,
     feed: StreamFeed | None = None,
+    marks: dict[str, float] | None = None,
 ) -> WorkerRun:
     """One worker's run; ``ranks`` (rank, world) outside Ray Train (a test's own gloo group).
 
     A streamed source (data/stream.py) comes as the driver's ``stream`` shape, read through Ray
-    Train's dataset shards, or (outside Ray Train) as a ready ``feed``.
+    Train's dataset shards, or (outside Ray Train) as a ready ``feed``. ``marks`` (rank 0's
+    start-up, driver/startup.py) gets when the data and the model were ready.
     """
     if ranks is None:
         ctx = ray.train.get_context()
@@ -124,6 +127,8 @@ def build(
             world=world,
         )
     data = DataSource.build(config, layout.dp_rank, layout.dp, pin_memory=pin_memory(config, device), feed=feed)
+    if marks is not None:
+        marks["data"] = time.time()
     # Same seed on every rank for the weights; DDP also broadcasts rank 0's copy.
     seed_all(config.seed)
     # FSDP with weights that fill every parameter: build on the meta device and give memory only
@@ -176,6 +181,8 @@ def build(
     runner.augmenter = build_augmenter(augment_of(config.data), data.spec)
     run = WorkerRun(config, rank, world, device, model, task, runner, data, total_steps, plan, parameters=parameters)
     run.components = build_components(run)
+    if marks is not None:
+        marks["model"] = time.time()
     return run
 
 

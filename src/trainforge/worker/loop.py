@@ -31,6 +31,7 @@ from trainforge.protocol import (
     Report,
     Resumed,
     SaveFailed,
+    StartupMarks,
     Stopping,
     UserError,
     merge_points,
@@ -50,18 +51,22 @@ log = logging.getLogger("trainforge.worker")
 
 def train_loop_per_worker(train_loop_config: dict[str, Payload]) -> Report | UserError:
     """Ray Train entry point; rank 0's return value (the final report, or a user's error) reaches the driver."""
+    entered = time.time()
     payload = train_loop_config[PAYLOAD_KEY]
     rank = ray.train.get_context().get_world_rank()
     with shipped_logs(payload.mailbox, rank, ray.util.get_node_ip_address()):
-        return run_worker(payload)
+        # Rank 0 times its part of the run's start (driver/startup.py), sent after its first step.
+        return run_worker(payload, {"train_fn": entered} if rank == 0 else None)
 
 
-def run_worker(payload: Payload) -> Report | UserError:
+def run_worker(payload: Payload, startup: dict[str, float] | None = None) -> Report | UserError:
     config = payload.config
     try:
-        run = build(config, stream=payload.stream.to_dict() if payload.stream is not None else None)
+        run = build(config, stream=payload.stream.to_dict() if payload.stream is not None else None, marks=startup)
         checkpointing = Checkpointing(run, run_store())
         restored = restore(run, checkpointing.store)
+        if startup is not None:
+            startup["restore"] = time.time()
         batch_choice = choose_batch(run)  # train.batch_size: auto (a resume keeps the checkpoint's split)
     except TrainforgeError as err:
         # Every rank fails the same way on a bad data path, model or checkpoint; returning (instead
@@ -70,7 +75,7 @@ def run_worker(payload: Payload) -> Report | UserError:
     hooks = build_hooks(run)
     try:
         events: list[Event] = [Note(batch_choice)] if batch_choice else []
-        return Session(run, checkpointing, restored, payload.mailbox, hooks, events=events).train()
+        return Session(run, checkpointing, restored, payload.mailbox, hooks, events=events, startup=startup).train()
     except SaveFailedStop as err:
         return UserError.of(TrainingFailed(str(err)))
     finally:
@@ -129,6 +134,7 @@ class Session:
     save_failures: int = 0
     oom_retries: int = 0  # steps retried with smaller micro-batches after running out of memory
     last_checkpoint: str | None = None
+    startup: dict[str, float] | None = None  # rank 0's start-up marks, sent to the driver after the first step
 
     def __post_init__(self) -> None:
         cfg = self.run.config
@@ -157,6 +163,13 @@ class Session:
             stopped = self.epoch()
         return self.finish("stopped" if stopped else "finished")
 
+    def send_startup(self) -> None:
+        assert self.startup is not None
+        self.startup["first_step"] = time.time()
+        if self.control is not None:
+            self.control.put.remote(StartupMarks(tuple(self.startup.items())))  # fire and forget
+        self.startup = None
+
     def epoch(self) -> bool:
         """Steps to the end of the current epoch (or of training); True when asked to stop."""
         run, cfg, progress, data = self.run, self.run.config, self.progress, self.run.data
@@ -175,6 +188,8 @@ class Session:
                 data.finish_epoch()
                 break
             progress.global_step += 1
+            if self.startup is not None:
+                self.send_startup()
             run.after_step(progress.global_step)  # local SGD's sync points, the weights' average
             self.profiler.at_step(progress.global_step)
             data.advance()

@@ -1,0 +1,280 @@
+"""``trainforge bench startup``: seconds from the command to the first training step, and to exit.
+
+The same tiny job (bench/workload.py's small CNN, 5 steps on synthetic images, 2 workers) through
+three peers:
+
+- **cold**, the command as a user types it, in a new process that starts its own runtime:
+  ``torchrun`` + DDP, a plain Ray Train script (``TorchTrainer.fit`` starts a local Ray) and
+  ``trainforge train config.yaml``;
+- **in a running Ray**, the two Ray peers called from one process whose Ray is already up: a plain
+  ``TorchTrainer`` and ``trainforge.fit``. A second run there is what a second run on a cluster, or
+  a search's next trial, waits.
+
+A peer's first step is the wall-clock time at the end of its first optimizer step on rank 0; the
+clock starts just before the command is launched (cold) or the call is made (in a running Ray).
+trainforge's own start is broken into phases from summary.json's ``startup`` (driver/startup.py).
+Measurements are interleaved (cold: a b c, then c b a) and medians quoted.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+import trainforge
+from trainforge.bench.peers import SUBPROCESS_TIMEOUT_S, PeerFailed, _python_path, crash_lines, local_ray, machine
+from trainforge.bench.workload import WARMUP_STEPS, Workload
+from trainforge.driver.startup import PHASES
+
+PEERS = {"torchrun": "torchrun + DDP", "ray_train": "plain Ray Train", "trainforge": "trainforge"}
+# trainforge's time to first step over plain Ray Train's, cold and in a running Ray (issue #24's goals)
+GOALS = {"cold": 1.05, "running": 1.10}
+BATCH_SIZE = 64
+
+
+@dataclass
+class Start:
+    peer: str
+    setting: str  # cold | running
+    repeat: int
+    first_step_s: float
+    exit_s: float
+    phases: dict[str, float] = field(default_factory=dict)  # trainforge only
+
+
+def tiny_workload(workers: int) -> Workload:
+    """5 steps (the bench workload's warm-up, untimed there) on one epoch's worth of images."""
+    return Workload(batch_size=BATCH_SIZE, steps=0, num_samples=WARMUP_STEPS * BATCH_SIZE * workers)
+
+
+def run_startup_bench(
+    *, workers: int, repeats: int, scratch: Path, say: Callable[[str], None], cold: bool = True, running: bool = True
+) -> list[Start]:
+    workload = tiny_workload(workers)
+    found: list[Start] = []
+    if cold:
+        for repeat in range(repeats):
+            order = list(PEERS) if repeat % 2 == 0 else list(reversed(PEERS))
+            for peer in order:
+                found.append(measure_cold(peer, workload, workers, scratch / f"cold-{peer}-{repeat}", repeat))
+                say(progress_line(found[-1]))
+    if running:
+        with local_ray():
+            for repeat in range(repeats):
+                for peer in ("ray_train", "trainforge") if repeat % 2 == 0 else ("trainforge", "ray_train"):
+                    found.append(measure_running(peer, workload, workers, scratch / f"run-{peer}-{repeat}", repeat))
+                    say(progress_line(found[-1]))
+    return found
+
+
+def progress_line(start: Start) -> str:
+    return (
+        f"  {PEERS[start.peer]:<16} {start.setting:<8} #{start.repeat + 1}: first step {start.first_step_s:5.1f} s, "
+        f"exit {start.exit_s:5.1f} s"
+    )
+
+
+def measure_cold(peer: str, workload: Workload, workers: int, scratch: Path, repeat: int) -> Start:
+    """A new process tree, as the user's command: its first step and its exit, from its launch."""
+    scratch.mkdir(parents=True, exist_ok=True)
+    out = scratch / "result.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": _python_path()}
+    env.pop("RAY_ADDRESS", None)
+    args = ["--workload", workload.to_json(), "--out", str(out)]
+    if peer == "torchrun":
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(workers)]
+        command += ["-m", "trainforge.bench._torchrun_worker", *args]
+    elif peer == "ray_train":
+        command = [sys.executable, "-m", "trainforge.bench.startup", "--workers", str(workers), *args]
+    else:
+        config = workload.trainforge_config(workers, name="run", output_dir=str(scratch))
+        (scratch / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+        command = [sys.executable, "-m", "trainforge", "train", str(scratch / "config.yaml")]
+    launched = time.time()
+    done = subprocess.run(
+        command, env=env, cwd=scratch, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S, check=False
+    )
+    ended = time.time()
+    # gloo sometimes aborts a torchrun worker at exit (bench peers sees it too), after its figure is written
+    written = peer != "trainforge" and out.is_file()
+    if done.returncode != 0 and not written:
+        raise PeerFailed(f"{PEERS[peer]} (cold) exited with code {done.returncode}: {crash_lines(done.stderr)}")
+    if peer == "trainforge":
+        first, phases = trainforge_first_step(scratch / "run" / "summary.json")
+    else:
+        first, phases = float(json.loads(out.read_text())["first_step_unix"]), {}
+    return Start(peer, "cold", repeat, round(first - launched, 3), round(ended - launched, 3), phases)
+
+
+def trainforge_first_step(summary_path: Path) -> tuple[float, dict[str, float]]:
+    startup = json.loads(summary_path.read_text()).get("startup") or {}
+    if "to_first_step_s" not in startup:
+        raise PeerFailed(f"{summary_path} has no startup timing")
+    return float(startup["start_unix"]) + float(startup["to_first_step_s"]), dict(startup["phases"])
+
+
+def measure_running(peer: str, workload: Workload, workers: int, scratch: Path, repeat: int) -> Start:
+    """A run started from this process, whose Ray is up: its first step and its end, from the call."""
+    scratch.mkdir(parents=True, exist_ok=True)
+    called = time.time()
+    phases: dict[str, float] = {}
+    if peer == "ray_train":
+        first = plain_ray_train(workload, workers, scratch)
+    else:
+        config = workload.trainforge_config(workers, name="run", output_dir=str(scratch))
+        result = trainforge.fit(config, console=Console(file=io.StringIO()))
+        first, phases = trainforge_first_step(result.run_dir / "summary.json")
+    ended = time.time()
+    return Start(peer, "running", repeat, round(first - called, 3), round(ended - called, 3), phases)
+
+
+def plain_ray_train(workload: Workload, workers: int, scratch: Path) -> float:
+    """An ordinary TorchTrainer around bench/workload.py's loop; rank 0's first step (unix time)."""
+    import ray.train
+    from ray.train.torch import TorchTrainer
+
+    from trainforge.bench.workload import ray_train_loop
+
+    trainer = TorchTrainer(
+        ray_train_loop,  # type: ignore[arg-type]  # Train V2 passes the return value on; the stubs are V1's
+        train_loop_config={"workload": workload.to_json()},
+        scaling_config=ray.train.ScalingConfig(num_workers=workers),
+        run_config=ray.train.RunConfig(name=scratch.name, storage_path=str(scratch)),
+    )
+    returned = getattr(trainer.fit(), "return_value", None)
+    if not isinstance(returned, dict) or not returned.get("first_step_unix"):
+        raise PeerFailed(f"{PEERS['ray_train']} returned {returned!r} instead of its first step's time")
+    return float(returned["first_step_unix"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Results
+
+
+def summarise(found: list[Start]) -> dict[str, Any]:
+    """Medians per peer and setting, trainforge's ratios to plain Ray Train, its median phases."""
+    rows: dict[str, dict[str, Any]] = {}
+    for start in found:
+        row = rows.setdefault(f"{start.peer}/{start.setting}", {"peer": start.peer, "setting": start.setting})
+        row.setdefault("first", []).append(start.first_step_s)
+        row.setdefault("exit", []).append(start.exit_s)
+    table = [
+        {
+            "peer": row["peer"],
+            "setting": row["setting"],
+            "first_step_s": round(statistics.median(row["first"]), 2),
+            "exit_s": round(statistics.median(row["exit"]), 2),
+            "runs": len(row["first"]),
+        }
+        for row in rows.values()
+    ]
+    medians = {(row["peer"], row["setting"]): row["first_step_s"] for row in table}
+    ratios = {
+        setting: round(medians[("trainforge", setting)] / medians[("ray_train", setting)], 3)
+        for setting in GOALS
+        if ("trainforge", setting) in medians and ("ray_train", setting) in medians
+    }
+    phases = {
+        setting: median_phases([s.phases for s in found if s.peer == "trainforge" and s.setting == setting])
+        for setting in GOALS
+    }
+    return {"rows": table, "ratios": ratios, "goals": GOALS, "phases": {k: v for k, v in phases.items() if v}}
+
+
+def median_phases(runs: list[dict[str, float]]) -> dict[str, float]:
+    names = [name for name, _ in PHASES if any(name in run for run in runs)]
+    return {name: round(statistics.median(run.get(name, 0.0) for run in runs), 2) for name in names}
+
+
+def results_table(summary: dict[str, Any]) -> Table:
+    table = Table(box=box.SIMPLE_HEAD, title="Seconds to the first step (and to exit), median")
+    for header in ("peer", "setting", "first step s", "exit s", "runs"):
+        table.add_column(header, justify="left" if header in ("peer", "setting") else "right")
+    for row in summary["rows"]:
+        setting = "cold" if row["setting"] == "cold" else "in a running Ray"
+        table.add_row(
+            PEERS[row["peer"]], setting, f"{row['first_step_s']:.1f}", f"{row['exit_s']:.1f}", str(row["runs"])
+        )
+    return table
+
+
+def phase_table(summary: dict[str, Any]) -> Table:
+    settings = list(summary["phases"])
+    table = Table(box=box.SIMPLE_HEAD, title="trainforge's start by phase, seconds (median)")
+    table.add_column("phase")
+    for setting in settings:
+        table.add_column("cold" if setting == "cold" else "running Ray", justify="right")
+    table.add_column("what it holds")
+    for name, what in PHASES:
+        if any(name in summary["phases"][s] for s in settings):
+            table.add_row(name, *(f"{summary['phases'][s].get(name, 0.0):.2f}" for s in settings), what)
+    return table
+
+
+def goal_lines(summary: dict[str, Any]) -> list[str]:
+    lines = []
+    for setting, ratio in summary["ratios"].items():
+        goal = summary["goals"][setting]
+        verdict = "met" if ratio <= goal else "NOT met"
+        where = "cold" if setting == "cold" else "in a running Ray"
+        lines.append(f"trainforge / plain Ray Train, {where}: {ratio:.2f} (goal <= {goal:.2f}: {verdict})")
+    return lines
+
+
+def run_bench(
+    *, workers: int, repeats: int, output: Path | None, console: Console, cold: bool = True, running: bool = True
+) -> dict[str, Any]:
+    import tempfile
+
+    console.print(
+        f"bench startup: {workers} workers, 5 steps, {repeats} repeat(s); "
+        f"{'cold' if cold else ''}{' and ' if cold and running else ''}{'in a running Ray' if running else ''}"
+    )
+    with tempfile.TemporaryDirectory(prefix="trainforge-startup-") as tmp:
+        found = run_startup_bench(
+            workers=workers, repeats=repeats, scratch=Path(tmp), say=console.print, cold=cold, running=running
+        )
+    summary = summarise(found)
+    console.print(results_table(summary))
+    if summary["phases"]:
+        console.print(phase_table(summary))
+    for line in goal_lines(summary):
+        console.print(line)
+    report = {"machine": machine(), "workers": workers, **summary, "measurements": [asdict(s) for s in found]}
+    if output is not None:
+        output.write_text(json.dumps(report, indent=2))
+        console.print(f"wrote {output}")
+    return report
+
+
+def main() -> None:
+    """The cold plain-Ray-Train peer: a user's script, whose ``fit`` starts a local Ray itself."""
+    import argparse
+
+    from trainforge.bench.workload import write_result
+
+    parser = argparse.ArgumentParser(description="bench startup's plain Ray Train peer")
+    parser.add_argument("--workload", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--workers", type=int, required=True)
+    args = parser.parse_args()
+    first = plain_ray_train(Workload.from_json(args.workload), args.workers, Path(args.out).parent / "ray")
+    write_result(args.out, {"first_step_unix": first})
+
+
+if __name__ == "__main__":
+    main()
