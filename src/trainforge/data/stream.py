@@ -23,6 +23,7 @@ import hashlib
 import io
 import itertools
 import math
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -552,6 +553,38 @@ class StreamEpoch:
         return self._batches()
 
 
+class PrimedEpoch:
+    """An epoch's batches whose first one a thread is fetching (``StreamFeed.prime``)."""
+
+    def __init__(self, key: tuple[int, int, bool], pairs: Iterator[list[Any]]) -> None:
+        self.key = key  # (epoch, micro-batch, pin_memory)
+        self.pairs = pairs
+        self.first: list[list[Any]] = []
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._fetch, name="trainforge-stream-start", daemon=True)
+        self.thread.start()
+
+    def _fetch(self) -> None:
+        try:
+            self.first = [next(self.pairs)]
+        except StopIteration:
+            pass
+        except BaseException as err:  # raised where the batches are taken, on the training thread
+            self.error = err
+
+    def take(self) -> Iterator[list[Any]]:
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        return itertools.chain(self.first, self.pairs)
+
+    def discard(self) -> None:
+        self.thread.join()
+        close = getattr(self.pairs, "close", None)
+        if close is not None:
+            close()
+
+
 class StreamFeed:
     """A rank's streamed batches: its shard of each dataset, read in the same order on every run."""
 
@@ -567,12 +600,34 @@ class StreamFeed:
         self.seed = seed
         self.rank = rank
         self.world = world
+        self.primed: PrimedEpoch | None = None
 
     def per_rank_size(self) -> int:
         return self.shape.rows_per_rank(self.world)
 
     def train_batches(self, epoch: int, position: int, micro_batch: int, *, pin_memory: bool) -> Iterator[list[Any]]:
-        """Training batches of the epoch from ``position`` (rows this rank already consumed) on."""
+        """Training batches of the epoch from ``position`` (rows this rank already consumed) on.
+
+        An epoch always streams from its first row (the order is the same on every run), so a
+        position skips whole micro-batches of it; the epoch ``prime`` started is taken when it
+        is the one asked for."""
+        primed, self.primed = self.primed, None
+        if primed is not None and primed.key == (epoch, micro_batch, pin_memory):
+            pairs = primed.take()
+        else:
+            if primed is not None:
+                primed.discard()  # a resume into a later epoch, or another split: start the stream anew
+            pairs = self.epoch_pairs(epoch, micro_batch, pin_memory=pin_memory)
+        return itertools.islice(pairs, position // micro_batch, None)
+
+    def prime(self, micro_batch: int, *, pin_memory: bool) -> None:
+        """Start the first epoch's stream now, on a thread, and wait for its first batch there:
+        Ray Data starts its read and decode tasks while the worker builds its model (on every rank,
+        as Ray Data's split coordinator starts an epoch once all ranks ask). A run that resumes
+        into a later epoch drops it (``train_batches``)."""
+        self.primed = PrimedEpoch((0, micro_batch, pin_memory), self.epoch_pairs(0, micro_batch, pin_memory=pin_memory))
+
+    def epoch_pairs(self, epoch: int, micro_batch: int, *, pin_memory: bool) -> Iterator[list[Any]]:
         buffer = self.cfg.shuffle_buffer if self.cfg.shuffle else 0
         batches = self.train.iter_torch_batches(
             batch_size=micro_batch,
@@ -583,8 +638,7 @@ class StreamFeed:
             local_shuffle_seed=mix_seed(self.seed, epoch, self.rank) if buffer else None,
             pin_memory=pin_memory,
         )
-        pairs = ([batch["input"], batch["target"]] for batch in batches)
-        return itertools.islice(pairs, position // micro_batch, None)
+        return ([batch["input"], batch["target"]] for batch in batches)
 
     def val_batches(self, micro_batch: int) -> StreamEpoch | None:
         if self.val is None:

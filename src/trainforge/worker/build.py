@@ -127,6 +127,9 @@ def build(
             world=world,
         )
     data = DataSource.build(config, layout.dp_rank, layout.dp, pin_memory=pin_memory(config, device), feed=feed)
+    if data.feed is not None and data.batch_from == "config":
+        # Ray Data starts its reads now, while the model is built, not at the first step.
+        data.feed.prime(data.micro_batch, pin_memory=data.pin_memory)
     if marks is not None:
         marks["data"] = time.time()
     # Same seed on every rank for the weights; DDP also broadcasts rank 0's copy.
