@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from trainforge.config import ParquetData
-from trainforge.data.stream import StreamFeed, StreamShape
 from trainforge.data.spec import DataSpec
+from trainforge.data.stream import StreamFeed, StreamShape
 
 ROWS = 96
 MICRO = 8
@@ -69,5 +69,5 @@ def test_a_failure_while_priming_is_raised_where_the_batches_are_taken(dataset: 
     broken = dataset.map(lambda row: {"input": row["input"], "target": 1 // (row["target"] - row["target"])})
     primed = feed(broken)
     primed.prime(MICRO, pin_memory=False)
-    with pytest.raises(Exception, match="ZeroDivisionError|division by zero"):
+    with pytest.raises(Exception, match=r"ZeroDivisionError|division by zero"):
         next(primed.train_batches(0, 0, MICRO, pin_memory=False))
