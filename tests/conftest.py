@@ -10,6 +10,9 @@ from typing import Any
 
 import pytest
 
+from tests.helpers import timing
+from tests.helpers.timing import slowdown
+
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
 ROOT = Path(__file__).resolve().parent.parent
@@ -57,9 +60,23 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The files of LONGEST_FIRST first, in its order; the rest after them as collected (a stable
-    sort keeps each file's tests together and in their order)."""
+    sort keeps each file's tests together and in their order). Every test's timeout (its own
+    marker, or the configured default) is scaled by the machine's slowdown (tests/helpers/timing.py)."""
     rank = {name: index for index, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0].removeprefix("tests/"), len(rank)))
+    factor = slowdown()
+    if factor == 1:
+        return
+    default = float(config.getini("timeout") or 0)
+    for item in items:
+        marker = item.get_closest_marker("timeout")
+        base = float(marker.args[0] if marker.args else marker.kwargs.get("timeout", default)) if marker else default
+        if base > 0:
+            item.add_marker(pytest.mark.timeout(base * factor), append=False)
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return f"timeouts x{slowdown():.2f} (tests/helpers/timing.py; {timing.ENV} sets it)"
 
 
 @pytest.fixture(scope="module")

@@ -32,6 +32,7 @@ from typing import IO, Any
 import psutil
 
 from tests.cluster.netns import BASE, Network, kill_namespace_processes
+from tests.helpers.timing import scaled
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -208,7 +209,7 @@ class RayCluster:
             self.net.exec_argv(self.head.spec.name, [sys.executable, "-c", NODE_STATES, self.gcs_address]),
             capture_output=True,
             text=True,
-            timeout=60,
+            timeout=scaled(60),
             env=self.env,
         )
         if done.returncode != 0:
@@ -218,7 +219,7 @@ class RayCluster:
 
     def wait_alive(self, addresses: Sequence[str], timeout_s: float, *, idle: bool = False) -> None:
         """Wait until every address is a live node (``idle``: with all its CPUs free as well)."""
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + scaled(timeout_s)
         states: dict[str, dict[str, float]] = {}
         while time.monotonic() < deadline:
             if self.head.process is not None and self.head.process.poll() is not None:

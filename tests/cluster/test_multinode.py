@@ -37,6 +37,7 @@ from safetensors.torch import load_file
 from tests.cluster.raycluster import ROOT, RayCluster
 from tests.helpers.faults import checkpoints, events, first_resumed_report, paced_run, reports, steps_after, wait_until
 from tests.helpers.runs import tiny_run
+from tests.helpers.timing import scaled
 
 pytestmark = pytest.mark.slow
 
@@ -224,7 +225,7 @@ def test_submitted_run_uses_both_worker_nodes_and_ends_with_the_weights_of_one_n
     argv = [TRAINFORGE, "submit", "run.yaml", "--address", whole.dashboard_url]
     env = {**whole.env, "RAY_ADDRESS": ""}
     done = subprocess.run(
-        whole.net.exec_argv("head", argv), cwd=project, env=env, capture_output=True, text=True, timeout=300
+        whole.net.exec_argv("head", argv), cwd=project, env=env, capture_output=True, text=True, timeout=scaled(300)
     )
     local_summary = local.wait(300)
 

@@ -28,6 +28,7 @@ import pytest
 import yaml
 
 from tests.cluster.raycluster import RayCluster
+from tests.helpers.timing import scaled
 
 pytestmark = pytest.mark.slow
 
@@ -64,7 +65,7 @@ def bench_scaling(cluster: RayCluster, tmp_path: Path, rate: str) -> dict[str, A
     argv += ["--link", rate, "--dir", str(folder / "bench"), "--output", str(output), "--address", cluster.gcs_address]
     log_path = folder / "bench.log"
     with open(log_path, "wb") as log:
-        code = cluster.driver(argv, log).wait(timeout=300)
+        code = cluster.driver(argv, log).wait(timeout=scaled(300))
     text = log_path.read_text(errors="replace")
     assert code == 0, f"bench scaling at {rate} exited {code}:\n{text[-3000:]}"
     print(text[text.find("Scaling") :])

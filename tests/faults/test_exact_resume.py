@@ -17,7 +17,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,9 +27,10 @@ import yaml
 from safetensors.torch import load_file
 
 import trainforge
-from tests.helpers.faults import events_of, kill_a_worker_after, paced_run
+from tests.helpers.faults import events_of, kill_a_worker_after, paced_run, wait_until
 from tests.helpers.ranks import spawn_ranks
 from tests.helpers.sessions import assert_bit_identical, checkpoint_state, run_dir_of, sessions, train
+from tests.helpers.timing import scaled
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -142,18 +142,26 @@ def test_driver_stopped_and_rerun_resumes_bit_identical(
     command = [sys.executable, "-m", "trainforge", "train", str(path)]
     run_dir = tmp_path / "cli" / "t"
 
-    first = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 180
-    while not (run_dir / "checkpoint_000000020").exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    log = tmp_path / "first.log"  # a file, not a pipe nobody reads while the run goes on
+    with log.open("w") as sink:
+        first = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=sink, text=True)
+
+    def saved_at_20() -> bool:
+        if first.poll() is not None:
+            raise RuntimeError(f"the run exited with {first.returncode} before step 20: {log.read_text()[-3000:]}")
+        return (run_dir / "checkpoint_000000020").exists()
+
+    wait_until(saved_at_20, 180, "the checkpoint at step 20")
     first.send_signal(signal.SIGTERM)
-    _, stderr = first.communicate(timeout=180)
-    assert first.returncode == 0, stderr
+    first.wait(timeout=scaled(180))
+    assert first.returncode == 0, log.read_text()
     stopped = json.loads((run_dir / "summary.json").read_text())
     assert stopped["status"] == "stopped"
     assert 20 <= stopped["global_step"] < 60
 
-    second = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
+    second = subprocess.run(
+        command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=scaled(300), check=False
+    )
     assert second.returncode == 0, second.stderr
     assert "resumed from" in second.stderr
     finished = json.loads((run_dir / "summary.json").read_text())

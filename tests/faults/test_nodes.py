@@ -41,6 +41,7 @@ from tests.helpers.faults import (
     steps_after,
     wait_until,
 )
+from tests.helpers.timing import scaled
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -178,7 +179,7 @@ def test_fixed_size_run_waits_for_a_node_then_resumes(two_nodes: Cluster, tmp_pa
     assert not steps_after(run_dir, killed["at"] + 1), "trained on with a missing worker"
     added_at = time.time()
     two_nodes.add_node(num_cpus=1)
-    result = running.result(timeout=300)
+    result = running.result(timeout=scaled(300))
 
     summary = result.summary
     assert summary["status"] == "finished" and summary["global_step"] == 80

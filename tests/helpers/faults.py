@@ -20,6 +20,7 @@ from typing import Any
 import psutil
 
 from tests.helpers.runs import tiny_run
+from tests.helpers.timing import scaled
 from trainforge.protocol import Resumed, event_from_json
 
 
@@ -56,7 +57,7 @@ def kill_a_worker_after(marker: Path, timeout_s: float = 180) -> dict[str, Any]:
     done: dict[str, Any] = {}
 
     def watch() -> None:
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + scaled(timeout_s)
         while time.monotonic() < deadline and not marker.exists():
             time.sleep(0.01)
         pids = worker_pids()
@@ -74,14 +75,17 @@ def checkpoints(run_dir: Path) -> list[Path]:
 
 
 def wait_until(condition: Callable[[], Any], timeout_s: float, what: str, interval_s: float = 0.05) -> Any:
-    """Poll ``condition`` until it returns something truthy; that value, or TimeoutError naming ``what``."""
-    deadline = time.monotonic() + timeout_s
+    """Poll ``condition`` until it returns something truthy; that value, or TimeoutError naming ``what``.
+
+    ``timeout_s`` is the quiet machine's figure, scaled by the machine's slowdown (helpers/timing.py)."""
+    waited = scaled(timeout_s)
+    deadline = time.monotonic() + waited
     while time.monotonic() < deadline:
         value = condition()
         if value:
             return value
         time.sleep(interval_s)
-    raise TimeoutError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+    raise TimeoutError(f"timed out after {waited:.0f} s waiting for {what}")
 
 
 def reports(run_dir: Path) -> list[dict[str, Any]]:

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.timing import scaled
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -26,7 +28,7 @@ def test_a_tiny_data_set_streams_one_epoch_and_reports_every_figure(tmp_path: Pa
         env=env,
         capture_output=True,
         text=True,
-        timeout=280,
+        timeout=scaled(280),
         check=False,
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]

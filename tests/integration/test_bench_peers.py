@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.timing import scaled
 from trainforge.bench.peers import PEERS, Measurement, goal_lines, spread_line, summarise
 from trainforge.bench.workload import WARMUP_STEPS, StepClock, Workload
 
@@ -84,7 +85,7 @@ def test_ci_sized_run_measures_every_peer_and_prints_the_table(tmp_path: Path) -
 )
 def test_bad_values_are_one_line_and_exit_code_2(tmp_path: Path, args: list[str], expected: str) -> None:
     started = time.monotonic()
-    result = bench(*args, cwd=tmp_path, timeout=60)
+    result = bench(*args, cwd=tmp_path, timeout=scaled(60))
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr
     errors = [line for line in result.stderr.splitlines() if line.strip()]

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.timing import scaled
 from tests.integration.test_cli import assert_user_error, in_process
 from trainforge.bench.startup import PEERS
 from trainforge.driver.startup import PHASES
@@ -29,7 +30,7 @@ def test_every_peer_reaches_its_first_step_cold_and_in_a_running_ray(tmp_path: P
         env=env,
         capture_output=True,
         text=True,
-        timeout=850,
+        timeout=scaled(850),
         check=False,
     )
     assert result.returncode == 0, result.stderr[-3000:]

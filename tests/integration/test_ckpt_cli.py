@@ -23,6 +23,7 @@ from rich.console import Console
 import trainforge
 from tests.helpers.faults import events_of
 from tests.helpers.runs import tiny_run
+from tests.helpers.timing import scaled
 from tests.integration.test_cli import in_process
 from tests.unit.test_checkpoint import CORRUPTIONS, flip_byte
 from trainforge.checkpoint.inspect import list_checkpoints
@@ -54,7 +55,7 @@ def cli(*args: str) -> subprocess.CompletedProcess[str]:
         env={**os.environ, "PYTHONPATH": str(ROOT), "TERM": "dumb", "COLUMNS": "160"},
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=scaled(300),
         check=False,
     )
 

@@ -20,6 +20,7 @@ import pytest
 import yaml
 
 from tests.helpers.runs import tiny_run
+from tests.helpers.timing import scaled
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -132,7 +133,7 @@ def entry_point(*args: str, cwd: Path, env: dict[str, str] | None = None) -> sub
     command = [str(script)] if script.is_file() else [sys.executable, "-m", "trainforge"]
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), "TERM": "dumb", "COLUMNS": "200", **(env or {})}
     return subprocess.run(
-        [*command, *args], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=30, check=False
+        [*command, *args], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=scaled(30), check=False
     )
 
 
@@ -249,7 +250,7 @@ def test_a_failed_check_stops_the_ray_that_started_early(tmp_path: Path) -> None
         env=env,
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=scaled(240),
         check=False,
     )
     assert_user_error(result, str(tmp_path / "absent"))

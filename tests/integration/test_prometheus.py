@@ -30,6 +30,7 @@ import yaml
 
 import trainforge
 from tests.helpers.runs import tiny_run
+from tests.helpers.timing import scaled
 from trainforge.config import Config, load_config
 from trainforge.metrics import names
 from trainforge.metrics.driver.promql import deploy_expressions, unresolved_names
@@ -93,7 +94,7 @@ class Prometheus:
 
     def api(self, path: str, **params: str) -> Any:
         query = urllib.parse.urlencode(params)
-        with urllib.request.urlopen(f"{self.url}/api/v1/{path}?{query}", timeout=30) as response:
+        with urllib.request.urlopen(f"{self.url}/api/v1/{path}?{query}", timeout=scaled(30)) as response:
             body = json.loads(response.read())
         assert body["status"] == "success", body
         return body["data"]
@@ -104,14 +105,14 @@ class Prometheus:
     def stop(self) -> None:
         self.process.terminate()
         try:
-            self.process.wait(timeout=30)
+            self.process.wait(timeout=scaled(30))
         except subprocess.TimeoutExpired:
             self.process.kill()
         self.log.close()
 
 
 def wait_for(condition: Any, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + scaled(timeout_s)
     while not condition():
         if time.monotonic() > deadline:
             raise TimeoutError(f"waited {timeout_s} s for {what}")

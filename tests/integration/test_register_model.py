@@ -23,6 +23,7 @@ from safetensors.torch import save_file
 from tests.helpers.faults import free_port
 from tests.helpers.runs import tiny_run
 from tests.helpers.sessions import Trained, final_weights, train_each_once
+from tests.helpers.timing import scaled
 from trainforge.cli import main
 from trainforge.config import load_config, to_yaml
 from trainforge.models.export import run_model
@@ -149,7 +150,7 @@ def test_a_fresh_process_loads_the_registered_models_through_mlflow_and_predicts
     np.save(tmp_path / "pixels.npy", pixels.numpy())
     env = {**os.environ, "MLFLOW_TRACKING_URI": registered["store"]}
     done = subprocess.run(
-        [sys.executable, "-c", LOAD, str(tmp_path)], env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", LOAD, str(tmp_path)], env=env, capture_output=True, text=True, timeout=scaled(300)
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "trainforge imported: False" in done.stdout  # neither model needs trainforge's code

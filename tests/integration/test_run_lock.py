@@ -15,6 +15,7 @@ import yaml
 
 from tests.helpers.mounts import tmpfs
 from tests.helpers.runs import tiny_run
+from tests.helpers.timing import scaled
 from trainforge.driver.runlock import acquire
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -30,7 +31,7 @@ def train(config: Path, *args: str) -> subprocess.CompletedProcess[str]:
         env=env,
         capture_output=True,
         text=True,
-        timeout=180,
+        timeout=scaled(180),
         check=False,
     )
 

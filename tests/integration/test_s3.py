@@ -25,6 +25,7 @@ from safetensors.torch import load_file
 import trainforge
 from tests.helpers.faults import Fault, events, free_port, paced_run, reports, signal_a_worker, wait_until
 from tests.helpers.s3 import BUCKET, S3Server
+from tests.helpers.timing import scaled
 from trainforge.checkpoint.storage import CheckpointStore
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -123,7 +124,7 @@ def test_checkpoints_land_in_the_bucket_and_a_killed_worker_resumes_from_there(s
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=scaled(120),
         check=False,
     )
     if "No such command" not in listing.stderr:  # `ckpt` is being written in parallel
@@ -174,7 +175,9 @@ def cli_train(config: dict[str, Any], tmp_path: Path) -> subprocess.Popen[str]:
     address = ray.get_runtime_context().gcs_address
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TERM": "dumb"}
     command = [sys.executable, "-m", "trainforge", "train", str(path), "--address", address]
-    return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # Its output to a file (train.log): a pipe nobody reads while the run goes on fills up and blocks it.
+    with (tmp_path / "train.log").open("w") as sink:
+        return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=sink, text=True)
 
 
 def test_storage_outage_with_on_save_error_fail_stops_the_run_cleanly(s3_up: S3Server, tmp_path: Path) -> None:
@@ -193,7 +196,8 @@ def test_storage_outage_with_on_save_error_fail_stops_the_run_cleanly(s3_up: S3S
         # Training has started (the first report): storage goes away before the first save at step 40.
         wait_until(lambda: any("step" in r for r in reports(run_dir)) or process.poll() is not None, 240, "step 5")
         s3_up.stop()
-        _, stderr = process.communicate(timeout=240)
+        process.wait(timeout=scaled(240))
+        stderr = (tmp_path / "train.log").read_text()
     finally:
         if process.poll() is None:
             process.kill()

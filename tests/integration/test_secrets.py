@@ -20,6 +20,7 @@ import pytest
 
 from tests.helpers.faults import free_port
 from tests.helpers.s3 import BUCKET, S3Server
+from tests.helpers.timing import scaled
 
 pytestmark = pytest.mark.slow
 
@@ -53,7 +54,7 @@ def test_a_real_run_writes_and_prints_no_credential(tmp_path: Path, monkeypatch:
         # The server's endpoint and credentials are only in the URI: the run must use them there
         # (workers' saves, the driver's copy of the final weights) while writing them nowhere.
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+        done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=scaled(600))
         assert done.returncode == 0, done.stderr[-3000:]
 
         run_dir = tmp_path / "runs" / "leak"

@@ -33,6 +33,7 @@ import requests
 import yaml
 
 from tests.helpers.runs import tiny_run
+from tests.helpers.timing import scaled
 
 pytestmark = pytest.mark.slow
 
@@ -140,7 +141,7 @@ def head(started_head: Head) -> Head:
 
 def wait_for_jobs_api(url: str, token: str, head_process: subprocess.Popen[bytes], timeout_s: float) -> None:
     """The dashboard answers /api/jobs/ with the token (its job module starts after the server)."""
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + scaled(timeout_s)
     while time.monotonic() < deadline:
         if head_process.poll() is not None:
             raise RuntimeError(f"ray start exited with {head_process.returncode}")
@@ -222,7 +223,7 @@ def submitted(started_head: Head, project: Path) -> Submitted:
         "180",
         cwd=project,
         env=client_env(RAY_AUTH_TOKEN=started_head.token),
-        timeout=420,
+        timeout=scaled(420),
     )
     if result.returncode != 0:
         result.stderr += f"\n{started_head.said()}"

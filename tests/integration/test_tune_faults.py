@@ -21,6 +21,7 @@ from ray.train.v2._internal.execution.callback import WorkerGroupCallback
 
 import trainforge
 from tests.helpers.faults import Fault, checkpoints, events_of, paced_run, signal_a_worker, wait_until
+from tests.helpers.timing import scaled
 from trainforge.tune.placement import RecordPlacementGroups, release, start_ledger
 
 pytestmark = pytest.mark.slow
@@ -82,16 +83,21 @@ def test_an_interrupted_search_continues_when_the_command_runs_again(tmp_path: P
 
     def first_checkpointed_trial() -> Path | None:
         """The trial directory that saved first, once the search has recorded its state."""
+        if driver.poll() is not None:  # the event can no longer come: say why now, not at the timeout
+            raise RuntimeError(f"the search exited with {driver.returncode} first: {log.read_text()[-3000:]}")
         if not list(search_dir.glob("experiment_state-*.json")):
             return None
         return next((d for d in trial_dirs(search_dir) if checkpoints(d)), None)
 
-    driver = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    # Its output to a file: a pipe nobody reads fills up (64 KiB) and blocks the search mid-start.
+    log = tmp_path / "first-driver.log"
+    with log.open("w") as sink:
+        driver = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=sink, text=True)
     try:
         interrupted: Path = wait_until(first_checkpointed_trial, 300, "a trial's first checkpoint")
         ray_processes = psutil.Process(driver.pid).children(recursive=True)
         driver.send_signal(signal.SIGKILL)
-        driver.wait(timeout=30)
+        driver.wait(timeout=scaled(30))
     finally:
         if driver.poll() is None:
             driver.kill()
@@ -100,7 +106,7 @@ def test_an_interrupted_search_continues_when_the_command_runs_again(tmp_path: P
             leftover.kill()
     assert not (search_dir / "tune_summary.json").exists()
 
-    again = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900, check=False)
+    again = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=scaled(900), check=False)
 
     assert again.returncode == 0, again.stderr[-3000:]
     assert "continuing 2 trial(s)" in again.stderr

@@ -16,6 +16,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from tests.helpers.timing import scaled
+
 ROOT = Path(__file__).resolve().parents[2]
 SOURCE = ROOT / "src"
 PACKAGE = "trainforge"
@@ -177,5 +179,7 @@ def test_import_contracts_hold() -> None:
         "import sys; from importlinter.cli import lint_imports; "
         f"sys.exit(lint_imports(config_filename={str(ROOT / 'pyproject.toml')!r}, no_cache=True, no_logo=True))"
     )
-    result = subprocess.run([sys.executable, "-c", check], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-c", check], cwd=ROOT, capture_output=True, text=True, timeout=scaled(300)
+    )
     assert result.returncode == 0, result.stdout[-8000:] + result.stderr[-2000:]

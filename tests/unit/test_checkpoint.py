@@ -27,6 +27,7 @@ from torch import nn
 from tests.helpers import checkpoints
 from tests.helpers.checkpoints import snapshot
 from tests.helpers.mounts import tmpfs
+from tests.helpers.timing import scaled
 from trainforge.checkpoint import inspect as ckpt_inspect
 from trainforge.checkpoint.format import MANIFEST, write_manifest
 from trainforge.checkpoint.saved import read_saved
@@ -485,7 +486,7 @@ def test_a_failed_write_is_reported_and_leaves_the_previous_checkpoint_valid(tmp
         env={**os.environ, "PYTHONPATH": str(ROOT)},
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=scaled(300),
         check=False,
     )
     assert result.returncode == 0, result.stderr

@@ -25,6 +25,7 @@ from torch import nn
 
 from tests.helpers import checkpoints
 from tests.helpers.checkpoints import snapshot
+from tests.helpers.timing import scaled
 from tests.unit.test_checkpoint import (
     flip_byte,
     names,
@@ -547,7 +548,7 @@ def test_ranks_that_disagree_on_loadability_move_on_and_stop_together(tmp_path: 
         )
         for rank in (0, 1)
     ]
-    outputs = [rank.communicate(timeout=240) for rank in ranks]
+    outputs = [rank.communicate(timeout=scaled(240)) for rank in ranks]
     assert [rank.returncode for rank in ranks] == [0, 0], [err[-2000:] for _, err in outputs]
     results = [json.loads(out.strip().splitlines()[-1]) for out, _ in outputs]
     assert results[0] == results[1], results

@@ -18,6 +18,7 @@ import psutil
 import pytest
 
 from tests.helpers.runs import tiny_run
+from tests.helpers.timing import scaled
 from trainforge.config import Config, validate
 from trainforge.driver.runlock import LOCK_FILE, RunLock, acquire, check_writable, run_locks
 from trainforge.errors import ConfigError, RunLockedError
@@ -96,7 +97,7 @@ def test_a_sigkilled_holder_is_refused_while_alive_and_taken_over_after(
         with pytest.raises(RunLockedError, match=f"PID {holder.pid} on host {socket.gethostname()}"):
             take(tmp_path)
         os.kill(holder.pid, signal.SIGKILL)
-        holder.wait(timeout=30)
+        holder.wait(timeout=scaled(30))
     finally:
         holder.kill()
     assert record(tmp_path)["pid"] == holder.pid  # a killed holder cannot clear its record

@@ -17,6 +17,7 @@ from mlflow import MlflowClient
 
 from tests.helpers.faults import free_port
 from tests.helpers.runs import tiny_run
+from tests.helpers.timing import scaled
 from trainforge.config import load_config
 from trainforge.errors import ConfigError
 from trainforge.metrics.nvml import Gpus
@@ -173,7 +174,7 @@ def test_required_and_unreachable_is_one_line_and_exit_code_2_before_ray_starts(
         [cli, "train", str(path), "--set", "tracking.required=true", "--set", f"tracking.uri={uri}"],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=scaled(300),
         env={**os.environ, "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0"},
     )
     assert done.returncode == 2, done.stderr
@@ -345,7 +346,7 @@ def test_a_record_the_store_refuses_is_dropped_and_the_rest_still_arrives(
         outbox.add_call("a bad param", lambda client, run_id: client.log_param(run_id, "x" * 300, 1))
         outbox.add_points([("after", 1.0, 0, 1)])
         outbox.add_call("a good tag", lambda client, run_id: client.set_tag(run_id, "good", "yes"))
-        left = outbox.close(timeout_s=60)
+        left = outbox.close(timeout_s=scaled(60))
     assert left.calls == ["a bad param (refused)"]
     assert "MLflow refused a bad param" in caplog.text
     assert outbox.opened is not None
