@@ -89,9 +89,15 @@ def tune(
     resolved = load_config(resolve_config_path(config), overrides)
     space_path = resolve_config_path(space)
     make_settings(resolved, load_space(space_path, resolved))
-    from trainforge.api import tune as run_tune
+    from trainforge.driver.ray_session import cancel_early, start_early
 
-    result = run_tune(resolved, space_path, address=address, verbose=verbose, console=err_console)
+    start_early(resolved, address, verbose=verbose)  # as for train: the local Ray boots while the driver imports
+    try:
+        from trainforge.api import tune as run_tune
+
+        result = run_tune(resolved, space_path, address=address, verbose=verbose, console=err_console)
+    finally:
+        cancel_early()
     typer.echo(str(result.search_dir / "tune_summary.json"))
 
 
