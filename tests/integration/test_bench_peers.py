@@ -103,11 +103,14 @@ def test_warmup_matches_trainforge_throughput_definition() -> None:
 def test_step_clock_times_from_the_end_of_warmup(monkeypatch: pytest.MonkeyPatch) -> None:
     ticks = iter(float(t) for t in range(100))
     monkeypatch.setattr("trainforge.bench.workload.time.perf_counter", lambda: next(ticks))
+    walls = iter(1000.0 + t for t in range(100))
+    monkeypatch.setattr("trainforge.bench.workload.time.time", lambda: next(walls))
     clock = StepClock(global_batch=128, warmup=5)
     for _ in range(15):
         clock.step_done()
-    # Steps end at t = 0..14: the clock runs from t = 4 (end of step 5) to t = 14, over 10 steps.
-    assert clock.result() == {"samples_per_s": 128.0, "timed_steps": 10, "timed_s": 10.0}
+    # Steps end at t = 0..14: the clock runs from t = 4 (end of step 5) to t = 14, over 10 steps;
+    # the first step's wall-clock end (bench startup's figure) is taken once, at step 1.
+    assert clock.result() == {"samples_per_s": 128.0, "timed_steps": 10, "timed_s": 10.0, "first_step_unix": 1000.0}
 
 
 def test_workload_holds_one_epoch_at_the_largest_worker_count() -> None:
