@@ -82,6 +82,18 @@ def check_reachable(address: str, timeout_s: float = 5.0) -> None:
         ) from None
 
 
+_ray_log: list[logging.Handler] = []  # ray_logs_to's file handlers, innermost last
+
+
+def reattach_ray_log() -> None:
+    """``ray.init(configure_logging=False)`` clears the "ray" logger's handlers: put the run's
+    ray.log handler back once Ray is up (until then Ray's warnings reach Python's last resort)."""
+    ray_logger = logging.getLogger("ray")
+    for handler in _ray_log[-1:]:
+        if handler not in ray_logger.handlers:
+            ray_logger.addHandler(handler)
+
+
 @contextlib.contextmanager
 def ray_logs_to(path: Path, *, verbose: bool) -> Iterator[None]:
     """Ray's driver-side log lines go to ``path``; on the terminal too only when verbose."""
@@ -95,9 +107,11 @@ def ray_logs_to(path: Path, *, verbose: bool) -> Iterator[None]:
     for old in parked:
         ray_logger.removeHandler(old)
     ray_logger.addHandler(handler)
+    _ray_log.append(handler)
     try:
         yield
     finally:
+        _ray_log.remove(handler)
         ray_logger.removeHandler(handler)
         for old in parked:
             ray_logger.addHandler(old)
@@ -122,6 +136,7 @@ def ray_session(config: Config, address: str | None, *, verbose: bool) -> Iterat
         where = f"the Ray cluster at {address}"
     else:
         where = start_local(config, verbose=verbose)
+    reattach_ray_log()
     try:
         # Prometheus finds a local Ray's metrics agent through the file Ray's dashboard would write.
         with contextlib.nullcontext() if address else publish_local_targets(config.metrics):
@@ -166,12 +181,21 @@ def shutdown() -> None:
         early.release.set()
 
 
-class _NotMainThread(logging.Filter):
-    """Drops Ray's warning that a ``ray.init`` off the main thread sets no SIGTERM handler: the
-    run installs its own (driver/run.py's graceful_stop)."""
+class HoldHandler(logging.Handler):
+    """Python's last-resort handler while the early Ray starts. ``ray.init(configure_logging=False)``
+    clears Ray's logger's handlers, so what Ray logs then (its token-authentication notice) would
+    reach the terminal through the last resort; held instead, it goes to the run's ray.log once the
+    run takes that Ray, or nowhere when a check fails first: the user's error stays one line. Ray's
+    warning that a ``ray.init`` off the main thread sets no SIGTERM handler is dropped: the run
+    installs its own (driver/run.py's graceful_stop)."""
 
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "not the main thread" not in record.getMessage()
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "not the main thread" not in record.getMessage():
+            self.records.append(record)
 
 
 @dataclass
@@ -189,22 +213,21 @@ class EarlyRay:
     up: threading.Event = field(default_factory=threading.Event)
     release: threading.Event = field(default_factory=threading.Event)
     taken: bool = False
+    held: HoldHandler = field(default_factory=HoldHandler)
 
     def __post_init__(self) -> None:
         threading.Thread(target=self._run, name="trainforge-ray", daemon=True).start()
         atexit.register(self.abandon)  # the last resort: cancel_early is the way
 
     def _run(self) -> None:
-        quiet = _NotMainThread()
-        worker_log = logging.getLogger("ray._private.worker")
-        worker_log.addFilter(quiet)
+        last_resort, logging.lastResort = logging.lastResort, self.held
         try:
             with bound_to(self.bind_address):
                 ray.init(**self.options)  # type: ignore[arg-type]
         except BaseException as err:  # re-raised where the run asks for its Ray
             self.error = err
         finally:
-            worker_log.removeFilter(quiet)
+            logging.lastResort = last_resort
             self.up.set()
         self.release.wait()
 
@@ -221,6 +244,9 @@ class EarlyRay:
             shutdown()
             return False
         self.taken = True
+        for record in self.held.records:  # into the run's ray.log (ray_logs_to)
+            for handler in _ray_log[-1:]:
+                handler.handle(record)
         return True
 
     def abandon(self) -> None:
