@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 
 from tests.cluster.netns import Network
+from tests.helpers.timing import scaled
 
 CHUNK = b"\0" * 65536
 
@@ -87,8 +88,20 @@ class Traffic:
             "import sys; from tests.cluster.traffic import reachable; "
             f"sys.exit(0 if reachable({self.net.nodes[dst]!r}, {port}, {timeout_s}) else 1)"
         )
-        done = subprocess.run(self.net.exec_argv(src, [self.python, "-c", code]), timeout=timeout_s + 30)
+        done = subprocess.run(self.net.exec_argv(src, [self.python, "-c", code]), timeout=scaled(timeout_s + 30))
         return done.returncode == 0
+
+    def reaches(self, src: str, dst: str, within_s: float = 10.0) -> bool:
+        """Whether ``dst`` answers ``src`` within ``within_s`` (scaled by the machine's slowdown),
+        probing again until then: a link that just came up, or a first SYN lost to a neighbour
+        lookup on a loaded machine, is not a cut cable. (``reachable`` is one probe: for links
+        that must stay down.)"""
+        deadline = time.monotonic() + scaled(within_s)
+        while True:
+            if self.reachable(src, dst):
+                return True
+            if time.monotonic() > deadline:
+                return False
 
 
 def main(argv: list[str]) -> None:

@@ -168,6 +168,12 @@ def measure_torchrun(workload: Workload, workers: int, scratch: Path) -> float:
 
 def measure_ray_train(workload: Workload, workers: int, scratch: Path) -> float:
     """(c) A TorchTrainer around an ordinary Ray Train loop; rank 0 returns its figure."""
+    return float(ray_train_figures(workload, workers, scratch, PEERS["c"])["samples_per_s"])
+
+
+def ray_train_figures(workload: Workload, workers: int, scratch: Path, peer: str) -> dict[str, float]:
+    """An ordinary TorchTrainer around bench/workload.py's loop (``bench peers``' and ``bench
+    startup``'s plain Ray Train); rank 0's StepClock figures."""
     import ray.train
     from ray.train.torch import TorchTrainer
 
@@ -180,9 +186,9 @@ def measure_ray_train(workload: Workload, workers: int, scratch: Path) -> float:
         run_config=ray.train.RunConfig(name=scratch.name, storage_path=str(scratch)),
     )
     returned = getattr(trainer.fit(), "return_value", None)  # Train V2's Result; mypy sees V1's
-    if not isinstance(returned, dict) or "samples_per_s" not in returned:
-        raise PeerFailed(f"{PEERS['c']} returned {returned!r} instead of its measured figure")
-    return float(returned["samples_per_s"])
+    if not isinstance(returned, dict) or "samples_per_s" not in returned or not returned.get("first_step_unix"):
+        raise PeerFailed(f"{peer} returned {returned!r} instead of its measured figures")
+    return returned
 
 
 def measure_trainforge(workload: Workload, workers: int, scratch: Path, *, observed: bool = True) -> float:

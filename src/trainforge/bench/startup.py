@@ -36,7 +36,15 @@ from rich.console import Console
 from rich.table import Table
 
 import trainforge
-from trainforge.bench.peers import SUBPROCESS_TIMEOUT_S, PeerFailed, _python_path, crash_lines, local_ray, machine
+from trainforge.bench.peers import (
+    SUBPROCESS_TIMEOUT_S,
+    PeerFailed,
+    _python_path,
+    crash_lines,
+    local_ray,
+    machine,
+    ray_train_figures,
+)
 from trainforge.bench.workload import WARMUP_STEPS, Workload
 from trainforge.driver.startup import PHASES
 
@@ -144,21 +152,7 @@ def measure_running(peer: str, workload: Workload, workers: int, scratch: Path, 
 
 def plain_ray_train(workload: Workload, workers: int, scratch: Path) -> float:
     """An ordinary TorchTrainer around bench/workload.py's loop; rank 0's first step (unix time)."""
-    import ray.train
-    from ray.train.torch import TorchTrainer
-
-    from trainforge.bench.workload import ray_train_loop
-
-    trainer = TorchTrainer(
-        ray_train_loop,  # type: ignore[arg-type]  # Train V2 passes the return value on; the stubs are V1's
-        train_loop_config={"workload": workload.to_json()},
-        scaling_config=ray.train.ScalingConfig(num_workers=workers),
-        run_config=ray.train.RunConfig(name=scratch.name, storage_path=str(scratch)),
-    )
-    returned = getattr(trainer.fit(), "return_value", None)
-    if not isinstance(returned, dict) or not returned.get("first_step_unix"):
-        raise PeerFailed(f"{PEERS['ray_train']} returned {returned!r} instead of its first step's time")
-    return float(returned["first_step_unix"])
+    return float(ray_train_figures(workload, workers, scratch, PEERS["ray_train"])["first_step_unix"])
 
 
 # ---------------------------------------------------------------------------------------------
