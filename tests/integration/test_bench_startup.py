@@ -46,8 +46,10 @@ def test_every_peer_reaches_its_first_step_cold_and_in_a_running_ray(tmp_path: P
         assert report["ratios"][setting] == pytest.approx(mine["first_step_s"] / theirs["first_step_s"], abs=0.002)
         phases = report["phases"][setting]
         assert set(phases) <= {name for name, _ in PHASES} and "first_step" in phases
-        # trainforge's phases add up to its measured first step: nothing of the start goes untimed.
-        assert sum(phases.values()) == pytest.approx(mine["first_step_s"], abs=1.0)
+        # trainforge's phases add up to its measured first step: nothing of the start goes untimed
+        # but the moment between the launch (or call) and the process's own start.
+        gap = mine["first_step_s"] - sum(phases.values())
+        assert -0.05 <= gap <= scaled(1.0), (setting, phases, mine)
     assert "cli" in report["phases"]["cold"] and "cli" not in report["phases"]["running"]
     assert "Seconds to the first step" in result.stdout and "trainforge's start by phase" in result.stdout
     assert "trainforge / plain Ray Train, cold:" in result.stdout
