@@ -45,15 +45,12 @@ def train(
     from trainforge.driver.startup import command_started
 
     command_started()  # the run's start-up is timed from this process's start (summary.json's startup)
-    from trainforge.driver.ray_session import cancel_early, start_early
+    from trainforge.driver.ray_session import early_local_ray
 
-    start_early(resolved, address, verbose=verbose)  # a local Ray boots while torch and the driver import
-    try:
+    with early_local_ray(resolved, address, verbose=verbose):  # Ray boots while torch and the driver import
         from trainforge.api import fit
 
         result = fit(resolved, address=address, verbose=verbose, console=err_console)
-    finally:
-        cancel_early()  # the run stopped before it took that Ray (a failed check): stop it too
     typer.echo(str(result.run_dir / "summary.json"))
     if result.status == "aborted":
         raise typer.Exit(130)
@@ -89,15 +86,12 @@ def tune(
     resolved = load_config(resolve_config_path(config), overrides)
     space_path = resolve_config_path(space)
     make_settings(resolved, load_space(space_path, resolved))
-    from trainforge.driver.ray_session import cancel_early, start_early
+    from trainforge.driver.ray_session import early_local_ray
 
-    start_early(resolved, address, verbose=verbose)  # as for train: the local Ray boots while the driver imports
-    try:
+    with early_local_ray(resolved, address, verbose=verbose):  # as for train
         from trainforge.api import tune as run_tune
 
         result = run_tune(resolved, space_path, address=address, verbose=verbose, console=err_console)
-    finally:
-        cancel_early()
     typer.echo(str(result.search_dir / "tune_summary.json"))
 
 

@@ -273,3 +273,14 @@ def cancel_early() -> None:
     if early is not None and early.up.wait(timeout=120) and not early.taken:
         atexit.unregister(early.abandon)
         shutdown()
+
+
+@contextlib.contextmanager
+def early_local_ray(config: Config, address: str | None, *, verbose: bool) -> Iterator[None]:
+    """Around a command's run: its local Ray starts now (``start_early``), and is stopped at the
+    end if the run never took it (``cancel_early``: a check failed first)."""
+    start_early(config, address, verbose=verbose)
+    try:
+        yield
+    finally:
+        cancel_early()
