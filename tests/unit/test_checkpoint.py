@@ -417,8 +417,9 @@ def test_rotation_keeps_the_best_by_metric(tmp_path: Path, mode: str, losses: li
     assert names(store) == sorted([checkpoint_name(best), "checkpoint_000000040", "checkpoint_000000050"])
 
 
-def test_rotation_never_deletes_the_checkpoint_just_written(tmp_path: Path) -> None:
-    # Newer checkpoints from an abandoned timeline (e.g. a resume from an explicit older path).
+def test_rotation_never_deletes_the_checkpoint_just_written_nor_one_of_a_later_step(tmp_path: Path) -> None:
+    # Newer checkpoints from another line (an abandoned timeline, a foreign copy): not this run's
+    # history, so neither counted nor deleted; the one just written is always kept.
     run = tmp_path / "run"
     for step in (80, 90):
         write_checkpoint(run / checkpoint_name(step), step=step)
@@ -427,11 +428,11 @@ def test_rotation_never_deletes_the_checkpoint_just_written(tmp_path: Path) -> N
     model = small_model()
     [outcome] = save_all(writer, [snapshot(model, trained(model), 40)])
     assert outcome.error is None
-    assert names(store) == ["checkpoint_000000040", "checkpoint_000000090"]
+    assert names(store) == ["checkpoint_000000040", "checkpoint_000000080", "checkpoint_000000090"]
     # Directories without a readable manifest are never rotated out.
-    (run / checkpoint_name(95)).mkdir()
+    (run / checkpoint_name(35)).mkdir()
     save_all(writer, [snapshot(model, trained(model), 41)])
-    assert names(store) == ["checkpoint_000000041", "checkpoint_000000090", "checkpoint_000000095"]
+    assert names(store) == [checkpoint_name(s) for s in (35, 41, 80, 90)]
 
 
 def test_save_into_a_path_under_a_regular_file_is_reported_not_raised(tmp_path: Path) -> None:

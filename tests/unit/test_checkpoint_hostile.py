@@ -409,6 +409,54 @@ def test_rotation_counts_only_verified_checkpoints(tmp_path: Path) -> None:
     assert names(store) == [checkpoint_name(10), checkpoint_name(15), checkpoint_name(20)]
 
 
+def test_rotation_counts_only_the_run_s_own_line_not_a_foreign_checkpoint_that_verifies(tmp_path: Path) -> None:
+    # The probe: keep_last 2, a foreign (valid, unloadable) checkpoint_000000440 in the run's folder;
+    # the run resumes from 22 and saves 40, 60, 66. It used to delete 20, 22, 40 and 60.
+    run_dir = tmp_path / "run"
+    for step in (20, 22):
+        write_checkpoint(run_dir / checkpoint_name(step), step=step)
+    write_wide_checkpoint(run_dir / checkpoint_name(440), step=440)
+    store = CheckpointStore.from_uri(str(run_dir))
+    restored = restore(worker_run(tmp_path), store)
+    assert restored.progress.global_step == 22 and [n for n, _ in restored.skipped] == [checkpoint_name(440)]
+    saver = writer(tmp_path, store)
+    saver.passed_over.update(n for n, _ in restored.skipped)  # as the worker loop hands it on
+    model = small_model()
+    outcomes = save_all(saver, [snapshot(model, trained(model), step) for step in (40, 60, 66)])
+    assert [o.error for o in outcomes] == [None, None, None]
+    assert names(store) == [checkpoint_name(60), checkpoint_name(66), checkpoint_name(440)]
+
+
+def test_rotation_leaves_alone_a_checkpoint_of_a_later_step_than_the_one_written(tmp_path: Path) -> None:
+    # A foreign checkpoint copied in after the run restored: not passed over, still not the run's.
+    run_dir = tmp_path / "run"
+    store = CheckpointStore.from_uri(str(run_dir))
+    saver = writer(tmp_path, store)
+    model = small_model()
+    save_all(saver, [snapshot(model, trained(model), 10)])
+    write_wide_checkpoint(run_dir / checkpoint_name(900), step=900)
+    outcomes = save_all(saver, [snapshot(model, trained(model), step) for step in (20, 30)])
+    assert [o.error for o in outcomes] == [None, None]
+    assert names(store) == [checkpoint_name(20), checkpoint_name(30), checkpoint_name(900)]
+
+
+def test_rotation_verifies_again_a_checkpoint_corrupted_after_its_save(tmp_path: Path) -> None:
+    # 20 was verified when written; a byte flipped since must not let it push 10 (valid) out.
+    run_dir = tmp_path / "run"
+    store = CheckpointStore.from_uri(str(run_dir))
+    saver = writer(tmp_path, store)
+    model = small_model()
+    save_all(saver, [snapshot(model, trained(model), step) for step in (10, 20)])
+    flip_byte(run_dir / checkpoint_name(20))
+    later = time.time() + 5  # a coarse file-system clock must not hide the rewrite
+    os.utime(run_dir / checkpoint_name(20) / MODEL_FILE, (later, later))
+    [outcome] = save_all(saver, [snapshot(model, trained(model), 30)])
+    assert outcome.error is None
+    # Two valid copies (10 and 30); the corrupt 20 kept as evidence, not counted.
+    assert names(store) == [checkpoint_name(10), checkpoint_name(20), checkpoint_name(30)]
+    assert store.verify(checkpoint_name(10)).ok and not store.verify(checkpoint_name(20)).ok
+
+
 @pytest.mark.parametrize("odd", [math.nan, "not a number", True])
 def test_a_best_metric_that_is_not_a_finite_number_never_wins(tmp_path: Path, odd: Any) -> None:
     run_dir = tmp_path / "run"

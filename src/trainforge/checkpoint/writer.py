@@ -18,8 +18,10 @@ never raised into the training thread; a rotation error does not fail a committe
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import os
 import shutil
 import tempfile
 import threading
@@ -29,14 +31,15 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
+from stat import S_ISDIR
 from typing import Any, Protocol
 
+import pyarrow.fs as pafs
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from trainforge.checkpoint.format import MANIFEST
 from trainforge.checkpoint.hashing import DEFAULT_HASH, FileRecord, in_parallel
-from trainforge.checkpoint.names import staging_name
+from trainforge.checkpoint.names import parse_checkpoint_name, staging_name
 from trainforge.checkpoint.schema import FORMAT_VERSION, SHARDED, ComponentSchemas, rank_path
 from trainforge.checkpoint.staging import StagedSave, merge_files
 from trainforge.checkpoint.state import Snapshot, tensor_file, write_tensors
@@ -152,8 +155,12 @@ class CheckpointWriter:
     _thread: threading.Thread | None = None
     _done: list[SaveOutcome] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
-    # Verification reads every byte: its verdict per checkpoint, keyed by the manifest's identity.
-    _verified: dict[str, tuple[tuple[int | None, int | None], bool]] = field(default_factory=dict)
+    # Checkpoints restore passed over (they did not verify, or verified but did not load into this
+    # run's model): never counted by rotation, never deleted by it.
+    passed_over: set[str] = field(default_factory=set)
+    # Verification reads every byte: its verdict per checkpoint, kept while no file of the
+    # checkpoint changed (the size and modification time of each, the manifest's included).
+    _verified: dict[str, tuple[Signature, bool]] = field(default_factory=dict)
     _started: float = field(default_factory=time.time)
     _cleaned: bool = False
 
@@ -308,17 +315,16 @@ class CheckpointWriter:
         if removed:
             log.info("removed staging dirs of saves that never completed: %s", ", ".join(removed))
 
-    def _manifest_key(self, name: str) -> tuple[int | None, int | None]:
-        info = self.store.fs.get_file_info(f"{self.store.path(name)}/{MANIFEST}")
-        return info.mtime_ns, info.size
+    def _signature(self, name: str) -> Signature:
+        return file_signature(self.store, name)
 
     def _remember_verified(self, name: str) -> None:
         """This writer just wrote and hashed ``name``: valid without reading it back."""
-        self._verified[name] = (self._manifest_key(name), True)
+        self._verified[name] = (self._signature(name), True)
 
     def is_verified(self, name: str) -> bool:
-        """Whether checkpoint ``name`` verifies; checked once per version of its manifest."""
-        key = self._manifest_key(name)
+        """Whether checkpoint ``name`` verifies; read again whenever one of its files changed."""
+        key = self._signature(name)
         cached = self._verified.get(name)
         if cached is not None and cached[0] == key:
             return cached[1]
@@ -332,11 +338,24 @@ class CheckpointWriter:
         """Delete verified checkpoints the policy does not keep; never the one just written. Returns
         what went.
 
-        Only verified checkpoints count toward ``keep_last``: after a walk-back past a corrupt
-        newest one, the corrupt one must not push the last valid copies out. Directories that do
-        not verify are never deleted here (a concurrent writer, or evidence for ``ckpt list``).
+        Only checkpoints of this run's own line count toward ``keep_last``, and only those are
+        ever deleted:
+        - ones that verify now (a verdict is reused only while none of the checkpoint's files
+          changed): after a walk-back past a corrupt newest one, or a file corrupted after its save,
+          the corrupt one must not push the last valid copies out;
+        - not one restore passed over (``passed_over``: it verified but did not load into this
+          run's model, a foreign checkpoint say);
+        - not one of a later step than the one just written: it is not this run's history (a
+          foreign checkpoint, or the line a walk-back left).
+        Directories left out are never deleted here (a concurrent writer, or evidence for ``ckpt
+        list``).
         """
-        entries = self.store.entries()
+        step = parse_checkpoint_name(keep_also)
+        entries = [
+            e
+            for e in self.store.entries()
+            if e.name == keep_also or (e.name not in self.passed_over and (step is None or e.step < step))
+        ]
         valid = [e for e in entries if e.name == keep_also or self.is_verified(e.name)]
         manifests = {}
         for entry in valid:
@@ -350,6 +369,31 @@ class CheckpointWriter:
                 self._verified.pop(entry.name, None)
                 removed.append(entry.name)
         return removed
+
+
+Signature = tuple[tuple[str, int | None, int | None], ...]
+
+
+def file_signature(store: CheckpointStore, name: str) -> Signature:
+    """Every file under checkpoint ``name`` with its size and modification time: what changes when
+    any byte of the checkpoint is written again (a flipped bit under an unchanged time stamp
+    does not change it; restore and ``ckpt verify`` hash every byte)."""
+    root = store.path(name)
+    found: list[tuple[str, int | None, int | None]] = []
+    if store.is_local:  # without following links, as verification reads
+        for folder, dirs, files in os.walk(root, followlinks=False):
+            for item in dirs + files:
+                path = os.path.join(folder, item)
+                with contextlib.suppress(OSError):
+                    stat = os.lstat(path)
+                    if not S_ISDIR(stat.st_mode):
+                        found.append((path[len(root) :], stat.st_size, stat.st_mtime_ns))
+        return tuple(sorted(found))
+    selector = pafs.FileSelector(root, recursive=True, allow_not_found=True)
+    for info in store.fs.get_file_info(selector):
+        if info.type != pafs.FileType.Directory:
+            found.append((info.path[len(root) :], info.size, info.mtime_ns))
+    return tuple(sorted(found))
 
 
 def state_file(snapshot: Snapshot, ranks: list[dict[str, dict[str, Any]]], files: Mapping[str, Any]) -> dict[str, Any]:

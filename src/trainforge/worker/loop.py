@@ -65,6 +65,8 @@ def run_worker(payload: Payload, startup: dict[str, float] | None = None) -> Rep
         run = build(config, stream=payload.stream.to_dict() if payload.stream is not None else None, marks=startup)
         checkpointing = Checkpointing(run, run_store())
         restored = restore(run, checkpointing.store)
+        # What restore walked past (corrupt, or not this run's model) is not the run's to rotate.
+        checkpointing.writer.passed_over.update(name for name, _ in restored.skipped)
         if startup is not None:
             startup["restore"] = time.time()
         batch_choice = choose_batch(run)  # train.batch_size: auto (a resume keeps the checkpoint's split)
