@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 
+from trainforge.cli.export import TRUST_HELP
 from trainforge.errors import TrainforgeError
 
 
@@ -26,6 +27,7 @@ def generate(
     temperature: Annotated[float, typer.Option(help="Sampling temperature; 0 picks the likeliest token.")] = 0.8,
     top_k: Annotated[int, typer.Option(help="Sample among the k likeliest tokens; 0: all.")] = 0,
     seed: Annotated[int, typer.Option(help="Seed of the sampling.")] = 0,
+    trust_run_config: Annotated[bool, typer.Option("--trust-run-config", help=TRUST_HELP)] = False,
 ) -> None:
     """Print PROMPT continued by the run's final model (RUN_DIR/model.safetensors)."""
     import math
@@ -38,5 +40,5 @@ def generate(
         raise TrainforgeError(f"--top-k {top_k}: must be >= 0 (0 keeps every token)")
     from trainforge.models.generate import Sampling, load_run_model, sample
 
-    run = load_run_model(run_dir)
+    run = load_run_model(run_dir, trust_run_config=trust_run_config)
     typer.echo(sample(run, prompt, Sampling(max_tokens, temperature, top_k, seed)))

@@ -40,6 +40,33 @@ def load_config(
     return validate(raw)
 
 
+TRUST_FLAG = "--trust-run-config"
+
+
+def code_keys(config: Config) -> list[tuple[str, str]]:
+    """Every key of ``config`` that names code to import and call (``"package.module:function"``),
+    with its value: ``model.factory``, ``data.factory``, ``parallel.tp_plan``."""
+    named = [("model.factory", config.model.factory), ("parallel.tp_plan", config.parallel.tp_plan)]
+    named.insert(1, ("data.factory", getattr(config.data, "factory", None)))
+    return [(key, str(value)) for key, value in named if value]
+
+
+def load_run_config(source: str | os.PathLike[str] | Mapping[str, Any], origin: str, *, trust: bool) -> Config:
+    """A config read back from a run directory or a checkpoint (``generate``, ``export``): data, not
+    code. Run directories are shared and downloaded, and whoever wrote one chose its factories: one
+    that names code to import is refused unless the user vouches for it (``trust``, the CLI's
+    ``--trust-run-config``). Nothing is imported here."""
+    config = load_config(source)
+    named = code_keys(config)
+    if named and not trust:
+        key, value = named[0]
+        raise ConfigError(
+            f"{origin} names code to import ({key}: {_clip(value)}); a run directory's config is data, "
+            f"not code: add {TRUST_FLAG} if you trust whoever wrote it"
+        )
+    return config
+
+
 def read_yaml(path: Path) -> dict[str, Any]:
     """A config file's sections, read within safeyaml's bounds (size, depth, aliases, duplicate keys)."""
     data = read_yaml_file(path, "config file")

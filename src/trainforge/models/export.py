@@ -29,7 +29,7 @@ from torch import nn
 from trainforge.checkpoint.hashing import SHA256, hash_file
 from trainforge.checkpoint.saved import read_saved
 from trainforge.checkpoint.schema import MANIFEST, MODEL_FILE
-from trainforge.config import Config, load_config, to_yaml
+from trainforge.config import Config, load_config, load_run_config, to_yaml
 from trainforge.data import build_datasets
 from trainforge.data.spec import DataSpec
 from trainforge.errors import CheckpointError, ModelError
@@ -55,8 +55,18 @@ class Exported:
     files: list[str]
 
 
-def export_run(run_dir: Path, fmt: str, output: Path, which: str = "last", *, merge_lora: bool = False) -> Exported:
-    """Export the model of the run at ``run_dir`` from checkpoint ``which`` (last, best or a path)."""
+def export_run(
+    run_dir: Path,
+    fmt: str,
+    output: Path,
+    which: str = "last",
+    *,
+    merge_lora: bool = False,
+    trust_run_config: bool = False,
+) -> Exported:
+    """Export the model of the run at ``run_dir`` from checkpoint ``which`` (last, best or a path).
+    The run's config (the checkpoint's record of it, else config.yaml) is data: one that names code
+    to import needs ``trust_run_config``."""
     if fmt not in FORMATS:
         raise ModelError(f"--format {fmt!r}: one of {', '.join(FORMATS)}")
     check_output(output)
@@ -66,8 +76,11 @@ def export_run(run_dir: Path, fmt: str, output: Path, which: str = "last", *, me
     source = checkpoint_source(checkpoint, f"--checkpoint {which}")
     saved = read_saved(checkpoint)
     # The checkpoint's own record of the resolved config (verified with it); config.yaml where it has none.
-    config = load_config(saved.config) if saved.config else run_config
-    if config is None:
+    if saved.config:
+        config = load_run_config(saved.config, f"checkpoint {checkpoint}", trust=trust_run_config)
+    elif run_config is not None:
+        config = load_run_config(config_path, f"RUN_DIR {run_dir}: {CONFIG_FILE}", trust=trust_run_config)
+    else:
         raise CheckpointError(f"RUN_DIR {run_dir}: neither {CONFIG_FILE} nor a config in {checkpoint.name}")
     lora = config.model.lora
     if merge_lora and lora is None:

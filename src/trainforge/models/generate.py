@@ -18,7 +18,7 @@ from safetensors.torch import load_model
 from torch import nn
 
 from trainforge.checkpoint.hashing import SHA256, hash_file
-from trainforge.config import Config, TokensData, load_config
+from trainforge.config import Config, TokensData, load_run_config
 from trainforge.data.shards import CorpusManifest, read_manifest
 from trainforge.data.spec import DataSpec
 from trainforge.data.tokenizer import Tokenizer, load_corpus_tokenizer
@@ -49,8 +49,9 @@ class RunModel:
     seq_len: int
 
 
-def load_run_model(run_dir: Path) -> RunModel:
-    """The final model of the run at ``run_dir`` and its corpus's tokenizer; one-line errors otherwise."""
+def load_run_model(run_dir: Path, *, trust_run_config: bool = False) -> RunModel:
+    """The final model of the run at ``run_dir`` and its corpus's tokenizer; one-line errors otherwise.
+    The run's config is data: one that names code to import needs ``trust_run_config``."""
     config_path, weights = run_dir / CONFIG_FILE, run_dir / WEIGHTS_FILE
     if not config_path.is_file():
         raise CheckpointError(f"RUN_DIR {run_dir} holds no {CONFIG_FILE}: not a trainforge run directory")
@@ -58,7 +59,7 @@ def load_run_model(run_dir: Path) -> RunModel:
         raise CheckpointError(
             f"RUN_DIR {run_dir} holds no {WEIGHTS_FILE}: the run has not finished (or saved no checkpoint)"
         )
-    config = load_config(config_path)
+    config = load_run_config(config_path, f"RUN_DIR {run_dir}: {CONFIG_FILE}", trust=trust_run_config)
     tokenizer, manifest = run_tokenizer(config)
     seq_len = token_data(config).seq_len
     spec = DataSpec(kind="tokens", input_shape=(seq_len,), vocab_size=manifest.vocab_size, seq_len=seq_len)
