@@ -23,18 +23,71 @@ MASK = "***"
 # unencoded '/', '?', '#' or whitespace, so the match never runs past the authority.
 _USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.\-]*://)(?P<userinfo>[^/\s?#'\"<>]*)@")
 
-# A query (or fragment) parameter whose name ends in one of these words carries a secret:
-# token=, access_token=, X-Amz-Security-Token=, X-Amz-Signature=, X-Amz-Credential=, sig=,
-# password=, secret_key=, access_key=, api_key=, key= (Google's API keys).
-_SECRET_NAME = r"(?:token|secret|secret_key|password|passwd|pwd|signature|sig|credential|credentials|key|apikey)"
-_QUERY_PARAM = re.compile(rf"(?P<name>[?&;#][\w.\-]*?{_SECRET_NAME})=(?P<value>[^&;#\s'\"<>]*)", re.IGNORECASE)
-
-# Config keys whose value is a secret whatever it looks like (a factory's kwargs, say).
-_SECRET_KEY = re.compile(
-    r"(?:^|[_.\-])(?:password|passwd|secret|secret_key|secret_access_key|api_key|apikey|access_key|"
-    r"auth_token|access_token|api_token|session_token|credentials?)$",
-    re.IGNORECASE,
+# A config key or a query parameter is secret when its name, split into lower-case words at
+# separators and camelCase boundaries (``hf_token`` -> hf token, ``secretKey`` -> secret key,
+# ``X-Amz-Security-Token`` -> x amz security token), ends with a secret word or phrase. A name that
+# only says where a secret is (``token_file``, ``private_key_path``, ``key_env``) ends with another
+# word: its value is a path or a variable's name, kept. A false positive hides a harmless value from
+# the records, a false negative writes a credential into them: when in doubt, a word is secret.
+_SECRET_WORDS = frozenset(
+    {"token", "password", "passwd", "pass", "pwd", "passphrase", "secret", "credential", "auth", "signature"}
+    | {"passwords", "passphrases", "secrets", "credentials", "signatures"}
 )
+# "<q> key" is a secret (secret_key, privateKey, API-KEY); "key" alone is not (a dict key, a path).
+_KEY_QUALIFIERS = frozenset({"secret", "private", "api", "access", "encryption", "signing", "master", "subscription"})
+# "<v> token" names a word of a tokenizer's vocabulary (eos_token: "</s>"), not a credential.
+_VOCABULARY = frozenset(
+    {"bos", "eos", "sos", "eot", "pad", "padding", "unk", "unknown", "cls", "sep", "mask", "start", "end", "stop"}
+    | {"begin", "special"}
+)
+# "tokens" is mostly a count or a list of vocabulary words (max_tokens); "<q> tokens" is credentials.
+_TOKENS_QUALIFIERS = frozenset({"access", "auth", "api", "refresh", "session", "bearer", "id"})
+# Run-together names (``dbpassword``, ``APIKEY`` of an environment variable) that cannot be split:
+# a last word ending in one of these. Only suffixes no harmless word ends with.
+_SECRET_SUFFIXES = (
+    "password",
+    "passwd",
+    "passphrase",
+    "secret",
+    "credential",
+    "credentials",
+    *(f"{q}key" for q in _KEY_QUALIFIERS),
+    *(f"{q}keys" for q in _KEY_QUALIFIERS),
+    *(f"{q}token" for q in _TOKENS_QUALIFIERS),
+)
+# Query parameters only: Azure's SAS signature (sig=) and Google's API keys (key=), whole names.
+_SECRET_PARAMETERS = frozenset({"sig", "key"})
+
+_WORD = re.compile(r"[A-Z]+(?=[A-Z][a-z])|[A-Z]?[a-z]+|[A-Z]+|[0-9]+")
+_QUERY_PARAM = re.compile(r"(?P<name>[?&;#](?P<key>[\w.\-]+))=(?P<value>[^&;#\s'\"<>]*)")
+
+
+def _name_words(name: str) -> list[str]:
+    """``name`` as lower-case words: split at every character that is not a letter or a digit and at
+    camelCase boundaries (``APIKey`` -> api key); numbers at the end dropped (``password2``)."""
+    words = [word.lower() for word in _WORD.findall(name)]
+    while words and words[-1].isdigit():
+        words.pop()
+    return words
+
+
+def is_secret_key(name: str) -> bool:
+    """Whether a value under the config key (or query parameter) ``name`` is a secret, whatever it looks like."""
+    words = _name_words(name)
+    if not words:
+        return False
+    last, before = words[-1], words[-2] if len(words) > 1 else ""
+    if last == "token":
+        return before not in _VOCABULARY
+    if last == "tokens":
+        return before in _TOKENS_QUALIFIERS
+    if last in ("key", "keys"):
+        return before in _KEY_QUALIFIERS
+    return last in _SECRET_WORDS or last.endswith(_SECRET_SUFFIXES)
+
+
+def _is_secret_parameter(name: str) -> bool:
+    return name.lower() in _SECRET_PARAMETERS or is_secret_key(name)
 
 
 def _mask_userinfo(match: re.Match[str]) -> str:
@@ -49,21 +102,21 @@ def redact_text(text: str) -> str:
     if "@" not in text and "=" not in text:
         return text
     text = _USERINFO.sub(_mask_userinfo, text)
-    return _QUERY_PARAM.sub(lambda m: f"{m.group('name')}={MASK}" if m.group("value") else m.group(0), text)
+    return _QUERY_PARAM.sub(_mask_parameter, text)
 
 
-def is_secret_key(name: str) -> bool:
-    return bool(_SECRET_KEY.search(name))
+def _mask_parameter(match: re.Match[str]) -> str:
+    if match.group("value") and _is_secret_parameter(match.group("key")):
+        return f"{match.group('name')}={MASK}"
+    return match.group(0)
 
 
 def redact_config(tree: Any) -> Any:
     """A copy of a config dump (``Config.to_dict()``, or any JSON-like tree) fit to be written:
-    strings go through ``redact_text``; values under secret-named keys are masked whole."""
+    strings go through ``redact_text``; everything under a secret-named key (``is_secret_key``) is
+    masked whole: each of its values, however deep, becomes ``***`` (None and "" stay: no secret)."""
     if isinstance(tree, Mapping):
-        return {
-            key: MASK if is_secret_key(str(key)) and _is_value(value) else redact_config(value)
-            for key, value in tree.items()
-        }
+        return {key: _masked(value) if is_secret_key(str(key)) else redact_config(value) for key, value in tree.items()}
     if isinstance(tree, (list, tuple)):
         return [redact_config(item) for item in tree]
     if isinstance(tree, str):
@@ -71,8 +124,13 @@ def redact_config(tree: Any) -> Any:
     return tree
 
 
-def _is_value(value: Any) -> bool:
-    return value is not None and value != "" and not isinstance(value, (Mapping, list, tuple))
+def _masked(tree: Any) -> Any:
+    """``tree`` with its structure kept and every value in it masked."""
+    if isinstance(tree, Mapping):
+        return {key: _masked(value) for key, value in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return [_masked(item) for item in tree]
+    return tree if tree is None or tree == "" else MASK
 
 
 class RedactFilter(logging.Filter):

@@ -1,11 +1,12 @@
-"""Credentials in URIs reach no file and no line of output of a real run (docs/security.md, table 5).
+"""Credentials reach no file and no line of output of a real run (docs/security.md, table 5).
 
 One real ``trainforge train`` (the CLI, its own local Ray, one worker) whose checkpoints go to an
 S3 server on loopback (moto) through ``s3://KEY:SECRET@bucket/prefix?endpoint_override=...``: the
 workers really use that URI. Its MLflow server is ``http://alice:SECRET2@127.0.0.1:<closed port>``,
-so the tracker's warnings and MLflow's retries quote it. Afterwards every byte the run left behind
-is searched: the run directory, every object in the bucket (checkpoints' trainer_state.json
-included), the CLI's stdout and stderr.
+so the tracker's warnings and MLflow's retries quote it. Its model factory takes credentials as
+keyword arguments (``hf_token``, ``secretKey``, ``db_pass``, ``private_key``) and refuses a masked
+one. Afterwards every byte the run left behind is searched: the run directory, every object in the
+bucket (checkpoints' trainer_state.json included), the CLI's stdout and stderr.
 """
 
 from __future__ import annotations
@@ -26,6 +27,17 @@ pytestmark = pytest.mark.slow
 
 SECRET = "StorageSecret0x5EC7"
 SECRET2 = "TrackingSecret0x7A1F"
+SECRET3 = "ModelSecret0x3B9D"
+CREDENTIAL_KWARGS = ("hf_token", "secretKey", "db_pass", "private_key")
+FACTORY = """
+from torch import nn
+
+
+def keyed_net(hf_token, secretKey, db_pass, private_key):
+    if "***" in (hf_token, secretKey, db_pass, private_key):
+        raise ValueError("the model factory got a masked credential")
+    return nn.Sequential(nn.Flatten(), nn.Linear(64, 16), nn.ReLU(), nn.Linear(16, 10))
+"""
 
 
 def test_a_real_run_writes_and_prints_no_credential(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -47,7 +59,11 @@ def test_a_real_run_writes_and_prints_no_credential(tmp_path: Path, monkeypatch:
             "checkpoint.storage_path": storage,
             "tracking.uri": tracking,
             "tracking.flush_timeout_s": "1",
+            "model.name": "null",
+            "model.factory": "keyed_model:keyed_net",
+            **{f"model.kwargs.{key}": f"{SECRET3}-{key}" for key in CREDENTIAL_KWARGS},
         }
+        (tmp_path / "keyed_model.py").write_text(FACTORY)
         command = [sys.executable, "-m", "trainforge", "train", "quickstart"]
         for key, value in overrides.items():
             command += ["--set", f"{key}={value}"]
@@ -68,9 +84,11 @@ def test_a_real_run_writes_and_prints_no_credential(tmp_path: Path, monkeypatch:
         recorded = json.loads(server.client().get_object(Bucket=BUCKET, Key=states[-1])["Body"].read())
         assert recorded["config"]["checkpoint"]["storage_path"] == storage.replace(SECRET, "***")
         assert summary["config"]["tracking"]["uri"] == tracking.replace(SECRET2, "***")
+        assert summary["config"]["model"]["kwargs"] == dict.fromkeys(CREDENTIAL_KWARGS, "***")
+        assert recorded["config"]["model"]["kwargs"] == dict.fromkeys(CREDENTIAL_KWARGS, "***")
 
         leaks = []
-        for secret in (SECRET, SECRET2):
+        for secret in (SECRET, SECRET2, SECRET3):
             leaks += [f"stdout has {secret}"] if secret in done.stdout else []
             leaks += [f"stderr has {secret}"] if secret in done.stderr else []
             leaks += [str(p) for p in tmp_path.rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]

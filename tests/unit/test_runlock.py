@@ -75,6 +75,20 @@ def test_the_recorded_command_has_no_credentials(tmp_path: Path, monkeypatch: py
     assert "hunter2" not in command and "pw" not in command.split("password")[-1]
 
 
+def test_the_recorded_command_masks_every_secret_named_key_however_given(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    argv = ["trainforge", "train", "c.yaml", "--set", "model.kwargs.hf_token=tok1", "-s", "model.kwargs.secretKey=sk2"]
+    argv += ["--set=model.kwargs.db_pass=pw3", "--set", "model.kwargs={private_key: pk4, hidden: 8}"]
+    argv += ["--set", "train.max_steps=5", "--token-file", "/run/token"]
+    monkeypatch.setattr(sys, "argv", argv)
+    with take(tmp_path):
+        command = record(tmp_path)["command"]
+    assert not [secret for secret in ("tok1", "sk2", "pw3", "pk4") if secret in command], command
+    assert "--set=model.kwargs.db_pass=***" in command and "'model.kwargs=***'" in command
+    assert "train.max_steps=5" in command and "--token-file /run/token" in command
+
+
 def test_release_clears_the_record_and_the_next_run_takes_the_lock_silently(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

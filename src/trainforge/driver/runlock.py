@@ -34,10 +34,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import psutil
+import yaml
 
 from trainforge.config import Config
 from trainforge.errors import ConfigError, RunLockedError
-from trainforge.redact import MASK, is_secret_key, redact_text
+from trainforge.redact import MASK, is_secret_key, redact_config, redact_text
 
 log = logging.getLogger("trainforge")
 
@@ -88,8 +89,30 @@ class Holder:
 def _command() -> str:
     """This process's command line, fit for a file others read: credentials masked (redact.py)."""
     words = [Path(sys.argv[0]).name, *sys.argv[1:]]
-    shown = [f"{w.partition('=')[0]}={MASK}" if is_secret_key(w.partition("=")[0]) else w for w in words]
-    return redact_text(shlex.join(shown))[:300]
+    return redact_text(shlex.join(_shown(word) for word in words))[:300]
+
+
+def _shown(word: str) -> str:
+    """One word of a command line with the value of a ``KEY=VALUE`` item masked (also given as
+    ``--set=KEY=VALUE``) when KEY is secret-named or VALUE, read as YAML, holds a secret-named key."""
+    option, equals, item = word.partition("=") if word.startswith("--") else ("", "", word)
+    key, assigns, value = item.partition("=")
+    if not assigns:
+        return word
+    if is_secret_key(key) or _holds_secret(value):
+        return f"{option}{equals}{key}={MASK}"
+    return word
+
+
+def _holds_secret(text: str) -> bool:
+    """Whether ``text`` is YAML with a secret-named key anywhere in it (``{hf_token: ...}``)."""
+    if ":" not in text:
+        return False
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return False
+    return redact_config(value) != value
 
 
 class RunLock:
