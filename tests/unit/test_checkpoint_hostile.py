@@ -236,6 +236,46 @@ WRONG_TYPES = {
         format_2(lambda s: s["config"].update(optim="adam")),
         "config.optim",
     ),
+    "format 2 key the schedule does not hold": (
+        STATE_FILE,
+        format_2(lambda s: s["scheduler"].update(optimizer=0)),
+        "components.schedule.optimizer: Extra inputs are not permitted",
+    ),
+    # Every number read back is bounded: a step of 10**30 verified, then the run "finished" at once.
+    "step beyond any run": (STATE_FILE, lambda s: s.update(global_step=10**30), "global_step"),
+    "progress step beyond any run": (
+        STATE_FILE,
+        lambda s: progress(s).update(global_step=10**30),
+        "components.progress.global_step",
+    ),
+    "format 2 step beyond any run": (
+        STATE_FILE,
+        format_2(lambda s: s["progress"].update(global_step=10**30)),
+        "progress.global_step",
+    ),
+    "format 2 epoch beyond any run": (
+        STATE_FILE,
+        format_2(lambda s: s["progress"].update(epoch=10**30)),
+        "progress.epoch",
+    ),
+    "format 2 ranks beyond any cluster": (
+        STATE_FILE,
+        format_2(lambda s: s["progress"].update(world_size=10**30)),
+        "progress.world_size",
+    ),
+    "a learning rate that is not a number": (
+        STATE_FILE,
+        lambda s: s["components"]["schedule"].update(base_lrs=[math.nan]),
+        "components.schedule.base_lrs.0",
+    ),
+    "an infinite loss scale": (
+        STATE_FILE,
+        lambda s: s["components"]["scaler"].update(scale=math.inf),
+        "components.scaler.scale",
+    ),
+    "manifest step beyond any run": (MANIFEST, lambda m: m.update(global_step=10**30), "global_step"),
+    "manifest ranks beyond any cluster": (MANIFEST, lambda m: m.update(world_size=10**30), "world_size"),
+    "manifest date beyond any clock": (MANIFEST, lambda m: m.update(created_at=1e300), "created_at"),
     "date as a string": (MANIFEST, lambda m: m.update(created_at="2026-11-23"), "created_at"),
     "unknown format": (MANIFEST, lambda m: m.update(format_version=4), "format_version 4 is not one"),
 }

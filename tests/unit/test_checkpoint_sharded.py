@@ -190,6 +190,8 @@ def test_sharded_manifests_name_only_the_layouts_files(sharded: Path) -> None:
         (lambda m: m["files"].pop(SHARDED_METADATA), "does not list sharded/.metadata"),
         (lambda m: m.pop("world_size"), "needs its world_size"),
         (lambda m: m.update(world_size=0), "world_size"),
+        (lambda m: m["files"].update({"sharded/__3_0.distcp": m["files"]["sharded/__0_0.distcp"]}), "rank 3, but"),
+        (lambda m: m.update(world_size=10**30), "world_size"),
         (lambda m: m.update(layout="diagonal"), "layout"),
     ]:
         edited = json.loads(json.dumps(manifest))

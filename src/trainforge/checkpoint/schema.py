@@ -79,6 +79,13 @@ NonNegative = Annotated[StrictInt, Field(ge=0)]
 Positive = Annotated[StrictInt, Field(ge=1)]
 Number = StrictInt | StrictFloat
 UInt32 = Annotated[StrictInt, Field(ge=0, lt=2**32)]
+MAX_STEP = 10**10  # as the config's train.max_steps: a bigger step or epoch is no run's
+MAX_RANKS = 100_000
+Bounded = Annotated[StrictInt, Field(ge=0, le=MAX_STEP)]
+Ranks = Annotated[StrictInt, Field(ge=1, le=MAX_RANKS)]
+Count = Annotated[StrictInt, Field(ge=0, le=2**62)]  # samples, positions, bytes
+# Seconds since 1970: up to the year 5138, finite (a record, yet a report and MLflow format it).
+Timestamp = Annotated[StrictInt | StrictFloat, Field(ge=0, le=1e11, allow_inf_nan=False)]
 
 
 _M = TypeVar("_M", bound=BaseModel)
@@ -130,7 +137,7 @@ class FileEntry(_Schema):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    size: NonNegative
+    size: Count
     sha256: Hex64 | None = None
     digest: Hex64 | None = None
 
@@ -152,11 +159,11 @@ class Manifest(_Schema):
     files: dict[str, FileEntry]
     hash: Literal["sha256", "blake3"] = "sha256"
     layout: Literal["full", "sharded"] = "full"
-    global_step: NonNegative | None = None
-    epoch: NonNegative | None = None
+    global_step: Bounded | None = None
+    epoch: Bounded | None = None
     metrics: dict[str, Any] = Field(default_factory=dict)
-    created_at: Number | None = None
-    world_size: Positive | None = None
+    created_at: Timestamp | None = None
+    world_size: Ranks | None = None
 
     @field_validator("format_version")
     @classmethod
@@ -188,6 +195,9 @@ class Manifest(_Schema):
                 raise ValueError(f"{printable(odd[0])} is not a file of the sharded layout")
             if self.world_size is None:
                 raise ValueError("a sharded checkpoint needs its world_size")
+            writers = {rank for rel in self.files for rank in (shard_rank(rel), rank_file(rel)) if rank is not None}
+            if writers and max(writers) >= self.world_size:
+                raise ValueError(f"lists files of rank {max(writers)}, but its world_size is {self.world_size}")
         else:
             strays = sorted(rel for rel in self.files if not is_safe_name(rel))
             if strays:
@@ -202,13 +212,13 @@ class Manifest(_Schema):
 class Format2Progress(_Schema):
     """Format 1 and 2's ``progress`` (now the ``progress`` and ``data`` components)."""
 
-    epoch: NonNegative
-    global_step: NonNegative
-    samples_seen: NonNegative
-    epoch_position: NonNegative
-    world_size: Positive
-    micro_batch_size: Positive | None = None
-    grad_accum_steps: Positive | None = None
+    epoch: Bounded
+    global_step: Bounded
+    samples_seen: Count
+    epoch_position: Count
+    world_size: Ranks
+    micro_batch_size: Annotated[StrictInt, Field(ge=1, le=2**31)] | None = None
+    grad_accum_steps: Annotated[StrictInt, Field(ge=1, le=2**31)] | None = None
 
 
 class RngState(_Schema):
@@ -285,9 +295,6 @@ class TrainerStateFile(_Schema):
         return self
 
 
-MAX_STEP = 10**10  # as the config's train.max_steps: a bigger step or epoch is no run's
-MAX_RANKS = 100_000
-Bounded = Annotated[StrictInt, Field(ge=0, le=MAX_STEP)]
 ComponentName = Annotated[StrictStr, Field(pattern=rf"^{_COMPONENT}$")]
 
 
@@ -313,10 +320,10 @@ class StateFile(_Schema):
     format_version: Literal[3]
     global_step: Bounded
     epoch: Bounded
-    world_size: Annotated[StrictInt, Field(ge=1, le=MAX_RANKS)]
+    world_size: Ranks
     layout: Literal["full", "sharded"]
     plan: Annotated[StrictStr, Field(max_length=100)]
-    tensor_parallel: Annotated[StrictInt, Field(ge=1, le=MAX_RANKS)] = 1
+    tensor_parallel: Ranks = 1
     components: dict[ComponentName, dict[str, Any]]
     ranks: list[dict[ComponentName, dict[str, Any]]]
     files: dict[ComponentName, ComponentFiles] = Field(default_factory=dict)

@@ -29,6 +29,8 @@ if TYPE_CHECKING:
 
 Step = Annotated[int, Field(ge=0, le=MAX_STEP)]
 Count = Annotated[int, Field(ge=0, le=2**62)]
+# A learning rate or loss scale read back: finite and not negative (NaN would train on NaN).
+Rate = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 
 
 class ProgressState(StateSchema):
@@ -62,9 +64,9 @@ class ScheduleState(StateSchema):
     """What torch's LR schedulers keep (``lr_lambdas`` are code, not state, and are left out)."""
 
     last_epoch: Annotated[int, Field(ge=-1, le=MAX_STEP)]
-    base_lrs: list[float]
+    base_lrs: Annotated[list[Rate], Field(max_length=4096)]
     step_count: Annotated[int | None, Field(ge=0, le=MAX_STEP + 1, alias="_step_count")] = None
-    last_lr: Annotated[list[float] | None, Field(alias="_last_lr")] = None
+    last_lr: Annotated[list[Rate] | None, Field(max_length=4096, alias="_last_lr")] = None
     is_initial: Annotated[bool | None, Field(alias="_is_initial")] = None
     get_lr_called: Annotated[bool | None, Field(alias="_get_lr_called_within_step")] = None
     verbose: bool | None = None
@@ -122,11 +124,11 @@ class Schedule(Component):
 class ScalerState(StateSchema):
     """The fp16 loss scaler's state (empty when the scaler is off)."""
 
-    scale: float | None = None
-    growth_factor: float | None = None
-    backoff_factor: float | None = None
-    growth_interval: int | None = None
-    growth_tracker: Annotated[int | None, Field(alias="_growth_tracker")] = None
+    scale: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None
+    growth_factor: Annotated[float, Field(gt=1, le=1e6, allow_inf_nan=False)] | None = None
+    backoff_factor: Annotated[float, Field(gt=0, lt=1)] | None = None
+    growth_interval: Annotated[int, Field(ge=1, le=MAX_STEP)] | None = None
+    growth_tracker: Annotated[int | None, Field(ge=0, le=MAX_STEP, alias="_growth_tracker")] = None
 
 
 class Scaler(Component):
