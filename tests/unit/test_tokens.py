@@ -156,6 +156,52 @@ def test_a_corrupted_or_truncated_shard_fails_verification(raw: tuple[Path, list
         verify_corpus(corpus, full=False)
 
 
+def rehashed(corpus: Path, name: str, data: bytes) -> None:
+    """``name`` replaced by ``data`` and the manifest updated to match: what someone who prepared
+    the corpus can do, so only checks of the content can tell."""
+    import hashlib
+
+    (corpus / name).write_bytes(data)
+    manifest = json.loads((corpus / "manifest.json").read_text())
+    manifest["files"][name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (corpus / "manifest.json").write_text(json.dumps(manifest))
+
+
+def npy(array: np.ndarray) -> bytes:
+    import io
+
+    buffer = io.BytesIO()
+    np.save(buffer, array, allow_pickle=True)
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize("case", ["pickled index", "offsets that decrease", "token id beyond the vocabulary"])
+def test_verify_refuses_content_that_hashes_cannot_tell(corpus: Path, tmp_path: Path, case: str) -> None:
+    import shutil
+
+    copy = tmp_path / "c"
+    shutil.copytree(corpus, copy)
+    manifest = read_manifest(copy)
+    entry = manifest.splits["train"]
+    offsets = document_offsets(copy, manifest, "train")
+    if case == "pickled index":
+        rehashed(copy, entry.index, npy(np.array([object()] * len(offsets), dtype=object)))
+        expected = rf"{entry.index} is not {len(offsets)} int64 document offsets \(.*allow_pickle"
+    elif case == "offsets that decrease":
+        offsets[1], offsets[2] = offsets[2], offsets[1]
+        rehashed(copy, entry.index, npy(offsets))
+        expected = rf"{entry.index} is not document offsets from 0 to {entry.tokens}, never decreasing"
+    else:
+        shard = copy / entry.shards[0]
+        data = bytearray(shard.read_bytes())
+        data[10:12] = (300).to_bytes(2, "little")  # the byte tokenizer's vocabulary is 257
+        rehashed(copy, entry.shards[0], bytes(data))
+        expected = r"train token 5 is id 300, at or above the vocabulary of 257"
+    with pytest.raises(DataError, match=expected) as caught:
+        verify_corpus(copy, full=True)
+    assert "\n" not in str(caught.value)
+
+
 def test_stdlib_subsample_token_count_equals_the_tokenizers_count(tmp_path: Path) -> None:
     prepared = prepare(["stdlib"], tmp_path / "c", tokenizer="bpe:512", val_fraction=0.1, max_files=25, workers=1)
     manifest = verify_corpus(tmp_path / "c", full=True)

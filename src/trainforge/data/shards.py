@@ -179,7 +179,29 @@ def verify_corpus(directory: Path, *, full: bool, origin: str = "data.path") -> 
         for name, entry in sorted(manifest.files.items()):
             if hash_file(directory / name, SHA256).digest != entry.sha256:
                 raise DataError(f"{origin} {directory}: {name} fails its SHA-256 check (corrupted); {again}")
+        for split in SPLITS:
+            check_split(directory, manifest, split, f"{origin} {directory}")
     return manifest
+
+
+def check_split(directory: Path, manifest: CorpusManifest, split: Split, where: str) -> None:
+    """What hashes cannot tell of a corpus that someone else prepared (the digests are theirs): the
+    index is plain int64 offsets from 0 to the split's tokens, never decreasing, and every token id
+    is below the vocabulary (an id at or above it fails the model's embedding at some step)."""
+    entry = manifest.splits[split]
+    offsets = document_offsets(directory, manifest, split)
+    if offsets[0] != 0 or offsets[-1] != entry.tokens or bool(np.any(np.diff(offsets) < 0)):
+        raise DataError(f"{where}: {entry.index} is not document offsets from 0 to {entry.tokens}, never decreasing")
+    stream = split_stream(directory, manifest, split)
+    chunk = 1 << 24
+    for start in range(0, len(stream), chunk):
+        tokens = stream.read(start, min(chunk, len(stream) - start))
+        if tokens.size and int(tokens.max()) >= manifest.vocab_size:
+            at = start + int(np.argmax(tokens >= manifest.vocab_size))
+            raise DataError(
+                f"{where}: {split} token {at} is id {int(tokens.max())}, at or above the vocabulary of "
+                f"{manifest.vocab_size}"
+            )
 
 
 class TokenStream:
@@ -240,9 +262,13 @@ def split_stream(directory: Path, manifest: CorpusManifest, split: Split) -> Tok
 def document_offsets(directory: Path, manifest: CorpusManifest, split: Split) -> np.ndarray:
     """Where each document of ``split`` starts in its stream, and where the last one ends (int64)."""
     entry = manifest.splits[split]
-    offsets = np.load(directory / entry.index, allow_pickle=False)
-    if offsets.dtype != np.int64 or offsets.shape != (entry.documents + 1,):
-        raise DataError(f"{directory / entry.index} is not {entry.documents + 1} int64 document offsets")
+    wrong = f"{directory / entry.index} is not {entry.documents + 1} int64 document offsets"
+    try:
+        offsets = np.load(directory / entry.index, allow_pickle=False)
+    except (ValueError, OSError, EOFError) as err:  # pickled objects, not an .npy file
+        raise DataError(f"{wrong} ({first_problem(err)})") from None
+    if not isinstance(offsets, np.ndarray) or offsets.dtype != np.int64 or offsets.shape != (entry.documents + 1,):
+        raise DataError(wrong)
     return offsets
 
 
