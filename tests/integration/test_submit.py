@@ -14,6 +14,7 @@ command's working directory: the job can import it only because the directory tr
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import shutil
@@ -39,12 +40,15 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent  # ray and trainforge of this environment
+HF_TOKEN = "SubmittedSecret0x9E2"  # a credential in the model's kwargs: reaches the model, no record
 MODEL_MODULE = '''
 from torch import nn
 
 
-def build(hidden: int = 16) -> nn.Module:
-    """A digits-sized classifier: (B, 1, 8, 8) -> (B, 10)."""
+def build(hidden: int = 16, hf_token: str = "") -> nn.Module:
+    """A digits-sized classifier: (B, 1, 8, 8) -> (B, 10), that needs a credential (not its mask)."""
+    if not hf_token.startswith("SubmittedSecret"):
+        raise ValueError("the model got no credential or a masked one")
     return nn.Sequential(nn.Flatten(), nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, 10))
 '''
 
@@ -194,7 +198,7 @@ def project(tmp_path_factory: pytest.TempPathFactory) -> Path:
     config = tiny_run(
         Path("results"),
         run={"name": "submitted"},
-        model={"name": None, "factory": "mymodels:build", "kwargs": {"hidden": 16}},
+        model={"name": None, "factory": "mymodels:build", "kwargs": {"hidden": 16, "hf_token": HF_TOKEN}},
         checkpoint={"every_n_steps": 10},
         tracking={"enabled": False},  # the MLflow store costs seconds and is not what is tested
     )
@@ -265,6 +269,29 @@ def test_submit_to_a_head_started_a_second_earlier_waits_for_it_and_submits_once
     listed = trainforge("jobs", "list", "--address", head.url, cwd=project, env=env)
     assert listed.returncode == 0, listed.stderr
     assert len(re.findall(r"\ssubmitted\s", listed.stdout)) == 1, listed.stdout
+
+
+def test_the_credential_reaches_the_model_through_the_jobs_environment_and_no_record(
+    submitted: Submitted, head: Head, project: Path
+) -> None:
+    """The model refuses a masked token, so the run's success says the real one reached it; the
+    config file the job ran and every record say ``***``. The job's environment does hold it: Ray
+    shows a job's runtime_env to whoever holds the cluster's token (docs/security.md)."""
+    assert submitted.result.returncode == 0, submitted.result.stderr
+    job = job_id_of(submitted.result)
+    env = client_env(RAY_JOBS_ADDRESS=head.url, RAY_AUTH_TOKEN=head.token)
+    status = trainforge("jobs", "status", job, cwd=project, env=env)
+    listed = trainforge("jobs", "list", cwd=project, env=env)
+    printed = [submitted.result.stdout, submitted.result.stderr, status.stdout, listed.stdout]
+    assert not [text for text in printed if HF_TOKEN in text], printed
+    files = [p for p in (project / "results").rglob("*") if p.is_file()]
+    assert not [str(p) for p in files if HF_TOKEN.encode() in p.read_bytes()]
+    summary = yaml.safe_load((project / "results" / "submitted" / "summary.json").read_text())
+    assert summary["config"]["model"]["kwargs"] == {"hidden": 16, "hf_token": "***"}
+    info = requests.get(f"{head.url}/api/jobs/{job}", headers={"Authorization": f"Bearer {head.token}"}, timeout=10)
+    details = info.json()
+    assert HF_TOKEN not in json.dumps([details["metadata"], details["entrypoint"]]), details
+    assert HF_TOKEN in json.dumps(details["runtime_env"]["env_vars"])  # the trade-off, as documented
 
 
 def test_ckpt_list_reads_the_submitted_runs_checkpoints(submitted: Submitted, project: Path) -> None:

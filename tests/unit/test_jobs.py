@@ -3,15 +3,20 @@ Against a real Ray head: tests/integration/test_submit.py."""
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
+import yaml
 
 from tests.helpers.runs import tiny_run
-from trainforge.config import load_config
+from trainforge.config import Config, load_config
 from trainforge.driver.dashboard import Token, dashboard_address, find_token
-from trainforge.driver.jobs import EXCLUDES, excludes, exit_code, job_config
+from trainforge.driver.job_secrets import SECRETS_ENV, submitted_source, with_secrets
+from trainforge.driver.jobs import EXCLUDES, excludes, exit_code, job_config, job_fields, submit_run
 from trainforge.errors import ConfigError
 
 CLEAN = ("RAY_ADDRESS", "RAY_JOBS_ADDRESS", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
@@ -98,3 +103,97 @@ def test_the_job_runs_the_resolved_config_with_absolute_result_paths(
 def test_the_exit_code_follows_the_jobs_status(status: str, driver_exit_code: int | None, expected: int) -> None:
     details = SimpleNamespace(status=status, driver_exit_code=driver_exit_code)
     assert exit_code(details) == expected
+
+
+SECRET = "SubmitSecret0x51C"
+STORAGE = f"s3://KEY:{SECRET}@bucket/ck?endpoint_override=127.0.0.1:9000&scheme=http"
+
+
+def secret_config() -> Config:
+    kwargs = {"hidden": 8, "hf_token": SECRET, "secretKey": SECRET, "keys": {"api_keys": [SECRET, SECRET]}}
+    raw = tiny_run(Path("/shared/runs"), run={"name": "r"}, model={"name": None, "factory": "m:b", "kwargs": kwargs})
+    return load_config(
+        raw, [f"checkpoint.storage_path={STORAGE}", f"tracking.uri=https://alice:{SECRET}@mlflow.example"]
+    )
+
+
+class RecordingJobs:
+    """The Jobs API's client as submit_run uses it: what it was sent, the config file as uploaded."""
+
+    address = "http://127.0.0.1:8265"
+
+    def submit(self, entrypoint: str, runtime_env: dict[str, Any], metadata: dict[str, str]) -> str:
+        uploaded = Path(runtime_env["working_dir"]) / entrypoint.split()[-1]
+        self.sent = {"entrypoint": entrypoint, "runtime_env": runtime_env, "metadata": metadata}
+        self.uploaded, self.uploaded_text = uploaded, uploaded.read_text()
+        return "raysubmit_test"
+
+
+def test_submit_uploads_no_secret_and_the_job_gets_them_through_its_environment(tmp_path: Path) -> None:
+    config, jobs = secret_config(), RecordingJobs()
+    submission = submit_run(config, jobs, tmp_path)  # type: ignore[arg-type]
+    env = jobs.sent["runtime_env"]["env_vars"]
+    # The uploaded file, the entrypoint, the job's metadata and what submit prints hold no secret ...
+    shown = [jobs.uploaded_text, jobs.sent["entrypoint"], json.dumps(jobs.sent["metadata"]), repr(submission)]
+    shown.append(json.dumps({k: v for k, v in jobs.sent["runtime_env"].items() if k != "env_vars"}))
+    assert not [text for text in shown if SECRET in text], shown
+    assert not jobs.uploaded.exists()
+    uploaded = yaml.safe_load(jobs.uploaded_text)
+    assert uploaded["model"]["kwargs"] == {
+        "hidden": 8,
+        "hf_token": "***",
+        "secretKey": "***",
+        "keys": {"api_keys": ["***", "***"]},
+    }
+    assert uploaded["checkpoint"]["storage_path"] == STORAGE.replace(SECRET, "***")
+    # ... the job's environment does, and its trainforge train puts them back: the config it runs is this one.
+    assert SECRET in env[SECRETS_ENV]
+    assert with_secrets(uploaded, env[SECRETS_ENV]) == job_config(config)
+    assert load_config(with_secrets(uploaded, env[SECRETS_ENV])).to_dict() == load_config(job_config(config)).to_dict()
+    # The ckpt list hint: the run's folder joined before the URI's query, not after it.
+    assert submission.checkpoints == "s3://KEY:***@bucket/ck/r?endpoint_override=127.0.0.1:9000&scheme=http"
+    assert jobs.sent["metadata"]["checkpoints"] == submission.checkpoints
+    assert submission.run_dir == jobs.sent["metadata"]["run_dir"] == "/shared/runs/r"
+
+
+def test_train_in_a_submitted_job_reads_its_secrets_from_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump({"model": {"kwargs": {"hf_token": "***", "n": [1, "***"]}}, "train": {"x": 1}}))
+    assert submitted_source(str(path)) == str(path)  # not a submitted job: the file as it is
+    monkeypatch.setenv(
+        SECRETS_ENV, json.dumps([[["model", "kwargs", "hf_token"], "t0k"], [["model", "kwargs", "n", 1], 7]])
+    )
+    assert submitted_source(str(path)) == {"model": {"kwargs": {"hf_token": "t0k", "n": [1, 7]}}, "train": {"x": 1}}
+    for wrong, problem in [
+        ("{not json", "is not a list of [path, value]"),
+        (
+            '[[["model", "kwargs", "other"], "v"]]',
+            "has a value for model.kwargs.other, which the config file does not hold",
+        ),
+        ('[[["model", "kwargs", "n", 5], "v"]]', "has a value for model.kwargs.n.5"),
+        ('[[["train", "x", "deeper"], "v"]]', "has a value for train.x.deeper"),
+    ]:
+        monkeypatch.setenv(SECRETS_ENV, wrong)
+        with pytest.raises(ConfigError, match=re.escape(problem)) as refused:
+            submitted_source(str(path))
+        assert "\n" not in str(refused.value) and "t0k" not in str(refused.value)
+
+
+def test_jobs_status_masks_credentials_a_job_holds() -> None:
+    """A job submitted by an older trainforge (credentials in its metadata) or by hand."""
+    details = SimpleNamespace(
+        submission_id="raysubmit_x",
+        job_id=None,
+        status="FAILED",
+        message=f"cannot open s3://KEY:{SECRET}@b/p",
+        metadata={"trainforge_run": "r", "run_dir": "/r", "checkpoints": f"{STORAGE}/r"},
+        start_time=None,
+        end_time=None,
+        driver_exit_code=1,
+        entrypoint=f"trainforge train c.yaml --set checkpoint.storage_path={STORAGE}",
+    )
+    fields = dict(job_fields(details))  # type: ignore[arg-type]
+    assert not [value for value in fields.values() if SECRET in value], fields
+    assert fields["checkpoints"].startswith("s3://KEY:***@bucket/ck?")

@@ -37,11 +37,13 @@ def train(
     Ctrl-C once: checkpoint and stop (resumable); twice: abort.
     """
     from trainforge.config import load_config
+    from trainforge.driver.job_secrets import submitted_source
 
     setup_logging(verbose)
     overrides = [*(set_ or []), *([f"checkpoint.resume={resume}"] if resume is not None else [])]
-    # Validate before importing torch and Ray, so a config error costs milliseconds.
-    resolved = load_config(resolve_config_path(config), overrides)
+    # Validate before importing torch and Ray, so a config error costs milliseconds. A job that
+    # trainforge submit started gets its secrets from its environment, not from the file.
+    resolved = load_config(submitted_source(resolve_config_path(config)), overrides)
     from trainforge.driver.startup import command_started
 
     command_started()  # the run's start-up is timed from this process's start (summary.json's startup)

@@ -44,7 +44,9 @@ from trainforge.driver.dashboard import (
     dashboard_address,
     find_token,
 )
+from trainforge.driver.job_secrets import secrets_env, split_secrets
 from trainforge.errors import ClusterError, ConfigError
+from trainforge.redact import redact_text
 
 if TYPE_CHECKING:
     from ray.job_submission import JobDetails, JobSubmissionClient
@@ -87,7 +89,7 @@ class Submission:
     job_id: str
     address: str
     run_dir: str
-    checkpoints: str  # the run's checkpoint folder: what `trainforge ckpt list` takes
+    checkpoints: str  # the run's checkpoint folder, what `trainforge ckpt list` takes (credentials masked)
 
 
 class Jobs:
@@ -249,32 +251,34 @@ class _Written:
 def submit_run(config: Config, jobs: Jobs, working_dir: Path) -> Submission:
     """Submit ``trainforge train`` of ``config`` with ``working_dir`` as the job's working directory.
 
-    The resolved config is written into the working directory for the upload and removed after it.
+    The resolved config is written into the working directory for the upload, with its secrets
+    masked, and removed after it; the secrets travel in the job's environment (``job_secrets``).
     Before anything is uploaded, the checks ``trainforge train`` makes before Ray starts on a
     cluster run here (unknown data source or model name, cluster-only metrics options).
     """
     # Imported here: launch brings torch and Ray Train, which only a submission needs.
+    from trainforge.checkpoint.storage import join_uri
     from trainforge.driver.run import preflight
     from trainforge.metrics.driver.session import check_cluster_options
 
     preflight(config, local=False)
     check_cluster_options(config.metrics)
-    shipped = job_config(config)
+    shipped, secrets = split_secrets(job_config(config))
     config_file = working_dir / f"{CONFIG_PREFIX}{config.run.name}-{uuid.uuid4().hex[:8]}.yaml"
     try:
         config_file.write_text(yaml.safe_dump(shipped, sort_keys=False))
     except OSError as err:
         raise ConfigError(f"cannot write the submitted config into {working_dir}: {err.strerror or err}") from None
+    # What submit prints and the job's metadata keep: masked, as every record of the run.
     run_dir = str(Path(shipped["run"]["output_dir"]) / config.run.name)
-    storage = str(shipped["checkpoint"]["storage_path"] or shipped["run"]["output_dir"])
-    checkpoints = f"{storage.rstrip('/')}/{config.run.name}"
+    checkpoints = join_uri(shipped["checkpoint"]["storage_path"] or shipped["run"]["output_dir"], config.run.name)
     try:
         job_id = jobs.submit(
             entrypoint=f"trainforge train {shlex.quote(config_file.name)}",
             runtime_env={
                 "working_dir": str(working_dir),
                 "excludes": excludes(config, working_dir),
-                "env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": str(STOP_GRACE_S)},
+                "env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": str(STOP_GRACE_S), **secrets_env(secrets)},
             },
             metadata={"trainforge_run": config.run.name, "run_dir": run_dir, "checkpoints": checkpoints},
         )
@@ -286,7 +290,7 @@ def submit_run(config: Config, jobs: Jobs, working_dir: Path) -> Submission:
 def job_config(config: Config) -> dict[str, Any]:
     """The config the job runs: local paths of results made absolute (the job's own working
     directory is a temporary copy), ``cluster.address`` dropped (the job joins its cluster)."""
-    shipped = config.to_dict()  # not redacted: the job needs the real values
+    shipped = config.to_dict()  # the real values: submit_run splits the secrets off
     shipped["run"]["output_dir"] = str(config.run_dir.parent)
     storage = config.checkpoint.storage_path
     if storage and "://" not in storage:
@@ -343,7 +347,8 @@ def job_fields(details: JobDetails) -> list[tuple[str, str]]:
     if details.driver_exit_code is not None:
         fields.append(("exit code", str(details.driver_exit_code)))
     fields.append(("entrypoint", details.entrypoint))
-    return fields
+    # A job of an older submit, or of someone else's, may hold credentials in what it shows.
+    return [(label, redact_text(value)) for label, value in fields]
 
 
 def jobs_table(found: list[JobDetails]) -> Table:
@@ -354,7 +359,7 @@ def jobs_table(found: list[JobDetails]) -> Table:
     for column in ("job", "status", "run", "started", "duration"):
         table.add_column(column)
     for details in found:
-        run = (details.metadata or {}).get("trainforge_run", "-")
+        run = redact_text((details.metadata or {}).get("trainforge_run", "-"))
         table.add_row(job_name(details), str(details.status), run, _when(details.start_time), _duration(details))
     return table
 
