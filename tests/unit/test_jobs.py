@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from tests.helpers.runs import tiny_run
+from trainforge.cli import main
 from trainforge.config import Config, load_config
 from trainforge.driver.dashboard import Token, dashboard_address, find_token
 from trainforge.driver.job_secrets import SECRETS_ENV, submitted_source, with_secrets
@@ -154,6 +155,22 @@ def test_submit_uploads_no_secret_and_the_job_gets_them_through_its_environment(
     assert submission.checkpoints == "s3://KEY:***@bucket/ck/r?endpoint_override=127.0.0.1:9000&scheme=http"
     assert jobs.sent["metadata"]["checkpoints"] == submission.checkpoints
     assert submission.run_dir == jobs.sent["metadata"]["run_dir"] == "/shared/runs/r"
+
+
+def test_submit_prints_no_credential(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    jobs = RecordingJobs()
+    jobs.address = f"http://admin:{SECRET}@127.0.0.1:8265"  # a dashboard behind a proxy's basic auth
+    monkeypatch.setattr("trainforge.cli.jobs._jobs", lambda *args: jobs)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(secret_config().to_dict()))
+    main(["submit", "run.yaml", "--no-wait"])
+    printed = capsys.readouterr()
+    assert printed.out == "raysubmit_test\n"
+    assert SECRET not in printed.out + printed.err, printed.err
+    hint = "trainforge ckpt list s3://KEY:***@bucket/ck/r?endpoint_override=127.0.0.1:9000&scheme=http"
+    assert hint in printed.err and "--address http://admin:***@127.0.0.1:8265" in printed.err
 
 
 def test_train_in_a_submitted_job_reads_its_secrets_from_the_environment(

@@ -82,7 +82,7 @@ def submit(
 
     jobs = _jobs(address, token_file, wait_s)
     submitted = submit_run(resolved, jobs, Path.cwd())
-    err_console.print(f"submitted job {submitted.job_id} to {jobs.address}", highlight=False, soft_wrap=True)
+    err_console.print(f"submitted job {submitted.job_id} to {_shown(jobs)}", highlight=False, soft_wrap=True)
     err_console.print(
         f"results: {submitted.run_dir} · checkpoints: {submitted.checkpoints} "
         f"(trainforge ckpt list {submitted.checkpoints})",
@@ -98,7 +98,7 @@ def submit(
         )
     if no_wait:
         err_console.print(
-            f"follow it: trainforge jobs logs {submitted.job_id} --follow --address {jobs.address}",
+            f"follow it: trainforge jobs logs {submitted.job_id} --follow --address {_shown(jobs)}",
             highlight=False,
             soft_wrap=True,
         )
@@ -178,6 +178,13 @@ def _jobs(address: str | None, token_file: Path | None, wait_s: float) -> Jobs:
     return Jobs(address, token_file, wait_s=wait_s, progress=sys.stderr)
 
 
+def _shown(jobs: Jobs) -> str:
+    """The dashboard's address as printed: a user and password in it masked."""
+    from trainforge.redact import redact_text
+
+    return redact_text(jobs.address)
+
+
 def _follow(jobs: Jobs, job: str, out: IO[str]) -> int:
     """Stream a job's log to ``out`` until it ends; the exit code its status calls for."""
     from trainforge.driver.jobs import exit_code, job_name
@@ -186,7 +193,7 @@ def _follow(jobs: Jobs, job: str, out: IO[str]) -> int:
         details = jobs.follow(job, out)
     except KeyboardInterrupt:
         err_console.print(
-            f"stopped following; job {job} runs on (trainforge jobs stop {job} --address {jobs.address})",
+            f"stopped following; job {job} runs on (trainforge jobs stop {job} --address {_shown(jobs)})",
             highlight=False,
             soft_wrap=True,
         )
