@@ -228,6 +228,32 @@ def test_a_sharded_checkpoint_through_an_object_store_layout(tmp_path: Path, gro
     assert torch.equal(state["model"]["w"], full_state()["model"]["w"])
 
 
+def test_an_encrypted_sharded_checkpoint_verifies_and_loads_through_its_key(tmp_path: Path, group: None) -> None:
+    # checkpoint.encryption under the sharded layout: DCP's shards and .metadata are sealed too.
+    from trainforge.checkpoint.crypto import MAGIC, FileCipher
+
+    key = FileCipher.from_env("K", {"K": "ab" * 32})
+    store = CheckpointStore.from_uri(str(tmp_path / "run"), key)
+    writer = CheckpointWriter(store, RotationPolicy(keep_last=1), Alone(), schemas=state_schemas(), cipher=key)
+    try:
+        writer.save_async(snapshot(full_state()))
+        writer.wait()
+        [outcome] = writer.collect()
+    finally:
+        writer.close()
+    assert outcome.error is None, outcome.error
+    directory = tmp_path / "run" / NAME
+    for rel in (STATE_FILE, SHARDED_METADATA, "sharded/__0_0.distcp"):
+        assert (directory / rel).read_bytes().startswith(MAGIC), rel
+    assert store.verify(NAME, schemas=state_schemas()).ok
+    assert CheckpointStore.from_uri(str(tmp_path / "run")).verify(NAME, contents=False).ok
+    with store.opened(directory) as plain:
+        state = zeros_like(full_state())
+        load_sharded(plain, state)
+    assert torch.equal(state["model"]["w"], full_state()["model"]["w"])
+    assert not plain.exists()  # the plaintext copy is gone once loaded
+
+
 def test_sharded_saves_are_recorded_and_rotated_like_full_ones(tmp_path: Path, group: None) -> None:
     store = CheckpointStore.from_uri(str(tmp_path / "run"))
     (tmp_path / "run" / ".tmp-checkpoint_000000001-0badc0de").mkdir(parents=True)  # a crashed save

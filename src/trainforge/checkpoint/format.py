@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from trainforge.checkpoint.hashing import DEFAULT_HASH, FileRecord, hash_file, open_hashing
+from trainforge.checkpoint.hashing import DEFAULT_HASH, FileRecord, Sealing, hash_file, open_hashing
 from trainforge.checkpoint.schema import FORMAT_VERSION, FULL, MANIFEST
 
 __all__ = [
@@ -49,9 +49,12 @@ def write_json_atomic(path: Path, data: Any) -> None:
     tmp.replace(path)
 
 
-def write_json_hashed(path: Path, data: Any, algorithm: str = DEFAULT_HASH) -> FileRecord:
-    """Write a checkpoint's JSON file, hashed as it is written and fsynced; its record."""
-    writer = open_hashing(path, algorithm)
+def write_json_hashed(
+    path: Path, data: Any, algorithm: str = DEFAULT_HASH, sealer: Sealing | None = None
+) -> FileRecord:
+    """Write a checkpoint's JSON file, hashed (and with ``sealer`` encrypted) as it is written and
+    fsynced; its record."""
+    writer = open_hashing(path, algorithm, sealer)
     try:
         writer.write(json.dumps(data, indent=1).encode())
     except BaseException:

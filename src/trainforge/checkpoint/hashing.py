@@ -38,6 +38,15 @@ _WRITEBACK_EVERY = 32 << 20
 _CAN_START_WRITEBACK = hasattr(os, "posix_fadvise")
 
 
+class Sealing(Protocol):
+    """One file's encryption while written (``checkpoint/crypto.Sealer``)."""
+
+    header: bytes
+
+    def update(self, data: Any, /) -> bytes: ...
+    def finalize(self) -> bytes: ...
+
+
 class Digest(Protocol):
     def update(self, data: Any, /) -> object: ...
     def hexdigest(self) -> str: ...
@@ -85,13 +94,19 @@ class HashingWriter(io.RawIOBase):
     cannot take back bytes). ``fileno`` is the underlying file's, so callers may ``fsync`` it.
     """
 
-    def __init__(self, raw: Any, algorithm: str = DEFAULT_HASH) -> None:
+    def __init__(self, raw: Any, algorithm: str = DEFAULT_HASH, sealer: Sealing | None = None) -> None:
         super().__init__()
         self.raw = raw
         self.algorithm = algorithm
         self._digest = new_digest(algorithm)
-        self._size = 0
+        self._size = 0  # bytes in the file (with ``sealer``: the ciphertext's)
+        self._plain = 0  # bytes the caller wrote (what ``tell`` reports)
         self._written_back = 0  # bytes before this offset were handed to the kernel's writeback
+        # ``checkpoint.encryption``: what the caller writes is encrypted on its way to the file,
+        # and the digest is the ciphertext's (checkpoint/crypto.py).
+        self._sealer = sealer
+        if sealer is not None:
+            self._store(memoryview(sealer.header))
 
     def writable(self) -> bool:
         return True
@@ -101,6 +116,15 @@ class HashingWriter(io.RawIOBase):
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
+        written = view.nbytes
+        if self._sealer is not None:
+            view = memoryview(self._sealer.update(view))
+        self._store(view)
+        self._plain += written
+        return written
+
+    def _store(self, view: memoryview) -> None:
+        """``view`` into the file and the digest."""
         if view.nbytes >= _BESIDE_MIN:
             # The buffer stays valid until this call returns: hash it on a helper thread meanwhile.
             hashed = _helper_pool().submit(self._digest.update, view)
@@ -114,7 +138,12 @@ class HashingWriter(io.RawIOBase):
         self._size += view.nbytes
         if self._size - self._written_back >= _WRITEBACK_EVERY:
             self._start_writeback()
-        return view.nbytes
+
+    def _seal(self) -> None:
+        """An encrypted file's last bytes and tag (once; DCP closes its streams without ``finish``)."""
+        if self._sealer is not None and not self.raw.closed:
+            sealer, self._sealer = self._sealer, None
+            self._store(memoryview(sealer.finalize()))
 
     def _start_writeback(self) -> None:
         """Start (not wait for) the write-out of what was written since the last call. On Linux,
@@ -130,13 +159,13 @@ class HashingWriter(io.RawIOBase):
         self._written_back = self._size
 
     def tell(self) -> int:
-        return self._size
+        return self._plain
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        target = {io.SEEK_SET: offset, io.SEEK_CUR: self._size + offset}.get(whence)
-        if target != self._size:
+        target = {io.SEEK_SET: offset, io.SEEK_CUR: self._plain + offset}.get(whence)
+        if target != self._plain:
             raise io.UnsupportedOperation("a hashing writer only moves forward by writing")
-        return self._size
+        return self._plain
 
     def fileno(self) -> int:
         # Flushed first, so that an fsync of this descriptor (DCP does one) covers every byte written.
@@ -149,12 +178,14 @@ class HashingWriter(io.RawIOBase):
 
     def close(self) -> None:
         if not self.closed:
+            self._seal()
             self.flush()
             self.raw.close()
         super().close()
 
     def finish(self, *, sync: bool = True) -> FileRecord:
         """Flush (and ``fsync`` when ``sync``) the file, close it; its size and digest."""
+        self._seal()
         self.flush()
         if sync:
             os.fsync(self.fileno())
@@ -175,9 +206,9 @@ def _write_all(raw: Any, view: memoryview) -> None:
         written = raw.write(view)
 
 
-def open_hashing(path: Path, algorithm: str = DEFAULT_HASH) -> HashingWriter:
+def open_hashing(path: Path, algorithm: str = DEFAULT_HASH, sealer: Sealing | None = None) -> HashingWriter:
     """``path`` created (or truncated) for writing through a :class:`HashingWriter`."""
-    return HashingWriter(path.open("wb"), algorithm)
+    return HashingWriter(path.open("wb"), algorithm, sealer)
 
 
 def hash_file(path: Path, algorithm: str = DEFAULT_HASH) -> FileRecord:

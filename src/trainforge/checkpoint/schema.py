@@ -152,6 +152,15 @@ class FileEntry(_Schema):
         return self.digest or self.sha256 or ""
 
 
+class Encryption(_Schema):
+    """How an encrypted checkpoint's files were encrypted (``checkpoint/crypto.py``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    scheme: Literal["aes-256-gcm"]
+    key_id: Annotated[StrictStr, Field(pattern=r"^[0-9a-f]{16}$")]
+
+
 class Manifest(_Schema):
     """``manifest.json``: every file's size and digest, plus what rotation and listings show."""
 
@@ -164,6 +173,7 @@ class Manifest(_Schema):
     metrics: dict[str, Any] = Field(default_factory=dict)
     created_at: Timestamp | None = None
     world_size: Ranks | None = None
+    encryption: Encryption | None = None
 
     @field_validator("format_version")
     @classmethod
@@ -202,6 +212,8 @@ class Manifest(_Schema):
             strays = sorted(rel for rel in self.files if not is_safe_name(rel))
             if strays:
                 raise ValueError(f"{printable(strays[0])} is not a plain relative file name inside the checkpoint")
+        if self.encryption is not None and self.format_version < 3:
+            raise ValueError(f"format {self.format_version} has no encryption")
         required = REQUIRED_SHARDED if self.layout == SHARDED else REQUIRED_FILES
         missing = sorted(required - self.files.keys())
         if missing:
@@ -421,6 +433,8 @@ def parse_manifest(raw: bytes) -> tuple[Manifest, dict[str, Any]]:
 def parse_trainer_state(raw: bytes) -> tuple[TrainerStateFile | StateFile, dict[str, Any]]:
     """``trainer_state.json`` from its bytes, as :func:`parse_manifest`: format 3 (it names its
     ``format_version``) or the fixed fields of formats 1 and 2."""
+    if raw.startswith(b"TFENC1"):  # crypto.MAGIC: a reader that was not given the key
+        raise CheckpointError(f"{STATE_FILE} is encrypted (checkpoint.encryption): reading it needs the key")
     data = _json_object(raw, STATE_FILE, MAX_STATE_BYTES)
     schema: type[TrainerStateFile | StateFile] = StateFile if "format_version" in data else TrainerStateFile
     return _checked(data, STATE_FILE, schema), data

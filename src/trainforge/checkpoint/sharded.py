@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
 
+from trainforge.checkpoint.crypto import FileCipher
 from trainforge.checkpoint.dcp_metadata import MAX_METADATA_BYTES, read_metadata
 from trainforge.checkpoint.hashing import DEFAULT_HASH, FileRecord, HashingWriter
 from trainforge.checkpoint.schema import (
@@ -53,8 +54,9 @@ class _HashingFileSystem(FileSystem):
     """DCP's local file system, but every stream opened for writing hashes its bytes; the records
     follow DCP's ``.metadata.tmp`` -> ``.metadata`` rename."""
 
-    def __init__(self, algorithm: str) -> None:
+    def __init__(self, algorithm: str, cipher: FileCipher | None = None) -> None:
         self.algorithm = algorithm
+        self.cipher = cipher
         self._records: dict[Path, FileRecord] = {}
         self._lock = threading.Lock()
 
@@ -65,7 +67,10 @@ class _HashingFileSystem(FileSystem):
                 yield stream
             return
         target = Path(path)
-        writer = HashingWriter(target.open(mode), self.algorithm)
+        sealer = None
+        if self.cipher is not None:  # named as the file will be once DCP renamed .metadata.tmp
+            sealer = self.cipher.sealer(f"{SHARDED_DIR}/{target.name.removesuffix('.tmp')}")
+        writer = HashingWriter(target.open(mode), self.algorithm, sealer)
         try:
             yield writer
             # DCP fsyncs (sync_files) and closes the stream itself; make sure of both.
@@ -99,11 +104,14 @@ class _HashingFileSystem(FileSystem):
         return found
 
 
-def shard_writer(directory: Path, algorithm: str = DEFAULT_HASH, threads: int = 1) -> ShardWriter:
-    """DCP's file system writer into ``directory``, hashing every file as it is written; its
-    ``written()`` gives the files and their records once ``dcp.save`` returned."""
+def shard_writer(
+    directory: Path, algorithm: str = DEFAULT_HASH, threads: int = 1, cipher: FileCipher | None = None
+) -> ShardWriter:
+    """DCP's file system writer into ``directory``, hashing (and with ``cipher`` encrypting) every
+    file as it is written; its ``written()`` gives the files and their records once ``dcp.save``
+    returned."""
     directory.mkdir(parents=True, exist_ok=True)
-    return ShardWriter(directory, _HashingFileSystem(algorithm), threads)
+    return ShardWriter(directory, _HashingFileSystem(algorithm, cipher), threads)
 
 
 class ShardWriter(FileSystemWriter):

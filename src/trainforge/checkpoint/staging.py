@@ -21,8 +21,9 @@ from typing import Any
 
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
+from trainforge.checkpoint.crypto import FileCipher
 from trainforge.checkpoint.format import write_json_hashed, write_manifest_of
-from trainforge.checkpoint.hashing import DEFAULT_HASH, FileRecord
+from trainforge.checkpoint.hashing import DEFAULT_HASH, FileRecord, Sealing
 from trainforge.checkpoint.schema import MANIFEST, SHARDED_DIR, STATE_FILE
 from trainforge.checkpoint.sharded import shard_writer
 from trainforge.checkpoint.storage import CheckpointStore, fsync_path
@@ -41,8 +42,10 @@ class StagedSave:
         algorithm: str = DEFAULT_HASH,
         scratch: Path | None = None,
         threads: int = 1,
+        cipher: FileCipher | None = None,
     ) -> None:
         self.store = store
+        self.cipher = cipher  # checkpoint.encryption: every file but the manifest encrypted
         self.rank = rank
         self.algorithm = algorithm
         self.threads = threads
@@ -53,17 +56,18 @@ class StagedSave:
         self.staging.mkdir(parents=True, exist_ok=True)
         self._shards: Any = None
 
-    def write(self, rel: str, write: Callable[[Path], FileRecord]) -> FileRecord:
-        """``write(path)`` writes (hashing, fsyncing) the file ``rel``; published to the staging prefix."""
+    def write(self, rel: str, write: Callable[[Path, Sealing | None], FileRecord]) -> FileRecord:
+        """``write(path, sealer)`` writes (hashing, fsyncing, encrypting with ``sealer`` when the
+        checkpoint is encrypted) the file ``rel``; published to the staging prefix."""
         path = self.staging / rel
         path.parent.mkdir(parents=True, exist_ok=True)
-        record = write(path)
+        record = write(path, self.sealer(rel))
         self._publish({rel: record})
         return record
 
     def storage_writer(self) -> FileSystemWriter:
         """DCP's file system writer into ``<staging>/sharded/``, hashing every file as it is written."""
-        self._shards = shard_writer(self.staging / SHARDED_DIR, self.algorithm, self.threads)
+        self._shards = shard_writer(self.staging / SHARDED_DIR, self.algorithm, self.threads, self.cipher)
         return self._shards
 
     def shard_files(self) -> dict[str, FileRecord]:
@@ -83,8 +87,10 @@ class StagedSave:
         visible; the manifest."""
         name = str(meta["name"])
         files = {rel: FileRecord(int(entry["size"]), str(entry["digest"])) for rel, entry in all_files.items()}
-        files[STATE_FILE] = write_json_hashed(self.staging / STATE_FILE, state, self.algorithm)
+        files[STATE_FILE] = write_json_hashed(self.staging / STATE_FILE, state, self.algorithm, self.sealer(STATE_FILE))
         manifest_meta = {k: v for k, v in meta.items() if k not in ("name", "layout")}
+        if self.cipher is not None:
+            manifest_meta["encryption"] = self.cipher.record()
         manifest = write_manifest_of(
             self.staging, files, manifest_meta, algorithm=self.algorithm, layout=meta["layout"]
         )
@@ -98,6 +104,9 @@ class StagedSave:
             shutil.rmtree(self.staging, ignore_errors=True)
             self.store.promote(self.staging_name, name)
         return manifest
+
+    def sealer(self, rel: str) -> Sealing | None:
+        return self.cipher.sealer(rel) if self.cipher is not None else None
 
     def abort(self) -> None:
         """Remove what a failed save left: rank 0 the staging directory (or prefix); every rank its

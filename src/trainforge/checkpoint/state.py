@@ -27,7 +27,7 @@ from safetensors.torch import _TYPES, _remove_duplicate_names, load_file, load_m
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from trainforge.checkpoint.hashing import DEFAULT_HASH, FileRecord, open_hashing
+from trainforge.checkpoint.hashing import DEFAULT_HASH, FileRecord, Sealing, open_hashing
 from trainforge.checkpoint.schema import (
     MODEL_FILE,
     OPTIMIZER_FILE,
@@ -178,11 +178,12 @@ def tensor_file(component: str, tree: Any) -> str:
     return f"{component}.safetensors" if is_flat_weights(tree) else f"{component}.pt"
 
 
-def write_tensors(path: Path, tree: Any, algorithm: str = DEFAULT_HASH) -> FileRecord:
-    """A component's tensors into ``path``: safetensors for ``.safetensors``, else ``torch.save``."""
+def write_tensors(path: Path, tree: Any, algorithm: str = DEFAULT_HASH, sealer: Sealing | None = None) -> FileRecord:
+    """A component's tensors into ``path``: safetensors for ``.safetensors``, else ``torch.save``
+    (encrypted on the way with ``sealer``)."""
     if path.suffix == ".safetensors":
-        return write_safetensors(path, tree, algorithm)
-    return write_torch(path, tree, algorithm)
+        return write_safetensors(path, tree, algorithm, sealer)
+    return write_torch(path, tree, algorithm, sealer)
 
 
 def read_tensors(path: Path) -> Any:
@@ -193,7 +194,9 @@ def read_tensors(path: Path) -> Any:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
-def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], algorithm: str = DEFAULT_HASH) -> FileRecord:
+def write_safetensors(
+    path: Path, tensors: dict[str, torch.Tensor], algorithm: str = DEFAULT_HASH, sealer: Sealing | None = None
+) -> FileRecord:
     """A safetensors file (8-byte header length, JSON header, then the tensors' bytes), written
     straight from the tensors' memory through a hashing writer: no copy of the whole file in memory
     and no read-back. Tensors sharing storage must be deduplicated first (``model_snapshot`` does)."""
@@ -215,7 +218,7 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], algorithm: s
         offset += size
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-(8 + len(encoded)) % 8)  # the data starts 8-byte aligned, as safetensors writes it
-    writer = open_hashing(path, algorithm)
+    writer = open_hashing(path, algorithm, sealer)
     try:
         writer.write(struct.pack("<Q", len(encoded)))
         writer.write(encoded)
@@ -228,9 +231,9 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], algorithm: s
     return writer.finish()
 
 
-def write_torch(path: Path, obj: Any, algorithm: str = DEFAULT_HASH) -> FileRecord:
+def write_torch(path: Path, obj: Any, algorithm: str = DEFAULT_HASH, sealer: Sealing | None = None) -> FileRecord:
     """``torch.save`` of ``obj`` through a hashing writer (readable with ``weights_only=True``)."""
-    writer = open_hashing(path, algorithm)
+    writer = open_hashing(path, algorithm, sealer)
     try:
         # The manifest's digest covers the file; torch's own CRC32 pass would only add its cost.
         with _torch_save_crc32(False):

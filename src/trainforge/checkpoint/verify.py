@@ -22,6 +22,7 @@ It works over a pyarrow file system: the local one (where links and FIFOs exist)
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 import tempfile
@@ -32,6 +33,7 @@ from typing import Any
 
 import pyarrow.fs as pafs
 
+from trainforge.checkpoint.crypto import ENCRYPTED_HINT, OVERHEAD, FileCipher, decrypted_copy
 from trainforge.checkpoint.hashing import LABELS, new_digest
 from trainforge.checkpoint.saved import saved_from
 from trainforge.checkpoint.schema import (
@@ -42,6 +44,7 @@ from trainforge.checkpoint.schema import (
     SHARDED_METADATA,
     STATE_FILE,
     ComponentSchemas,
+    Encryption,
     Manifest,
     is_checkpoint_name,
     kind_of,
@@ -181,9 +184,16 @@ def verify_tree(
     *,
     safe_load: bool = True,
     schemas: Mapping[str, ComponentSchemas] | None = None,
+    cipher: FileCipher | None = None,
+    contents: bool = True,
 ) -> Verification:
     """Check the checkpoint directory at ``root`` (see the module docstring); never raises for
-    anything the checkpoint holds, only lists problems."""
+    anything the checkpoint holds, only lists problems.
+
+    An encrypted checkpoint (``checkpoint.encryption``) is checked the same way through step 4 (the
+    manifest hashes its ciphertext); steps 5 and 6 read its plaintext with ``cipher``, whose key
+    must be the one the manifest names. Without ``cipher`` they are a problem, or with ``contents``
+    False skipped: the hashes alone are what ``trainforge ckpt verify`` checks without a key."""
     where = Path(root)
     manifest: dict[str, Any] | None = None
     try:
@@ -196,11 +206,18 @@ def verify_tree(
         problems = tree.problems + _file_set_problems(schema, tree)
         if not problems:
             problems = _hash_problems(fs, root, local, schema)
+        if not problems and schema.encryption is not None and cipher is None:
+            if contents:
+                problems = [f"encrypted ({schema.encryption.scheme}, key {schema.encryption.key_id}): {ENCRYPTED_HINT}"]
+            return Verification(where, tuple(problems), manifest)
         if not problems:
-            raw = read_capped(fs, f"{root}/{STATE_FILE}", local, MAX_STATE_BYTES)
+            raw = read_capped(fs, f"{root}/{STATE_FILE}", local, MAX_STATE_BYTES + OVERHEAD)
+            if schema.encryption is not None and cipher is not None:
+                cipher.check_key(schema.encryption, "the checkpoint")
+                raw = cipher.open_bytes(STATE_FILE, raw)
             saved_from(raw, schema.layout, set(schema.files), schemas)
             if safe_load:
-                refusal = _load_refusal(fs, root, local, schema)
+                refusal = _load_refusal(fs, root, local, schema, cipher)
                 problems = [refusal] if refusal else []
     except CheckpointError as err:
         return Verification(where, (str(err),), manifest)
@@ -246,24 +263,43 @@ def _hash_problems(fs: pafs.FileSystem, root: str, local: bool, manifest: Manife
     return problems
 
 
-def _load_refusal(fs: pafs.FileSystem, root: str, local: bool, manifest: Manifest) -> str | None:
+def _load_refusal(
+    fs: pafs.FileSystem, root: str, local: bool, manifest: Manifest, cipher: FileCipher | None
+) -> str | None:
     """Why a checkpoint whose files verify still must not be loaded (a hostile ``optimizer.pt``, or
     a sharded checkpoint's metadata that would unpickle objects or read outside its shards)."""
     if manifest.layout == SHARDED:
         from trainforge.checkpoint.dcp_metadata import MAX_METADATA_BYTES, metadata_refusal  # torch
 
-        raw = read_capped(fs, f"{root}/{SHARDED_METADATA}", local, MAX_METADATA_BYTES)
-        refusal = metadata_refusal(raw, {rel: entry.size for rel, entry in manifest.files.items()})
+        raw = read_capped(fs, f"{root}/{SHARDED_METADATA}", local, MAX_METADATA_BYTES + OVERHEAD)
+        if manifest.encryption is not None and cipher is not None:
+            raw = cipher.open_bytes(SHARDED_METADATA, raw)
+        # Sizes as the plaintext has them: DCP's byte ranges point into the decrypted shards.
+        less = OVERHEAD if manifest.encryption is not None else 0
+        refusal = metadata_refusal(raw, {rel: entry.size - less for rel, entry in manifest.files.items()})
         if refusal:
             return refusal
     from trainforge.checkpoint.state import check_loadable  # torch: only once the files verified
 
     files = [rel for rel in manifest.files if rel.endswith((".pt", ".safetensors"))]
-    if local:
-        return check_loadable(Path(root), files)
-    with tempfile.TemporaryDirectory(prefix="trainforge-check-") as scratch:
-        local_copy = Path(scratch) / "checkpoint"
-        for rel in files:
-            (local_copy / rel).parent.mkdir(parents=True, exist_ok=True)
-            pafs.copy_files(f"{root}/{rel}", str(local_copy / rel), fs, pafs.LocalFileSystem())
-        return check_loadable(local_copy, files)
+    with contextlib.ExitStack() as stack:
+        directory = Path(root)
+        if not local:
+            directory = (
+                Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="trainforge-check-"))) / "checkpoint"
+            )
+            for rel in files:
+                (directory / rel).parent.mkdir(parents=True, exist_ok=True)
+                pafs.copy_files(f"{root}/{rel}", str(directory / rel), fs, pafs.LocalFileSystem())
+        if manifest.encryption is not None and cipher is not None:
+            directory = stack.enter_context(decrypted_copy(directory, files, cipher))
+        return check_loadable(directory, files)
+
+
+def local_encryption(directory: Path) -> Encryption | None:
+    """The encryption record of the local checkpoint at ``directory`` (None: plaintext, or no
+    manifest that parses; verification has said so already)."""
+    try:
+        return read_manifest(pafs.LocalFileSystem(), str(directory), True)[0].encryption
+    except (CheckpointError, OSError):
+        return None

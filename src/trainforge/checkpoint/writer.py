@@ -38,6 +38,7 @@ import pyarrow.fs as pafs
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from trainforge.checkpoint.crypto import FileCipher
 from trainforge.checkpoint.hashing import DEFAULT_HASH, FileRecord, in_parallel
 from trainforge.checkpoint.names import parse_checkpoint_name, staging_name
 from trainforge.checkpoint.schema import FORMAT_VERSION, SHARDED, ComponentSchemas, rank_path
@@ -152,6 +153,7 @@ class CheckpointWriter:
     schemas: Mapping[str, ComponentSchemas] | None = None
     scratch: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="trainforge-ckpt-")))
     algorithm: str = DEFAULT_HASH
+    cipher: FileCipher | None = None  # checkpoint.encryption
     _thread: threading.Thread | None = None
     _done: list[SaveOutcome] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -225,6 +227,7 @@ class CheckpointWriter:
             self.rank,
             algorithm=self.algorithm,
             scratch=self.scratch,
+            cipher=self.cipher,
         )
         files: dict[str, dict[str, Any]] = {}
         error: str | None = None
@@ -289,7 +292,7 @@ class CheckpointWriter:
         return records
 
     def _write_one(self, staging: StagedSave, rel: str, tree: Any) -> FileRecord:
-        return staging.write(rel, partial(write_tensors, tree=tree, algorithm=self.algorithm))
+        return staging.write(rel, lambda path, sealer: write_tensors(path, tree, self.algorithm, sealer))
 
     def _abort(self, staging: StagedSave) -> None:
         try:

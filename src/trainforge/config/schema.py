@@ -296,6 +296,13 @@ class ParallelConfig(Section):
         return value
 
 
+class EncryptionConfig(Section):
+    """``checkpoint.encryption``: every checkpoint file AES-256-GCM encrypted with the key (32 bytes,
+    base64 or hex) in the environment variable ``key_env`` (checkpoint/crypto.py)."""
+
+    key_env: Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")]
+
+
 class CheckpointConfig(Section):
     every_n_steps: Steps | None = None
     every_n_minutes: Annotated[float, Field(gt=0, le=MAX_SECONDS / 60)] | None = None
@@ -306,6 +313,7 @@ class CheckpointConfig(Section):
     storage_path: str | None = None
     on_save_error: Literal["continue", "fail"] = "continue"
     resume: str = "auto"
+    encryption: EncryptionConfig | None = None
 
     @field_validator("resume")
     @classmethod

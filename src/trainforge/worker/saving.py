@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, cast
 import ray.train
 from safetensors import SafetensorError
 
+from trainforge.checkpoint.crypto import FileCipher, is_key_problem
 from trainforge.checkpoint.names import name_of_uri
 from trainforge.checkpoint.reader import load_shards, load_state
 from trainforge.checkpoint.saved import Saved, read_saved
@@ -70,10 +71,12 @@ class Checkpointing:
         self.run = run
         self.cfg = cfg
         self.store = store
+        # checkpoint.encryption: the key, from this worker's environment (one line if it is not there)
+        store.cipher = FileCipher.from_env(cfg.encryption.key_env) if cfg.encryption is not None else None
         self.schemas = state_schemas()
         policy = RotationPolicy(cfg.keep_last, cfg.keep_best_metric, cfg.keep_best_mode)
         group = save_group(run.config.failure.collective_timeout_s)  # collective: every rank, now
-        self.writer = CheckpointWriter(store, policy, group, schemas=self.schemas)
+        self.writer = CheckpointWriter(store, policy, group, schemas=self.schemas, cipher=store.cipher)
         self.last_saved_step = -1
         self.stall_s = 0.0  # the training thread's wait in the last save: snapshot copy (+ previous save)
         self.previous: dict[str, State] = {}
@@ -174,7 +177,7 @@ class Candidates:
         if self.explicit:
             if self.unloadable:
                 return ("error", f"checkpoint {self.resume} does not load into this run: {self.unloadable[0]}")
-            store, name = CheckpointStore.for_checkpoint(self.resume)
+            store, name = CheckpointStore.for_checkpoint(self.resume, self.store.cipher)
             check = store.verify(name, schemas=self.schemas)
             if not check.ok:
                 return ("error", f"checkpoint {self.resume} is not valid: {'; '.join(check.problems)}")
@@ -190,6 +193,14 @@ class Candidates:
                 "error",
                 f"no checkpoint of this run loads into the model as configured ({self.unloadable[0]}); "
                 "go back to the config that wrote them, or start afresh under another run.name",
+            )
+        locked = [(name, why) for name, why in self.skipped if is_key_problem(why)]
+        if locked:  # a fresh start over checkpoints this key cannot open would bury them
+            name, why = locked[0]
+            return (
+                "error",
+                f"no checkpoint of this run opens with this run's key ({name}: {why}); give the key they "
+                "were written with, or start afresh under another run.name",
             )
         return ("none",)
 
@@ -241,7 +252,7 @@ def restore(run: WorkerRun, store: CheckpointStore) -> Restored:
         _, uri, explicit = proposal
         name = name_of_uri(uri)
         # The run's own store keeps its file system settings (endpoint, credentials); others are parsed.
-        source = store if uri == store.uri(name) else CheckpointStore.for_checkpoint(uri)[0]
+        source = store if uri == store.uri(name) else CheckpointStore.for_checkpoint(uri, store.cipher)[0]
         loaded, failure = try_load(run, source, name, schemas)
         failures = [f for f in collectives.all_gather_objects(failure) if f]
         if not failures and loaded is not None:
@@ -280,8 +291,11 @@ def try_load(
     weights), another parameter layout (optimizer groups), state a schema cannot see.
     """
     try:
-        with tempfile.TemporaryDirectory(prefix="trainforge-restore-") as scratch:
-            return load_into(run, source.fetch(name, Path(scratch)), schemas), None
+        with (
+            tempfile.TemporaryDirectory(prefix="trainforge-restore-") as scratch,
+            source.opened(source.fetch(name, Path(scratch))) as directory,  # decrypted when encrypted
+        ):
+            return load_into(run, directory, schemas), None
     except _LOAD_ERRORS as err:
         return None, one_line(err)
 
