@@ -1,8 +1,8 @@
 """The ``trainforge`` command: each verb parses, builds a config, calls the API and prints.
 
 One module per verb group: ``run`` (train, tune, config show), ``jobs`` (submit, jobs), ``bench``,
-``ckpt``, ``data``, ``plan`` (plan, predict), ``report`` (report, generate), ``export``; ``common`` holds what
-they share. Verbs import torch, Ray and the driver only once their flags are checked, so a
+``certs``, ``ckpt``, ``data``, ``plan`` (plan, predict), ``report`` (report, generate), ``export``;
+``common`` holds what they share. Verbs import torch, Ray and the driver only once their flags are checked, so a
 mistake costs milliseconds.
 """
 
@@ -14,7 +14,7 @@ from typing import Annotated
 import typer
 from rich.markup import escape
 
-from trainforge.cli import bench, ckpt, data, export, jobs, plan, report, run
+from trainforge.cli import bench, certs, ckpt, data, export, jobs, plan, report, run
 from trainforge.cli.common import err_console
 from trainforge.errors import TrainforgeError
 from trainforge.redact import redact_text
@@ -39,6 +39,7 @@ for command in (
     app.command()(command)
 app.add_typer(run.app, name="config")
 app.add_typer(bench.app, name="bench")
+app.add_typer(certs.app, name="certs")
 app.add_typer(ckpt.app, name="ckpt")
 app.add_typer(data.app, name="data")
 app.add_typer(jobs.app, name="jobs")

@@ -55,6 +55,16 @@ WaitOpt = Annotated[
 ]
 
 
+CaOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--ca",
+        help="The CA certificate that signed the https:// dashboard's (its TLS proxy's) certificate; "
+        "submit's default: cluster.tls.ca; otherwise the system's CAs.",
+    ),
+]
+
+
 JobArg = Annotated[str, typer.Argument(help="A job's id (raysubmit_...), as submit and jobs list print it.")]
 
 
@@ -65,6 +75,7 @@ def submit(
     no_wait: Annotated[bool, typer.Option("--no-wait", help="Print the job id and return at once.")] = False,
     token_file: TokenFileOpt = None,
     wait_for_cluster: WaitOpt = "60",
+    ca: CaOpt = None,
 ) -> None:
     """Run CONFIG on the cluster at --address as a Ray job and follow it; exit with its status.
 
@@ -80,7 +91,11 @@ def submit(
     resolved = load_config(resolve_config_path(config), set_ or [])
     from trainforge.driver.jobs import is_loopback, submit_run
 
-    jobs = _jobs(address, token_file, wait_s)
+    tls = resolved.cluster.tls
+    if ca is None and tls is not None:  # a TLS cluster's Jobs API is reached over https, checked with its CA
+        jobs = _jobs(address, token_file, wait_s, tls.ca, "cluster.tls.ca")
+    else:
+        jobs = _jobs(address, token_file, wait_s, ca)
     submitted = submit_run(resolved, jobs, Path.cwd())
     err_console.print(f"submitted job {submitted.job_id} to {_shown(jobs)}", highlight=False, soft_wrap=True)
     err_console.print(
@@ -111,21 +126,27 @@ def submit(
 
 
 @app.command("list")
-def jobs_list(address: AddressOpt = None, token_file: TokenFileOpt = None, wait_for_cluster: WaitOpt = "60") -> None:
+def jobs_list(
+    address: AddressOpt = None, token_file: TokenFileOpt = None, wait_for_cluster: WaitOpt = "60", ca: CaOpt = None
+) -> None:
     """Every job the cluster knows, oldest first: id, status, run, start, duration."""
     from trainforge.driver.jobs import jobs_table
 
-    wide_console().print(jobs_table(_jobs(address, token_file, wait_seconds(wait_for_cluster)).list()))
+    wide_console().print(jobs_table(_jobs(address, token_file, wait_seconds(wait_for_cluster), ca).list()))
 
 
 @app.command("status")
 def jobs_status(
-    job: JobArg, address: AddressOpt = None, token_file: TokenFileOpt = None, wait_for_cluster: WaitOpt = "60"
+    job: JobArg,
+    address: AddressOpt = None,
+    token_file: TokenFileOpt = None,
+    wait_for_cluster: WaitOpt = "60",
+    ca: CaOpt = None,
 ) -> None:
     """A job's status, run, where its results are, start, end and exit code."""
     from trainforge.driver.jobs import job_fields
 
-    for label, value in job_fields(_jobs(address, token_file, wait_seconds(wait_for_cluster)).info(job)):
+    for label, value in job_fields(_jobs(address, token_file, wait_seconds(wait_for_cluster), ca).info(job)):
         typer.echo(f"{label + ':':<13}{value}")
 
 
@@ -138,9 +159,10 @@ def jobs_logs(
         bool, typer.Option("--follow", "-f", help="Follow the log until the job ends; exit with its status.")
     ] = False,
     wait_for_cluster: WaitOpt = "60",
+    ca: CaOpt = None,
 ) -> None:
     """A job's output (the remote trainforge train's progress lines and errors)."""
-    jobs = _jobs(address, token_file, wait_seconds(wait_for_cluster))
+    jobs = _jobs(address, token_file, wait_seconds(wait_for_cluster), ca)
     if follow:
         raise typer.Exit(_follow(jobs, job, sys.stdout))
     typer.echo(jobs.logs(job), nl=False)
@@ -148,10 +170,14 @@ def jobs_logs(
 
 @app.command("stop")
 def jobs_stop(
-    job: JobArg, address: AddressOpt = None, token_file: TokenFileOpt = None, wait_for_cluster: WaitOpt = "60"
+    job: JobArg,
+    address: AddressOpt = None,
+    token_file: TokenFileOpt = None,
+    wait_for_cluster: WaitOpt = "60",
+    ca: CaOpt = None,
 ) -> None:
     """Ask a job to stop: trainforge checkpoints at the next report and ends (Ray kills it after 120 s)."""
-    jobs = _jobs(address, token_file, wait_seconds(wait_for_cluster))
+    jobs = _jobs(address, token_file, wait_seconds(wait_for_cluster), ca)
     if jobs.stop(job):
         typer.echo(f"stopping {job}: it checkpoints at its next report (trainforge jobs status {job})")
     else:
@@ -171,11 +197,14 @@ def wait_seconds(text: str) -> float:
     return seconds
 
 
-def _jobs(address: str | None, token_file: Path | None, wait_s: float) -> Jobs:
-    """The dashboard's client, waiting up to ``wait_s`` for a head that is starting (a line on stderr)."""
+def _jobs(
+    address: str | None, token_file: Path | None, wait_s: float, ca: str | None = None, ca_source: str = "--ca"
+) -> Jobs:
+    """The dashboard's client, waiting up to ``wait_s`` for a head that is starting (a line on stderr);
+    ``ca`` checks an https:// dashboard's certificate."""
     from trainforge.driver.jobs import Jobs
 
-    return Jobs(address, token_file, wait_s=wait_s, progress=sys.stderr)
+    return Jobs(address, token_file, wait_s=wait_s, progress=sys.stderr, ca=ca, ca_source=ca_source)
 
 
 def _shown(jobs: Jobs) -> str:

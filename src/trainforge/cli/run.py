@@ -44,6 +44,9 @@ def train(
     # Validate before importing torch and Ray, so a config error costs milliseconds. A job that
     # trainforge submit started gets its secrets from its environment, not from the file.
     resolved = load_config(submitted_source(resolve_config_path(config)), overrides)
+    from trainforge.driver.tls import use_tls
+
+    use_tls(resolved.cluster.tls)  # before Ray is imported: Ray reads its TLS settings then
     from trainforge.driver.startup import command_started
 
     command_started()  # the run's start-up is timed from this process's start (summary.json's startup)
@@ -86,6 +89,9 @@ def tune(
     overrides = [*(set_ or []), *(f"tune.{key}={value}" for key, value in flags.items() if value is not None)]
     # Config, space and search settings are checked before Ray and torch are imported: a mistake costs milliseconds.
     resolved = load_config(resolve_config_path(config), overrides)
+    from trainforge.driver.tls import use_tls
+
+    use_tls(resolved.cluster.tls)  # as for train
     space_path = resolve_config_path(space)
     make_settings(resolved, load_space(space_path, resolved))
     from trainforge.driver.ray_session import early_local_ray

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import math
 import re
+import stat
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BeforeValidator, Field, field_validator, model_validator
+from pydantic import AfterValidator, BeforeValidator, Field, ValidationInfo, field_validator, model_validator
 
 from trainforge.config.data import DataSection, DigitsData, TabularData, float_targets_hint
 from trainforge.config.safeyaml import MAX_DEPTH
@@ -328,8 +329,49 @@ class FailureConfig(Section):
     collective_timeout_s: Annotated[float, Field(ge=1.0, le=MAX_SECONDS)] = 300.0  # whole seconds reach gloo/NCCL: >= 1
 
 
+def _tls_file(value: str, key: str, *, private: bool = False) -> str:
+    """A file Ray reads at start-up, as an absolute path (Ray's processes run elsewhere): a regular
+    file (a link to one, as a Kubernetes Secret mounts it, is fine), and a private key that only
+    its owner (and group) may read."""
+    path = Path(value).expanduser().absolute()
+    try:
+        info = path.stat()
+    except OSError as err:
+        raise ValueError(f"cluster.tls.{key} {value}: {err.strerror or err}") from None
+    if not stat.S_ISREG(info.st_mode):
+        raise ValueError(f"cluster.tls.{key} {value}: not a regular file")
+    if private and info.st_mode & stat.S_IROTH:
+        raise ValueError(
+            f"cluster.tls.{key} {value}: the private key is readable by every user "
+            f"(mode {stat.S_IMODE(info.st_mode):04o}); chmod 600 it"
+        )
+    return str(path)
+
+
+class TlsConfig(Section):
+    """Ray's mutual TLS between every process of the cluster (``trainforge certs create`` makes
+    these files): given to Ray as RAY_USE_TLS, RAY_TLS_CA_CERT, RAY_TLS_SERVER_CERT and
+    RAY_TLS_SERVER_KEY before Ray is imported (driver/tls.py). The CA also verifies the Jobs API's
+    https:// address for ``submit``."""
+
+    ca: str
+    cert: str
+    key: str
+
+    @field_validator("ca", "cert")
+    @classmethod
+    def _certificate(cls, value: str, info: ValidationInfo) -> str:
+        return _tls_file(value, str(info.field_name))
+
+    @field_validator("key")
+    @classmethod
+    def _private_key(cls, value: str) -> str:
+        return _tls_file(value, "key", private=True)
+
+
 class ClusterConfig(Section):
     address: str | None = None
+    tls: TlsConfig | None = None  # None: plain gRPC, unless RAY_USE_TLS is set in the environment
     # Where a local Ray (no address) listens: 127.0.0.1 keeps GCS, raylet, object manager, workers
     # and the metrics agent on loopback; 0.0.0.0 is Ray's own default (every interface).
     bind_address: Literal["127.0.0.1", "0.0.0.0"] = "127.0.0.1"

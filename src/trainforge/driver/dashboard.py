@@ -171,9 +171,10 @@ def auth_headers(token: Token | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {token.value}"} if token else {}
 
 
-def check_dashboard(address: str, token: Token | None) -> None:
+def check_dashboard(address: str, token: Token | None, verify: str | bool = True) -> None:
     """One bounded attempt: the dashboard answers as Ray's and takes the token. ``NotReady`` when
-    it cannot be reached or answers 5xx; a ClusterError for what waiting will not change."""
+    it cannot be reached or answers 5xx; a ClusterError for what waiting will not change.
+    ``verify``: a CA file for an https:// address (driver/tls.dashboard_verify), or True."""
     import requests
 
     parsed = urlparse(address)
@@ -181,13 +182,19 @@ def check_dashboard(address: str, token: Token | None) -> None:
     try:
         with socket.create_connection((parsed.hostname, port), timeout=CONNECT_TIMEOUT_S):
             pass
-        answer = requests.get(f"{address}/api/version", headers=auth_headers(token), timeout=REQUEST_TIMEOUT_S)
+        answer = requests.get(
+            f"{address}/api/version", headers=auth_headers(token), timeout=REQUEST_TIMEOUT_S, verify=verify
+        )
     except socket.gaierror as err:
         raise ClusterError(
             f"cannot resolve the host of {address} ({err.strerror or err}); check the address (http://HEAD:8265)"
         ) from None
     except requests.exceptions.SSLError as err:
-        raise ClusterError(f"TLS with the Ray dashboard at {address} failed ({type(err).__name__})") from None
+        said = "certificate verify failed" if "CERTIFICATE_VERIFY_FAILED" in str(err) else type(err).__name__
+        raise ClusterError(
+            f"TLS with the Ray dashboard at {address} failed ({said}); --ca (or cluster.tls.ca) names the CA "
+            "that signed its certificate"
+        ) from None
     except (OSError, requests.ConnectionError, requests.Timeout) as err:
         raise NotReady(connection_reason(err)) from None
     except requests.RequestException as err:

@@ -45,6 +45,7 @@ from trainforge.driver.dashboard import (
     find_token,
 )
 from trainforge.driver.job_secrets import secrets_env, split_secrets
+from trainforge.driver.tls import dashboard_verify
 from trainforge.errors import ClusterError, ConfigError
 from trainforge.redact import redact_text
 
@@ -103,11 +104,14 @@ class Jobs:
         *,
         wait_s: float = WAIT_S,
         progress: IO[str] | None = None,
+        ca: str | None = None,
+        ca_source: str = "--ca",
     ) -> None:
         self.address = dashboard_address(address)
+        verify = dashboard_verify(self.address, ca, ca_source)  # the CA of a TLS proxy, else the system's
         token = find_token(token_file)
         self.wait = DashboardWait(self.address, wait_s, progress)
-        self.wait.run(lambda: check_dashboard(self.address, token))
+        self.wait.run(lambda: check_dashboard(self.address, token, verify))
         # Imported only now: Ray takes seconds to import, and a wrong address or token is told sooner.
         from ray.job_submission import JobSubmissionClient
 
@@ -118,7 +122,7 @@ class Jobs:
         # The SDK lets RAY_ADDRESS / RAY_API_SERVER_ADDRESS override the address it is given.
         with _without_env("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS"):
             self.client: JobSubmissionClient = self._call(
-                lambda: JobSubmissionClient(self.address, headers=auth_headers(token))
+                lambda: JobSubmissionClient(self.address, headers=auth_headers(token), verify=verify)
             )
 
     def _call(self, call: Callable[[], T], job_id: str | None = None) -> T:
@@ -296,6 +300,7 @@ def job_config(config: Config) -> dict[str, Any]:
     if storage and "://" not in storage:
         shipped["checkpoint"]["storage_path"] = config.storage_path
     shipped["cluster"]["address"] = None
+    shipped["cluster"]["tls"] = None  # paths on this machine; the nodes' Ray has its own (RAY_TLS_*)
     return shipped
 
 

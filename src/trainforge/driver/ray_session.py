@@ -22,6 +22,7 @@ from urllib.parse import urlparse
 import ray
 
 from trainforge.config import Config
+from trainforge.driver.tls import use_tls
 from trainforge.errors import ClusterError
 from trainforge.metrics.driver.session import check_cluster_options, local_ray_options, publish_local_targets
 from trainforge.redact import redacting
@@ -121,6 +122,7 @@ def ray_logs_to(path: Path, *, verbose: bool) -> Iterator[None]:
 @contextlib.contextmanager
 def ray_session(config: Config, address: str | None, *, verbose: bool) -> Iterator[str]:
     """Connect to the cluster at ``address`` or start a local Ray; yields a description of it."""
+    use_tls(config.cluster.tls)  # Ray was imported: only checks that the environment has cluster.tls
     started_early = not address and "ray" in _early  # being started on a thread: is_initialized may say so already
     if ray.is_initialized() and not started_early:
         yield "the Ray instance already running in this process"
@@ -261,6 +263,7 @@ _early: dict[str, EarlyRay] = {}
 def start_early(config: Config, address: str | None, *, verbose: bool) -> None:
     """Begin starting the local Ray the run will ask for, on a thread (``trainforge train`` calls
     this before it imports torch and the driver). Nothing for a cluster run or a running Ray."""
+    use_tls(config.cluster.tls)
     if resolve_address(config, address) is not None or ray.is_initialized() or "ray" in _early:
         return
     _early["ray"] = EarlyRay(local_init_options(config, verbose=verbose), config.cluster.bind_address)

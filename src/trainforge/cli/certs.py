@@ -1,0 +1,40 @@
+"""``trainforge certs create``: a CA and a node certificate for a Ray cluster's TLS (``cluster.tls``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+app = typer.Typer(help="Certificates for the cluster's TLS (cluster.tls).", no_args_is_help=True)
+
+
+@app.command("create")
+def certs_create(
+    folder: Annotated[Path, typer.Argument(help="Folder to write ca.crt, ca.key, node.crt, node.key into.")],
+    hosts: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--hosts",
+            help="Host names and IP addresses every node and driver is dialled by (repeatable, or comma-separated); "
+            "default: localhost, 127.0.0.1 and this machine's host name.",
+        ),
+    ] = None,
+    days: Annotated[int, typer.Option(help="Days the node certificate is valid (the CA: 10 years).")] = 365,
+) -> None:
+    """Make a CA and a node certificate it signs (ECDSA P-256; keys 0600), for Ray's mutual TLS.
+
+    Every node and every driver gets ca.crt, node.crt and node.key (cluster.tls, or Ray's
+    RAY_TLS_* variables); ca.key stays with you. Existing files are never overwritten.
+    """
+    from trainforge.driver.certs import create_certs, default_hosts
+
+    names = [part.strip() for given in hosts or [] for part in given.split(",") if part.strip()]
+    made = create_certs(folder, names or default_hosts(), days=days)
+    typer.echo(f"CA certificate:   {made.ca}")
+    typer.echo(f"CA key:           {made.ca_key} (keep it off the nodes: it signs new certificates)")
+    typer.echo(f"node certificate: {made.cert} (for: {', '.join(names or default_hosts())})")
+    typer.echo(f"node key:         {made.key}")
+    typer.echo("in a run config:")
+    typer.echo(f"  cluster:\n    tls: {{ca: {made.ca}, cert: {made.cert}, key: {made.key}}}")

@@ -1,0 +1,369 @@
+"""TLS for the cluster, without Ray: ``trainforge certs create`` (a CA and a node certificate that
+real TLS handshakes accept and a foreign CA's do not), ``cluster.tls`` (checked files, Ray's
+variables set before Ray is imported), and the Jobs API client over https with the CA, against a
+loopback HTTPS server that answers as Ray's dashboard does. A TLS cluster of real Ray nodes:
+tests/cluster/test_tls.py."""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import json
+import os
+import socket
+import ssl
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import yaml
+from cryptography import x509
+from cryptography.x509.oid import ExtendedKeyUsageOID
+
+from tests.helpers.runs import tiny_run
+from trainforge.cli import main
+from trainforge.config import load_config
+from trainforge.driver.certs import CertFiles, create_certs, default_hosts
+from trainforge.driver.jobs import job_config
+from trainforge.driver.tls import dashboard_verify, ray_tls_env
+from trainforge.errors import ConfigError
+
+VERSION = {"version": "4", "ray_version": "2.60.0", "ray_commit": "0"}
+JOB = {"type": "SUBMISSION", "submission_id": "raysubmit_x", "status": "RUNNING", "entrypoint": "x"}
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> CertFiles:
+    return create_certs(tmp_path_factory.mktemp("tls") / "certs", ["localhost", "127.0.0.1", "node-1.example"])
+
+
+@pytest.fixture(scope="module")
+def foreign(tmp_path_factory: pytest.TempPathFactory) -> CertFiles:
+    """A CA and node certificate for the same hosts, made separately: another cluster's."""
+    return create_certs(tmp_path_factory.mktemp("tls") / "other", ["localhost", "127.0.0.1"])
+
+
+def one_error_line(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: "), err
+    return err
+
+
+# certs create
+
+
+def test_create_writes_a_ca_and_a_node_certificate_it_signed_for_the_hosts(certs: CertFiles) -> None:
+    ca = x509.load_pem_x509_certificate(certs.ca.read_bytes())
+    node = x509.load_pem_x509_certificate(certs.cert.read_bytes())
+    node.verify_directly_issued_by(ca)
+    assert ca.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
+    assert not node.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
+    names = node.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert names.get_values_for_type(x509.DNSName) == ["localhost", "node-1.example"]
+    assert names.get_values_for_type(x509.IPAddress) == [ipaddress.ip_address("127.0.0.1")]  # an IP SAN, not DNS
+    usages = node.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    assert set(usages) == {ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH}  # Ray's TLS is mutual
+    now = datetime.datetime.now(datetime.timezone.utc)
+    assert node.not_valid_before_utc < now < node.not_valid_after_utc
+    assert 364 <= (node.not_valid_after_utc - now).days <= 365
+    assert node.not_valid_after_utc < ca.not_valid_after_utc
+
+
+def test_keys_are_0600_whatever_the_umask_and_certificates_0644(tmp_path: Path) -> None:
+    old = os.umask(0)
+    try:
+        made = create_certs(tmp_path / "c", ["localhost"])
+    finally:
+        os.umask(old)
+    modes = {path.name: path.stat().st_mode & 0o777 for path in (made.ca, made.ca_key, made.cert, made.key)}
+    assert modes == {"ca.crt": 0o644, "ca.key": 0o600, "node.crt": 0o644, "node.key": 0o600}
+    assert (tmp_path / "c").stat().st_mode & 0o777 == 0o700
+
+
+def serve_tls_once(files: CertFiles) -> tuple[int, threading.Thread, list[str]]:
+    """A mutual-TLS server as Ray's gRPC servers are (client certificate required, checked with
+    the CA); answers one connection with 'ok'; what went wrong lands in the list."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(files.cert, files.key)
+    context.load_verify_locations(files.ca)
+    context.verify_mode = ssl.CERT_REQUIRED
+    listener = socket.create_server(("127.0.0.1", 0))
+    problems: list[str] = []
+
+    def serve() -> None:
+        with listener:
+            conn, _ = listener.accept()
+            try:
+                with context.wrap_socket(conn, server_side=True) as tls:
+                    tls.sendall(b"ok")
+            except (ssl.SSLError, OSError) as err:
+                problems.append(str(err))
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return int(listener.getsockname()[1]), thread, problems
+
+
+def client_context(trusted: CertFiles, presented: CertFiles) -> ssl.SSLContext:
+    context = ssl.create_default_context(cafile=str(trusted.ca))
+    context.load_cert_chain(presented.cert, presented.key)
+    return context
+
+
+@pytest.mark.parametrize("name", ["localhost", "127.0.0.1"])
+def test_a_handshake_with_the_node_certificate_succeeds_both_ways_by_name_and_by_ip(
+    certs: CertFiles, name: str
+) -> None:
+    port, thread, problems = serve_tls_once(certs)
+    with (
+        socket.create_connection(("127.0.0.1", port), timeout=10) as raw,
+        client_context(certs, certs).wrap_socket(raw, server_hostname=name) as tls,
+    ):
+        assert tls.recv(2) == b"ok"
+    thread.join(timeout=10)
+    assert problems == []
+
+
+def test_a_peer_of_another_ca_is_refused_by_server_and_client(certs: CertFiles, foreign: CertFiles) -> None:
+    # A client (a node or driver) that trusts our CA but holds another CA's certificate: refused.
+    port, thread, problems = serve_tls_once(certs)
+    with (
+        socket.create_connection(("127.0.0.1", port), timeout=10) as raw,
+        pytest.raises((ssl.SSLError, ConnectionResetError)),
+        client_context(certs, foreign).wrap_socket(raw, server_hostname="localhost") as tls,
+    ):
+        tls.recv(2)
+    thread.join(timeout=10)
+    assert problems and "CERTIFICATE_VERIFY_FAILED" in problems[0]
+    # A client trusting only our CA refuses a server with another CA's certificate.
+    port, thread, problems = serve_tls_once(foreign)
+    with (
+        socket.create_connection(("127.0.0.1", port), timeout=10) as raw,
+        pytest.raises(ssl.SSLCertVerificationError),
+    ):
+        client_context(certs, certs).wrap_socket(raw, server_hostname="localhost")
+    thread.join(timeout=10)
+
+
+def test_a_host_not_in_the_certificate_is_refused(certs: CertFiles) -> None:
+    port, thread, _ = serve_tls_once(certs)
+    with (
+        socket.create_connection(("127.0.0.1", port), timeout=10) as raw,
+        pytest.raises(ssl.SSLCertVerificationError, match="match"),
+    ):
+        client_context(certs, certs).wrap_socket(raw, server_hostname="10.9.9.9")
+    thread.join(timeout=10)
+
+
+def test_the_cli_writes_the_files_for_the_default_hosts_and_prints_the_config(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    main(["certs", "create", str(tmp_path / "c")])
+    out = capsys.readouterr().out
+    node = x509.load_pem_x509_certificate((tmp_path / "c" / "node.crt").read_bytes())
+    names = node.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    shown = [str(v) for v in names.get_values_for_type(x509.DNSName) + names.get_values_for_type(x509.IPAddress)]
+    assert sorted(shown) == sorted(default_hosts())
+    assert {"localhost", "127.0.0.1", socket.gethostname()} <= set(default_hosts())
+    assert f"tls: {{ca: {tmp_path}/c/ca.crt, cert: {tmp_path}/c/node.crt, key: {tmp_path}/c/node.key}}" in out
+
+
+def test_the_cli_takes_hosts_repeated_or_comma_separated(tmp_path: Path) -> None:
+    main(["certs", "create", str(tmp_path / "c"), "--hosts", "10.213.0.1,head", "--hosts", "w1"])
+    node = x509.load_pem_x509_certificate((tmp_path / "c" / "node.crt").read_bytes())
+    names = node.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert names.get_values_for_type(x509.DNSName) == ["head", "w1"]
+    assert names.get_values_for_type(x509.IPAddress) == [ipaddress.ip_address("10.213.0.1")]
+
+
+def test_existing_files_are_never_overwritten(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    folder = tmp_path / "c"
+    folder.mkdir()
+    (folder / "node.key").write_text("mine")
+    err = one_error_line(capsys, ["certs", "create", str(folder)])
+    assert f"{folder}/node.key already exist" in err and "never overwrites" in err
+    assert sorted(p.name for p in folder.iterdir()) == ["node.key"]  # nothing written beside it
+    assert (folder / "node.key").read_text() == "mine"
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["--hosts", "bad host"], "--hosts 'bad host': not an IP address or a DNS name"),
+        (["--hosts", "-x.example"], "--hosts '-x.example': not an IP address or a DNS name"),
+        (["--hosts", ","], "--hosts: give at least one host name or IP address"),
+        (["--days", "0"], "--days 0: from 1 to 3650"),
+    ],
+)
+def test_bad_flags_are_one_line_and_write_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], said: str
+) -> None:
+    # "," is no host: the default list is for no --hosts at all, not for an empty one
+    if argv == ["--hosts", ","]:
+        with pytest.raises(ConfigError, match=said):
+            create_certs(tmp_path / "c", [])
+        return
+    err = one_error_line(capsys, ["certs", "create", str(tmp_path / "c"), *argv])
+    assert said in err
+    assert not (tmp_path / "c").exists()
+
+
+# cluster.tls
+
+
+def tls_set(ca: Path, cert: Path, key: Path) -> str:
+    return f"cluster.tls={{ca: {ca}, cert: {cert}, key: {key}}}"
+
+
+def test_cluster_tls_is_taken_as_absolute_paths(
+    certs: CertFiles, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(certs.ca.parent)
+    config = load_config(tiny_run(tmp_path), [tls_set(Path("ca.crt"), Path("node.crt"), Path("node.key"))])
+    assert config.cluster.tls is not None
+    assert ray_tls_env(config.cluster.tls) == {
+        "RAY_USE_TLS": "1",
+        "RAY_TLS_SERVER_CERT": str(certs.cert),
+        "RAY_TLS_SERVER_KEY": str(certs.key),
+        "RAY_TLS_CA_CERT": str(certs.ca),
+    }
+
+
+def test_bad_tls_files_are_one_line_naming_the_key(
+    certs: CertFiles, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(tiny_run(tmp_path)))
+    show = ["config", "show", str(tmp_path / "run.yaml"), "--set"]
+    err = one_error_line(capsys, [*show, tls_set(tmp_path / "missing.crt", certs.cert, certs.key)])
+    assert f"cluster.tls.ca {tmp_path}/missing.crt: No such file or directory" in err
+    err = one_error_line(capsys, [*show, tls_set(certs.ca, tmp_path, certs.key)])
+    assert f"cluster.tls.cert {tmp_path}: not a regular file" in err
+    open_key = tmp_path / "open.key"
+    open_key.write_bytes(certs.key.read_bytes())
+    open_key.chmod(0o644)
+    err = one_error_line(capsys, [*show, tls_set(certs.ca, certs.cert, open_key)])
+    assert f"cluster.tls.key {open_key}: the private key is readable by every user (mode 0644)" in err
+    err = one_error_line(capsys, [*show, f"cluster.tls={{ca: {certs.ca}}}"])
+    assert "missing key cluster.tls.cert" in err and "missing key cluster.tls.key" in err
+
+
+# Ray reads RAY_USE_TLS and the paths when ray._raylet loads, so use_tls must run before `import ray`.
+USE_TLS_SCRIPT = """
+import os, sys
+from trainforge.config import load_config
+from trainforge.driver.tls import use_tls
+config = load_config(sys.argv[1], [])
+if sys.argv[2] == "after":
+    import ray
+use_tls(config.cluster.tls)
+print(os.environ["RAY_USE_TLS"], os.environ["RAY_TLS_CA_CERT"])
+"""
+
+
+def test_use_tls_sets_rays_variables_before_ray_and_refuses_after(certs: CertFiles, tmp_path: Path) -> None:
+    run = tiny_run(tmp_path)
+    run["cluster"] = {"tls": {"ca": str(certs.ca), "cert": str(certs.cert), "key": str(certs.key)}}
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(run))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_TLS") and k != "RAY_USE_TLS"}
+    argv = [sys.executable, "-c", USE_TLS_SCRIPT, str(tmp_path / "run.yaml")]
+    before = subprocess.run([*argv, "before"], capture_output=True, text=True, env=env, timeout=120)
+    assert before.returncode == 0, before.stderr
+    assert before.stdout.split() == ["1", str(certs.ca)]
+    after = subprocess.run([*argv, "after"], capture_output=True, text=True, env=env, timeout=120)
+    assert after.returncode != 0
+    assert "Ray was imported before the config set its TLS variables" in after.stderr
+    # Set in the environment before Python started, as on a TLS cluster's nodes: accepted after Ray.
+    given = subprocess.run(
+        [*argv, "after"], capture_output=True, text=True, env={**env, **ray_tls_env(load_tls(run))}, timeout=120
+    )
+    assert given.returncode == 0, given.stderr
+
+
+def load_tls(run: dict[str, object]):  # type: ignore[no-untyped-def]
+    from trainforge.config.schema import TlsConfig
+
+    return TlsConfig.model_validate(run["cluster"]["tls"])  # type: ignore[index]
+
+
+def test_a_submitted_config_leaves_tls_to_the_cluster(certs: CertFiles, tmp_path: Path) -> None:
+    config = load_config(tiny_run(tmp_path), [tls_set(certs.ca, certs.cert, certs.key)])
+    assert job_config(config)["cluster"]["tls"] is None  # local paths; the nodes' Ray has RAY_TLS_* of its own
+
+
+# the Jobs API over https
+
+
+def test_dashboard_verify(certs: CertFiles, tmp_path: Path) -> None:
+    assert dashboard_verify("https://head:8443", None) is True
+    assert dashboard_verify("https://head:8443", str(certs.ca)) == str(certs.ca)
+    with pytest.raises(ConfigError, match=r"--ca .* is for a TLS dashboard, but http://head:8265 is http://"):
+        dashboard_verify("http://head:8265", str(certs.ca))
+    with pytest.raises(ConfigError, match="not a regular file"):
+        dashboard_verify("https://head:8443", str(tmp_path))
+
+
+@pytest.fixture
+def https_dashboard(certs: CertFiles, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[str]:
+    """A loopback HTTPS server with the node certificate that answers /api/version and a job as Ray does."""
+    for name in ("RAY_ADDRESS", "RAY_JOBS_ADDRESS", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = {"/api/version": VERSION, "/api/jobs/raysubmit_x": JOB}.get(self.path)
+            payload = json.dumps(body).encode() if body else b"Not Found"
+            self.send_response(200 if body else 404)
+            self.send_header("Content-Length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
+
+        def log_message(self, format: str, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(certs.cert, certs.key)
+    server.socket = context.wrap_socket(server.socket, server_side=True)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"https://localhost:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
+
+
+def test_jobs_talk_https_with_the_ca(
+    https_dashboard: str, certs: CertFiles, capsys: pytest.CaptureFixture[str]
+) -> None:
+    main(["jobs", "status", "raysubmit_x", "--address", https_dashboard, "--ca", str(certs.ca)])
+    assert "RUNNING" in capsys.readouterr().out
+
+
+def test_a_dashboard_the_ca_did_not_sign_is_refused_in_one_line(
+    https_dashboard: str, foreign: CertFiles, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for ca in (["--ca", str(foreign.ca)], []):  # another CA's, and the system's (which never signed it)
+        argv = ["jobs", "status", "raysubmit_x", "--address", https_dashboard, "--wait-for-cluster", "0", *ca]
+        err = one_error_line(capsys, argv)
+        assert f"error: TLS with the Ray dashboard at {https_dashboard} failed (certificate verify failed)" in err
+
+
+def test_submit_with_cluster_tls_needs_an_https_address(
+    certs: CertFiles, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(tiny_run(tmp_path / "runs")))
+    argv = ["submit", "run.yaml", "--address", "http://127.0.0.1:8265"]
+    argv += ["--set", tls_set(certs.ca, certs.cert, certs.key)]
+    err = one_error_line(capsys, argv)
+    assert f"error: cluster.tls.ca {certs.ca} is for a TLS dashboard, but http://127.0.0.1:8265 is http://" in err
