@@ -33,6 +33,10 @@ from tests.helpers.sessions import assert_bit_identical, checkpoint_state, run_d
 from tests.helpers.timing import scaled
 
 ROOT = Path(__file__).resolve().parents[2]
+# checkpoint.encryption's key, read by the workers from their environment: set before this module's
+# Ray starts (ray_local), so the workers inherit it as they would a node's.
+KEY_ENV = "TRAINFORGE_TEST_CHECKPOINT_KEY"
+os.environ.setdefault(KEY_ENV, bytes(range(32)).hex())
 
 
 def paced_config(tmp_path: Path, **sections: Any) -> dict[str, Any]:
@@ -96,6 +100,45 @@ def test_worker_killed_mid_epoch_resumes_bit_identical(
     assert torch.equal(
         load_file(str(reference.model_path))["inner.4.weight"], load_file(str(resumed.model_path))["inner.4.weight"]
     )
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("ray_local")
+def test_an_encrypted_run_killed_mid_epoch_resumes_bit_identical_to_a_plaintext_one(
+    tmp_path: Path, straight: Callable[[str, dict], trainforge.RunResult]
+) -> None:
+    # checkpoint.encryption: the worker restarts from sealed checkpoints, decrypted with the key
+    # from its environment; the run is the plaintext one's, bit for bit.
+    from trainforge.checkpoint.crypto import MAGIC, FileCipher
+    from trainforge.checkpoint.storage import CheckpointStore
+
+    label, sections = "2-workers-accum-bf16-loader-workers", TWO_WORKERS
+    reference = straight(label, sections)
+    run_dir = tmp_path / "killed" / "t"
+    killed = kill_a_worker_after(run_dir / "checkpoint_000000020")
+    encrypted = {**sections, "checkpoint": {"every_n_steps": 20, "encryption": {"key_env": KEY_ENV}}}
+    resumed = trainforge.fit(paced_config(tmp_path / "killed", **encrypted))
+
+    assert killed, "no worker was killed"
+    assert resumed.summary["status"] == "finished" and resumed.summary["restarts"] == 1
+    last = run_dir / "checkpoint_000000060"
+    assert (last / "model.safetensors").read_bytes().startswith(MAGIC)
+    assert (last / "trainer_state.json").read_bytes().startswith(MAGIC)
+    store = CheckpointStore.from_uri(str(run_dir), FileCipher.from_env(KEY_ENV))
+    with store.opened(last) as plain:
+        opened = tmp_path / "opened"
+        opened.mkdir()
+        (opened / last.name).symlink_to(plain, target_is_directory=True)
+        assert_bit_identical(checkpoint_state(reference.run_dir, 60), checkpoint_state(opened, 60))
+    # The run directory's weights are the run's product: decrypted, as the plaintext run's.
+    assert load_file(str(resumed.model_path)).keys() == load_file(str(reference.model_path)).keys()
+    assert torch.equal(
+        load_file(str(reference.model_path))["inner.4.weight"], load_file(str(resumed.model_path))["inner.4.weight"]
+    )
+    key = os.environ[KEY_ENV]
+    for path in (tmp_path / "killed").rglob("*"):
+        if path.is_file():
+            assert key.encode() not in path.read_bytes() and bytes(range(32)) not in path.read_bytes(), path
 
 
 # A model that owns its step (model.task: custom) on dict batches, through real Ray workers.

@@ -106,6 +106,11 @@ def test_config_show_prints_the_resolved_config(tmp_path: Path, capsys: pytest.C
             ["--set", "parallel.strategy=fsdp", "--set", "parallel.fsdp.wrap=[Linaer]"],
             "block class 'Linaer' (parallel.fsdp.wrap) matches no module of Sequential; did you mean 'Linear'?",
         ),
+        (
+            ["--set", "checkpoint.encryption.key_env=TF_UNSET_CHECKPOINT_KEY"],
+            "checkpoint.encryption.key_env TF_UNSET_CHECKPOINT_KEY: the environment variable is not set",
+        ),
+        (["--set", "checkpoint.encryption.key_env=no-dashes"], "checkpoint.encryption.key_env = 'no-dashes'"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_code_2(

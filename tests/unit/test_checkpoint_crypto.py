@@ -138,3 +138,28 @@ def test_a_plaintext_checkpoint_still_loads_into_an_encrypted_run(tmp_path: Path
     restored = restore(run, CheckpointStore.from_uri(str(tmp_path / "run"), cipher()))
     assert restored.progress.global_step == 5 and not restored.skipped
     assert os.environ.get("TF_TEST_KEY") is None  # the tests never put a key in the environment
+
+
+def test_ckpt_verify_without_the_key_and_inspect_with_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tests.unit.test_data_sections import cli
+
+    save(tmp_path, cipher(), (5,))
+    path = str(tmp_path / "run" / checkpoint_name(5))
+    code, out, _ = cli(capsys, "ckpt", "verify", path)
+    assert code == 0 and out.startswith(f"valid: {path} (") and "contents not checked: --key-env" in out, out
+    code, _, err = cli(capsys, "ckpt", "inspect", path)
+    assert code == 2 and "is encrypted (aes-256-gcm, key " in err and len(err.strip().splitlines()) == 1, err
+    monkeypatch.setenv("TF_CLI_KEY", KEY_A)
+    code, out, _ = cli(capsys, "ckpt", "verify", path, "--key-env", "TF_CLI_KEY")
+    assert code == 0 and "contents checked with its key" in out, out
+    code, out, _ = cli(capsys, "ckpt", "inspect", path, "--key-env", "TF_CLI_KEY", "--json")
+    report = json.loads(out)
+    assert code == 0 and report["progress"]["global_step"] == 5 and report["problems"] == [], out
+    assert report["model"]["tensors"] == 4  # the header, read from the decrypted file
+    monkeypatch.setenv("TF_CLI_KEY", KEY_B)
+    code, out, _ = cli(capsys, "ckpt", "verify", path, "--key-env", "TF_CLI_KEY")
+    assert code == 1 and "(the wrong key)" in out, out
+    code, _, err = cli(capsys, "ckpt", "verify", path, "--key-env", "UNSET_KEY_VARIABLE")
+    assert code == 2 and "UNSET_KEY_VARIABLE: the environment variable is not set" in err, err

@@ -42,6 +42,7 @@ from torch import nn
 
 import trainforge
 from trainforge.bench.machine import cpu_model
+from trainforge.checkpoint.crypto import KEY_BYTES, FileCipher
 from trainforge.checkpoint.format import write_json_hashed, write_manifest_of
 from trainforge.checkpoint.hashing import DEFAULT_HASH, in_parallel
 from trainforge.checkpoint.saved import read_saved
@@ -189,14 +190,17 @@ def run_checkpoint_bench(
     output: Path | None = None,
     console: Console | None = None,
     hash_algorithm: str = DEFAULT_HASH,
+    encrypt: bool = False,
 ) -> dict[str, Any]:
     """Measure ``repeats`` times, print the tables, return (and optionally write) the report.
-    ``hash_algorithm``: the manifest hash of the sync save (``blake3``, the default, or ``sha256``)."""
+    ``hash_algorithm``: the manifest hash of the sync save (``blake3``, the default, or ``sha256``);
+    ``encrypt``: every checkpoint encrypted as ``checkpoint.encryption`` does (a random key, here)."""
     shown = console or Console()
     threads_before = torch.get_num_threads()
     torch.set_num_threads(worker_threads())
     try:
-        return _run(size_mb, directory, repeats, output, shown, hash_algorithm)
+        cipher = FileCipher(os.urandom(KEY_BYTES), "bench checkpoint --encrypt") if encrypt else None
+        return _run(size_mb, directory, repeats, output, shown, hash_algorithm, cipher)
     finally:
         torch.set_num_threads(threads_before)
 
@@ -209,7 +213,13 @@ def worker_threads() -> int:
 
 
 def _run(
-    size_mb: float, directory: Path | None, repeats: int, output: Path | None, shown: Console, algorithm: str
+    size_mb: float,
+    directory: Path | None,
+    repeats: int,
+    output: Path | None,
+    shown: Console,
+    algorithm: str,
+    cipher: FileCipher | None = None,
 ) -> dict[str, Any]:
     workload = Workload.of_size(size_mb)
     model_bytes = workload.model_bytes
@@ -219,14 +229,15 @@ def _run(
         shown.print(
             f"bench checkpoint: {workload.layers} x Linear({WIDTH}, {WIDTH}) = {model_bytes / MB:.0f} MB of fp32 "
             f"weights, Adam state {2 * model_bytes / MB:.0f} MB; disk {describe_disk(where)}; "
-            f"{torch.get_num_threads()} torch thread(s); {repeats} repeat(s); hash {algorithm}",
+            f"{torch.get_num_threads()} torch thread(s); {repeats} repeat(s); hash {algorithm}"
+            f"{'; encrypted (AES-256-GCM)' if cipher else ''}",
             highlight=False,
         )
         target = Workload.of_size(size_mb, seed=1)  # what loads receive
         workload.step()  # Adam's moments exist from the first step on
         found: list[Repeat] = []
         for index in range(repeats):
-            figures = measure_once(workload, target, where / f"r{index}", algorithm)
+            figures = measure_once(workload, target, where / f"r{index}", algorithm, cipher)
             found.append(figures)
             d = figures.derived()
             shown.print(
@@ -248,6 +259,7 @@ def _run(
             "repeats": repeats,
             "directory": str(directory) if directory else tempfile.gettempdir(),
             "hash": algorithm,
+            "encrypted": cipher is not None,
         },
         "goals": {key: {"what": what, "op": op, "goal": goal} for key, (what, op, goal) in GOALS.items()},
         "median": medians,
@@ -259,16 +271,19 @@ def _run(
     return report
 
 
-def measure_once(workload: Workload, target: Workload, where: Path, algorithm: str = DEFAULT_HASH) -> Repeat:
+def measure_once(
+    workload: Workload, target: Workload, where: Path, algorithm: str = DEFAULT_HASH, cipher: FileCipher | None = None
+) -> Repeat:
     """One repeat: raw disk, sync save, cold load, async save while training; removes its files."""
     where.mkdir(parents=True)
     figures = Repeat()
     try:
-        sync_save(workload, CheckpointStore.from_uri(str(where / "sync")), where / "scratch", figures, algorithm)
+        sync = CheckpointStore.from_uri(str(where / "sync"), cipher)
+        sync_save(workload, sync, where / "scratch", figures, algorithm)
         figures.raw_write_s = raw_write(where / "raw.bin", figures.checkpoint_bytes)  # exactly the same size
-        load(target, CheckpointStore.from_uri(str(where / "sync")), checkpoint_name(workload.step_count), figures)
+        load(target, sync, checkpoint_name(workload.step_count), figures)
         shutil.rmtree(where / "sync")
-        async_save(workload, CheckpointStore.from_uri(str(where / "async")), where / "scratch", figures)
+        async_save(workload, CheckpointStore.from_uri(str(where / "async"), cipher), where / "scratch", figures)
     finally:
         shutil.rmtree(where, ignore_errors=True)
     return figures
@@ -303,14 +318,24 @@ def sync_save(
     started = time.perf_counter()
     staging = store.staging_dir(name, scratch)
     jobs = {tensor_file(n, s.tensors): s.tensors for n, s in snap.states.items() if s.tensors is not None}
-    records = in_parallel(partial(write_tensors, staging / rel, tree, algorithm) for rel, tree in jobs.items())
+    cipher = store.cipher
+    records = in_parallel(
+        partial(write_tensors, staging / rel, tree, algorithm, cipher.sealer(rel) if cipher else None)
+        for rel, tree in jobs.items()
+    )
     written = dict(zip(jobs, records, strict=True))
     ranks = [{n: s.rank_values for n, s in snap.states.items() if s.rank_values is not None}]
-    written[STATE_FILE] = write_json_hashed(staging / STATE_FILE, state_file(snap, ranks, written), algorithm)
+    state = state_file(snap, ranks, written)
+    written[STATE_FILE] = write_json_hashed(
+        staging / STATE_FILE, state, algorithm, cipher.sealer(STATE_FILE) if cipher else None
+    )
     figures.write_state_s = time.perf_counter() - started
 
     started = time.perf_counter()
-    meta = {"global_step": snap.step, "epoch": 0, "metrics": {}, "created_at": time.time(), "world_size": 1}
+    meta: dict[str, Any] = {"global_step": snap.step, "epoch": 0, "metrics": {}, "created_at": time.time()}
+    meta["world_size"] = 1
+    if cipher is not None:
+        meta["encryption"] = cipher.record()
     manifest = write_manifest_of(staging, written, meta, algorithm=algorithm)
     figures.manifest_s = time.perf_counter() - started
 
@@ -336,19 +361,19 @@ def load(target: Workload, store: CheckpointStore, name: str, figures: Repeat) -
     figures.verify_s = time.perf_counter() - started
     if not check.ok:
         raise BenchFailed(f"the checkpoint just saved does not verify: {'; '.join(check.problems)}")
-    directory = Path(store.path(name))
     started = time.perf_counter()
-    read_saved(directory)
-    load_weights(directory, target.model)
-    figures.load_weights_s = time.perf_counter() - started
-    started = time.perf_counter()
-    load_optimizer(directory, target.optimizer)
-    figures.load_optimizer_s = time.perf_counter() - started
+    with store.opened(Path(store.path(name))) as directory:  # encrypted: decrypted first, counted in the load
+        read_saved(directory)
+        load_weights(directory, target.model)
+        figures.load_weights_s = time.perf_counter() - started
+        started = time.perf_counter()
+        load_optimizer(directory, target.optimizer)
+        figures.load_optimizer_s = time.perf_counter() - started
 
 
 def async_save(workload: Workload, store: CheckpointStore, scratch: Path, figures: Repeat) -> None:
     """Training steps go on while the manager writes in the background; time what the loop feels."""
-    manager = CheckpointWriter(store, RotationPolicy(keep_last=1), scratch=scratch)
+    manager = CheckpointWriter(store, RotationPolicy(keep_last=1), scratch=scratch, cipher=store.cipher)
     # A first save, as a run's first checkpoint: later snapshots copy into its host buffers.
     manager.save_async(workload.snapshot())
     manager.wait()

@@ -147,6 +147,11 @@ class FileCipher:
             raise _tampered(rel) from None
 
 
+def cipher_of(encryption: Any) -> FileCipher | None:
+    """The key a config's ``checkpoint.encryption`` section names (None: checkpoints in plaintext)."""
+    return FileCipher.from_env(encryption.key_env) if encryption is not None else None
+
+
 class Sealer:
     """One file's encryption while it is written: ``header`` first, then ``update`` per chunk,
     then ``finalize`` (the last bytes and the tag)."""
@@ -213,6 +218,7 @@ __all__ = [
     "SCHEME",
     "FileCipher",
     "Sealer",
+    "cipher_of",
     "decrypted_copy",
     "is_key_problem",
     "is_sealed",

@@ -17,12 +17,13 @@ before the checks that bound its cost):
 6. optionally, the safe-load check: every safetensors header parses and every ``.pt`` file
    unpickles under ``weights_only``; in the sharded layout also DCP's ``.metadata`` unpickles
    under an allow-list and points only inside the listed shards (this step needs torch).
+   An encrypted checkpoint (``checkpoint.encryption``): every file decrypts and authenticates
+   under the key instead (the bytes are a key holder's; the load itself is ``weights_only``).
 It works over a pyarrow file system: the local one (where links and FIFOs exist) and object stores.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import stat
 import tempfile
@@ -33,7 +34,7 @@ from typing import Any
 
 import pyarrow.fs as pafs
 
-from trainforge.checkpoint.crypto import ENCRYPTED_HINT, OVERHEAD, FileCipher, decrypted_copy
+from trainforge.checkpoint.crypto import ENCRYPTED_HINT, OVERHEAD, FileCipher
 from trainforge.checkpoint.hashing import LABELS, new_digest
 from trainforge.checkpoint.saved import saved_from
 from trainforge.checkpoint.schema import (
@@ -279,21 +280,42 @@ def _load_refusal(
         refusal = metadata_refusal(raw, {rel: entry.size - less for rel, entry in manifest.files.items()})
         if refusal:
             return refusal
+    if manifest.encryption is not None and cipher is not None:
+        return _authentication_refusal(fs, root, local, manifest, cipher)
     from trainforge.checkpoint.state import check_loadable  # torch: only once the files verified
 
     files = [rel for rel in manifest.files if rel.endswith((".pt", ".safetensors"))]
-    with contextlib.ExitStack() as stack:
-        directory = Path(root)
-        if not local:
-            directory = (
-                Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="trainforge-check-"))) / "checkpoint"
-            )
-            for rel in files:
-                (directory / rel).parent.mkdir(parents=True, exist_ok=True)
-                pafs.copy_files(f"{root}/{rel}", str(directory / rel), fs, pafs.LocalFileSystem())
-        if manifest.encryption is not None and cipher is not None:
-            directory = stack.enter_context(decrypted_copy(directory, files, cipher))
-        return check_loadable(directory, files)
+    if local:
+        return check_loadable(Path(root), files)
+    with tempfile.TemporaryDirectory(prefix="trainforge-check-") as scratch:
+        local_copy = Path(scratch) / "checkpoint"
+        for rel in files:
+            (local_copy / rel).parent.mkdir(parents=True, exist_ok=True)
+            pafs.copy_files(f"{root}/{rel}", str(local_copy / rel), fs, pafs.LocalFileSystem())
+        return check_loadable(local_copy, files)
+
+
+class _Discard:
+    """A sink for decrypted bytes that only authentication needs."""
+
+    def write(self, data: bytes) -> int:
+        return len(data)
+
+
+def _authentication_refusal(
+    fs: pafs.FileSystem, root: str, local: bool, manifest: Manifest, cipher: FileCipher
+) -> str | None:
+    """An encrypted checkpoint's safe-load check: every file decrypts and authenticates under the
+    key (the bytes are a key holder's, as written; decrypted into nothing, so no plaintext is
+    stored). Its tensors load with ``weights_only`` and safetensors when restore reads them."""
+    for rel, entry in sorted(manifest.files.items()):
+        path = f"{root}/{rel}"
+        try:
+            with open_file(fs, path, True) if local else fs.open_input_file(path) as source:
+                cipher.open_stream(rel, source, entry.size, _Discard())  # type: ignore[arg-type]
+        except CheckpointError as err:
+            return str(err)
+    return None
 
 
 def local_encryption(directory: Path) -> Encryption | None:

@@ -97,6 +97,9 @@ def bench_checkpoint(
     ] = None,
     repeats: Annotated[int, typer.Option(help="Measurements of each figure; the median is shown.")] = 3,
     output: Annotated[Path | None, typer.Option(help="Also write every raw figure as JSON here.")] = None,
+    encrypt: Annotated[
+        bool, typer.Option("--encrypt", help="Encrypt every checkpoint as checkpoint.encryption does (a random key).")
+    ] = False,
 ) -> None:
     """Checkpoint save, async stall, write bandwidth and load time against their goals."""
     if size_mb <= 0:
@@ -109,7 +112,9 @@ def bench_checkpoint(
     from trainforge.bench.checkpoint import run_checkpoint_bench
 
     setup_logging(False)
-    run_checkpoint_bench(size_mb=size_mb, directory=dir_, repeats=repeats, output=output, console=Console())
+    run_checkpoint_bench(
+        size_mb=size_mb, directory=dir_, repeats=repeats, output=output, console=Console(), encrypt=encrypt
+    )
 
 
 @app.command("tune")

@@ -15,11 +15,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import pyarrow.fs as pafs
-
 from trainforge.checkpoint.format import write_json_atomic
 from trainforge.checkpoint.names import name_of_uri, step_of_uri
 from trainforge.checkpoint.storage import CheckpointStore
+from trainforge.errors import CheckpointError
 from trainforge.protocol import Report, Resumed, WorkerFailure
 from trainforge.redact import redact_config, redact_text
 
@@ -170,14 +169,16 @@ def export_final_weights(store: CheckpointStore, checkpoint_uri: str, run_dir: P
     """Copy the weights files (model.safetensors, and what other components export, such as
     model_ema.safetensors) out of the run's last valid checkpoint (local or object store); the
     step they hold, which is older than the final step when the final save failed (said in the log).
+    An encrypted checkpoint's weights are decrypted with ``store``'s key: the run directory holds
+    the run's product in plaintext, for use (docs/security.md).
     ``store`` is the run's own, opened from the config: the checkpoint's URI as the workers report
     it names bucket and key only, not the credentials or endpoint the storage path may carry."""
     name = name_of_uri(checkpoint_uri)
     step = step_of_uri(checkpoint_uri)
     try:
         for target, source in store.exports(name).items():
-            pafs.copy_files(f"{store.path(name)}/{source}", str(run_dir / target), store.fs, pafs.LocalFileSystem())
-    except OSError as err:
+            store.copy_out(name, source, run_dir / target)  # decrypted, if checkpoint.encryption sealed it
+    except (OSError, CheckpointError) as err:
         log.error("could not copy the final weights out of %s: %s", redact_text(checkpoint_uri), err)
         return None
     if step is not None and step != final_step:

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, cast
 import ray.train
 from safetensors import SafetensorError
 
-from trainforge.checkpoint.crypto import FileCipher, is_key_problem
+from trainforge.checkpoint.crypto import cipher_of, is_key_problem
 from trainforge.checkpoint.names import name_of_uri
 from trainforge.checkpoint.reader import load_shards, load_state
 from trainforge.checkpoint.saved import Saved, read_saved
@@ -72,7 +72,7 @@ class Checkpointing:
         self.cfg = cfg
         self.store = store
         # checkpoint.encryption: the key, from this worker's environment (one line if it is not there)
-        store.cipher = FileCipher.from_env(cfg.encryption.key_env) if cfg.encryption is not None else None
+        store.cipher = cipher_of(cfg.encryption)
         self.schemas = state_schemas()
         policy = RotationPolicy(cfg.keep_last, cfg.keep_best_metric, cfg.keep_best_mode)
         group = save_group(run.config.failure.collective_timeout_s)  # collective: every rank, now
