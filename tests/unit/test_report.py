@@ -402,3 +402,17 @@ def test_report_writer_writes_at_the_end_and_never_raises(tmp_path: Path, caplog
         ReportWriter(blocked).on_end({"status": "finished"})
     assert "could not write the run report" in caplog.text
     assert "trainforge report" in caplog.text
+
+
+def test_a_run_directory_written_before_a_masking_rule_is_masked_again(tmp_path: Path) -> None:
+    # A config.yaml from an older trainforge (or another user) with secrets under keys the old
+    # rule did not know: the report masks them key by key; a refused YAML is not shown at all.
+    from trainforge.report.data import config_text
+
+    path = tmp_path / "config.yaml"
+    path.write_text("model:\n  kwargs:\n    hf_token: hf_abcdef123\n    secretKey: s3cr3t\n  name: mlp\n")
+    shown = config_text(path)
+    assert "hf_abcdef123" not in shown and "s3cr3t" not in shown and "hf_token: '***'" in shown, shown
+    assert "name: mlp" in shown
+    path.write_text("c: " + "[" * 200 + "]" * 200 + "\n")  # deeper than safeyaml reads
+    assert config_text(path).startswith("# config.yaml not shown: ")

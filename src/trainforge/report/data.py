@@ -128,12 +128,31 @@ def load_run(run_dir: str | Path, summary: dict[str, Any] | None = None) -> RunD
         data.summary = loaded if isinstance(loaded, dict) else {}
     config_path = path / "config.yaml"
     if config_path.is_file():
-        data.config_text = redact_text(config_path.read_text(errors="replace"))  # also runs from before redaction
+        data.config_text = config_text(config_path)
     elif isinstance(data.summary.get("config"), dict):
         import yaml
 
         data.config_text = yaml.safe_dump(redact_config(data.summary["config"]), sort_keys=False)
     return data
+
+
+def config_text(path: Path) -> str:
+    """The run's config.yaml as the report shows it: masked again, key by key where it parses (a
+    run directory written before a masking rule existed, or by someone else, may hold a secret
+    under any key), else line by line as text."""
+    import yaml
+
+    from trainforge.config.safeyaml import YamlRefused, read_yaml_file
+
+    try:
+        tree = read_yaml_file(path, "config.yaml")
+    except YamlRefused as err:  # beyond a limit (size, depth, aliases): not shown at all
+        return f"# config.yaml not shown: {err}\n"
+    except (TrainforgeError, OSError, ValueError):  # not YAML: masked as text
+        return redact_text(path.read_text(errors="replace"))
+    if not isinstance(tree, dict):
+        return redact_text(path.read_text(errors="replace"))
+    return str(yaml.safe_dump(redact_config(tree), sort_keys=False))
 
 
 def _read_metrics(metrics_path: Path, data: RunData) -> None:
