@@ -110,6 +110,8 @@ class RayCluster:
             # Every namespace shares the machine's hostname, which resolves to 127.0.0.1: gloo would
             # advertise that to the other ranks. Each node's cable is its eth0.
             "GLOO_SOCKET_IFNAME": "eth0",
+            # A node's own setting that a run's scaling.env replaces (test_multinode's submit test).
+            "TRAINFORGE_ENV_PROBE": "from-the-node",
             # A submitted job's entrypoint is `trainforge train`: on the PATH of every node's Ray.
             "PATH": os.pathsep.join([str(BIN), os.environ.get("PATH", "")]),
             # Ray's token authentication, on as for a real cluster: every node, driver and query

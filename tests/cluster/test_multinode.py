@@ -217,7 +217,10 @@ def test_submitted_run_uses_both_worker_nodes_and_ends_with_the_weights_of_one_n
 ) -> None:
     """``trainforge submit`` from the head's namespace to its Jobs API; the same config on one node
     (a local Ray in this machine's namespace) runs at the same time and is compared bit for bit."""
-    sections: dict[str, Any] = {"scaling": {"num_workers": 2}, "checkpoint": {"every_n_steps": 10}}
+    # scaling.env reaches every worker over the node's own environment (the harness sets the probe
+    # to "from-the-node" and GLOO_SOCKET_IFNAME itself on every node).
+    env = {"GLOO_SOCKET_IFNAME": "eth0", "TRAINFORGE_ENV_PROBE": "from-the-config"}
+    sections: dict[str, Any] = {"scaling": {"num_workers": 2, "env": env}, "checkpoint": {"every_n_steps": 10}}
     project = tmp_path / "project"  # the working directory that travels with the job
     project.mkdir()
     (project / "run.yaml").write_text(yaml.safe_dump(tiny_run(tmp_path / "results", **sections)))
@@ -236,6 +239,10 @@ def test_submitted_run_uses_both_worker_nodes_and_ends_with_the_weights_of_one_n
     assert "step 20/20" in done.stderr or "finished" in done.stderr, done.stderr[-2000:]
     workers = {whole.nodes[n].address for n in ("w1", "w2")}
     assert nodes_of(run_dir) == workers, f"workers did not run one per worker node: {nodes_of(run_dir)}"
+    seen = [line for line in (run_dir / "workers.log").read_text().splitlines() if "worker environment:" in line]
+    assert len(seen) == 2 and all(
+        line.endswith("GLOO_SOCKET_IFNAME=eth0 TRAINFORGE_ENV_PROBE=from-the-config") for line in seen
+    ), seen
     assert summary["num_workers"] == local_summary["num_workers"] == 2
     assert local_summary["global_step"] == 20
     across = load_file(str(run_dir / "model.safetensors"))

@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BeforeValidator, Field, ValidationInfo, field_validator, model_validator
 
 from trainforge.config.data import DataSection, DigitsData, TabularData, float_targets_hint
+from trainforge.config.network import MAX_ENV_VARS, env_problem, env_value, worker_variables
 from trainforge.config.safeyaml import MAX_DEPTH
 from trainforge.config.section import (
     MAX_BATCH,
@@ -205,6 +206,28 @@ class ScalingConfig(Section):
     use_gpu: bool = False
     resources_per_worker: dict[str, Annotated[float, Field(ge=0.0)]] | None = None
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    # Every worker's environment (config/network.py): a preset of NCCL variables per interconnect,
+    # then scaling.env over it.
+    network_profile: Literal["nvlink", "infiniband", "ethernet", "cloud"] | None = None
+    env: Annotated[dict[str, str], Field(max_length=MAX_ENV_VARS)] = Field(default_factory=dict)
+
+    @field_validator("env", mode="before")
+    @classmethod
+    def _env(cls, value: Any) -> Any:
+        if not isinstance(value, dict):
+            return value  # pydantic says what it wanted
+        checked = {}
+        for name, item in value.items():
+            problem = env_problem(str(name))
+            if problem:
+                raise ValueError(f"{name} {problem}")
+            checked[str(name)] = env_value(str(name), item)
+        return checked
+
+    @property
+    def worker_env(self) -> dict[str, str]:
+        """What trainforge sets on every worker from the config: the profile's, then ``env``."""
+        return worker_variables(self.network_profile, self.env)
 
     @field_validator("num_workers")
     @classmethod

@@ -86,7 +86,7 @@ def build_trainer(
     (one this process started) relative data paths are made absolute for the workers."""
     scaling = config.scaling
     resources = dict(scaling.resources_per_worker) if scaling.resources_per_worker else None
-    env = worker_env()
+    env = {**worker_env(), **scaling.worker_env}  # scaling.network_profile, then scaling.env, over the node's own
     streamed: dict[str, Any] = {}
     # Streamed sources (and factories returning Ray Datasets) are read by Ray Data and reach the
     # workers as Ray Train's dataset shards. Decided here, once: the workers follow the payload.

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import platform
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
@@ -36,6 +37,7 @@ from trainforge.protocol import (
     UserError,
     merge_points,
 )
+from trainforge.redact import MASK, is_secret_key
 from trainforge.worker import collectives
 from trainforge.worker.autobatch import choose_batch, shrink_after_oom
 from trainforge.worker.build import WorkerRun, build, evaluate
@@ -63,6 +65,7 @@ def run_worker(payload: Payload, startup: dict[str, float] | None = None) -> Rep
     config = payload.config
     try:
         run = build(config, stream=payload.stream.to_dict() if payload.stream is not None else None, marks=startup)
+        log_environment(config, run.rank)
         checkpointing = Checkpointing(run, run_store())
         restored = restore(run, checkpointing.store)
         # What restore walked past (corrupt, or not this run's model) is not the run's to rotate.
@@ -411,6 +414,20 @@ def restore_events(restored: Restored, run: WorkerRun) -> list[Event]:
         )
         events.append(Note(said, "warning"))
     return events
+
+
+def log_environment(config: Config, rank: int) -> None:
+    """One line per worker (workers.log): what scaling.network_profile and scaling.env asked for and
+    what this process has, secrets masked; a node that overrides them, or a typo, shows here."""
+    wanted = config.scaling.worker_env
+    if not wanted:
+        return
+    shown = []
+    for name in sorted(wanted):
+        value = os.environ.get(name)
+        text = "(unset)" if value is None else (MASK if is_secret_key(name) else value)
+        shown.append(f"{name}={text}")
+    log.info("rank %d on %s: worker environment: %s", rank, platform.node(), " ".join(shown))
 
 
 def worker_env() -> dict[str, str]:
