@@ -314,15 +314,21 @@ class RayCluster:
 
 @contextlib.contextmanager
 def ray_cluster(
-    net: Network, specs: Sequence[NodeSpec], *, system_config: dict[str, Any] | None = None, dashboard: bool = False
+    net: Network,
+    specs: Sequence[NodeSpec],
+    *,
+    system_config: dict[str, Any] | None = None,
+    dashboard: bool = False,
+    env: dict[str, str] | None = None,
 ) -> Iterator[RayCluster]:
     """A running RayCluster in ``net`` (one node per spec, each in the namespace of its name) for
-    the block. Temp dirs live under /tmp/<the network's prefix>: Ray's socket paths, which live
-    under them, are limited to about 107 bytes."""
+    the block; ``env`` goes to every node and driver (e.g. Ray's TLS variables). Temp dirs live
+    under /tmp/<the network's prefix>: Ray's socket paths, which live under them, are limited to
+    about 107 bytes."""
     remove_stale_temp_dirs()
     root = Path("/tmp") / net.prefix
     shutil.rmtree(root, ignore_errors=True)
-    cluster = RayCluster(net, specs, root, system_config=system_config, dashboard=dashboard)
+    cluster = RayCluster(net, specs, root, system_config=system_config, dashboard=dashboard, env=env)
     try:
         cluster.start()
         yield cluster

@@ -18,6 +18,7 @@ import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -27,10 +28,11 @@ from cryptography.x509.oid import ExtendedKeyUsageOID
 from tests.helpers.runs import tiny_run
 from trainforge.cli import main
 from trainforge.config import load_config
+from trainforge.config.schema import TlsConfig
 from trainforge.driver.certs import CertFiles, create_certs, default_hosts
 from trainforge.driver.jobs import job_config
-from trainforge.driver.tls import dashboard_verify, ray_tls_env
-from trainforge.errors import ConfigError
+from trainforge.driver.tls import check_tls, dashboard_verify, ray_tls_env
+from trainforge.errors import ClusterError, ConfigError
 
 VERSION = {"version": "4", "ray_version": "2.60.0", "ray_commit": "0"}
 JOB = {"type": "SUBMISSION", "submission_id": "raysubmit_x", "status": "RUNNING", "entrypoint": "x"}
@@ -286,10 +288,12 @@ def test_use_tls_sets_rays_variables_before_ray_and_refuses_after(certs: CertFil
     assert given.returncode == 0, given.stderr
 
 
-def load_tls(run: dict[str, object]):  # type: ignore[no-untyped-def]
-    from trainforge.config.schema import TlsConfig
+def load_tls(run: dict[str, Any]) -> TlsConfig:
+    return TlsConfig.model_validate(run["cluster"]["tls"])
 
-    return TlsConfig.model_validate(run["cluster"]["tls"])  # type: ignore[index]
+
+def tls_of(files: CertFiles) -> TlsConfig:
+    return TlsConfig(ca=str(files.ca), cert=str(files.cert), key=str(files.key))
 
 
 def test_a_submitted_config_leaves_tls_to_the_cluster(certs: CertFiles, tmp_path: Path) -> None:
@@ -367,3 +371,78 @@ def test_submit_with_cluster_tls_needs_an_https_address(
     argv += ["--set", tls_set(certs.ca, certs.cert, certs.key)]
     err = one_error_line(capsys, argv)
     assert f"error: cluster.tls.ca {certs.ca} is for a TLS dashboard, but http://127.0.0.1:8265 is http://" in err
+
+
+# the driver's handshake before ray.init (check_tls)
+
+
+@pytest.fixture
+def tls_environment(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
+    for name in ("RAY_USE_TLS", "RAY_TLS_SERVER_CERT", "RAY_TLS_SERVER_KEY", "RAY_TLS_CA_CERT"):
+        monkeypatch.delenv(name, raising=False)
+    yield monkeypatch
+
+
+def serve_plain_once() -> tuple[int, threading.Thread]:
+    """A server that speaks no TLS (as a plain Ray GCS): reads what comes and hangs up."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        with listener:
+            conn, _ = listener.accept()
+            with conn:
+                conn.recv(4096)
+                conn.sendall(b"\x00\x00\x12\x04\x00\x00\x00\x00\x00")  # an HTTP/2 SETTINGS frame, not TLS
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return int(listener.getsockname()[1]), thread
+
+
+def test_check_tls_passes_a_cluster_of_the_same_ca(certs: CertFiles, tls_environment: pytest.MonkeyPatch) -> None:
+    for name, value in ray_tls_env(tls_of(certs)).items():
+        tls_environment.setenv(name, value)
+    port, thread, problems = serve_tls_once(certs)
+    check_tls(f"127.0.0.1:{port}")
+    thread.join(timeout=10)
+    assert problems == []
+
+
+def test_check_tls_refuses_in_one_line_what_ray_would_retry_for_minutes(
+    certs: CertFiles, foreign: CertFiles, tls_environment: pytest.MonkeyPatch
+) -> None:
+    # This driver's certificate is another CA's: the cluster refuses it.
+    for name, value in {**ray_tls_env(tls_of(certs)), "RAY_TLS_SERVER_CERT": str(foreign.cert)}.items():
+        tls_environment.setenv(name, value)
+    tls_environment.setenv("RAY_TLS_SERVER_KEY", str(foreign.key))
+    port, thread, _ = serve_tls_once(certs)
+    with pytest.raises(
+        ClusterError, match=r"it refused this driver's certificate .*must be signed by the cluster's CA"
+    ):
+        check_tls(f"127.0.0.1:{port}")
+    thread.join(timeout=10)
+    # The cluster's certificate is another CA's.
+    for name, value in ray_tls_env(tls_of(certs)).items():
+        tls_environment.setenv(name, value)
+    port, thread, _ = serve_tls_once(foreign)
+    with pytest.raises(ClusterError, match=r"does not verify against .*ca.crt .*is cluster.tls.ca this cluster's CA"):
+        check_tls(f"127.0.0.1:{port}")
+    thread.join(timeout=10)
+    # TLS here, none there.
+    port, plain = serve_plain_once()
+    with pytest.raises(ClusterError, match=rf"the Ray cluster at 127.0.0.1:{port} does not use TLS"):
+        check_tls(f"127.0.0.1:{port}")
+    plain.join(timeout=10)
+
+
+def test_check_tls_without_tls_refuses_a_tls_cluster_and_passes_a_plain_one(
+    certs: CertFiles, tls_environment: pytest.MonkeyPatch
+) -> None:
+    port, thread, _ = serve_tls_once(certs)
+    with pytest.raises(ClusterError, match=rf"the Ray cluster at 127.0.0.1:{port} uses TLS and this driver does not"):
+        check_tls(f"127.0.0.1:{port}")
+    thread.join(timeout=10)
+    port, plain = serve_plain_once()
+    check_tls(f"127.0.0.1:{port}")
+    plain.join(timeout=10)
+    check_tls("auto")  # nothing to dial

@@ -22,7 +22,7 @@ from urllib.parse import urlparse
 import ray
 
 from trainforge.config import Config
-from trainforge.driver.tls import use_tls
+from trainforge.driver.tls import check_tls, use_tls
 from trainforge.errors import ClusterError
 from trainforge.metrics.driver.session import check_cluster_options, local_ray_options, publish_local_targets
 from trainforge.redact import redacting
@@ -131,6 +131,7 @@ def ray_session(config: Config, address: str | None, *, verbose: bool) -> Iterat
     if address:
         check_cluster_options(config.metrics)
         check_reachable(address)
+        check_tls(address)  # a TLS mismatch in one line, not Ray's minutes of retries
         try:
             ray.init(address=address, **quiet)  # type: ignore[arg-type]
         except (ConnectionError, RuntimeError) as err:

@@ -14,10 +14,14 @@ Ray's dashboard (the Jobs API) serves plain HTTP whatever these say; ``dashboard
 
 from __future__ import annotations
 
+import contextlib
 import os
+import socket
+import ssl
 import stat
 import sys
 from pathlib import Path
+from urllib.parse import urlparse
 
 from trainforge.config.schema import TlsConfig
 from trainforge.errors import ClusterError, ConfigError
@@ -78,3 +82,85 @@ def dashboard_verify(address: str, ca: str | None, source: str = "--ca") -> str 
     if not regular:
         raise ConfigError(f"{source} {ca}: not a regular file")
     return str(path)
+
+
+def check_tls(address: str, timeout_s: float = 5.0) -> None:
+    """Before ``ray.init`` connects to ``address``: a TLS handshake with the cluster's GCS (or Ray
+    client server), as this process's Ray would make it, so that a mismatch is one line in seconds.
+    Ray itself would retry a refused handshake for minutes and then time out without saying why.
+
+    With TLS on here: the cluster's certificate must verify against the CA (for the host dialled)
+    and the cluster must accept ours. With TLS off: a cluster that answers a TLS handshake is
+    refused, since it would refuse this driver's plain gRPC. Nothing is said when the address
+    cannot be reached (``check_reachable`` said it first) or for ``auto``."""
+    if address == "auto":
+        return
+    try:
+        parsed = urlparse(address if "://" in address else f"tcp://{address}")
+        host, port = parsed.hostname, parsed.port or (10001 if parsed.scheme == "ray" else 6379)
+    except ValueError:
+        return
+    if host is None:
+        return
+    if tls_in_environment():
+        _check_mutual(address, host, port, timeout_s)
+    elif _answers_tls(host, port, timeout_s):
+        raise ClusterError(
+            f"the Ray cluster at {address} uses TLS and this driver does not: set cluster.tls (the cluster's "
+            f"CA, a certificate it signed and its key; trainforge certs create), or {USE_TLS}=1 and {CERT}, {KEY}, {CA}"
+        )
+
+
+def _check_mutual(address: str, host: str, port: int, timeout_s: float) -> None:
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    try:
+        context.load_verify_locations(os.environ[CA])
+        context.load_cert_chain(os.environ[CERT], os.environ[KEY])
+    except (KeyError, OSError, ssl.SSLError) as err:
+        raise ClusterError(f"{USE_TLS} is set but {CA}, {CERT} and {KEY} do not load ({err})") from None
+    context.set_alpn_protocols(["h2"])  # as gRPC offers
+    try:
+        with (
+            socket.create_connection((host, port), timeout=timeout_s) as raw,
+            context.wrap_socket(raw, server_hostname=host) as tls,
+        ):
+            # TLS 1.3: the server checks our certificate after our side of the handshake is done,
+            # and says so with an alert; a server that took it waits for HTTP/2 instead.
+            tls.settimeout(0.5)
+            with contextlib.suppress(TimeoutError):
+                tls.recv(1)
+    except ssl.SSLCertVerificationError as err:
+        raise ClusterError(
+            f"TLS handshake with the Ray cluster at {address} failed: its certificate does not verify against "
+            f"{os.environ[CA]} ({err.verify_message}); is cluster.tls.ca this cluster's CA?"
+        ) from None
+    except ssl.SSLError as err:
+        if not _is_alert(err):
+            raise ClusterError(
+                f"the Ray cluster at {address} does not use TLS ({USE_TLS} or cluster.tls is set)"
+            ) from None
+        raise ClusterError(
+            f"TLS handshake with the Ray cluster at {address} failed: it refused this driver's certificate "
+            f"{os.environ[CERT]} ({err.reason}); cluster.tls.cert must be signed by the cluster's CA"
+        ) from None
+    except OSError:
+        return  # not reachable now: Ray's own connect says so
+
+
+def _answers_tls(host: str, port: int, timeout_s: float) -> bool:
+    """Whether the server at host:port completes (or alerts in) a TLS handshake: it speaks TLS."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE  # only asking whether it speaks TLS
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s) as raw, context.wrap_socket(raw):
+            return True
+    except ssl.SSLError as err:
+        return _is_alert(err)
+    except OSError:
+        return False
+
+
+def _is_alert(err: ssl.SSLError) -> bool:
+    """An alert the peer sent mid-handshake (so it speaks TLS), not garbage or a hang-up in its place."""
+    return "ALERT" in str(err.reason or "").upper()
