@@ -56,3 +56,24 @@ def oom_net(limits: list[int] | None = None, late: dict[str, list[int]] | None =
     return OutOfMemoryOnCue(
         dict(enumerate(limits or [])), {int(r): list(calls) for r, calls in (late or {}).items()}, hidden
     )
+
+
+class CudaHog(nn.Module):
+    """A digits classifier whose training forward takes ``gb_per_sample`` GiB of GPU memory per
+    sample, as a large model's activations would: the CUDA allocator itself runs out of memory
+    above a micro-batch that depends on the GPU (the GPU battery's real out-of-memory)."""
+
+    def __init__(self, gb_per_sample: float) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+        self.bytes_per_sample = int(gb_per_sample * 2**30)
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        if self.training and inputs.is_cuda:
+            held = torch.empty(inputs.shape[0] * self.bytes_per_sample, dtype=torch.uint8, device=inputs.device)
+            del held
+        return self.net(inputs)
+
+
+def cuda_hog(gb_per_sample: float = 1.0) -> nn.Module:
+    return CudaHog(gb_per_sample)

@@ -54,14 +54,15 @@ def chatty_net(hidden: int = 16) -> nn.Module:
 
 
 class NanOnce(nn.Module):
-    """An MLP whose output is NaN on rank 1 at its ``at``-th training forward, once: a non-finite
-    step that only one rank sees (its gradient shard, under FSDP)."""
+    """An MLP whose output is NaN on rank ``on_rank`` at its ``at``-th training forward, once: a
+    non-finite step that only one rank sees (its gradient shard, under FSDP)."""
 
-    def __init__(self, at: int, hidden: int) -> None:
+    def __init__(self, at: int, hidden: int, on_rank: int = 1) -> None:
         super().__init__()
         self.blocks = nn.ModuleList([nn.Linear(64, hidden), nn.Linear(hidden, hidden)])
         self.head = nn.Linear(hidden, 10)
         self.at = at
+        self.on_rank = on_rank
         self.calls = 0
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
@@ -71,13 +72,13 @@ class NanOnce(nn.Module):
         out = self.head(hidden)
         if self.training:
             self.calls += 1
-            if self.calls == self.at and torch.distributed.get_rank() == 1:
+            if self.calls == self.at and torch.distributed.get_rank() == self.on_rank:
                 out = out * float("nan")
         return out
 
 
-def nan_once(at: int = 3, hidden: int = 32) -> nn.Module:
-    return NanOnce(at, hidden)
+def nan_once(at: int = 3, hidden: int = 32, on_rank: int = 1) -> nn.Module:
+    return NanOnce(at, hidden, on_rank)
 
 
 def paced_tp_plan(model: nn.Module) -> dict[str, str]:

@@ -109,7 +109,9 @@ def build(
     else:
         rank, world = ranks
     torch.set_num_threads(config.train.threads_per_worker)
-    device = ray.train.torch.get_device() if config.scaling.use_gpu else torch.device("cpu")
+    device = torch.device("cpu")
+    if config.scaling.use_gpu:  # Ray Train's device, or (outside Ray: a test's own NCCL group) the current one
+        device = ray.train.torch.get_device() if ranks is None else torch.device("cuda", torch.cuda.current_device())
     if config.deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
         torch.backends.cudnn.benchmark = False
