@@ -195,6 +195,29 @@ def test_existing_files_are_never_overwritten(tmp_path: Path, capsys: pytest.Cap
     assert (folder / "node.key").read_text() == "mine"
 
 
+def test_ca_from_signs_a_node_certificate_with_an_existing_ca_and_copies_only_its_certificate(
+    certs: CertFiles, foreign: CertFiles, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    main(["certs", "create", str(tmp_path / "pod"), "--ca-from", str(certs.ca.parent), "--hosts", "10.244.1.7"])
+    assert "CA key" not in capsys.readouterr().out
+    assert sorted(p.name for p in (tmp_path / "pod").iterdir()) == ["ca.crt", "node.crt", "node.key"]
+    assert (tmp_path / "pod" / "ca.crt").read_bytes() == certs.ca.read_bytes()
+    node = x509.load_pem_x509_certificate((tmp_path / "pod" / "node.crt").read_bytes())
+    node.verify_directly_issued_by(x509.load_pem_x509_certificate(certs.ca.read_bytes()))
+    names = node.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert names.get_values_for_type(x509.IPAddress) == [ipaddress.ip_address("10.244.1.7")]
+    # a folder without the CA's key, and a key that is not the certificate's: one line, nothing written
+    err = one_error_line(capsys, ["certs", "create", str(tmp_path / "a"), "--ca-from", str(tmp_path / "pod")])
+    assert f"--ca-from {tmp_path}/pod: No such file or directory ({tmp_path}/pod/ca.key)" in err
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    (mixed / "ca.crt").write_bytes(certs.ca.read_bytes())
+    (mixed / "ca.key").write_bytes(foreign.ca_key.read_bytes())
+    err = one_error_line(capsys, ["certs", "create", str(tmp_path / "b"), "--ca-from", str(mixed)])
+    assert "ca.key is not the key of the CA in ca.crt" in err
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
 @pytest.mark.parametrize(
     ("argv", "said"),
     [

@@ -22,6 +22,14 @@ def certs_create(
         ),
     ] = None,
     days: Annotated[int, typer.Option(help="Days the node certificate is valid (the CA: 10 years).")] = 365,
+    ca_from: Annotated[
+        Path | None,
+        typer.Option(
+            "--ca-from",
+            help="Sign with the CA in this folder (ca.crt, ca.key) instead of making one: a node certificate for "
+            "an address known only at start (a pod's or container's IP). FOLDER gets ca.crt, node.crt, node.key.",
+        ),
+    ] = None,
 ) -> None:
     """Make a CA and a node certificate it signs (ECDSA P-256; keys 0600), for Ray's mutual TLS.
 
@@ -31,9 +39,10 @@ def certs_create(
     from trainforge.driver.certs import create_certs, default_hosts
 
     names = [part.strip() for given in hosts or [] for part in given.split(",") if part.strip()]
-    made = create_certs(folder, names or default_hosts(), days=days)
+    made = create_certs(folder, names or default_hosts(), days=days, ca_from=ca_from)
     typer.echo(f"CA certificate:   {made.ca}")
-    typer.echo(f"CA key:           {made.ca_key} (keep it off the nodes: it signs new certificates)")
+    if ca_from is None:
+        typer.echo(f"CA key:           {made.ca_key} (keep it off the nodes: it signs new certificates)")
     typer.echo(f"node certificate: {made.cert} (for: {', '.join(names or default_hosts())})")
     typer.echo(f"node key:         {made.key}")
     typer.echo("in a run config:")

@@ -36,7 +36,8 @@ _DNS_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
 
 @dataclass(frozen=True)
 class CertFiles:
-    """What ``create_certs`` wrote: the CA's certificate and key, the node's certificate and key."""
+    """What ``create_certs`` wrote: the CA's certificate and key (not written with ``ca_from``),
+    the node's certificate and key."""
 
     ca: Path
     ca_key: Path
@@ -62,10 +63,16 @@ def check_host(host: str) -> str:
     return host
 
 
-def create_certs(folder: Path, hosts: Sequence[str], *, days: int = NODE_DAYS) -> CertFiles:
+def create_certs(
+    folder: Path, hosts: Sequence[str], *, days: int = NODE_DAYS, ca_from: Path | None = None
+) -> CertFiles:
     """Write a new CA and a node certificate for ``hosts`` into ``folder`` (made 0700 if missing).
 
-    Refuses, before anything is written, when any of the four files exists already: a CA that is
+    ``ca_from``: a folder holding ca.crt and ca.key (what an earlier call wrote): sign with that CA
+    instead, and write its certificate beside the node's, but not its key. That is how a node whose
+    address is known only when it starts (a pod, a container) gets a certificate for it.
+
+    Refuses, before anything is written, when any file it would write exists already: a CA that is
     replaced leaves every node holding the old one unable to talk to the others.
     """
     if not hosts:
@@ -76,15 +83,26 @@ def create_certs(folder: Path, hosts: Sequence[str], *, days: int = NODE_DAYS) -
     files = CertFiles(*(folder / name for name in NAMES))
     if folder.exists() and not folder.is_dir():
         raise ConfigError(f"{folder} exists and is not a folder")
-    paths = (files.ca, files.ca_key, files.cert, files.key)
+    paths = (files.ca, files.cert, files.key, *([files.ca_key] if ca_from is None else []))
     taken = [str(path) for path in paths if path.exists() or path.is_symlink()]
     if taken:
         raise ConfigError(f"{', '.join(taken)} already exist: certs create never overwrites; choose another folder")
+    ca_cert, ca_key = _new_ca() if ca_from is None else _load_ca(ca_from)
     try:
         folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     except OSError as err:
         raise ConfigError(f"cannot create {folder}: {err.strerror or err}") from None
+    node_key = ec.generate_private_key(ec.SECP256R1())
+    node_cert = _node_certificate(node_key, ca_cert, ca_key, hosts, days)
+    if ca_from is None:
+        _write(files.ca_key, _key_pem(ca_key), 0o600)
+    _write(files.ca, _cert_pem(ca_cert), 0o644)
+    _write(files.key, _key_pem(node_key), 0o600)
+    _write(files.cert, _cert_pem(node_cert), 0o644)
+    return files
 
+
+def _new_ca() -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
     now = datetime.datetime.now(datetime.timezone.utc)
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "trainforge cluster CA")])
@@ -101,15 +119,40 @@ def create_certs(folder: Path, hosts: Sequence[str], *, days: int = NODE_DAYS) -
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
         .sign(ca_key, hashes.SHA256())
     )
-    node_key = ec.generate_private_key(ec.SECP256R1())
-    node_cert = (
+    return ca_cert, ca_key
+
+
+def _load_ca(folder: Path) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+    """The CA ``certs create`` wrote into ``folder`` (ca.crt, ca.key), checked to be one."""
+    try:
+        cert = x509.load_pem_x509_certificate((folder / "ca.crt").read_bytes())
+        key = serialization.load_pem_private_key((folder / "ca.key").read_bytes(), password=None)
+    except OSError as err:
+        raise ConfigError(f"--ca-from {folder}: {err.strerror or err} ({getattr(err, 'filename', '')})") from None
+    except (ValueError, TypeError) as err:
+        raise ConfigError(f"--ca-from {folder}: ca.crt and ca.key are not a PEM certificate and key ({err})") from None
+    constraints = cert.extensions.get_extension_for_class(x509.BasicConstraints).value
+    if not isinstance(key, ec.EllipticCurvePrivateKey) or not constraints.ca or key.public_key() != cert.public_key():
+        raise ConfigError(f"--ca-from {folder}: ca.key is not the key of the CA in ca.crt (certs create writes both)")
+    return cert, key
+
+
+def _node_certificate(
+    key: ec.EllipticCurvePrivateKey,
+    ca_cert: x509.Certificate,
+    ca_key: ec.EllipticCurvePrivateKey,
+    hosts: Sequence[str],
+    days: int,
+) -> x509.Certificate:
+    now = datetime.datetime.now(datetime.timezone.utc)
+    return (
         x509.CertificateBuilder()
         .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, hosts[0][:64])]))
-        .issuer_name(ca_name)
-        .public_key(node_key.public_key())
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - CLOCK_SKEW)
-        .not_valid_after(now + datetime.timedelta(days=days))
+        .not_valid_after(min(now + datetime.timedelta(days=days), ca_cert.not_valid_after_utc))
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(_usage(cert_sign=False), critical=True)
         .add_extension(
@@ -119,11 +162,6 @@ def create_certs(folder: Path, hosts: Sequence[str], *, days: int = NODE_DAYS) -
         .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
         .sign(ca_key, hashes.SHA256())
     )
-    _write(files.ca_key, _key_pem(ca_key), 0o600)
-    _write(files.ca, _cert_pem(ca_cert), 0o644)
-    _write(files.key, _key_pem(node_key), 0o600)
-    _write(files.cert, _cert_pem(node_cert), 0o644)
-    return files
 
 
 def _usage(*, cert_sign: bool) -> x509.KeyUsage:
