@@ -202,3 +202,39 @@ def test_every_checkov_skip_is_justified_inline(checkov_reports: list[dict[str, 
     for check in skipped:
         reason = check["check_result"].get("suppress_comment", "")
         assert len(reason.split()) >= 8, f"{check['check_id']} on {check['resource']} is skipped without a reason"
+
+
+def test_the_ray_containers_run_with_tls_from_a_certificate_they_sign_at_start(tmp_path: Path) -> None:
+    """Each Ray service signs a certificate for its own address (the CA from the git-ignored
+    deploy/compose/tls, mounted as secrets) before `ray start`, with Ray's TLS variables naming it;
+    the signing half of the head's command, run here with its paths moved under tmp_path, makes
+    a certificate the CA signed for this machine's address."""
+    from cryptography import x509
+
+    document = compose()
+    env = document["x-ray-node"]["environment"]
+    assert env["RAY_USE_TLS"] == "1"
+    assert {env[n] for n in ("RAY_TLS_SERVER_CERT", "RAY_TLS_SERVER_KEY", "RAY_TLS_CA_CERT")} == {
+        "/tmp/tls/node.crt", "/tmp/tls/node.key", "/tmp/tls/ca.crt"
+    }  # fmt: skip
+    secrets = {s["source"]: s["target"] for s in document["x-ray-node"]["secrets"] if isinstance(s, dict)}
+    assert secrets == {"ray_tls_ca_cert": "/run/secrets/ray-ca/ca.crt", "ray_tls_ca_key": "/run/secrets/ray-ca/ca.key"}
+    assert document["secrets"]["ray_tls_ca_key"] == {"file": "./tls/ca.key"}
+    ignored = subprocess.run(["git", "check-ignore", "-q", "deploy/compose/tls/ca.key"], cwd=ROOT, timeout=30)
+    assert ignored.returncode == 0, "deploy/compose/tls must be git-ignored"
+    for name in ("ray-head", "ray-worker"):
+        sign, start = document["services"][name]["command"][-1].split(" && exec ")
+        assert start.startswith("ray start ") and "--ca-from /run/secrets/ray-ca" in sign, name
+    ca = tmp_path / "ca"
+    trainforge = ROOT / ".venv" / "bin" / "trainforge"
+    subprocess.run([str(trainforge), "certs", "create", str(ca)], check=True, capture_output=True, timeout=120)
+    sign = document["services"]["ray-head"]["command"][-1].split(" && exec ")[0]
+    sign = sign.replace("/run/secrets/ray-ca", str(ca)).replace("/tmp/tls", str(tmp_path / "tls"))
+    path = f"{trainforge.parent}:/usr/bin:/bin"
+    done = subprocess.run(["sh", "-c", sign], env={"PATH": path}, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    node = x509.load_pem_x509_certificate((tmp_path / "tls" / "node.crt").read_bytes())
+    node.verify_directly_issued_by(x509.load_pem_x509_certificate((ca / "ca.crt").read_bytes()))
+    addresses = node.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    own = subprocess.run(["hostname", "-i"], capture_output=True, text=True, timeout=30).stdout.split()[0]
+    assert own in [str(ip) for ip in addresses.get_values_for_type(x509.IPAddress)]

@@ -279,3 +279,64 @@ def test_each_overlay_selects_one_checkpoint_storage(rendered: Docs) -> None:
             env = {e["name"]: e.get("value") for e in t.containers()[0]["env"]}
             assert env["AWS_SHARED_CREDENTIALS_FILE"] == "/var/run/secrets/trainforge/s3/credentials"
     assert run_config(gpu).checkpoint.storage_path.startswith("s3://")
+
+
+TLS_VARIABLES = ("RAY_USE_TLS", "RAY_TLS_SERVER_CERT", "RAY_TLS_SERVER_KEY", "RAY_TLS_CA_CERT")
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_ray_process_runs_with_tls_from_its_pods_own_certificate(rendered: Docs, overlay: str) -> None:
+    """Head, workers and the autoscaler get Ray's TLS variables naming files of the memory volume
+    the init container fills; the CA's Secret is mounted in the init container only."""
+    docs = rendered[overlay]
+    cluster = one(docs, "RayCluster")
+    ray_pods = [t for t in pod_templates(docs) if t.role != "submitter"]
+    checked = [*(t.containers()[0] for t in ray_pods), cluster["spec"]["autoscalerOptions"]]
+    for container in checked:
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        mounts = {m["name"]: m for m in container["volumeMounts"]}
+        assert env["RAY_USE_TLS"] == "1", container.get("name", "autoscaler")
+        assert mounts["ray-tls"]["readOnly"] is True and "ray-tls-ca" not in mounts
+        assert all(env[name].startswith(mounts["ray-tls"]["mountPath"] + "/") for name in TLS_VARIABLES[1:])
+    for t in ray_pods:
+        volumes = {v["name"]: v for v in t.template["spec"]["volumes"]}
+        assert volumes["ray-tls"]["emptyDir"]["medium"] == "Memory"
+        assert volumes["ray-tls-ca"]["secret"] == {"secretName": "trainforge-ray-ca", "defaultMode": 0o400}
+        (init,) = t.template["spec"]["initContainers"]
+        assert {m["name"] for m in init["volumeMounts"]} >= {"ray-tls", "ray-tls-ca"}
+        assert init["securityContext"]["readOnlyRootFilesystem"] is True and init["resources"]["limits"]
+        assert "$(POD_IP)" in init["command"][-1]
+        assert ("trainforge-head-svc" in init["command"][-1]) is (t.role == "head"), t.role  # the name workers dial
+    submitter = next(t for t in pod_templates(docs) if t.role == "submitter")
+    assert "ray-tls" not in json.dumps(submitter.template)  # it speaks HTTP to the dashboard only
+
+
+def test_the_init_containers_command_makes_a_certificate_for_the_pods_ip(rendered: Docs, tmp_path: Path) -> None:
+    """The head's init command as the kubelet runs it ($(VAR) expanded), with trainforge from this
+    environment and the paths moved under tmp_path: a certificate the CA signed, for the pod's IP
+    and the head service's names; run twice (a restarted pod), it replaces the first one."""
+    from cryptography import x509
+
+    ca = tmp_path / "ca"
+    subprocess.run(
+        [str(ROOT / ".venv" / "bin" / "trainforge"), "certs", "create", str(ca)], check=True, capture_output=True
+    )
+    (head,) = [t for t in pod_templates(rendered["cpu-dev"]) if t.role == "head"]
+    (init,) = head.template["spec"]["initContainers"]
+    mounts = {m["name"]: m["mountPath"] for m in init["volumeMounts"]}
+    argv = [
+        part.replace(mounts["ray-tls-ca"], str(ca)).replace(mounts["ray-tls"], str(tmp_path / "tls"))
+        for part in init["command"]
+    ]
+    argv[-1] = argv[-1].replace("$(POD_IP)", "10.244.3.9").replace("$(POD_NAMESPACE)", "trainforge-dev")
+    (tmp_path / "tls").mkdir()
+    env = {"PATH": f"{ROOT / '.venv' / 'bin'}:/usr/bin:/bin", "HOME": str(tmp_path)}
+    for _ in range(2):
+        done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+    node = x509.load_pem_x509_certificate((tmp_path / "tls" / "node" / "node.crt").read_bytes())
+    node.verify_directly_issued_by(x509.load_pem_x509_certificate((ca / "ca.crt").read_bytes()))
+    names = node.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert [str(ip) for ip in names.get_values_for_type(x509.IPAddress)] == ["10.244.3.9", "127.0.0.1"]
+    assert "trainforge-head-svc.trainforge-dev.svc.cluster.local" in names.get_values_for_type(x509.DNSName)
+    assert sorted(p.name for p in (tmp_path / "tls" / "node").iterdir()) == ["ca.crt", "node.crt", "node.key"]
