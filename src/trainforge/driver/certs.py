@@ -15,6 +15,7 @@ import datetime
 import ipaddress
 import os
 import re
+import secrets
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -105,7 +106,8 @@ def create_certs(
 def _new_ca() -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
     now = datetime.datetime.now(datetime.timezone.utc)
     ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "trainforge cluster CA")])
+    # A name of its own, so that two clusters' CAs can be told apart (openssl x509 -noout -subject).
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"trainforge cluster CA {secrets.token_hex(4)}")])
     ca_cert = (
         x509.CertificateBuilder()
         .subject_name(ca_name)
