@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from typing import Annotated
 
 import typer
 
 from trainforge.cli.common import (
+    json_text,
     wide_console,
 )
 
@@ -61,6 +61,6 @@ def ckpt_inspect(
 
     report = inspect_checkpoint(path)
     if as_json:
-        typer.echo(json.dumps(report, indent=1, sort_keys=True))
+        typer.echo(json_text(report, indent=1, sort_keys=True))
     else:
         wide_console().print(inspection_view(report), highlight=False)

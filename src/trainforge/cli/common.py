@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -46,6 +48,22 @@ def parse_counts(flag: str, text: str, most: int, example: str) -> list[int]:
     if not counts or not all(1 <= count <= most for count in counts):
         raise TrainforgeError(f"{flag} {text!r}: counts from 1 to {most}")
     return counts
+
+
+def json_text(value: Any, **options: Any) -> str:
+    """``--json`` output that every JSON parser reads: a number that is not finite (NaN, an
+    infinity) becomes null, never Python's bare ``NaN``."""
+    return json.dumps(_finite(value), allow_nan=False, **options)
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(item) for item in value]
+    return value
 
 
 def wide_console() -> Console:

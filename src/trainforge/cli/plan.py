@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Annotated
 
@@ -11,6 +10,7 @@ import typer
 from trainforge.cli.common import (
     ConfigArg,
     SetOpt,
+    json_text,
     parse_counts,
     resolve_config_path,
     wide_console,
@@ -42,7 +42,7 @@ def plan(
 
     result = plan_memory(resolved, gpus or resolved.scaling.max_workers, gpu_memory_gb)
     if as_json:
-        typer.echo(json.dumps(result, indent=1))
+        typer.echo(json_text(result, indent=1))
     else:
         render_plan(result, wide_console())
 
@@ -112,6 +112,6 @@ def predict(
         device=device_name(resolved.scaling.use_gpu),
     )
     if as_json:
-        typer.echo(json.dumps(result, indent=1))
+        typer.echo(json_text(result, indent=1))
     else:
         render(result, wide_console())

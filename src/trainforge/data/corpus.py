@@ -252,12 +252,18 @@ def prepare_corpus(options: PrepareOptions, *, show_progress: bool = False) -> P
     output = options.output.expanduser()
     check_output(output, options)
     tasks = collect_tasks(options.inputs, options.include, options.max_files, names.inputs)
-    output.parent.mkdir(parents=True, exist_ok=True)
     staging = output.parent / f".{output.name}.tmp-{uuid.uuid4().hex[:8]}"
-    staging.mkdir()
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        staging.mkdir()
+    except OSError as err:
+        raise DataError(f"{names.output} {output}: cannot create a folder there ({err.strerror or err})") from None
     try:
         manifest, skipped = write_corpus(staging, tasks, choice, options, show_progress)
         move_into_place(staging, output, options.force)
+    except OSError as err:  # the disk filled, the folder was taken away: nothing is left at the output
+        shutil.rmtree(staging, ignore_errors=True)
+        raise DataError(f"{names.output} {output}: writing the corpus failed ({err.strerror or err})") from None
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -271,7 +277,13 @@ def check_output(output: Path, options: PrepareOptions) -> None:
     flag = options.names.output
     if not output.is_dir() or output.is_symlink():
         raise DataError(f"{flag} {output} exists and is not a directory: give a new folder")
-    if not any(output.iterdir()):
+    try:
+        empty = not any(output.iterdir())
+    except OSError as err:
+        raise DataError(
+            f"{flag} {output} cannot be read ({err.strerror or err}): give a folder you can write"
+        ) from None
+    if empty:
         return
     if not (output / MANIFEST_FILE).is_file():
         raise DataError(f"{flag} {output} is a folder that is not empty and holds no prepared corpus: give a new one")

@@ -22,8 +22,10 @@ import sysconfig
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 from trainforge.errors import DataError
+from trainforge.files import read_user_file
 
 STDLIB = "stdlib"
 STDLIB_SKIPPED = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
@@ -83,7 +85,10 @@ def collect_tasks(inputs: list[str], include: list[str], max_files: int | None, 
         found = [found[int(i * step)] for i in range(max_files)]
     tasks: list[Task] = []
     for path, shown, named in found:
-        size = path.stat().st_size
+        try:
+            size = path.stat().st_size
+        except OSError as err:
+            raise DataError(f"{key} {shown}: cannot be read ({err.strerror or err})") from None
         if path.suffix == ".jsonl":
             bounds = [*range(0, size, JSONL_CHUNK_BYTES), size]
             tasks += [Task(path, shown, True, named, size, lo, hi) for lo, hi in itertools.pairwise(bounds)]
@@ -129,7 +134,7 @@ def read_text_file(task: Task) -> tuple[list[bytes], str]:
             f"{task.shown} is {task.size} bytes: a text file is one document, read whole (at most "
             f'{MAX_TEXT_FILE_BYTES}); split it, or give JSONL with one {{"text": ...}} document per line'
         )
-    raw = task.path.read_bytes()
+    raw = read_user_file(task.path, task.shown, MAX_TEXT_FILE_BYTES, DataError)
     problem = None
     nul = raw.find(b"\x00")
     if nul >= 0:
@@ -150,7 +155,7 @@ def read_jsonl_chunk(task: Task) -> tuple[list[bytes], str]:
     """The ``text`` of every line starting in the task's byte range, and the range's SHA-256."""
     digest = hashlib.sha256()
     documents = []
-    with task.path.open("rb") as handle:
+    with _opened(task) as handle:
         position = task.start
         if task.start > 0:  # the line that runs into the range belongs to the previous task
             handle.seek(task.start - 1)
@@ -170,11 +175,20 @@ def read_jsonl_chunk(task: Task) -> tuple[list[bytes], str]:
     return [doc for doc in documents if doc], digest.hexdigest()
 
 
+def _opened(task: Task) -> BinaryIO:
+    """A JSONL input open for reading, or a DataError naming it (a file that cannot be read)."""
+    try:
+        return task.path.open("rb")
+    except OSError as err:
+        raise DataError(f"{task.shown}: cannot be read ({err.strerror or err})") from None
+
+
 def jsonl_text(line: bytes, where: str) -> bytes:
     try:
         record = json.loads(line)
-    except (ValueError, UnicodeDecodeError) as err:
-        reason = err.msg if isinstance(err, json.JSONDecodeError) else "not UTF-8"
+    except (ValueError, UnicodeDecodeError, RecursionError) as err:
+        reasons = {RecursionError: "nested too deeply", UnicodeDecodeError: "not UTF-8"}
+        reason = err.msg if isinstance(err, json.JSONDecodeError) else reasons.get(type(err), "not JSON")
         raise DataError(
             f'{where}: not a JSON object ({reason}); JSONL inputs hold one {{"text": ...}} object per line'
         ) from None

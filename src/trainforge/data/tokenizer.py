@@ -17,6 +17,7 @@ from typing import Literal
 import numpy as np
 
 from trainforge.errors import DataError
+from trainforge.files import read_user_file
 
 TOKENIZER_FILE = "tokenizer.json"
 END_OF_DOCUMENT = "<|endoftext|>"
@@ -119,12 +120,10 @@ class FileTokenizer(Tokenizer):
 
 def read_tokenizer_file(path: Path, origin: str) -> FileTokenizer:
     """A tokenizer file, bounded in size (tokenizer files are data, not trusted code)."""
+    raw = read_user_file(path, f"{origin} {path}", MAX_TOKENIZER_FILE_BYTES, DataError)  # no FIFO, no /dev/zero
     try:
-        size = path.stat().st_size
-        if size > MAX_TOKENIZER_FILE_BYTES:
-            raise DataError(f"{origin} {path} is {size} bytes, more than a tokenizer file's {MAX_TOKENIZER_FILE_BYTES}")
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as err:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
         raise DataError(f"{origin} {path} cannot be read: {err}") from None
     return FileTokenizer(text, f"{origin} {path}")
 

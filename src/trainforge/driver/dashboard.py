@@ -24,6 +24,7 @@ from typing import IO, TYPE_CHECKING, TypeVar
 from urllib.parse import urlparse
 
 from trainforge.errors import ClusterError, ConfigError
+from trainforge.files import read_user_file
 from trainforge.redact import redact_text
 
 if TYPE_CHECKING:
@@ -33,6 +34,7 @@ ADDRESS_ENV = "RAY_JOBS_ADDRESS"
 CONNECT_TIMEOUT_S = 3.0
 REQUEST_TIMEOUT_S = 5.0
 WAIT_S = 60.0  # --wait-for-cluster's default
+MAX_TOKEN_FILE_BYTES = 8192  # a token is one line of at most 4096 characters
 MAX_WAIT_S = 3600.0
 FIRST_PAUSE_S = 0.5  # the pause between attempts doubles from this ...
 LONGEST_PAUSE_S = 5.0  # ... up to this
@@ -130,11 +132,14 @@ def dashboard_address(address: str | None) -> str:
         given = ray_address
     if given is None:
         raise ConfigError(f"no cluster: give --address http://HEAD:8265 (the Ray dashboard), or set {ADDRESS_ENV}")
-    parsed = urlparse(given)
+    expected = "the Ray dashboard's URL, http://HEAD:8265 (not the GCS HEAD:6379 or ray://)"
+    try:
+        parsed = urlparse(given)
+        parsed.port  # noqa: B018 (a port out of 0-65535 raises only when read)
+    except ValueError as err:  # 'http://[::1' (an unclosed IPv6 bracket), a port such as 99999 or 'x'
+        raise ConfigError(f"--address {given!r}: not a URL ({err}); {expected}") from None
     if parsed.scheme not in ("http", "https") or not parsed.hostname:
-        raise ConfigError(
-            f"--address {given!r}: the Ray dashboard's URL, http://HEAD:8265 (not the GCS HEAD:6379 or ray://)"
-        )
+        raise ConfigError(f"--address {given!r}: {expected}")
     return given.rstrip("/")
 
 
@@ -152,15 +157,13 @@ def find_token(token_file: Path | None) -> Token | None:
 
 
 def _read_token(path: Path, source: str, *, required: bool) -> Token | None:
+    if not required and not path.exists():
+        return None
+    raw = read_user_file(path, source, MAX_TOKEN_FILE_BYTES, ConfigError)  # a FIFO or /dev/zero: refused, not read
     try:
-        with path.open("rb") as file:
-            value = file.read(4097).decode("utf-8").strip()
-    except FileNotFoundError:
-        if not required:
-            return None
-        raise ConfigError(f"{source}: no such file") from None
-    except (OSError, UnicodeDecodeError) as err:
-        raise ConfigError(f"{source}: cannot read the token ({err})") from None
+        value = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise ConfigError(f"{source}: not a Ray token (not UTF-8 text)") from None
     if not value or len(value) > 4096 or any(c.isspace() for c in value):
         raise ConfigError(f"{source}: not a Ray token (one line; `ray get-auth-token` prints the cluster's)")
     return Token(value, source)

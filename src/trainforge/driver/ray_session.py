@@ -69,8 +69,11 @@ def check_reachable(address: str, timeout_s: float = 5.0) -> None:
     """Fail in seconds, with a clear message, instead of waiting on Ray's long connect retries."""
     if address == "auto":
         return
-    parsed = urlparse(address if "://" in address else f"tcp://{address}")
-    host, port = parsed.hostname, parsed.port or (10001 if parsed.scheme == "ray" else 6379)
+    try:
+        parsed = urlparse(address if "://" in address else f"tcp://{address}")
+        host, port = parsed.hostname, parsed.port or (10001 if parsed.scheme == "ray" else 6379)
+    except ValueError:  # an unclosed IPv6 bracket, a port out of 0-65535 or not a number
+        host = None
     if not host:
         raise ClusterError(f"Ray address {address!r} is not host:port, ray://host:port or 'auto'")
     try:

@@ -25,6 +25,7 @@ import logging
 import os
 import shlex
 import socket
+import stat
 import sys
 import tempfile
 import time
@@ -38,6 +39,7 @@ import yaml
 
 from trainforge.config import Config
 from trainforge.errors import ConfigError, RunLockedError
+from trainforge.files import file_kind
 from trainforge.redact import MASK, is_secret_key, redact_config, redact_text
 
 log = logging.getLogger("trainforge")
@@ -148,9 +150,17 @@ def acquire(directory: Path, *, what: str, advice: str, wait_s: float = 0.0) -> 
     ``wait_s`` waits that long for a holder that is ending (a restarted tune trial)."""
     path = directory / LOCK_FILE
     try:
-        descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        # O_NONBLOCK: a FIFO planted as .lock must not block the open (it is refused below).
+        descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
     except OSError as err:
         raise ConfigError(f"{what} {directory} is not writable: cannot open {path}: {err.strerror or err}") from None
+    mode = os.fstat(descriptor).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(descriptor)
+        raise ConfigError(
+            f"{what} {directory}: its lock file {path} is {file_kind(mode)}, not a regular file; remove it "
+            "(trainforge creates it)"
+        )
     try:
         if not _flock(descriptor, path, wait_s):
             holder = _read_holder(descriptor, settle_s=0.5)

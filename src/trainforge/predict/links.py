@@ -10,13 +10,19 @@ here. docs/benchmarks.md lists each figure with its source and says which is whi
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from trainforge.errors import TrainforgeError
+from trainforge.files import read_user_file
 
 GB = 1e9
+MAX_REPORT_BYTES = 8 << 20  # a bench collectives report is a few KiB of JSON
+MAX_MEASURED_WORKERS = 1 << 20
+# The bounds of a given rate (1kbit to 10000gbit, rate_link) in bytes per second, and its latency.
+MIN_BANDWIDTH_BPS, MAX_BANDWIDTH_BPS, MAX_ALPHA_S = 1e3 / 8, 1e13 / 8, 1.0
 
 
 @dataclass(frozen=True)
@@ -66,12 +72,13 @@ def measured_link(path: Path) -> Link:
     2(n-1) / (n * beta)`` (the fitted busbw's asymptote).
     """
     where = f"--collectives {path}"
+    if not path.exists():
+        raise TrainforgeError(f"{where}: no such file (write one with trainforge bench collectives --output)")
+    raw = read_user_file(path, where, MAX_REPORT_BYTES)  # a FIFO or /dev/zero: refused, not read
     try:
-        report = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise TrainforgeError(f"{where}: no such file (write one with trainforge bench collectives --output)") from None
-    except (OSError, ValueError) as err:
-        raise TrainforgeError(f"{where}: not a readable JSON file ({err})") from None
+        report = json.loads(raw)
+    except (ValueError, RecursionError) as err:
+        raise TrainforgeError(f"{where}: not a readable JSON file ({type(err).__name__})") from None
     try:
         workers = int(report["workers"])
         fit = report["fits"]["all_reduce"]
@@ -80,6 +87,11 @@ def measured_link(path: Path) -> Link:
         raise TrainforgeError(
             f"{where}: expected the JSON of trainforge bench collectives --output (workers, fits.all_reduce)"
         ) from None
+    if not (math.isfinite(alpha) and math.isfinite(beta) and workers <= MAX_MEASURED_WORKERS):
+        raise TrainforgeError(
+            f"{where}: fits.all_reduce's alpha_s and beta_s_per_byte must be finite numbers and workers at most "
+            f"{MAX_MEASURED_WORKERS} (alpha_s={alpha}, beta_s_per_byte={beta}, workers={workers})"
+        )
     if workers < 2 or beta <= 0:
         raise TrainforgeError(
             f"{where}: needs an all-reduce over >= 2 workers with a positive beta "
@@ -87,10 +99,16 @@ def measured_link(path: Path) -> Link:
             "rerun with larger --sizes or more --iters)"
         )
     steps = 2 * (workers - 1)
+    bandwidth = steps / (workers * beta)
+    if not (MIN_BANDWIDTH_BPS <= bandwidth <= MAX_BANDWIDTH_BPS and alpha <= MAX_ALPHA_S):
+        raise TrainforgeError(
+            f"{where}: the fit gives {bandwidth:g} B/s and {alpha:g} s of latency; a link between "
+            f"{MIN_BANDWIDTH_BPS:g} and {MAX_BANDWIDTH_BPS:g} B/s with at most {MAX_ALPHA_S:g} s is expected"
+        )
     return Link(
         "measured",
         max(alpha, 0.0) / steps,
-        steps / (workers * beta),
+        bandwidth,
         f"bench collectives all-reduce fit over {workers} {report.get('backend', '?')} ranks "
         f"on {report.get('machine', {}).get('device', '?')} ({path.name})",
     )
