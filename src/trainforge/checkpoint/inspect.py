@@ -34,6 +34,7 @@ from trainforge.checkpoint.schema import (
     shard_rank,
 )
 from trainforge.checkpoint.storage import CheckpointStore
+from trainforge.checkpoint.uris import first_line
 from trainforge.checkpoint.verify import Verification, list_tree, open_file, read_capped
 from trainforge.errors import CheckpointError
 
@@ -56,7 +57,7 @@ def open_location(location: str) -> CheckpointStore:
     store = CheckpointStore.from_uri(location)
     kind = _file_type(store, store.root)
     if kind == pafs.FileType.NotFound:
-        raise CheckpointError(f"{location} does not exist")
+        raise CheckpointError(f"{location} does not exist{_no_bucket(store, store.root)}")
     if kind != pafs.FileType.Directory:
         raise CheckpointError(f"{location} is not a directory (give a run directory or a storage URI)")
     return store
@@ -67,17 +68,26 @@ def open_checkpoint(path: str) -> tuple[CheckpointStore, str]:
     store, name = CheckpointStore.for_checkpoint(path)
     kind = _file_type(store, store.path(name))
     if kind == pafs.FileType.NotFound:
-        raise CheckpointError(f"{path} does not exist")
+        raise CheckpointError(f"{path} does not exist{_no_bucket(store, store.root)}")
     if kind != pafs.FileType.Directory:
         raise CheckpointError(f"{path} is not a checkpoint directory (a checkpoint is a folder with {MANIFEST})")
     return store, name
 
 
+def _no_bucket(store: CheckpointStore, root: str) -> str:
+    """`` (no such bucket)`` when ``root`` is on an object store whose bucket does not exist."""
+    if store.is_local or "/" not in root:
+        return ""
+    bucket = root.split("/", 1)[0]
+    return " (no such bucket)" if _file_type(store, bucket) == pafs.FileType.NotFound else ""
+
+
 def _file_type(store: CheckpointStore, path: str) -> pafs.FileType:
     try:
         return store.fs.get_file_info(path).type
-    except OSError as err:  # unreachable object store, bad credentials
-        raise CheckpointError(f"cannot read {path}: {err}") from None
+    except OSError as err:  # unreachable object store (within TRAINFORGE_STORAGE_TIMEOUT_S), bad credentials
+        shown = store.uri(path[len(store.root) + 1 :]).rstrip("/")
+        raise CheckpointError(f"cannot read {shown}: {first_line(err)}") from None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from trainforge.checkpoint.names import (
 )
 from trainforge.checkpoint.saved import saved_from
 from trainforge.checkpoint.schema import FULL, MANIFEST, MAX_STATE_BYTES, MODEL_FILE, STATE_FILE, ComponentSchemas
+from trainforge.checkpoint.uris import open_uri, plain
 from trainforge.checkpoint.verify import Verification
 from trainforge.errors import CheckpointError
 
@@ -74,10 +75,9 @@ class CheckpointStore:
 
     @classmethod
     def from_uri(cls, uri: str) -> CheckpointStore:
-        """A local path or a URI such as ``s3://bucket/prefix/run`` (credentials from the environment)."""
-        if "://" not in uri:
-            return cls(pafs.LocalFileSystem(), str(Path(uri).expanduser().resolve()))
-        fs, path = pafs.FileSystem.from_uri(uri)
+        """A local path or a URI such as ``s3://bucket/prefix/run`` (credentials from the environment):
+        one of the schemes ``checkpoint/uris.py`` reads, every request bounded; CheckpointError if not."""
+        fs, path = open_uri(uri)
         return cls(fs, path)
 
     @classmethod
@@ -88,9 +88,10 @@ class CheckpointStore:
     @classmethod
     def for_checkpoint(cls, uri: str) -> tuple[CheckpointStore, str]:
         """The store holding the checkpoint at ``uri`` (a path or URI), and the checkpoint's name."""
-        path, mark, query = uri.partition("?")
+        path, mark, query = plain(uri).partition("?")
         parent, _, name = path.rstrip("/").rpartition("/")
-        return cls.from_uri(f"{parent or '.'}{mark}{query}"), name
+        top = "/" if path.startswith("/") else "."  # /etc: the root's; etc: the working directory's
+        return cls.from_uri(f"{parent or top}{mark}{query}"), name
 
     @property
     def is_local(self) -> bool:

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 import pyarrow.fs as pafs
 
+from trainforge.checkpoint.uris import open_uri
 from trainforge.config import DataConfig, FactoryData, ImagesData, JsonlData, ParquetData, StreamedData
 from trainforge.data.sources import SPLIT_SEED, mix_seed
 from trainforge.data.spec import DataSpec
@@ -131,7 +132,7 @@ def list_files(uri: str, source: str, key: str = "data.path") -> Files:
         base = uri[:cut].rpartition("/")[0] or "."
         pattern = uri
     try:
-        fs, root = pafs.FileSystem.from_uri(base) if "://" in base else (pafs.LocalFileSystem(), _local(base))
+        fs, root = open_uri(base, key, DataError) if "://" in base else (pafs.LocalFileSystem(), _local(base))
         info = fs.get_file_info(root)
         if info.type == pafs.FileType.NotFound:
             raise DataError(f"{key} {uri} does not exist: point it at {LAYOUTS[source]}")

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pyarrow.fs as pafs
 import ray
 from ray.train.torch import TorchConfig
 from ray.train.v2.api.config import FailureConfig, RunConfig, ScalingConfig
@@ -25,6 +26,7 @@ from ray.train.v2.torch.torch_trainer import TorchTrainer
 from rich.console import Console
 
 from trainforge.checkpoint.storage import CheckpointStore
+from trainforge.checkpoint.uris import check_scheme, first_line
 from trainforge.config import Config, FactoryData, to_yaml
 from trainforge.data.augment import augment_of, check_augment
 from trainforge.data.factory import check_data_factory
@@ -57,6 +59,7 @@ from trainforge.tracking import make_tracker
 from trainforge.worker.build import check_block_names, check_parameter_names, check_pretrained_fits
 from trainforge.worker.loop import train_loop_per_worker, worker_env
 from trainforge.worker.profiling import fetch_profiles
+from trainforge.worker.registry import state_schemas
 
 log = logging.getLogger("trainforge")
 install_on_logger()  # every driver-side line of the "trainforge" logger, on every handler, redacted
@@ -174,6 +177,28 @@ def preflight(config: Config, *, local: bool) -> None:
     check_parameter_names(config)
 
 
+def check_storage(config: Config, *, local: bool) -> None:
+    """``checkpoint.storage_path``: a scheme trainforge reads and, on an object store, a bucket that
+    answers and exists, within TRAINFORGE_STORAGE_TIMEOUT_S, before Ray starts. A remote cluster's
+    workers may reach storage that this machine cannot: there it is a warning."""
+    storage = config.storage_path
+    check_scheme(storage, "checkpoint.storage_path")
+    if "://" not in storage:
+        return
+    try:
+        store = CheckpointStore.for_run(storage, config.run.name)
+        bucket = store.root.split("/", 1)[0]
+        problem = "no such bucket" if store.fs.get_file_info(bucket).type == pafs.FileType.NotFound else None
+    except (CheckpointError, OSError) as err:
+        problem = first_line(err)
+    if problem is None:
+        return
+    message = f"checkpoint.storage_path {redact_text(storage)} cannot be used: {problem}"
+    if local:
+        raise CheckpointError(f"{message}; check the URI, the credentials and the endpoint")
+    log.warning("%s (from this machine; the cluster's workers may reach it)", message)
+
+
 def check_resume(config: Config, *, local: bool) -> None:
     """``--resume none`` or a path start a run: refuse one that already has checkpoints, whose
     timeline they would otherwise mix with the new one. A path must be a checkpoint whose manifest
@@ -210,7 +235,11 @@ def check_resume_path(path: str) -> None:
         except (OSError, ValueError) as err:  # a URI pyarrow cannot open (pyarrow.ArrowInvalid is a ValueError)
             manifest, problem = None, str(err)
         if manifest is not None:
-            return
+            # Every byte and the load check, as the workers will: a bad checkpoint costs seconds, not a Ray start.
+            check = store.verify(name, schemas=state_schemas())
+            if check.ok:
+                return
+            problem = "; ".join(check.problems)
     raise CheckpointError(
         f"checkpoint.resume (--resume) {path} is not a checkpoint: {problem}; give a checkpoint_NNNNNNNNN "
         "directory (trainforge ckpt list RUN_DIR), or --resume auto"
@@ -280,6 +309,7 @@ def run_training(
     address = resolve_address(config, address)
     local = address is None
     preflight(config, local=local)
+    check_storage(config, local=local)
     with run_locks(config, local=local, wait_s=lock_wait_s):
         check_resume(config, local=local)
         startup.mark("preflight")
