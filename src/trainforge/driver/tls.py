@@ -104,7 +104,7 @@ def check_tls(address: str, timeout_s: float = 5.0) -> None:
         return
     if tls_in_environment():
         _check_mutual(address, host, port, timeout_s)
-    elif _answers_tls(host, port, timeout_s):
+    elif speaks_tls(host, port, timeout_s):
         raise ClusterError(
             f"the Ray cluster at {address} uses TLS and this driver does not: set cluster.tls (the cluster's "
             f"CA, a certificate it signed and its key; trainforge certs create), or {USE_TLS}=1 and {CERT}, {KEY}, {CA}"
@@ -147,7 +147,7 @@ def _check_mutual(address: str, host: str, port: int, timeout_s: float) -> None:
         return  # not reachable now: Ray's own connect says so
 
 
-def _answers_tls(host: str, port: int, timeout_s: float) -> bool:
+def speaks_tls(host: str, port: int, timeout_s: float) -> bool:
     """Whether the server at host:port completes (or alerts in) a TLS handshake: it speaks TLS."""
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     context.check_hostname = False
