@@ -467,6 +467,24 @@ def test_rotation_counts_only_the_run_s_own_line_not_a_foreign_checkpoint_that_v
     assert names(store) == [checkpoint_name(60), checkpoint_name(66), checkpoint_name(440)]
 
 
+def test_a_passed_over_checkpoint_written_again_by_the_run_counts_again(tmp_path: Path) -> None:
+    # Restore walked past a corrupt 20; the run saves 20 anew (the corrupt one set aside): the new 20
+    # is the run's own and counts, so keep_last 2 keeps 20 and 30 and deletes 10.
+    run_dir = tmp_path / "run"
+    for step in (10, 20):
+        write_checkpoint(run_dir / checkpoint_name(step), step=step)
+    flip_byte(run_dir / checkpoint_name(20))
+    store = CheckpointStore.from_uri(str(run_dir))
+    restored = restore(worker_run(tmp_path), store)
+    assert [n for n, _ in restored.skipped] == [checkpoint_name(20)]
+    saver = writer(tmp_path, store)
+    saver.passed_over.update(n for n, _ in restored.skipped)
+    model = small_model()
+    outcomes = save_all(saver, [snapshot(model, trained(model), step) for step in (20, 30)])
+    assert [o.error for o in outcomes] == [None, None]
+    assert names(store) == [checkpoint_name(20), checkpoint_name(30)]
+
+
 def test_rotation_leaves_alone_a_checkpoint_of_a_later_step_than_the_one_written(tmp_path: Path) -> None:
     # A foreign checkpoint copied in after the run restored: not passed over, still not the run's.
     run_dir = tmp_path / "run"

@@ -212,6 +212,7 @@ class CheckpointWriter:
         if outcome.error is None:
             # Committed is committed: a failure to rotate costs disk space, not the save.
             try:
+                self.passed_over.discard(name)  # written anew by this run (the bad one was set aside)
                 self._remember_verified(name)
                 self.rotate(keep_also=name)
             except Exception as err:  # storage errors while listing or deleting
