@@ -8,6 +8,7 @@ they call valid exactly what restore would restore.
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import struct
@@ -17,6 +18,7 @@ from typing import Any
 
 import pyarrow.fs as pafs
 
+from trainforge.checkpoint.crypto import ENCRYPTED_HINT, MAGIC, OVERHEAD, FileCipher, is_sealed
 from trainforge.checkpoint.names import RETIRED_PREFIX, TEMP_PREFIX, parse_checkpoint_name, step_of_hidden
 from trainforge.checkpoint.render import LISTED_METRICS, human_bytes, human_time, inspection_view, list_table
 from trainforge.checkpoint.saved import Saved, saved_from
@@ -30,6 +32,7 @@ from trainforge.checkpoint.schema import (
     SHARDED_METADATA,
     STATE_FILE,
     ComponentSchemas,
+    Encryption,
     printable,
     shard_rank,
 )
@@ -52,9 +55,9 @@ Schemas = Mapping[str, ComponentSchemas] | None  # the components' own (worker/r
 # Opening a location
 
 
-def open_location(location: str) -> CheckpointStore:
+def open_location(location: str, cipher: FileCipher | None = None) -> CheckpointStore:
     """The store at a run directory or URI; CheckpointError when nothing is there."""
-    store = CheckpointStore.from_uri(location)
+    store = CheckpointStore.from_uri(location, cipher)
     kind = _file_type(store, store.root)
     if kind == pafs.FileType.NotFound:
         raise CheckpointError(f"{location} does not exist{_no_bucket(store, store.root)}")
@@ -63,9 +66,9 @@ def open_location(location: str) -> CheckpointStore:
     return store
 
 
-def open_checkpoint(path: str) -> tuple[CheckpointStore, str]:
+def open_checkpoint(path: str, cipher: FileCipher | None = None) -> tuple[CheckpointStore, str]:
     """The store holding the checkpoint directory ``path``, and its name; CheckpointError if absent."""
-    store, name = CheckpointStore.for_checkpoint(path)
+    store, name = CheckpointStore.for_checkpoint(path, cipher)
     kind = _file_type(store, store.path(name))
     if kind == pafs.FileType.NotFound:
         raise CheckpointError(f"{path} does not exist{_no_bucket(store, store.root)}")
@@ -94,12 +97,13 @@ def _file_type(store: CheckpointStore, path: str) -> pafs.FileType:
 # verify
 
 
-def verify_checkpoint(path: str, schemas: Schemas = None) -> Verification:
+def verify_checkpoint(path: str, schemas: Schemas = None, cipher: FileCipher | None = None) -> Verification:
     """Check one checkpoint directory as restore does (``CheckpointStore.verify``: the one
     verification, reading every byte and ending with the safe-load check; ``schemas``: the
-    components' own, as restore passes them)."""
-    store, name = open_checkpoint(path)
-    return store.verify(name, schemas=schemas)
+    components' own, as restore passes them). An encrypted checkpoint without ``cipher``: its
+    ciphertext's sizes and digests only."""
+    store, name = open_checkpoint(path, cipher)
+    return store.verify(name, schemas=schemas, contents=cipher is not None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -148,22 +152,22 @@ class Listed:
         }
 
 
-def list_checkpoints(location: str, schemas: Schemas = None) -> list[Listed]:
+def list_checkpoints(location: str, schemas: Schemas = None, cipher: FileCipher | None = None) -> list[Listed]:
     """Every checkpoint under a run directory (verified), plus leftover staging and retired dirs.
 
     ``location`` may also be a storage root holding several runs (each run's checkpoints are listed
     as ``run/checkpoint_...``) or one checkpoint directory. CheckpointError when there are none.
     """
-    store = open_location(location)
+    store = open_location(location, cipher)
     step = parse_checkpoint_name(store.root.rsplit("/", 1)[-1])
     if step is not None and not store.entries():
         parent, _, name = store.root.rpartition("/")
-        return [_listed_checkpoint(CheckpointStore(store.fs, parent), name, step, schemas=schemas)]
+        return [_listed_checkpoint(CheckpointStore(store.fs, parent, cipher), name, step, schemas=schemas)]
     found = _list_run(store, "", schemas)
     if not found:
         for child in _child_dirs(store):
             if not child.startswith("."):
-                found.extend(_list_run(CheckpointStore(store.fs, store.path(child)), f"{child}/", schemas))
+                found.extend(_list_run(CheckpointStore(store.fs, store.path(child), cipher), f"{child}/", schemas))
     if not found:
         raise CheckpointError(f"{location} holds no checkpoints (expected checkpoint_<step> directories)")
     return found
@@ -193,7 +197,7 @@ def _list_run(store: CheckpointStore, prefix: str, schemas: Schemas) -> list[Lis
 def _listed_checkpoint(
     store: CheckpointStore, name: str, step: int, prefix: str = "", schemas: Schemas = None
 ) -> Listed:
-    check = store.verify(name, schemas=schemas)
+    check = store.verify(name, schemas=schemas, contents=store.cipher is not None)
     manifest = check.manifest or {}
     found = manifest.get("metrics")
     metrics: dict[str, Any] = found if isinstance(found, dict) else {}
@@ -229,13 +233,14 @@ def _as_int(value: Any, default: int | None) -> int | None:
 # inspect
 
 
-def inspect_checkpoint(path: str) -> dict[str, Any]:
+def inspect_checkpoint(path: str, cipher: FileCipher | None = None) -> dict[str, Any]:
     """Everything worth knowing about one checkpoint without loading a tensor; JSON-ready.
 
     Sizes are compared with the manifest (cheap); ``verify`` is the full SHA-256 check. Files are
-    read as verification reads them: regular files only, bounded, schema-checked.
+    read as verification reads them: regular files only, bounded, schema-checked. An encrypted
+    checkpoint needs ``cipher`` (its key): without it, one line.
     """
-    store, name = open_checkpoint(path)
+    store, name = open_checkpoint(path, cipher)
     try:
         tree = list_tree(store.fs, store.path(name), store.is_local)
     except OSError as err:
@@ -248,6 +253,13 @@ def inspect_checkpoint(path: str) -> dict[str, Any]:
     manifest, manifest_problem = store.read_manifest(name)
     if manifest_problem:
         problems.append(manifest_problem)
+    encryption = (manifest or {}).get("encryption")
+    if encryption and cipher is None:
+        raise CheckpointError(
+            f"{path} is encrypted ({encryption['scheme']}, key {encryption['key_id']}): {ENCRYPTED_HINT}"
+        )
+    if encryption and cipher is not None:
+        cipher.check_key(Encryption.model_validate(encryption), path)
     if manifest is not None:
         problems.extend(_size_problems(manifest, files))
     sharding = _sharding(manifest, files)
@@ -321,7 +333,9 @@ def _read_state(
         problems.append(f"{STATE_FILE} is missing or not a regular file")
         return None
     try:
-        raw = read_capped(store.fs, f"{store.path(name)}/{STATE_FILE}", store.is_local, MAX_STATE_BYTES)
+        raw = read_capped(store.fs, f"{store.path(name)}/{STATE_FILE}", store.is_local, MAX_STATE_BYTES + OVERHEAD)
+        if store.cipher is not None and is_sealed(raw):
+            raw = store.cipher.open_bytes(STATE_FILE, raw)
         return saved_from(raw, layout, set(files))
     except CheckpointError as err:
         problems.append(str(err))
@@ -370,8 +384,18 @@ def _model_summary(
         return {"file": MODEL_FILE, "size_bytes": None}
     summary: dict[str, Any] = {"file": MODEL_FILE, "size_bytes": files[MODEL_FILE]}
     try:
-        with open_file(store.fs, f"{store.path(name)}/{MODEL_FILE}", store.is_local) as stream:
-            summary.update(safetensors_summary(read_safetensors_header(stream)))
+        path = f"{store.path(name)}/{MODEL_FILE}"
+        with open_file(store.fs, path, store.is_local) as stream:
+            sealed = store.cipher is not None and is_sealed(stream.read(len(MAGIC)))
+        if store.cipher is not None and sealed:
+            plain = io.BytesIO()  # the whole file, authenticated, before its header is believed
+            with open_file(store.fs, path, True) if store.is_local else store.fs.open_input_file(path) as source:
+                store.cipher.open_stream(MODEL_FILE, source, files[MODEL_FILE], plain)
+            plain.seek(0)
+            summary.update(safetensors_summary(read_safetensors_header(plain)))
+        else:
+            with open_file(store.fs, path, store.is_local) as stream:
+                summary.update(safetensors_summary(read_safetensors_header(stream)))
     except (OSError, ValueError, TypeError, CheckpointError) as err:
         problems.append(f"{MODEL_FILE} header is unreadable: {err}")
     return summary

@@ -9,10 +9,11 @@ checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from typing import Any
 import pyarrow.fs as pafs
 
 from trainforge.checkpoint import verify as verify_module
+from trainforge.checkpoint.crypto import ENCRYPTED_HINT, OVERHEAD, FileCipher, decrypted_copy
 from trainforge.checkpoint.names import (
     RETIRED_PREFIX,
     TEMP_PREFIX,
@@ -69,16 +71,17 @@ class Child:
 class CheckpointStore:
     """The checkpoints of one run: list, verify, commit, fetch, retire."""
 
-    def __init__(self, fs: pafs.FileSystem, root: str) -> None:
+    def __init__(self, fs: pafs.FileSystem, root: str, cipher: FileCipher | None = None) -> None:
         self.fs = fs
         self.root = root.rstrip("/")
+        self.cipher = cipher  # checkpoint.encryption's key: reads encrypted checkpoints (and writes)
 
     @classmethod
-    def from_uri(cls, uri: str) -> CheckpointStore:
+    def from_uri(cls, uri: str, cipher: FileCipher | None = None) -> CheckpointStore:
         """A local path or a URI such as ``s3://bucket/prefix/run`` (credentials from the environment):
         one of the schemes ``checkpoint/uris.py`` reads, every request bounded; CheckpointError if not."""
         fs, path = open_uri(uri)
-        return cls(fs, path)
+        return cls(fs, path, cipher)
 
     @classmethod
     def for_run(cls, storage_path: str, run_name: str) -> CheckpointStore:
@@ -86,12 +89,12 @@ class CheckpointStore:
         return cls.from_uri(join_uri(storage_path, run_name))
 
     @classmethod
-    def for_checkpoint(cls, uri: str) -> tuple[CheckpointStore, str]:
+    def for_checkpoint(cls, uri: str, cipher: FileCipher | None = None) -> tuple[CheckpointStore, str]:
         """The store holding the checkpoint at ``uri`` (a path or URI), and the checkpoint's name."""
         path, mark, query = plain(uri).partition("?")
         parent, _, name = path.rstrip("/").rpartition("/")
         top = "/" if path.startswith("/") else "."  # /etc: the root's; etc: the working directory's
-        return cls.from_uri(f"{parent or top}{mark}{query}"), name
+        return cls.from_uri(f"{parent or top}{mark}{query}", cipher), name
 
     @property
     def is_local(self) -> bool:
@@ -155,19 +158,74 @@ class CheckpointStore:
         if manifest is None:
             return {MODEL_FILE: MODEL_FILE}
         try:
-            raw = verify_module.read_capped(self.fs, f"{self.path(name)}/{STATE_FILE}", self.is_local, MAX_STATE_BYTES)
+            raw = verify_module.read_capped(
+                self.fs, f"{self.path(name)}/{STATE_FILE}", self.is_local, MAX_STATE_BYTES + OVERHEAD
+            )
+            if manifest.get("encryption") and self.cipher is not None:
+                raw = self.cipher.open_bytes(STATE_FILE, raw)
             saved = saved_from(raw, str(manifest.get("layout", FULL)), set(manifest["files"]))
         except (CheckpointError, OSError):
             return {MODEL_FILE: MODEL_FILE}
         return saved.exports or {MODEL_FILE: MODEL_FILE}
 
+    def copy_out(self, name: str, rel: str, target: Path) -> None:
+        """File ``rel`` of checkpoint ``name`` to the local ``target`` (written whole, then renamed
+        into place): as stored, or decrypted when the checkpoint is encrypted (CheckpointError if
+        this store has not got its key, or the file fails authentication)."""
+        manifest, _ = self.read_manifest(name)
+        encrypted = bool(manifest and manifest.get("encryption"))
+        if encrypted and self.cipher is None:
+            raise CheckpointError(f"{name} is encrypted: {ENCRYPTED_HINT}")
+        partial = target.with_name(f".{target.name}.partial")
+        try:
+            if not encrypted:
+                pafs.copy_files(f"{self.path(name)}/{rel}", str(partial), self.fs, pafs.LocalFileSystem())
+            else:
+                assert self.cipher is not None
+                size = int(manifest["files"][rel]["size"]) if manifest else 0
+                with self.fs.open_input_file(f"{self.path(name)}/{rel}") as source, open(partial, "wb") as out:
+                    self.cipher.open_stream(rel, source, size, out)
+            partial.replace(target)
+        finally:
+            partial.unlink(missing_ok=True)
+
     def verify(
-        self, name: str, *, safe_load: bool = True, schemas: Mapping[str, ComponentSchemas] | None = None
+        self,
+        name: str,
+        *,
+        safe_load: bool = True,
+        schemas: Mapping[str, ComponentSchemas] | None = None,
+        contents: bool = True,
     ) -> Verification:
         """The one verification (``checkpoint/verify.py``): exactly the listed regular files, sizes,
         the digest of every byte, schemas (the components' own when given), and with ``safe_load``
-        the weights-only load check."""
-        return verify_module.verify_tree(self.fs, self.path(name), self.is_local, safe_load=safe_load, schemas=schemas)
+        the weights-only load check. An encrypted checkpoint's contents (schemas, load check) need
+        this store's key; without one it is a problem, unless ``contents`` is False (the hashes
+        alone: ``trainforge ckpt verify`` without a key)."""
+        return verify_module.verify_tree(
+            self.fs,
+            self.path(name),
+            self.is_local,
+            safe_load=safe_load,
+            schemas=schemas,
+            cipher=self.cipher,
+            contents=contents,
+        )
+
+    @contextlib.contextmanager
+    def opened(self, directory: Path) -> Iterator[Path]:
+        """A fetched, verified checkpoint directory as plaintext: itself, or (encrypted) a private
+        decrypted copy, removed on exit."""
+        encryption = verify_module.local_encryption(directory)
+        if encryption is None:
+            yield directory
+            return
+        if self.cipher is None:
+            raise CheckpointError(f"{directory.name} is encrypted: {ENCRYPTED_HINT}")
+        self.cipher.check_key(encryption, directory.name)
+        files = sorted(str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file())
+        with decrypted_copy(directory, [rel for rel in files if rel != MANIFEST], self.cipher) as copy:
+            yield copy
 
     def staging_dir(self, name: str, local_scratch: Path) -> Path:
         """Where a new checkpoint is written before ``commit``: beside its final place on a local

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -10,9 +10,32 @@ from trainforge.cli.common import (
     json_text,
     wide_console,
 )
+from trainforge.errors import TrainforgeError
+
+if TYPE_CHECKING:
+    from trainforge.checkpoint.crypto import FileCipher
 
 app = typer.Typer(help="List, verify and inspect checkpoints.", no_args_is_help=True)
 CkptPathArg = Annotated[str, typer.Argument(help="A checkpoint directory: a local path or a URI (s3://...).")]
+KeyEnvOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--key-env",
+        metavar="NAME",
+        help="The environment variable holding the key of encrypted checkpoints (checkpoint.encryption.key_env).",
+    ),
+]
+
+
+def cipher_from(key_env: str | None) -> FileCipher | None:
+    """``--key-env NAME``: the key in that variable (one line if it is unset or not a key)."""
+    from trainforge.checkpoint.crypto import ENV_NAME, FileCipher
+
+    if key_env is None:
+        return None
+    if not ENV_NAME.fullmatch(key_env):
+        raise TrainforgeError(f"--key-env {key_env!r}: the name of an environment variable (letters, digits, _)")
+    return FileCipher.from_env(key_env)
 
 
 @app.command("list")
@@ -20,22 +43,25 @@ def ckpt_list(
     location: Annotated[
         str, typer.Argument(help="A run directory, a storage folder holding runs, or a URI (s3://bucket/prefix/run).")
     ],
+    key_env: KeyEnvOpt = None,
 ) -> None:
     """Every checkpoint of a run, verified: step, epoch, metrics, size, time, and valid or why not."""
     from trainforge.checkpoint.inspect import list_checkpoints, list_table
     from trainforge.worker.registry import state_schemas
 
-    wide_console().print(list_table(location, list_checkpoints(location, state_schemas())))
+    wide_console().print(list_table(location, list_checkpoints(location, state_schemas(), cipher_from(key_env))))
 
 
 @app.command("verify")
-def ckpt_verify(path: CkptPathArg) -> None:
-    """Check a checkpoint as restore does (sizes, digests, safe load): exit 0 if valid, 1 if not."""
+def ckpt_verify(path: CkptPathArg, key_env: KeyEnvOpt = None) -> None:
+    """Check a checkpoint as restore does (sizes, digests, safe load): exit 0 if valid, 1 if not.
+    An encrypted checkpoint without --key-env: the ciphertext's sizes and digests."""
     from trainforge.checkpoint.hashing import LABELS
     from trainforge.checkpoint.inspect import human_bytes, verify_checkpoint
     from trainforge.worker.registry import state_schemas
 
-    check = verify_checkpoint(path, state_schemas())
+    cipher = cipher_from(key_env)
+    check = verify_checkpoint(path, state_schemas(), cipher)
     if check.ok:
         manifest = check.manifest or {}
         files = manifest.get("files", {})
@@ -43,7 +69,12 @@ def ckpt_verify(path: CkptPathArg) -> None:
         label = LABELS.get(str(manifest.get("hash", "sha256")), "SHA-256")
         layout = manifest.get("layout", "full")
         sharding = f", sharded over {manifest.get('world_size')} ranks" if layout == "sharded" else ""
-        typer.echo(f"valid: {path} ({len(files)} files, {human_bytes(size)}, {label} checked{sharding})")
+        encryption = manifest.get("encryption")
+        sealed = ""
+        if encryption:
+            opened = "contents checked with its key" if cipher else "contents not checked: --key-env to read them"
+            sealed = f", encrypted with key {encryption['key_id']}: {opened}"
+        typer.echo(f"valid: {path} ({len(files)} files, {human_bytes(size)}, {label} checked{sharding}{sealed})")
         return
     typer.echo(f"invalid: {path}")
     for problem in check.problems:
@@ -55,11 +86,12 @@ def ckpt_verify(path: CkptPathArg) -> None:
 def ckpt_inspect(
     path: CkptPathArg,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead.")] = False,
+    key_env: KeyEnvOpt = None,
 ) -> None:
     """Manifest, progress, versions, metrics, config and tensor summary, without loading tensors."""
     from trainforge.checkpoint.inspect import inspect_checkpoint, inspection_view
 
-    report = inspect_checkpoint(path)
+    report = inspect_checkpoint(path, cipher_from(key_env))
     if as_json:
         typer.echo(json_text(report, indent=1, sort_keys=True))
     else:

@@ -25,6 +25,7 @@ from ray.train.v2.api.exceptions import TrainingFailedError
 from ray.train.v2.torch.torch_trainer import TorchTrainer
 from rich.console import Console
 
+from trainforge.checkpoint.crypto import cipher_of
 from trainforge.checkpoint.storage import CheckpointStore
 from trainforge.checkpoint.uris import check_scheme, first_line
 from trainforge.config import Config, FactoryData, to_yaml
@@ -162,6 +163,8 @@ def preflight(config: Config, *, local: bool) -> None:
         require_builtin(config.model.name)
     check_data_factory(config.data, local=False)
     check_augment(augment_of(config.data))
+    if local:  # checkpoint.encryption: the key is in this machine's environment (a cluster's workers have their own)
+        cipher_of(config.checkpoint.encryption)
     if not local:
         return
     prepare_or_verify(config.data)  # data.name tokens: data.prepare's corpus written if missing, every byte checked
@@ -208,7 +211,7 @@ def check_resume(config: Config, *, local: bool) -> None:
     if mode == "auto":
         return
     if mode != "none" and local:
-        check_resume_path(mode)
+        check_resume_path(mode, config)
     try:
         store = CheckpointStore.for_run(config.storage_path, config.run.name)
         existing = [entry.name for entry in store.entries()]
@@ -222,7 +225,7 @@ def check_resume(config: Config, *, local: bool) -> None:
         )
 
 
-def check_resume_path(path: str) -> None:
+def check_resume_path(path: str, config: Config) -> None:
     """A checkpoint to start from: a directory whose manifest reads, or one line before Ray starts."""
     given = Path(path).expanduser()
     problem: str | None
@@ -230,7 +233,7 @@ def check_resume_path(path: str) -> None:
         problem = "not a directory" if given.exists() else "no such directory"
     else:
         try:
-            store, name = CheckpointStore.for_checkpoint(path)
+            store, name = CheckpointStore.for_checkpoint(path, cipher_of(config.checkpoint.encryption))
             manifest, problem = store.read_manifest(name)
         except (OSError, ValueError) as err:  # a URI pyarrow cannot open (pyarrow.ArrowInvalid is a ValueError)
             manifest, problem = None, str(err)
@@ -341,7 +344,10 @@ def _train(
         pump = Pump(mailbox, fanout, CostMeter.for_config(config, started), startup)
         fanout.on_start(RunInfo(config.run.name, config.scaling.num_workers, where, str(run_dir)))
         outcome = _fit(build_trainer(config, mailbox, callbacks, local_ray=address is None), pump, started)
-    store = CheckpointStore.for_run(config.storage_path, config.run.name) if outcome.checkpoint else None
+    store = None
+    if outcome.checkpoint:  # the final weights out of the last checkpoint (decrypted with the run's key)
+        store = CheckpointStore.for_run(config.storage_path, config.run.name)
+        store.cipher = cipher_of(config.checkpoint.encryption)
     if config.profile is not None:
         copy_profiles(config, run_dir)
     summary = finish_run_dir(run_dir, run_record(config, outcome, pump), store)
