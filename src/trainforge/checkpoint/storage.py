@@ -32,6 +32,7 @@ from trainforge.checkpoint.names import (
 )
 from trainforge.checkpoint.saved import saved_from
 from trainforge.checkpoint.schema import FULL, MANIFEST, MAX_STATE_BYTES, MODEL_FILE, STATE_FILE, ComponentSchemas
+from trainforge.checkpoint.sse import EncryptingWriter, ServerSide
 from trainforge.checkpoint.uris import open_uri, plain
 from trainforge.checkpoint.verify import Verification
 from trainforge.errors import CheckpointError
@@ -75,6 +76,11 @@ class CheckpointStore:
         self.fs = fs
         self.root = root.rstrip("/")
         self.cipher = cipher  # checkpoint.encryption's key: reads encrypted checkpoints (and writes)
+        self._server_side: EncryptingWriter | None = None  # checkpoint.s3_sse (sse.py)
+
+    def encrypt_on_server(self, sse: ServerSide | None) -> None:
+        """``checkpoint.s3_sse``: every upload and copy of this store asks S3 to encrypt the object."""
+        self._server_side = EncryptingWriter(self.fs, sse) if sse is not None else None
 
     @classmethod
     def from_uri(cls, uri: str, cipher: FileCipher | None = None) -> CheckpointStore:
@@ -284,7 +290,10 @@ class CheckpointStore:
         for rel in sorted(files, key=lambda rel: rel == MANIFEST):  # manifest last: then it exists
             target = f"{self.path(name)}/{rel}"
             self._make_parent(target)
-            self.fs.copy_file(f"{source}/{rel}", target)
+            if self._server_side is not None:
+                self._server_side.copy(f"{source}/{rel}", target)
+            else:
+                self.fs.copy_file(f"{source}/{rel}", target)
         # Committed is committed: a staging prefix left behind costs space, not the save (the
         # writer's first save of a later session removes it).
         try:
@@ -301,7 +310,10 @@ class CheckpointStore:
         """Copy one local file to ``<checkpoint name>/<rel>`` on this store (object stores)."""
         target = f"{self.path(name)}/{rel}"
         self._make_parent(target)
-        pafs.copy_files(str(local), target, pafs.LocalFileSystem(), self.fs)
+        if self._server_side is not None:
+            self._server_side.upload(local, target)
+        else:
+            pafs.copy_files(str(local), target, pafs.LocalFileSystem(), self.fs)
 
     def _make_parent(self, target: str) -> None:
         """The parent directory of ``target``, on file systems that have directories. Not on object

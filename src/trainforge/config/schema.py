@@ -338,6 +338,17 @@ class CheckpointConfig(Section):
     on_save_error: Literal["continue", "fail"] = "continue"
     resume: str = "auto"
     encryption: EncryptionConfig | None = None
+    # S3 server-side encryption of every object a checkpoint writes (checkpoint/sse.py)
+    s3_sse: Literal["aws:kms", "AES256"] | None = None
+    s3_sse_kms_key_id: Annotated[str, Field(min_length=1, max_length=2048)] | None = None
+
+    @model_validator(mode="after")
+    def _sse(self) -> CheckpointConfig:
+        if self.s3_sse_kms_key_id is not None and self.s3_sse != "aws:kms":
+            raise ValueError("checkpoint.s3_sse_kms_key_id needs checkpoint.s3_sse: aws:kms")
+        if self.s3_sse is not None and not (self.storage_path or "").startswith("s3://"):
+            raise ValueError("checkpoint.s3_sse needs an s3:// checkpoint.storage_path")
+        return self
 
     @field_validator("resume")
     @classmethod

@@ -30,6 +30,7 @@ from trainforge.checkpoint.names import name_of_uri
 from trainforge.checkpoint.reader import load_shards, load_state
 from trainforge.checkpoint.saved import Saved, read_saved
 from trainforge.checkpoint.schema import FULL, SHARDED, ComponentSchemas
+from trainforge.checkpoint.sse import ServerSide
 from trainforge.checkpoint.state import Record, Snapshot, State, is_flat_weights, snapshot_tensors, weights_snapshot
 from trainforge.checkpoint.storage import CheckpointStore
 from trainforge.checkpoint.writer import CheckpointWriter, RotationPolicy, SaveOutcome, save_group
@@ -73,6 +74,8 @@ class Checkpointing:
         self.store = store
         # checkpoint.encryption: the key, from this worker's environment (one line if it is not there)
         store.cipher = cipher_of(cfg.encryption)
+        if cfg.s3_sse is not None:  # S3 encrypts every object the run's saves write
+            store.encrypt_on_server(ServerSide(cfg.s3_sse, cfg.s3_sse_kms_key_id))
         self.schemas = state_schemas()
         policy = RotationPolicy(cfg.keep_last, cfg.keep_best_metric, cfg.keep_best_mode)
         group = save_group(run.config.failure.collective_timeout_s)  # collective: every rank, now
