@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from tests.helpers.runs import tiny_run
-from trainforge.driver.certs import create_certs
+from trainforge.driver.certs import create_certs, default_hosts
 
 pytestmark = pytest.mark.slow
 
@@ -39,9 +39,9 @@ print(json.dumps({"tls": answers, "ran": ran}))
 """
 
 
-def session(tmp_path: Path, tls: dict[str, str] | None) -> dict[str, object]:
+def session(tmp_path: Path, tls: dict[str, str] | None, bind: str = "127.0.0.1") -> dict[str, object]:
     tmp_path.mkdir(parents=True, exist_ok=True)
-    config = tiny_run(tmp_path, cluster={"num_cpus": 2, **({"tls": tls} if tls else {})})
+    config = tiny_run(tmp_path, cluster={"num_cpus": 2, "bind_address": bind, **({"tls": tls} if tls else {})})
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_TLS", "RAY_USE_TLS", "RAY_ADDRESS"))}
     done = subprocess.run(
@@ -63,3 +63,12 @@ def test_a_local_ray_with_cluster_tls_speaks_tls_on_every_port_and_runs_tasks(tm
         "tls": {"gcs": False, "raylet": False, "object manager": False},
         "ran": 42,
     }
+
+
+def test_the_default_certificate_serves_a_local_ray_on_every_interface(tmp_path: Path) -> None:
+    """``cluster.bind_address: 0.0.0.0``: Ray's node address is then this machine's routable one,
+    which ``certs create``'s default hosts name (gRPC checks the address it dials)."""
+    files = create_certs(tmp_path / "certs", default_hosts())
+    tls = {"ca": str(files.ca), "cert": str(files.cert), "key": str(files.key)}
+    found = session(tmp_path / "tls", tls, bind="0.0.0.0")
+    assert found == {"tls": {"gcs": True, "raylet": True, "object manager": True}, "ran": 42}

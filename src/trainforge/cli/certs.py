@@ -18,7 +18,7 @@ def certs_create(
         typer.Option(
             "--hosts",
             help="Host names and IP addresses every node and driver is dialled by (repeatable, or comma-separated); "
-            "default: localhost, 127.0.0.1 and this machine's host name.",
+            "default: localhost, 127.0.0.1, this machine's host name and its address on the default route.",
         ),
     ] = None,
     days: Annotated[int, typer.Option(help="Days the node certificate is valid (the CA: 10 years).")] = 365,

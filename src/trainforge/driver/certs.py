@@ -47,8 +47,20 @@ class CertFiles:
 
 
 def default_hosts() -> list[str]:
-    """``localhost``, ``127.0.0.1`` and this machine's host name."""
-    return list(dict.fromkeys(["localhost", "127.0.0.1", socket.gethostname()]))
+    """``localhost``, ``127.0.0.1``, this machine's host name and its address on the default route
+    (the node address Ray takes when it does not listen on loopback only)."""
+    return list(dict.fromkeys(["localhost", "127.0.0.1", socket.gethostname(), *routable_address()]))
+
+
+def routable_address() -> list[str]:
+    """This machine's address on its default route, as Ray finds its node address (a UDP socket
+    "connected" to a public address sends nothing); none without a route."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect(("8.8.8.8", 53))
+            return [str(probe.getsockname()[0])]
+    except OSError:
+        return []
 
 
 def check_host(host: str) -> str:
