@@ -301,3 +301,22 @@ def test_data_prepare_with_a_fifo_tokenizer_file_is_one_line(
         "data", "prepare", str(text_file), "--tokenizer", str(fifo), "-o", str(text_file.parent / "o"), capsys=capsys
     )
     assert_user_error(result, str(fifo))
+
+
+def test_storage_a_remote_cluster_may_reach_is_a_warning_not_an_error(
+    tmp_path: Path, s3: S3Server, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With --address the workers run elsewhere and may reach what this machine cannot: the
+    preflight says so and goes on; a scheme trainforge does not read is an error everywhere."""
+    from trainforge.config import load_config
+    from trainforge.driver.run import check_storage
+    from trainforge.errors import CheckpointError
+
+    missing = f"s3://no-such-bucket/ck?endpoint_override=127.0.0.1:{s3.port}&scheme=http"
+    config = load_config(tiny_run(tmp_path, checkpoint={"storage_path": missing}))
+    check_storage(config, local=False)
+    assert any("cannot be used: no such bucket (from this machine" in r.getMessage() for r in caplog.records)
+    with pytest.raises(CheckpointError, match="no such bucket; check the URI"):
+        check_storage(config, local=True)
+    with pytest.raises(CheckpointError, match="hdfs:// is not a storage trainforge reads"):
+        check_storage(load_config(tiny_run(tmp_path, checkpoint={"storage_path": "hdfs://nn/ck"})), local=False)
