@@ -12,6 +12,9 @@ token authentication on as well; a fourth namespace, ``rogue``, for nodes that m
   second's plain HTTP/2, whose opening the capture finds in clear (and never during the TLS run:
   no gRPC connection of the cluster crosses in clear).
 * A driver without the cluster's CA (none, or another CA's) is refused in one line, in seconds.
+* ``trainforge submit`` with ``cluster.tls`` reaches the head's Jobs API through a TLS proxy
+  (tls_proxy.py; Ray's dashboard serves plain HTTP) and checks its certificate with the CA; the
+  job trains across the nodes. Another CA is refused in one line.
 
 Not covered by Ray's TLS, and so not claimed here: torch.distributed's own connections (gloo's
 pairs, the rendezvous store), which carry the gradients (docs/security.md).
@@ -80,8 +83,23 @@ def tls_network() -> Iterator[Network]:
 @pytest.fixture(scope="module")
 def tls_cluster(tls_network: Network, pki: dict[str, CertFiles]) -> Iterator[RayCluster]:
     env = ray_tls_env(tls_of(pki["cluster"]))
-    with ray_cluster(tls_network, SPECS, system_config=FAST_HEALTH_CHECKS, env=env) as cluster:
+    with ray_cluster(tls_network, SPECS, system_config=FAST_HEALTH_CHECKS, dashboard=True, env=env) as cluster:
         yield cluster
+
+
+@pytest.fixture(scope="module")
+def https_dashboard(tls_cluster: RayCluster, pki: dict[str, CertFiles]) -> Iterator[str]:
+    """The head's dashboard behind a TLS proxy (tls_proxy.py) with the head's certificate, on 8443."""
+    head = tls_cluster.head.address
+    files = pki["cluster"]
+    argv = [sys.executable, "-m", "tests.cluster.tls_proxy", "8443", head, "8265", str(files.cert), str(files.key)]
+    proxy = subprocess.Popen(tls_cluster.net.exec_argv("head", argv), stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    assert proxy.stdout is not None and proxy.stdout.readline().strip() == "listening"
+    try:
+        yield f"https://{head}:8443"
+    finally:
+        proxy.kill()
+        proxy.wait()
 
 
 def without_tls(env: dict[str, str]) -> dict[str, str]:
@@ -236,3 +254,42 @@ def test_a_driver_without_the_clusters_ca_is_refused_in_one_line(
     assert said in lines[0] and tls_cluster.gcs_address in lines[0], lines[0]
     assert took < scaled(30), f"refused after {took:.0f} s"
     assert not (tmp_path / "t" / "summary.json").exists()
+
+
+def test_submit_with_cluster_tls_reaches_the_jobs_api_over_https_and_the_job_trains_with_tls(
+    tls_cluster: RayCluster, https_dashboard: str, pki: dict[str, CertFiles], tmp_path: Path
+) -> None:
+    """``submit`` checks the proxy's certificate with cluster.tls.ca; the job's own trainforge train
+    runs on the head, whose Ray processes have the cluster's TLS variables (the submitted config
+    has no cluster.tls). A CA that did not sign the proxy's certificate is one line."""
+    tls_cluster.wait_whole()
+    files = pki["cluster"]
+    tls = {"ca": str(files.ca), "cert": str(files.cert), "key": str(files.key)}
+    project = tmp_path / "project"  # the working directory that travels with the job
+    project.mkdir()
+    config = tiny_run(tmp_path / "results", scaling={"num_workers": 2}, cluster={"tls": tls})
+    (project / "run.yaml").write_text(yaml.safe_dump(config))
+    env = {**without_tls(tls_cluster.env), "RAY_ADDRESS": ""}
+    argv = [TRAINFORGE, "submit", "run.yaml", "--address", https_dashboard]
+    done = subprocess.run(
+        tls_cluster.net.exec_argv("head", argv),
+        cwd=project,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=scaled(300),
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    run_dir = tmp_path / "results" / "t"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["num_workers"] == 2
+    nodes = {key.split("/")[1] for report in reports(run_dir) for key in report if key.startswith("system/")}
+    assert nodes == {tls_cluster.nodes[n].address for n in ("w1", "w2")}, nodes
+
+    argv = [TRAINFORGE, "jobs", "list", "--address", https_dashboard, "--ca", str(pki["foreign"].ca)]
+    refused = in_head(tls_cluster, argv, env, scaled(60))
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    assert refused.stderr.strip().splitlines() == [
+        f"error: TLS with the Ray dashboard at {https_dashboard} failed (certificate verify failed); "
+        "--ca (or cluster.tls.ca) names the CA that signed its certificate"
+    ]
