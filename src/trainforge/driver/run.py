@@ -165,6 +165,7 @@ def preflight(config: Config, *, local: bool) -> None:
     check_augment(augment_of(config.data))
     if local:  # checkpoint.encryption: the key is in this machine's environment (a cluster's workers have their own)
         cipher_of(config.checkpoint.encryption)
+    check_storage(config, local=local)  # before a corpus is prepared: nothing written for a run that cannot save
     if not local:
         return
     prepare_or_verify(config.data)  # data.name tokens: data.prepare's corpus written if missing, every byte checked
@@ -312,7 +313,6 @@ def run_training(
     address = resolve_address(config, address)
     local = address is None
     preflight(config, local=local)
-    check_storage(config, local=local)
     with run_locks(config, local=local, wait_s=lock_wait_s):
         check_resume(config, local=local)
         startup.mark("preflight")
