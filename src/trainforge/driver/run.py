@@ -205,9 +205,9 @@ def check_storage(config: Config, *, local: bool) -> None:
 
 def check_resume(config: Config, *, local: bool) -> None:
     """``--resume none`` or a path start a run: refuse one that already has checkpoints, whose
-    timeline they would otherwise mix with the new one. A path must be a checkpoint whose manifest
-    reads (the workers verify every byte); on a remote cluster, where paths are the cluster's, they
-    check it themselves."""
+    timeline they would otherwise mix with the new one. A path must be a checkpoint that verifies
+    (every byte, here, before Ray starts); on a remote cluster, where paths are the cluster's, the
+    workers check it themselves."""
     mode = config.checkpoint.resume
     if mode == "auto":
         return
@@ -227,7 +227,7 @@ def check_resume(config: Config, *, local: bool) -> None:
 
 
 def check_resume_path(path: str, config: Config) -> None:
-    """A checkpoint to start from: a directory whose manifest reads, or one line before Ray starts."""
+    """A checkpoint to start from: one that verifies as restore verifies it, or one line before Ray starts."""
     given = Path(path).expanduser()
     problem: str | None
     if "://" not in path and not given.is_dir():
