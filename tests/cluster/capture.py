@@ -15,6 +15,7 @@ import struct
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -61,6 +62,36 @@ def flows(data: bytes) -> dict[tuple[str, int, str, int], Flow]:
             flow.payload_bytes += len(payload)
             flow.first = flow.first or payload[:8]
     return found
+
+
+@dataclass(frozen=True)
+class Packet:
+    """An IPv4 packet as captured: its addresses, IP protocol (6 TCP, 17 UDP, 50 ESP), ports (0
+    for other protocols) and length."""
+
+    source: str
+    destination: str
+    protocol: int
+    sport: int
+    dport: int
+    size: int
+
+
+def ipv4_packets(data: bytes) -> Iterator[Packet]:
+    """Every IPv4 packet of a capture file."""
+    at = 0
+    while at + 4 <= len(data):
+        (size,) = struct.unpack("!I", data[at : at + 4])
+        frame = data[at + 4 : at + 4 + size]
+        at += 4 + size
+        if len(frame) < 34 or frame[12:14] != b"\x08\x00":
+            continue
+        packet = frame[14:]
+        header = (packet[0] & 15) * 4
+        protocol = packet[9]
+        ports = struct.unpack("!HH", packet[header : header + 4]) if protocol in (6, 17) else (0, 0)
+        source, destination = socket.inet_ntoa(packet[12:16]), socket.inet_ntoa(packet[16:20])
+        yield Packet(source, destination, protocol, ports[0], ports[1], struct.unpack("!H", packet[2:4])[0])
 
 
 def capture(path: Path) -> None:

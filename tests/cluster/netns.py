@@ -20,12 +20,14 @@ import signal
 import subprocess
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import psutil
 
 BASE = "tfc"  # every namespace this harness creates is named tfc<pid>-<role>
 SUBNET = "10.213.0"  # a private /24 inside the switch; node i gets .i (head .1)
 SWITCH = "sw"
+WIREGUARD_SOCKETS = Path("/var/run/wireguard")  # wireguard-go's control sockets, one per interface
 STALE = re.compile(rf"^{BASE}(\d+)-")
 
 
@@ -99,10 +101,14 @@ def probe() -> None:
 
 @dataclass
 class Network:
-    """The namespaces and links of one harness instance. ``nodes`` maps node name to IP address."""
+    """The namespaces and links of one harness instance. ``nodes`` maps node name to the IP address
+    its processes use, on ``device``; ``cables`` maps it to its cable's (eth0's) address, the same
+    unless the network is encrypted (tests/cluster/wireguard.py)."""
 
     prefix: str
     nodes: dict[str, str] = field(default_factory=dict)
+    cables: dict[str, str] = field(default_factory=dict)
+    device: str = "eth0"
     _netem: bool | None = None
 
     @classmethod
@@ -134,7 +140,7 @@ class Network:
         """A namespace with ``lo`` up and ``eth0`` (``address``/24) cabled to the switch port ``name``."""
         ns = self.ns(name)
         ip("netns", "add", ns)
-        self.nodes[name] = address
+        self.nodes[name] = self.cables[name] = address
         ip("-n", ns, "link", "set", "lo", "up")
         ip("-n", self.switch, "link", "add", name, "type", "veth", "peer", "name", "eth0", "netns", ns)
         ip("-n", self.switch, "link", "set", name, "master", "br0")
@@ -209,10 +215,13 @@ class Network:
         return [(self.ns(node), "eth0"), (self.switch, node)]
 
     def delete(self) -> None:
-        """Kill every process inside the namespaces, then delete them (their links go with them)."""
+        """Kill every process inside the namespaces, then delete them (their links go with them),
+        and the control sockets of their WireGuard daemons (tests/cluster/wireguard.py)."""
         for ns in [*(self.ns(n) for n in self.nodes), self.switch]:
             kill_namespace_processes(ns)
             ip("netns", "delete", ns, check=False)
+        for socket_path in WIREGUARD_SOCKETS.glob(f"{self.prefix}w*.sock"):
+            socket_path.unlink(missing_ok=True)
 
 
 def rate_bits(rate: str) -> int:

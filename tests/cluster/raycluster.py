@@ -108,8 +108,9 @@ class RayCluster:
             "OMP_NUM_THREADS": "1",
             "RAY_USAGE_STATS_ENABLED": "0",
             # Every namespace shares the machine's hostname, which resolves to 127.0.0.1: gloo would
-            # advertise that to the other ranks. Each node's cable is its eth0.
-            "GLOO_SOCKET_IFNAME": "eth0",
+            # advertise that to the other ranks. A node's address is on its net.device (eth0, the
+            # cable; wgnet on an encrypted network, tests/cluster/wireguard.py).
+            "GLOO_SOCKET_IFNAME": net.device,
             # A node's own setting that a run's scaling.env replaces (test_multinode's submit test).
             "TRAINFORGE_ENV_PROBE": "from-the-node",
             # A submitted job's entrypoint is `trainforge train`: on the PATH of every node's Ray.

@@ -7,6 +7,8 @@ token authentication on as well; a fourth namespace, ``rogue``, for nodes that m
   switch finds neither the run's name (it travels to the workers inside Ray's task specs) nor the
   cluster's token (in every gRPC call's metadata); a plaintext marker sent across the same switch
   is found, so the capture sees the cables.
+  DDP's broadcast of the model's parameters (a marked weight, tests/helpers/user_models.py) is
+  found in clear: gloo is outside Ray's TLS (test_encrypted_network encrypts it).
 * A node whose certificate another CA signed, and a node without TLS, never join: the first
   fails the handshake (it does not trust the head's certificate), the head hangs up on the
   second's plain HTTP/2, whose opening the capture finds in clear (and never during the TLS run:
@@ -25,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import json
 import secrets
+import struct
 import subprocess
 import sys
 import time
@@ -41,6 +44,7 @@ from tests.cluster.raycluster import BIN, FAST_HEALTH_CHECKS, ROOT, NodeSpec, Ra
 from tests.helpers.faults import reports
 from tests.helpers.runs import tiny_run
 from tests.helpers.timing import scaled
+from tests.helpers.user_models import WIRE_MARK
 from trainforge.config.schema import TlsConfig
 from trainforge.driver.certs import CertFiles, create_certs
 from trainforge.driver.tls import ray_tls_env
@@ -51,6 +55,9 @@ NODES = ["head", "w1", "w2", "rogue"]
 SPECS = [NodeSpec("head", num_cpus=0, head=True), NodeSpec("w1", num_cpus=1), NodeSpec("w2", num_cpus=1)]
 TRAINFORGE = str(BIN / "trainforge")
 GRPC_PREFACE = b"PRI * HTTP/2.0"  # how every plaintext HTTP/2 (gRPC) connection opens
+# tiny_net with its first layer's weights all WIRE_MARK: 16 float32 copies in a row are its bytes in clear.
+MARKED_MODEL = {"name": None, "factory": "tests.helpers.user_models:marked_net"}
+WEIGHTS_IN_CLEAR = struct.pack("<f", WIRE_MARK) * 16
 TLS_NAMES = ("RAY_USE_TLS", "RAY_TLS_SERVER_CERT", "RAY_TLS_SERVER_KEY", "RAY_TLS_CA_CERT")
 
 
@@ -114,13 +121,15 @@ def in_head(
     )
 
 
-def send_plaintext(net: Network, marker: bytes) -> None:
-    """``marker`` from w2 to w1 over a plain TCP connection: the capture's control."""
+def send_plaintext(net: Network, marker: bytes, to: str | None = None) -> None:
+    """``marker`` from w2 to w1 (at ``to``, default its node address) over a plain TCP connection:
+    the capture's control."""
     server = subprocess.Popen(
         net.exec_argv("w1", [sys.executable, "-c", RECEIVE]), stdout=subprocess.PIPE, text=True, cwd=ROOT
     )
     assert server.stdout is not None and server.stdout.readline().strip() == "listening"
-    script = f"import socket; socket.create_connection(('{net.nodes['w1']}', 5301), timeout=10).sendall({marker!r})"
+    address = to or net.nodes["w1"]
+    script = f"import socket; socket.create_connection(('{address}', 5301), timeout=10).sendall({marker!r})"
     subprocess.run(net.exec_argv("w2", [sys.executable, "-c", script]), check=True, timeout=scaled(30))
     assert server.wait(timeout=scaled(30)) == 0
 
@@ -143,7 +152,9 @@ def test_a_tls_cluster_trains_across_nodes_with_nothing_of_ray_in_clear_on_the_w
     marker = f"tlsmarker{secrets.token_hex(8)}"
     files = pki["cluster"]
     tls = {"ca": str(files.ca), "cert": str(files.cert), "key": str(files.key)}
-    config = tiny_run(tmp_path, run={"name": marker}, scaling={"num_workers": 2}, cluster={"tls": tls})
+    config = tiny_run(
+        tmp_path, run={"name": marker}, model=MARKED_MODEL, scaling={"num_workers": 2}, cluster={"tls": tls}
+    )
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
     argv = [TRAINFORGE, "train", str(tmp_path / "run.yaml"), "--address", tls_cluster.gcs_address]
     control = f"plaintextcontrol{secrets.token_hex(8)}".encode()
@@ -163,6 +174,9 @@ def test_a_tls_cluster_trains_across_nodes_with_nothing_of_ray_in_clear_on_the_w
     assert marker.encode() not in wire, "the run's name crossed the switch in clear"
     assert tls_cluster.token.encode() not in wire, "the cluster's token crossed the switch in clear"
     assert GRPC_PREFACE not in wire, "a gRPC connection crossed the switch in clear"
+    # The parameters that DDP broadcasts from rank 0 go over gloo: in clear (the control of
+    # test_encrypted_network, where the same run finds none of them).
+    assert WEIGHTS_IN_CLEAR in wire, "the model's marked weights did not cross in clear on gloo"
     # Every connection to the head (GCS, raylet, workers: all of the head's ports are Ray's) is TLS.
     # What is not: torch.distributed's own (gloo's pairs and the rendezvous store between the two
     # training workers), which Ray's TLS does not cover: measured and printed, not hidden.

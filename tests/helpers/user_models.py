@@ -175,3 +175,20 @@ class PacedOwnStep(OwnStep):
 
 def paced_own_step(hidden: int = 32, dropout: float = 0.1, delay_s: float = 0.03) -> nn.Module:
     return PacedOwnStep(hidden, dropout, delay_s)
+
+
+WIRE_MARK = 0.0123456  # float32 bytes of this, repeated, are what a capture looks for
+
+
+def marked_net(hidden: tuple[int, ...] = (256, 128)) -> nn.Module:
+    """A digits classifier the shape of the built-in ``mlp`` (64 -> 256 -> 128 -> 10, the same
+    traffic a step) whose first layer's weights all start at WIRE_MARK: DDP's broadcast of rank
+    0's parameters when it wraps the model carries 16,384 copies of it, a pattern a packet capture
+    recognises wherever the tensors cross in clear."""
+    layers: list[nn.Module] = [nn.Flatten()]
+    for size_in, size_out in zip((64, *hidden), hidden, strict=False):
+        layers += [nn.Linear(size_in, size_out), nn.ReLU()]
+    net = nn.Sequential(*layers, nn.Linear(hidden[-1], 10))
+    with torch.no_grad():
+        net[1].weight.fill_(WIRE_MARK)
+    return net
