@@ -76,15 +76,36 @@ def straight(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, dict], 
     return run
 
 
+def state_at(run_dir: Path, step: int, key_env: str | None) -> dict[str, torch.Tensor]:
+    """``checkpoint_state`` of the run's checkpoint at ``step``, through a decrypted copy when the
+    run encrypted its checkpoints with the key in ``key_env``."""
+    if key_env is None:
+        return checkpoint_state(run_dir, step)
+    from trainforge.checkpoint.crypto import FileCipher
+    from trainforge.checkpoint.storage import CheckpointStore
+
+    store = CheckpointStore.from_uri(str(run_dir), FileCipher.from_env(key_env))
+    with store.opened(run_dir / f"checkpoint_{step:09d}") as plain:
+        opened = run_dir.parent / "opened"
+        opened.mkdir()
+        (opened / plain.name).symlink_to(plain, target_is_directory=True)
+        return checkpoint_state(opened, step)
+
+
 @pytest.mark.slow
 @pytest.mark.usefixtures("ray_local")
+@pytest.mark.parametrize("key_env", [None, KEY_ENV], ids=["plaintext", "encrypted"])
 def test_worker_killed_mid_epoch_resumes_bit_identical(
-    tmp_path: Path, straight: Callable[[str, dict], trainforge.RunResult]
+    tmp_path: Path, straight: Callable[[str, dict], trainforge.RunResult], key_env: str | None
 ) -> None:
+    """Encrypted (checkpoint.encryption): the worker restarts from sealed checkpoints, decrypted
+    with the key from its environment, and the run is the plaintext one's, bit for bit."""
     label, sections = "2-workers-accum-bf16-loader-workers", TWO_WORKERS
-    reference = straight(label, sections)
+    reference = straight(label, sections)  # plaintext, uninterrupted
     run_dir = tmp_path / "killed" / "t"
     killed = kill_a_worker_after(run_dir / "checkpoint_000000020")
+    if key_env is not None:
+        sections = {**sections, "checkpoint": {"every_n_steps": 20, "encryption": {"key_env": key_env}}}
     resumed = trainforge.fit(paced_config(tmp_path / "killed", **sections))
 
     assert killed, "no worker was killed"
@@ -96,49 +117,20 @@ def test_worker_killed_mid_epoch_resumes_bit_identical(
     events = [e.text for line in lines for e in events_of(json.loads(line))]
     assert any(e.startswith("resumed from") and "checkpoint_0000000" in e for e in events), events
     # The epoch is 1438 / world / (batch x accum) steps long: step 20 is mid-epoch in every variant.
-    assert_bit_identical(checkpoint_state(reference.run_dir, 60), checkpoint_state(run_dir, 60))
-    assert torch.equal(
-        load_file(str(reference.model_path))["inner.4.weight"], load_file(str(resumed.model_path))["inner.4.weight"]
-    )
-
-
-@pytest.mark.slow
-@pytest.mark.usefixtures("ray_local")
-def test_an_encrypted_run_killed_mid_epoch_resumes_bit_identical_to_a_plaintext_one(
-    tmp_path: Path, straight: Callable[[str, dict], trainforge.RunResult]
-) -> None:
-    # checkpoint.encryption: the worker restarts from sealed checkpoints, decrypted with the key
-    # from its environment; the run is the plaintext one's, bit for bit.
-    from trainforge.checkpoint.crypto import MAGIC, FileCipher
-    from trainforge.checkpoint.storage import CheckpointStore
-
-    label, sections = "2-workers-accum-bf16-loader-workers", TWO_WORKERS
-    reference = straight(label, sections)
-    run_dir = tmp_path / "killed" / "t"
-    killed = kill_a_worker_after(run_dir / "checkpoint_000000020")
-    encrypted = {**sections, "checkpoint": {"every_n_steps": 20, "encryption": {"key_env": KEY_ENV}}}
-    resumed = trainforge.fit(paced_config(tmp_path / "killed", **encrypted))
-
-    assert killed, "no worker was killed"
-    assert resumed.summary["status"] == "finished" and resumed.summary["restarts"] == 1
-    last = run_dir / "checkpoint_000000060"
-    assert (last / "model.safetensors").read_bytes().startswith(MAGIC)
-    assert (last / "trainer_state.json").read_bytes().startswith(MAGIC)
-    store = CheckpointStore.from_uri(str(run_dir), FileCipher.from_env(KEY_ENV))
-    with store.opened(last) as plain:
-        opened = tmp_path / "opened"
-        opened.mkdir()
-        (opened / last.name).symlink_to(plain, target_is_directory=True)
-        assert_bit_identical(checkpoint_state(reference.run_dir, 60), checkpoint_state(opened, 60))
+    assert_bit_identical(checkpoint_state(reference.run_dir, 60), state_at(run_dir, 60, key_env))
     # The run directory's weights are the run's product: decrypted, as the plaintext run's.
-    assert load_file(str(resumed.model_path)).keys() == load_file(str(reference.model_path)).keys()
     assert torch.equal(
         load_file(str(reference.model_path))["inner.4.weight"], load_file(str(resumed.model_path))["inner.4.weight"]
     )
-    key = os.environ[KEY_ENV]
-    for path in (tmp_path / "killed").rglob("*"):
-        if path.is_file():
-            assert key.encode() not in path.read_bytes() and bytes(range(32)) not in path.read_bytes(), path
+    if key_env is not None:
+        from trainforge.checkpoint.crypto import MAGIC
+
+        for name in ("model.safetensors", "trainer_state.json"):
+            assert (run_dir / "checkpoint_000000060" / name).read_bytes().startswith(MAGIC), name
+        key = os.environ[key_env]
+        for path in (tmp_path / "killed").rglob("*"):
+            if path.is_file():
+                assert key.encode() not in path.read_bytes() and bytes(range(32)) not in path.read_bytes(), path
 
 
 # A model that owns its step (model.task: custom) on dict batches, through real Ray workers.

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+from collections.abc import Iterator
 from typing import Any
 
 import boto3
@@ -49,3 +52,30 @@ class S3Server:
             return []
         names = {k.split("/")[-2] for k in self.keys(prefix) if k.endswith("/manifest.json")}
         return sorted(n for n in names if n.startswith("checkpoint_"))
+
+
+@contextlib.contextmanager
+def serving(port: int) -> Iterator[tuple[S3Server, dict[str, str]]]:
+    """A started server with the bucket ``BUCKET``, and the AWS variables that point boto3 and
+    pyarrow's S3 file system at it, set in this process's environment until the block ends (the
+    variables are also returned, for a Ray runtime environment)."""
+    server = S3Server(port)
+    server.start()
+    env = {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL": server.endpoint,  # honoured by boto3 and by pyarrow's S3 file system
+    }
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        server.client().create_bucket(Bucket=BUCKET)
+        yield server, env
+    finally:
+        server.stop()
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value

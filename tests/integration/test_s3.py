@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 
 import trainforge
 from tests.helpers.faults import Fault, events, free_port, paced_run, reports, signal_a_worker, wait_until
-from tests.helpers.s3 import BUCKET, S3Server
+from tests.helpers.s3 import BUCKET, S3Server, serving
 from tests.helpers.timing import scaled
 from trainforge.checkpoint.storage import CheckpointStore
 
@@ -35,36 +35,20 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def s3() -> Iterator[S3Server]:
-    server = S3Server(free_port())
-    server.start()
-    env = {
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": "us-east-1",
-        "AWS_ENDPOINT_URL": server.endpoint,  # honoured by boto3 and by pyarrow's S3 file system
-    }
-    saved = {name: os.environ.get(name) for name in env}
-    os.environ.update(env)
-    server.client().create_bucket(Bucket=BUCKET)
-    if ray.is_initialized():
-        ray.shutdown()
-    ray.init(
-        address="local",  # a new instance even if another cluster on this machine advertises itself
-        num_cpus=4,
-        include_dashboard=False,
-        log_to_driver=False,
-        runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **env}},
-    )
-    try:
-        yield server
-    finally:
-        ray.shutdown()
-        server.stop()
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+    with serving(free_port()) as (server, env):
+        if ray.is_initialized():
+            ray.shutdown()
+        ray.init(
+            address="local",  # a new instance even if another cluster on this machine advertises itself
+            num_cpus=4,
+            include_dashboard=False,
+            log_to_driver=False,
+            runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **env}},
+        )
+        try:
+            yield server
+        finally:
+            ray.shutdown()
 
 
 @pytest.fixture

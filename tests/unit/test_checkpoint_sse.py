@@ -4,7 +4,6 @@ server on loopback; pyarrow alone sends no such header (the control case below).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -13,7 +12,7 @@ import pytest
 
 from tests.helpers.checkpoints import snapshot
 from tests.helpers.faults import free_port
-from tests.helpers.s3 import BUCKET, S3Server
+from tests.helpers.s3 import BUCKET, S3Server, serving
 from tests.unit.test_checkpoint import SCHEMAS, save_all, small_model, trained
 from tests.unit.test_checkpoint_hostile import writer
 from trainforge.checkpoint.sse import ServerSide
@@ -24,26 +23,8 @@ from trainforge.errors import ConfigError
 
 @pytest.fixture(scope="module")
 def s3() -> Iterator[S3Server]:
-    server = S3Server(free_port())
-    server.start()
-    env = {
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": "us-east-1",
-        "AWS_ENDPOINT_URL": server.endpoint,  # honoured by boto3 and by pyarrow's S3 file system
-    }
-    saved = {name: os.environ.get(name) for name in env}
-    os.environ.update(env)
-    server.client().create_bucket(Bucket=BUCKET)
-    try:
+    with serving(free_port()) as (server, _):
         yield server
-    finally:
-        server.stop()
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def encryption_of(server: S3Server, prefix: str) -> dict[str, tuple[str | None, str | None]]:
