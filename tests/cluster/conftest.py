@@ -22,7 +22,7 @@ the process stays this test's child).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import pytest
@@ -34,19 +34,27 @@ NODES = ["head", "w1", "w2"]
 SPECS = [NodeSpec("head", num_cpus=0, head=True), NodeSpec("w1", num_cpus=1), NodeSpec("w2", num_cpus=1)]
 
 
-@pytest.fixture(scope="module")
-def netns_network() -> Iterator[Network]:
-    """The three-node namespace network (no Ray); see the module docstring."""
+@contextlib.contextmanager
+def namespace_network(nodes: Sequence[str] = NODES) -> Iterator[Network]:
+    """A namespace network of ``nodes`` (no Ray), removed at the end; the test skips where this
+    machine cannot make network namespaces. Stale namespaces of crashed runs are removed first."""
     remove_stale()
     try:
         probe()
     except NetnsUnavailable as err:
         pytest.skip(f"network namespaces unavailable: {err}")
-    net = Network.create(NODES)
+    net = Network.create(list(nodes))
     try:
         yield net
     finally:
         net.delete()
+
+
+@pytest.fixture(scope="module")
+def netns_network() -> Iterator[Network]:
+    """The three-node namespace network (no Ray); see the module docstring."""
+    with namespace_network() as net:
+        yield net
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ import yaml
 
 from tests.cluster import wireguard
 from tests.cluster.capture import Capture, ipv4_packets
-from tests.cluster.netns import NetnsUnavailable, Network, probe, remove_stale
+from tests.cluster.netns import Network
 from tests.cluster.raycluster import FAST_HEALTH_CHECKS, NodeSpec, RayCluster, ray_cluster
 from tests.cluster.test_tls import MARKED_MODEL, TRAINFORGE, WEIGHTS_IN_CLEAR, in_head, send_plaintext, without_tls
 from tests.helpers.faults import reports
@@ -43,21 +43,13 @@ CONTROL_PORT = 5301  # send_plaintext's
 
 
 @pytest.fixture(scope="module")
-def encrypted_network() -> Iterator[Network]:
-    remove_stale()
-    try:
-        probe()
-    except NetnsUnavailable as err:
-        pytest.skip(f"network namespaces unavailable: {err}")
+def encrypted_network(netns_network: Network) -> Network:
+    """This module's namespace network (conftest) with every node behind WireGuard."""
     reason = wireguard.unavailable()
     if reason:
         pytest.skip(f"WireGuard unavailable: {reason}")
-    net = Network.create([spec.name for spec in SPECS])
-    try:
-        wireguard.encrypt(net)
-        yield net
-    finally:
-        net.delete()
+    wireguard.encrypt(netns_network)
+    return netns_network
 
 
 @pytest.fixture(scope="module")

@@ -39,7 +39,8 @@ import pytest
 import yaml
 
 from tests.cluster.capture import Capture, flows
-from tests.cluster.netns import SUBNET, NetnsUnavailable, Network, kill_namespace_processes, probe, remove_stale
+from tests.cluster.conftest import namespace_network
+from tests.cluster.netns import SUBNET, Network, kill_namespace_processes
 from tests.cluster.raycluster import BIN, FAST_HEALTH_CHECKS, ROOT, NodeSpec, RayCluster, ray_cluster
 from tests.helpers.faults import reports
 from tests.helpers.runs import tiny_run
@@ -75,16 +76,8 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, CertFiles]:
 
 @pytest.fixture(scope="module")
 def tls_network() -> Iterator[Network]:
-    remove_stale()
-    try:
-        probe()
-    except NetnsUnavailable as err:
-        pytest.skip(f"network namespaces unavailable: {err}")
-    net = Network.create(NODES)
-    try:
+    with namespace_network(NODES) as net:  # with a fourth node, "rogue"
         yield net
-    finally:
-        net.delete()
 
 
 @pytest.fixture(scope="module")
