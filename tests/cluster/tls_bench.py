@@ -116,16 +116,24 @@ def main() -> None:
                         run = bench(cluster, folder / f"{label}-{attempt}", args.rate, args.steps)
                         results[label].append({p["workers"]: p for p in run["points"]}[2])
                 net.unshape("w2")
+    print_tables("Ray's gRPC", args, transfers, {} if args.objects_only else results)
+
+
+def print_tables(
+    column: str, args: argparse.Namespace, transfers: dict[str, list[float]], results: dict[str, list[dict[str, Any]]]
+) -> None:
+    """The markdown tables docs/benchmarks.md records: object transfers (``--objects-mb``) and the
+    two-worker point of each variant (``column`` names what differs between the rows)."""
     if args.objects_mb:
         print(f"\nRay object transfer w1 -> w2, {args.objects_mb} MB, unshaped cable (median of 3)\n")
-        print("| Ray's gRPC | MB/s |")
+        print(f"| {column} | MB/s |")
         print("|---|---|")
         for label, rates in transfers.items():
             print(f"| {label} | {statistics.median(rates):,.0f} |")
-    if args.objects_only:
+    if not results:
         return
     print(f"\n{args.rate} on w2's cable, 2 workers (one per node), {args.steps} steps, median of {args.repeat}\n")
-    print("| Ray's gRPC | samples/s | step time | exposed communication | efficiency vs 1 worker |")
+    print(f"| {column} | samples/s | step time | exposed communication | efficiency vs 1 worker |")
     print("|---|---|---|---|---|")
     for label, points in results.items():
 

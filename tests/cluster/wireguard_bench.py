@@ -18,8 +18,6 @@ Prints a Markdown table (docs/benchmarks.md records it).
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -27,7 +25,7 @@ from typing import Any
 from tests.cluster import wireguard
 from tests.cluster.netns import network
 from tests.cluster.raycluster import FAST_HEALTH_CHECKS, ray_cluster
-from tests.cluster.tls_bench import SPECS, bench, transfer_mb_per_s
+from tests.cluster.tls_bench import SPECS, bench, print_tables, transfer_mb_per_s
 
 LABELS = ("plain", "WireGuard")
 
@@ -61,25 +59,7 @@ def main() -> None:
                             print(f"{label} #{attempt + 1} ...", flush=True)
                             run = bench(cluster, folder / f"{label}-{attempt}", args.rate, args.steps)
                             results[label].append({p["workers"]: p for p in run["points"]}[2])
-    if args.objects_mb:
-        print(f"\nRay object transfer w1 -> w2, {args.objects_mb} MB, unshaped cable (median of 3)\n")
-        print("| node network | MB/s |")
-        print("|---|---|")
-        for label, rates in transfers.items():
-            print(f"| {label} | {statistics.median(rates):,.0f} |")
-    print(f"\n{args.rate} on w2's cable, 2 workers (one per node), {args.steps} steps, median of {args.repeat}\n")
-    print("| node network | samples/s | step time | exposed communication | efficiency vs 1 worker |")
-    print("|---|---|---|---|---|")
-    for label, points in results.items():
-
-        def median(key: str, points: list[dict[str, Any]] = points) -> float:
-            return float(statistics.median(p[key] for p in points))
-
-        print(
-            f"| {label} | {median('samples_per_s'):,.0f} | {median('step_time_s') * 1e3:.1f} ms | "
-            f"{median('comm_exposed_s') * 1e3:.1f} ms | {median('efficiency'):.1%} |"
-        )
-    print("\nevery run:", json.dumps({k: [round(p["samples_per_s"]) for p in v] for k, v in results.items()}))
+    print_tables("node network", args, transfers, results)
 
 
 if __name__ == "__main__":
