@@ -200,10 +200,13 @@ def test_a_run_whose_checkpoints_do_not_load_into_its_model_stops_once_in_one_li
     assert not summary.exists() or json.loads(summary.read_text())["restarts"] == 0
 
 
-def test_bench_checkpoint_measures_through_the_real_code_paths(tmp_path: Path) -> None:
+@pytest.mark.parametrize("flags", [[], ["--encrypt"]], ids=["plaintext", "encrypted"])
+def test_bench_checkpoint_measures_through_the_real_code_paths(tmp_path: Path, flags: list[str]) -> None:
     out = tmp_path / "bench.json"
-    result = cli("bench", "checkpoint", "--size-mb", "4", "--repeats=1", "--dir", str(tmp_path), "--output", str(out))
+    argv = ["bench", "checkpoint", "--size-mb", "4", "--repeats=1", "--dir", str(tmp_path), "--output", str(out)]
+    result = cli(*argv, *flags)
     assert result.returncode == 0, result.stderr
+    assert json.loads(out.read_text())["workload"]["encrypted"] == bool(flags)
     assert "checkpoint I/O goals" in result.stdout and "where the time goes" in result.stdout
     report = json.loads(out.read_text())
     assert set(report["verdicts"]) == {"save_s", "load_s", "stall_fraction", "durable_write_fraction"}
