@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 import types
 from collections.abc import Mapping
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeGuard, Union, get_args, get_origin, get_type_hints
 
 from trainforge.errors import TrainforgeError, error_for, kind_of
@@ -440,3 +440,26 @@ def merge_points(*series: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def _is_step(value: Any) -> bool:
     return _is_number(value) and math.isfinite(value)
+
+
+# --- what the driver makes of one report barrier ----------------------------------------------
+
+
+PER_NODE_PREFIX = "system/"
+
+
+def merge_reports(reports: list[Any]) -> Report | None:
+    """Rank 0's report (every rank reports the same all-reduced figures) plus the per-node
+    ``system/<node>/...`` samples that each node's first worker adds to its own report; None when
+    rank 0's is not a Report (a worker of another version)."""
+    if not reports or not isinstance(reports[0], Report):
+        return None
+    first = reports[0]
+    samples = {
+        key: value
+        for other in reports[1:]
+        if isinstance(other, Report)
+        for key, value in other.figures.items()
+        if key.startswith(PER_NODE_PREFIX)
+    }
+    return replace(first, figures={**first.figures, **samples}) if samples else first

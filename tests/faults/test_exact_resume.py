@@ -94,19 +94,28 @@ def state_at(run_dir: Path, step: int, key_env: str | None) -> dict[str, torch.T
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("ray_local")
-@pytest.mark.parametrize("key_env", [None, KEY_ENV], ids=["plaintext", "encrypted"])
+@pytest.mark.parametrize(
+    ("key_env", "warm"), [(None, False), (KEY_ENV, False), (None, True)], ids=["plaintext", "encrypted", "warm"]
+)
 def test_worker_killed_mid_epoch_resumes_bit_identical(
-    tmp_path: Path, straight: Callable[[str, dict], trainforge.RunResult], key_env: str | None
+    tmp_path: Path, straight: Callable[[str, dict], trainforge.RunResult], key_env: str | None, warm: bool
 ) -> None:
     """Encrypted (checkpoint.encryption): the worker restarts from sealed checkpoints, decrypted
-    with the key from its environment, and the run is the plaintext one's, bit for bit."""
+    with the key from its environment, and the run is the plaintext one's, bit for bit. Warm
+    (scaling.reuse_workers): the run trains on a warm worker group (driver/warm.py), one of whose
+    workers is killed; it continues under Ray Train from the newest checkpoint, bit for bit the
+    uninterrupted Ray Train run."""
     label, sections = "2-workers-accum-bf16-loader-workers", TWO_WORKERS
-    reference = straight(label, sections)  # plaintext, uninterrupted
+    reference = straight(label, sections)  # plaintext, uninterrupted, Ray Train's worker group
     run_dir = tmp_path / "killed" / "t"
     killed = kill_a_worker_after(run_dir / "checkpoint_000000020")
     if key_env is not None:
         sections = {**sections, "checkpoint": {"every_n_steps": 20, "encryption": {"key_env": key_env}}}
+    if warm:
+        sections = {**sections, "scaling": {**sections["scaling"], "reuse_workers": True}}
     resumed = trainforge.fit(paced_config(tmp_path / "killed", **sections))
+    if warm:
+        assert "WarmWorker" in killed.get("title", ""), killed
 
     assert killed, "no worker was killed"
     summary = resumed.summary

@@ -41,11 +41,12 @@ def paced_run(tmp_path: Path, **sections: Any) -> dict[str, Any]:
 
 
 def worker_pids() -> list[int]:
-    """Training workers of the Ray this test process started (its descendants), never anyone else's."""
+    """Training workers (Ray Train's, or a warm group's) of the Ray this test process started (its
+    descendants), never anyone else's."""
     found = []
     for proc in psutil.Process().children(recursive=True):
         try:
-            if any("RayTrainWorker" in part for part in proc.cmdline()):
+            if any("RayTrainWorker" in part or "WarmWorker" in part for part in proc.cmdline()):
                 found.append(proc.pid)
         except psutil.Error:
             continue
@@ -62,8 +63,11 @@ def kill_a_worker_after(marker: Path, timeout_s: float = 180) -> dict[str, Any]:
             time.sleep(0.01)
         pids = worker_pids()
         if pids:
-            os.kill(max(pids), signal.SIGKILL)
-            done["pid"], done["at"] = max(pids), time.time()
+            victim = max(pids)
+            with contextlib.suppress(psutil.Error):
+                done["title"] = " ".join(psutil.Process(victim).cmdline())
+            os.kill(victim, signal.SIGKILL)
+            done["pid"], done["at"] = victim, time.time()
 
     threading.Thread(target=watch, daemon=True).start()
     return done

@@ -8,9 +8,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from safetensors.torch import load_file
 
 import trainforge
 from tests.helpers.faults import events_of, wait_until
+from tests.helpers.sessions import assert_bit_identical
 from trainforge.config import load_config
 
 pytestmark = [pytest.mark.usefixtures("ray_local"), pytest.mark.slow]
@@ -141,10 +143,22 @@ def test_optuna_search_with_asha_stops_trials_gives_their_resources_back_and_tra
 
 
 def test_grid_search_runs_every_grid_point_once(tmp_path: Path) -> None:
-    result = search(tmp_path, "grid", trials=2, search="grid", scheduler="none")
+    """One trial at a time: the second trains on the warm worker group the first left
+    (tune.reuse_workers), and ends bit for bit as the same config run alone on Ray Train's group."""
+    result = search(tmp_path, "grid", "tune.max_concurrent=1", trials=2, search="grid", scheduler="none")
     summary = check_search(result, trials=2, train_best=True)
     assert sorted(t["config"]["optim.name"] for t in summary["trials"]) == ["adamw", "sgd"]
     assert all(t["status"] == "finished" and t["steps"] == 60 for t in summary["trials"])
+
+    second = max(summary["trials"], key=lambda t: t["started_at"])
+    alone = load_config(Path(second["run_dir"]) / "config.yaml").to_dict()
+    alone["run"]["name"] = "second-trial-alone"
+    trainforge.fit(alone)
+    trained = [
+        load_file(str(d / "model.safetensors"))
+        for d in (Path(second["run_dir"]), tmp_path / "grid" / "second-trial-alone")
+    ]
+    assert_bit_identical(*trained)
 
 
 def test_pbt_exploit_continues_from_the_donor_with_its_own_mutated_lr(tmp_path: Path) -> None:

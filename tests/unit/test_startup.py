@@ -72,6 +72,8 @@ def test_bench_startup_summarises_medians_ratios_and_phases() -> None:
         Start("trainforge", "cold", 1, 11.0, 17.0, {"ray": 1.0, "first_step": 0.3}),
         Start("ray_train", "running", 0, 8.0, 9.0),
         Start("trainforge", "running", 0, 9.6, 11.0, {"controller": 2.0}),
+        Start("trainforge", "warm", 0, 0.4, 1.2, {"controller": 0.1}),
+        Start("trainforge", "warm", 1, 0.6, 1.4, {"controller": 0.3}),
     ]
     summary = summarise(found)
     rows = {(row["peer"], row["setting"]): row for row in summary["rows"]}
@@ -82,3 +84,9 @@ def test_bench_startup_summarises_medians_ratios_and_phases() -> None:
     lines = goal_lines(summary)
     assert lines[0] == "trainforge / plain Ray Train, cold: 1.00 (goal <= 1.05: met)"
     assert "in a running Ray: 1.20 (goal <= 1.10: NOT met)" in lines[1]
+    # On warm workers: against torchrun's cold first step (the 7.8 s when not measured).
+    assert summary["phases"]["warm"] == {"controller": 0.2}
+    assert summary["warm"] == {"first_step_s": 0.5, "torchrun_cold_s": 7.8}
+    assert lines[2] == "trainforge on warm workers: first step 0.5 s (goal < torchrun's cold 7.8 s: met)"
+    with_torchrun = summarise([*found, Start("torchrun", "cold", 0, 0.45, 1.0)])
+    assert "(goal < torchrun's cold 0.5 s: NOT met)" in goal_lines(with_torchrun)[2]

@@ -61,7 +61,11 @@ def bench_startup(
     workers: Annotated[int, typer.Option(help="Workers of the tiny job (2: the issue's job).")] = 2,
     repeats: Annotated[int, typer.Option(help="Measurements per peer and setting; the median is shown.")] = 2,
     setting: Annotated[
-        str, typer.Option(help="cold (each command starts its runtime), running (inside one running Ray), or both.")
+        str,
+        typer.Option(
+            help="cold (each command starts its runtime), running (inside one running Ray, and on warm "
+            "workers), or both."
+        ),
     ] = "both",
     output: Annotated[Path | None, typer.Option(help="Also write every raw figure as JSON here.")] = None,
 ) -> None:

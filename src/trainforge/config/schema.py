@@ -210,6 +210,9 @@ class ScalingConfig(Section):
     # then scaling.env over it.
     network_profile: Literal["nvlink", "infiniband", "ethernet", "cloud"] | None = None
     env: Annotated[dict[str, str], Field(max_length=MAX_ENV_VARS)] = Field(default_factory=dict)
+    # Keep this driver process's worker groups warm between its runs (driver/warm.py): a second
+    # trainforge.fit of the same shape starts on workers that have torch and the process group ready.
+    reuse_workers: bool = False
 
     @field_validator("env", mode="before")
     @classmethod
@@ -483,6 +486,8 @@ class TuneConfig(Section):
     scheduler: Literal["none", "asha", "pbt", "median"] = "none"
     scheduler_params: PlainDict = Field(default_factory=dict)  # a section per scheduler: {asha: {...}}
     time_budget_s: Annotated[float, Field(gt=0, le=366 * 24 * 3600.0)] | None = None
+    # Trials lease warm worker groups from a pool the search keeps (driver/warm.py, docs/tune.md).
+    reuse_workers: bool = True
 
 
 Price = Annotated[float, Field(ge=0.0, le=1e6)]

@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -36,7 +35,16 @@ from ray.train.v2.api.callback import UserCallback
 from trainforge.driver.cost import CostMeter
 from trainforge.driver.startup import Timeline
 from trainforge.driver.summary import DRIVER_START, Recovery
-from trainforge.protocol import REPORT_KEY, LogBatch, LogLine, Report, RunInfo, StartupMarks, WorkerFailure
+from trainforge.protocol import (
+    REPORT_KEY,
+    LogBatch,
+    LogLine,
+    Report,
+    RunInfo,
+    StartupMarks,
+    WorkerFailure,
+    merge_reports,
+)
 
 log = logging.getLogger("trainforge")
 
@@ -116,26 +124,6 @@ class StartupCallback(ControllerCallback, WorkerGroupCallback):
     def after_worker_group_start(self, worker_group: Any) -> None:
         self._send(process_group=time.time())
         self.sent = True  # a restarted group's start is recovery, not start-up
-
-
-PER_NODE_PREFIX = "system/"
-
-
-def merge_reports(reports: list[Any]) -> Report | None:
-    """Rank 0's report (every rank reports the same all-reduced figures) plus the per-node
-    ``system/<node>/...`` samples that each node's first worker adds to its own report; None when
-    rank 0's is not a Report (a worker of another version)."""
-    if not reports or not isinstance(reports[0], Report):
-        return None
-    first = reports[0]
-    samples = {
-        key: value
-        for other in reports[1:]
-        if isinstance(other, Report)
-        for key, value in other.figures.items()
-        if key.startswith(PER_NODE_PREFIX)
-    }
-    return replace(first, figures={**first.figures, **samples}) if samples else first
 
 
 class Observer(Protocol):

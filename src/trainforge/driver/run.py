@@ -32,7 +32,7 @@ from trainforge.config import Config, FactoryData, to_yaml
 from trainforge.data.augment import augment_of, check_augment
 from trainforge.data.factory import check_data_factory
 from trainforge.data.registry import check_local_paths, open_stream, source_of
-from trainforge.data.stream import check_stream_config, ordered_split_config
+from trainforge.data.stream import StreamShape, check_stream_config, ordered_split_config
 from trainforge.data.tokens import prepare_or_verify
 from trainforge.driver.console import ProgressDisplay
 from trainforge.driver.cost import CostMeter
@@ -50,6 +50,8 @@ from trainforge.driver.ray_session import ray_logs_to, ray_session, resolve_addr
 from trainforge.driver.runlock import run_locks
 from trainforge.driver.startup import Timeline
 from trainforge.driver.summary import RunRecord, finish_run_dir
+from trainforge.driver.warm import Shape as WarmShape
+from trainforge.driver.warm import WarmGroupFailed, WarmTrainer, process_pool, why_not
 from trainforge.errors import CheckpointError, TrainforgeError, TrainingFailed
 from trainforge.metrics.driver.observer import metrics_observers
 from trainforge.models.registry import load_factory, require_builtin
@@ -90,7 +92,7 @@ def build_trainer(
     (one this process started) relative data paths are made absolute for the workers."""
     scaling = config.scaling
     resources = dict(scaling.resources_per_worker) if scaling.resources_per_worker else None
-    env = {**worker_env(), **scaling.worker_env}  # scaling.network_profile, then scaling.env, over the node's own
+    env = run_env(config)
     streamed: dict[str, Any] = {}
     # Streamed sources (and factories returning Ray Datasets) are read by Ray Data and reach the
     # workers as Ray Train's dataset shards. Decided here, once: the workers follow the payload.
@@ -103,14 +105,7 @@ def build_trainer(
             f" and {stream.shape.val_rows} validation rows" if stream.shape.val_rows else "",
             stream.origin,
         )
-    payload = Payload(
-        config=Config.model_validate(with_absolute_data_paths(config.to_dict())) if local_ray else config,
-        mailbox=mailbox,
-        stream=stream.shape if stream is not None else None,
-    )
-    if not ray.util.client.ray.is_connected():
-        # Local cluster: let workers import user modules (model.factory) from the working directory.
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))
+    payload = make_payload(config, mailbox, stream.shape if stream is not None else None, local_ray=local_ray)
     return TorchTrainer(
         train_loop_per_worker,
         train_loop_config={PAYLOAD_KEY: payload},
@@ -136,6 +131,22 @@ def build_trainer(
         ),
         **streamed,
     )
+
+
+def run_env(config: Config) -> dict[str, str]:
+    """Every worker's environment: scaling.network_profile, then scaling.env, over the node's own."""
+    env = {**worker_env(), **config.scaling.worker_env}
+    if not ray.util.client.ray.is_connected():
+        # Local cluster: let workers import user modules (model.factory) from the working directory.
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))
+    return env
+
+
+def make_payload(config: Config, mailbox: Any, stream: StreamShape | None, *, local_ray: bool) -> Payload:
+    """What every worker receives; on a ``local_ray`` (one this process started) relative data paths
+    are made absolute for the workers."""
+    absolute = Config.model_validate(with_absolute_data_paths(config.to_dict())) if local_ray else config
+    return Payload(config=absolute, mailbox=mailbox, stream=stream)
 
 
 def with_absolute_data_paths(config: dict[str, Any]) -> dict[str, Any]:
@@ -259,6 +270,7 @@ def train(
     verbose: bool = False,
     callbacks: Sequence[Any] = (),
     lock_wait_s: float = 0.0,
+    pool: Any = None,
 ) -> dict[str, Any]:
     """Train the run with the standard observers around ``observers``; its summary. Raises
     TrainingFailed when it failed, and TrainforgeError for user errors.
@@ -280,7 +292,7 @@ def train(
     ]
     try:
         summary = run_training(
-            config, watchers, address=address, verbose=verbose, callbacks=callbacks, lock_wait_s=lock_wait_s
+            config, watchers, address=address, verbose=verbose, callbacks=callbacks, lock_wait_s=lock_wait_s, pool=pool
         )
     except BaseException:
         if tracker is not None:
@@ -302,11 +314,13 @@ def run_training(
     verbose: bool,
     callbacks: Sequence[Any] = (),
     lock_wait_s: float = 0.0,
+    pool: Any = None,
 ) -> dict[str, Any]:
     """Train to completion (or failure) and return the summary that was written to summary.json.
 
     The run's directory (and checkpoint folder) is locked from before Ray starts until the summary
     is written, whatever the outcome (driver/runlock.py); ``lock_wait_s`` waits for a holder that is ending.
+    ``pool``: a warm worker pool (driver/warm.py) to lease the run's workers from.
     """
     startup = Timeline()
     startup.mark("imports")
@@ -316,7 +330,9 @@ def run_training(
     with run_locks(config, local=local, wait_s=lock_wait_s):
         check_resume(config, local=local)
         startup.mark("preflight")
-        return _train(config, observers, address=address, verbose=verbose, callbacks=callbacks, startup=startup)
+        return _train(
+            config, observers, address=address, verbose=verbose, callbacks=callbacks, startup=startup, pool=pool
+        )
 
 
 def _train(
@@ -327,6 +343,7 @@ def _train(
     verbose: bool,
     callbacks: Sequence[Any],
     startup: Timeline,
+    pool: Any = None,
 ) -> dict[str, Any]:
     run_dir = config.run_dir
     (run_dir / "config.yaml").write_text(to_yaml(config))
@@ -343,7 +360,9 @@ def _train(
         mailbox = start_mailbox()
         pump = Pump(mailbox, fanout, CostMeter.for_config(config, started), startup)
         fanout.on_start(RunInfo(config.run.name, config.scaling.num_workers, where, str(run_dir)))
-        outcome = _fit(build_trainer(config, mailbox, callbacks, local_ray=address is None), pump, started)
+        outcome, config = _fit_warm(config, mailbox, pump, started, pool, local_ray=address is None)
+        if outcome is None:
+            outcome = _fit(build_trainer(config, mailbox, callbacks, local_ray=address is None), pump, started)
     store = None
     if outcome.checkpoint:  # the final weights out of the last checkpoint (decrypted with the run's key)
         store = CheckpointStore.for_run(config.storage_path, config.run.name)
@@ -366,7 +385,38 @@ def copy_profiles(config: Config, run_dir: Path) -> None:
         log.warning("could not copy the profile into %s: %s", run_dir, redact_text(str(err)))
 
 
-def _fit(trainer: TorchTrainer, pump: Pump, started: float) -> Outcome:
+def _fit_warm(
+    config: Config, mailbox: Any, pump: Pump, started: float, pool: Any, *, local_ray: bool
+) -> tuple[Outcome | None, Config]:
+    """The run on a warm worker group (driver/warm.py) when one is asked for and the run can use
+    one. No outcome: run it under Ray Train instead, with the config returned. That is when no warm
+    group was asked for, when the run cannot use one (said once), or when the warm group failed with
+    failures to spare: Ray Train's group then continues from the newest checkpoint, and the failure
+    counts against ``failure.max_failures``."""
+    if pool is None and config.scaling.reuse_workers:
+        pool = process_pool()
+    if pool is None:
+        return None, config
+    reason = why_not(config)
+    if reason is not None:
+        log.info("warm workers not used: %s", reason)
+        return None, config
+    payload = make_payload(config, mailbox, None, local_ray=local_ray)
+    trainer = WarmTrainer(pool, WarmShape.of(config, run_env(config)), payload, mailbox)
+    try:
+        return _fit(trainer, pump, started), config
+    except WarmGroupFailed as err:
+        left = config.failure.max_failures
+        if left == 0:
+            elapsed = time.monotonic() - started
+            failed = Outcome("failed", pump.last_report, pump.last_checkpoint, elapsed, f"warm worker group: {err}")
+            return failed, config
+        log.warning("warm worker group failed (%s); the run continues under Ray Train from its newest checkpoint", err)
+        spare = left - 1 if left > 0 else -1  # -1: unlimited
+        return None, config.model_copy(update={"failure": config.failure.model_copy(update={"max_failures": spare})})
+
+
+def _fit(trainer: TorchTrainer | WarmTrainer, pump: Pump, started: float) -> Outcome:
     """Run ``fit`` on a thread; the main thread drains reports and owns the signals.
 
     First Ctrl-C (or SIGTERM): the workers checkpoint and stop at their next report. Second: abort.

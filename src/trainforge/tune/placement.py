@@ -171,12 +171,18 @@ class Releaser:
 
     DELAY_S = 5.0
 
-    def __init__(self, ledger: Any) -> None:
+    def __init__(self, ledger: Any, pool: Any = None) -> None:
         self.ledger = ledger
+        self.pool = pool  # driver/warm.WarmPool: a stopped trial's warm group is killed, not handed out
         self.due: dict[str, float] = {}
 
     def on_trial_start(self, trial: Any) -> None:
         release(self.ledger, [trial.trial_id])
+        self._reap()
+
+    def _reap(self) -> None:
+        if self.pool is not None:
+            self.pool.reap.remote()  # fire and forget: the pool checks every leased group's run
 
     def on_trial_complete(self, trial: Any) -> None:
         self.due[trial.trial_id] = time.monotonic() + self.DELAY_S
@@ -191,3 +197,4 @@ class Releaser:
             for trial_id in ready:
                 del self.due[trial_id]
             release(self.ledger, ready)
+            self._reap()

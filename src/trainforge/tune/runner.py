@@ -28,6 +28,7 @@ from trainforge.checkpoint.storage import join_uri
 from trainforge.config import Config
 from trainforge.driver.run import preflight, ray_logs_to, ray_session, resolve_address
 from trainforge.driver.runlock import acquire, check_writable
+from trainforge.driver.warm import shutdown_pool, start_pool
 from trainforge.errors import ConfigError
 from trainforge.redact import redact_config
 from trainforge.tune.placement import Releaser, release, start_ledger
@@ -216,8 +217,14 @@ def _run_tuner(
         ray_session(config, address, verbose=verbose) as where,
     ):
         ledger = start_ledger()
+        pool = start_pool() if config.tune.reuse_workers else None
         setup = TrialSetup(
-            base=base, metric=settings.metric, pbt_every=settings.checkpoint_every, workdir=os.getcwd(), ledger=ledger
+            base=base,
+            metric=settings.metric,
+            pbt_every=settings.checkpoint_every,
+            workdir=os.getcwd(),
+            ledger=ledger,
+            pool=pool,
         )
         demand = trial_demand(config)
         concurrency = config.tune.max_concurrent or default_concurrency(demand, ray.available_resources())
@@ -229,10 +236,14 @@ def _run_tuner(
             highlight=False,
             soft_wrap=True,
         )
-        with relayed(str(search_dir), watch, Releaser(ledger)) as relay:
-            tuner = make_tuner(config, space, settings, setup, relay, concurrency, again)
-            with quiet_tune():
-                grid = tuner.fit()
+        try:
+            with relayed(str(search_dir), watch, Releaser(ledger, pool)) as relay:
+                tuner = make_tuner(config, space, settings, setup, relay, concurrency, again)
+                with quiet_tune():
+                    grid = tuner.fit()
+        finally:
+            if pool is not None:  # the warm groups' CPUs and placement groups, given back
+                shutdown_pool(pool)
         # Every trial's actor has ended: no worker group of the search may hold resources now.
         release(ledger, settle_s=30.0, final=True)
     return grid, setup, concurrency

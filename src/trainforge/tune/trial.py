@@ -56,6 +56,7 @@ class TrialSetup:
     pbt_every: int | None  # PBT: the trials' checkpoint interval (TuneReporter); None otherwise
     workdir: str  # the search driver's working directory: relative paths and model.factory modules
     ledger: Any = None  # placement.PlacementGroupLedger: the trial's worker groups, for release when it ends
+    pool: Any = None  # driver/warm.WarmPool: warm worker groups the trials lease (tune.reuse_workers)
 
 
 @dataclass
@@ -118,6 +119,7 @@ def run_trial(params: dict[str, Any], setup: TrialSetup) -> None:
             observers=[reporter],
             callbacks=recorder,
             lock_wait_s=TRIAL_LOCK_WAIT_S,
+            pool=setup.pool,
         )
     finally:
         reporter.finish()

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 import ray
 import ray.train
 
+from trainforge.checkpoint.storage import CheckpointStore
 from trainforge.config import Config
 from trainforge.errors import TrainforgeError, TrainingFailed
 from trainforge.protocol import (
@@ -61,12 +62,22 @@ def train_loop_per_worker(train_loop_config: dict[str, Payload]) -> Report | Use
         return run_worker(payload, {"train_fn": entered} if rank == 0 else None)
 
 
-def run_worker(payload: Payload, startup: dict[str, float] | None = None) -> Report | UserError:
+def run_worker(
+    payload: Payload,
+    startup: dict[str, float] | None = None,
+    *,
+    ranks: tuple[int, int] | None = None,
+    channel: Channel | None = None,
+) -> Report | UserError:
+    """One worker's run. Under Ray Train by default; a warm worker group (worker/warm.py) passes
+    its own ``ranks`` (rank, world) and report ``channel``, and the store comes from the config."""
     config = payload.config
     try:
-        run = build(config, stream=payload.stream.to_dict() if payload.stream is not None else None, marks=startup)
+        stream = payload.stream.to_dict() if payload.stream is not None else None
+        run = build(config, ranks, stream=stream, marks=startup)
         log_environment(config, run.rank)
-        checkpointing = Checkpointing(run, run_store())
+        store = run_store() if ranks is None else CheckpointStore.for_run(config.storage_path, config.run.name)
+        checkpointing = Checkpointing(run, store)
         restored = restore(run, checkpointing.store)
         # What restore walked past (corrupt, or not this run's model) is not the run's to rotate.
         checkpointing.writer.passed_over.update(name for name, _ in restored.skipped)
@@ -80,7 +91,10 @@ def run_worker(payload: Payload, startup: dict[str, float] | None = None) -> Rep
     hooks = build_hooks(run)
     try:
         events: list[Event] = [Note(batch_choice)] if batch_choice else []
-        return Session(run, checkpointing, restored, payload.mailbox, hooks, events=events, startup=startup).train()
+        session = Session(run, checkpointing, restored, payload.mailbox, hooks, events=events, startup=startup)
+        if channel is not None:
+            session.channel = channel
+        return session.train()
     except SaveFailedStop as err:
         return UserError.of(TrainingFailed(str(err)))
     finally:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from trainforge.metrics.names import CHECKPOINT, TRAINING
 from trainforge.metrics.worker.export import Gauges
 from trainforge.metrics.worker.gpu import NodeGpus
+from trainforge.metrics.worker.place import local_rank
 
 if TYPE_CHECKING:
     from trainforge.checkpoint.writer import SaveOutcome
@@ -97,14 +98,13 @@ def metrics_hooks(config: Config, *, rank: int) -> list[PrometheusHook]:
     """The Prometheus hook for this worker when ``metrics.enabled``; none if it cannot be built
     (observing a run never stops it). Its communication gauges come from ``metrics.comm.CommReport``."""
     import ray
-    import ray.train
 
     if not config.metrics.enabled:
         return []
     try:
         node = ray.util.get_node_ip_address()
         labels = {"run": config.run.name, "trial": config.metrics.trial or "", "rank": str(rank), "node": node}
-        first_on_node = ray.train.get_context().get_local_rank() == 0
+        first_on_node = local_rank() == 0
         hook = PrometheusHook(labels, rank=rank, gpus=NodeGpus(labels) if first_on_node else None)
     except Exception as err:
         log.warning("Prometheus metrics disabled for this worker: %s", err)

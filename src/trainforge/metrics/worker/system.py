@@ -1,6 +1,6 @@
 """Per-node system metrics, sampled by the first worker of each node at every report.
 
-Keys, added to that worker's report (``driver/events.merge_reports`` collects every node's):
+Keys, added to that worker's report (``protocol.merge_reports`` collects every node's):
 ``system/<node>/cpu_percent, memory_used_gb, memory_percent, net_sent_mb_s, net_recv_mb_s,
 disk_read_mb_s, disk_write_mb_s`` and, where NVML initialises, per GPU ``gpu<i>_util_percent,
 gpu<i>_memory_used_gb, gpu<i>_temperature_c, gpu<i>_power_w``. ``<node>`` is the node's IP.
@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import psutil
 
 from trainforge.metrics.nvml import GB, Gpus
+from trainforge.metrics.worker.place import local_rank
 
 if TYPE_CHECKING:
     from trainforge.checkpoint.writer import SaveOutcome
@@ -89,10 +90,10 @@ class SystemMetrics:
 
 def system_hooks(config: Config) -> list[SystemMetrics]:
     """A SystemMetrics hook on the first worker of each node, when tracking wants system metrics."""
-    import ray.train
+    import ray
 
     if not (config.tracking.enabled and config.tracking.system_metrics):
         return []
-    if ray.train.get_context().get_local_rank() != 0:
+    if local_rank() != 0:
         return []
     return [SystemMetrics(ray.util.get_node_ip_address())]

@@ -1,0 +1,127 @@
+"""A worker of a warm group: a Ray actor that outlives one run, so the next run that fits its shape
+finds torch imported, trainforge's worker modules loaded and the process group formed.
+
+The driver side (driver/warm.py) starts the actors, forms their gloo group once, and hands each
+run's ``Payload`` to ``run``; the run itself is the same ``run_worker`` Ray Train's workers call,
+with the group's ranks and a report channel that gathers every rank's report to rank 0, which
+puts the merged report in the run's mailbox (what Ray Train's controller does through
+``ForwardingCallback``). Between runs a worker resets what a run may leave behind in the process
+(``reset``); anything it cannot vouch for (an error, a run that did not end on every rank) makes
+the driver discard the whole group instead of handing it out again.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import logging
+import os
+import socket
+import time
+from typing import Any
+
+import ray
+import torch
+import torch.distributed as dist
+
+from trainforge.protocol import Payload, Report, UserError, merge_reports
+from trainforge.worker import collectives
+from trainforge.worker.logs import shipped_logs
+from trainforge.worker.loop import run_worker
+
+log = logging.getLogger("trainforge.worker")
+
+
+class GatheringChannel:
+    """Every rank's report to rank 0 (one all-gather, the barrier Ray Train's report also is);
+    rank 0 puts the merged report (its figures plus every node's ``system/`` samples) in the mailbox."""
+
+    def __init__(self, rank: int, mailbox: Any) -> None:
+        self.rank = rank
+        self.mailbox = mailbox
+
+    def report(self, report: Report) -> None:
+        reports = collectives.all_gather_objects(report)
+        if self.rank == 0 and self.mailbox is not None:
+            merged = merge_reports(reports)
+            if merged is not None:
+                self.mailbox.put.remote(merged)
+
+    def preempted(self) -> bool:
+        return False  # Ray Train's preemption notice comes through its controller, which a warm group has none of
+
+
+class WarmWorker:
+    """One rank of a warm group (``ray.remote`` by driver/warm.py, with the group's resources)."""
+
+    def __init__(self) -> None:
+        self.rank: int | None = None
+        self.world = 0
+        self.runs = 0
+
+    def address(self) -> tuple[str, int]:
+        """This node's address and a free port: rank 0's, where the group's store listens."""
+        with socket.socket() as probe:
+            probe.bind(("", 0))
+            port = probe.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def join(self, rank: int, world: int, host: str, port: int, timeout_s: float) -> int:
+        """Form the group's gloo process group (once per group: the runs reuse it)."""
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://{host}:{port}",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+        self.rank, self.world = rank, world
+        # What torchrun (and Ray Train) set: the node's workers, numbered (metrics/worker/place.py).
+        nodes: list[str] = [""] * world
+        dist.all_gather_object(nodes, ray.util.get_node_ip_address())
+        local = [i for i, node in enumerate(nodes) if node == nodes[rank]]
+        os.environ.update(
+            RANK=str(rank),
+            WORLD_SIZE=str(world),
+            LOCAL_RANK=str(local.index(rank)),
+            LOCAL_WORLD_SIZE=str(len(local)),
+        )
+        return rank
+
+    def run(self, payload: Payload, entered_at: float) -> Report | UserError:
+        """One run on this rank; rank 0's return value is the run's (a final Report or a user's error)."""
+        assert self.rank is not None, "join the group first"
+        marks = {"train_fn": time.time()} if self.rank == 0 else None
+        self.runs += 1
+        try:
+            with shipped_logs(payload.mailbox, self.rank, ray.util.get_node_ip_address()):
+                if self.rank == 0:
+                    log.info(
+                        "warm worker group: run %d on these workers (started %.1f s ago)",
+                        self.runs,
+                        time.time() - entered_at,
+                    )
+                return run_worker(
+                    payload,
+                    marks,
+                    ranks=(self.rank, self.world),
+                    channel=GatheringChannel(self.rank, payload.mailbox),
+                )
+        finally:
+            reset()
+
+    def ping(self) -> int:
+        return self.runs
+
+
+def reset() -> None:
+    """What one run leaves in the process that the next must not inherit. The seeds (Python,
+    NumPy, torch, per rank) are set by every run's build; thread counts by its config; the process
+    group is the group's and stays. Determinism switches go back to torch's defaults, the run's
+    objects are collected, and CUDA's cached blocks are given back."""
+    torch.use_deterministic_algorithms(False)
+    torch.backends.cudnn.benchmark = False
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
