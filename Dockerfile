@@ -5,19 +5,27 @@
 # CUDA runtime base supplies the rest of the user-space stack and the NVIDIA container toolkit's
 # hooks. The node's driver must support CUDA 12.8 (driver >= 570). To build for another CUDA,
 # change both CUDA_TAG and TORCH_INDEX together. The CPU image is ./Dockerfile.cpu.
+# BASE_IMAGE (the runtime) and BUILD_IMAGE (the wheel's build) may name a mirror's copies of these
+# images; pip's PIP_* source settings pass through as build arguments as in Dockerfile.cpu.
 ARG CUDA_TAG=12.8.1-runtime-ubuntu24.04
+ARG BASE_IMAGE=nvidia/cuda:${CUDA_TAG}
+# checkov:skip=CKV_DOCKER_7:The base image is a build argument whose default is a pinned tag (tests/deploy/test_containers.py checks every default); checkov cannot read an argument's default.
+ARG BUILD_IMAGE=python:3.11.11-slim-bookworm
 
 # Stage 1: build trainforge's wheel (pure Python) from the source tree.
-FROM python:3.11.11-slim-bookworm AS build
+FROM ${BUILD_IMAGE} AS build
+ARG PIP_INDEX_URL PIP_EXTRA_INDEX_URL PIP_FIND_LINKS PIP_CERT
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY src ./src
-RUN pip install --no-cache-dir --disable-pip-version-check "pip==25.0.1" \
-    && pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
+RUN python3 -m venv /opt/build \
+    && /opt/build/bin/pip install --no-cache-dir --disable-pip-version-check "pip==25.0.1" \
+    && /opt/build/bin/pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
 # Stage 2: the CUDA runtime with Ubuntu 24.04's Python 3.12 and a virtual environment.
-FROM nvidia/cuda:${CUDA_TAG} AS runtime
+FROM ${BASE_IMAGE} AS runtime
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cu128
+ARG PIP_INDEX_URL PIP_EXTRA_INDEX_URL PIP_FIND_LINKS PIP_CERT
 ENV DEBIAN_FRONTEND=noninteractive \
     VIRTUAL_ENV=/opt/trainforge \
     PATH=/opt/trainforge/bin:$PATH \

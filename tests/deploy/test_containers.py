@@ -27,12 +27,15 @@ PINNED_IMAGE = re.compile(r"[\w./-]+:[\w.-]*\d[\w.-]*")
 
 
 def stages(dockerfile: str) -> list[tuple[str, str | None]]:
-    """(image, stage name) of every FROM, with ARG defaults substituted."""
+    """(image, stage name) of every FROM, with ARG defaults substituted (defaults may name
+    earlier arguments)."""
     text = (ROOT / dockerfile).read_text()
     args = dict(re.findall(r"^ARG (\w+)=(\S+)", text, re.M))
     found = []
     for image, name in re.findall(r"^FROM (\S+)(?: AS (\S+))?", text, re.M):
-        found.append((re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], image), name))
+        while "${" in image:
+            image = re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], image)
+        found.append((image, name))
     return found
 
 
@@ -55,6 +58,19 @@ def test_trainforge_images_build_a_wheel_then_install_it_with_the_pinned_set(doc
     assert "pip wheel" in text and "COPY --from=build /wheels" in text
     assert "-c /tmp/constraints.txt /tmp/wheels/trainforge-*.whl" in text
     assert re.search(r'"torch==2\.13\.0(\+cpu)?"', text)
+
+
+@pytest.mark.parametrize("dockerfile", ["Dockerfile", "Dockerfile.cpu"])
+def test_trainforge_images_take_their_bases_and_pips_sources_as_build_arguments(dockerfile: str) -> None:
+    """A mirror's base image and package index, as the image tests build with
+    (tests/deploy/images.py); the defaults are the public images users pull."""
+    text = (ROOT / dockerfile).read_text()
+    froms = re.findall(r"^FROM (\S+)", text, re.M)
+    assert froms and all(re.fullmatch(r"\$\{\w+_IMAGE\}", image) for image in froms), froms
+    pip_args = {"PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "PIP_FIND_LINKS", "PIP_CERT"}
+    declared = [set(line.split()[1:]) for line in re.findall(r"^ARG [^\n]+", text, re.M)]
+    assert sum(pip_args <= names for names in declared) == 2, "both stages pass pip's sources through"
+    assert '--index-url "${TORCH_INDEX}"' in text
 
 
 def test_the_constraints_pin_every_runtime_dependency_within_pyprojects_ranges() -> None:
