@@ -91,6 +91,7 @@ def registered(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return {"tmp": tmp, "trained": trained, "ended": ended, "store": f"sqlite:///{tmp.resolve()}/mlflow.db"}
 
 
+@pytest.mark.slow  # 15-70 s: full suite only, so the fast subset stays under 5 minutes
 def test_two_runs_register_versions_1_and_2_tagged_with_their_metrics(registered: dict[str, Any]) -> None:
     client = MlflowClient(registered["store"])
     for name, version in (("first", 1), ("second", 2)):
@@ -141,6 +142,7 @@ def trainforge_logits(trained: Trained, inputs: torch.Tensor) -> np.ndarray:
         return model.eval()(inputs).numpy()
 
 
+@pytest.mark.slow  # 15-70 s: full suite only, so the fast subset stays under 5 minutes
 def test_a_fresh_process_loads_the_registered_models_through_mlflow_and_predicts_the_same_logits(
     registered: dict[str, Any], tmp_path: Path
 ) -> None:

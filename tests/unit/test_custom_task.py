@@ -52,6 +52,7 @@ def equivalence(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return {name: (configs[name], trained.outcome) for name, trained in train_each_once(configs).items()}
 
 
+@pytest.mark.slow  # 15-70 s: full suite only, so the fast subset stays under 5 minutes
 def test_two_workers_with_batch_b_equal_one_worker_with_batch_2b(equivalence: dict[str, Any]) -> None:
     (one_cfg, one), (two_cfg, two) = equivalence["one-x-2b"], equivalence["two-x-b"]
     assert one.final["status"] == two.final["status"] == "finished"
@@ -78,6 +79,7 @@ def crashes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[dict[st
     return {name: (plan[0], outcome) for name, plan, outcome in zip(names, plans, outcomes, strict=True)}
 
 
+@pytest.mark.slow  # 15-70 s: full suite only, so the fast subset stays under 5 minutes
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_crashed_and_restarted_is_bit_identical(crashes: dict[str, Any], strategy: str) -> None:
     straight_cfg, straight = crashes[f"{strategy}-straight"]

@@ -94,6 +94,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[dict[str, 
     return {name: (plan[0], [outcome]) for name, plan, outcome in zip(names, plans, outcomes, strict=True)}
 
 
+@pytest.mark.slow  # 15-70 s: full suite only, so the fast subset stays under 5 minutes
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_a_run_with_ema_resumes_bit_identical(runs: dict, strategy: str) -> None:
     straight_cfg, [straight] = runs[f"{strategy}-straight"]

@@ -75,6 +75,7 @@ def relative_gap(a: list[float], b: list[float]) -> float:
 
 
 # llama_tiny: the same comparison runs in real Ray workers (tests/integration/test_fsdp.py).
+@pytest.mark.slow  # 15-70 s: full suite only, so the fast subset stays under 5 minutes
 @pytest.mark.parametrize("model", ["gpt2_small"])
 def test_fsdp_matches_ddp_and_holds_about_half_the_bytes(tmp_path: Path, model: str) -> None:
     ddp = spawn_ranks(train_steps, 2, lm_config(str(tmp_path), model, "ddp"))

@@ -113,6 +113,7 @@ def unigram_entropy(tokens: np.ndarray) -> float:
     return float(-(p * np.log(p)).sum())
 
 
+@pytest.mark.slow  # 15-70 s: full suite only, so the fast subset stays under 5 minutes
 def test_bert_small_predicts_masked_tokens_better_than_their_frequencies(runs: dict, corpus: Path) -> None:
     _, long = runs["long"]
     assert long.final["status"] == "finished"

@@ -131,6 +131,7 @@ def measured() -> dict[str, Any]:
     return {"configs": configs, "held": spawn_ranks(held_under_each, 2, configs)}
 
 
+@pytest.mark.slow  # 15-70 s: full suite only, so the fast subset stays under 5 minutes
 @pytest.mark.parametrize("name", list(MEASURED))
 def test_planned_bytes_are_within_5_percent_of_what_each_rank_holds(name: str, measured: dict[str, Any]) -> None:
     from trainforge.config import Config

@@ -136,6 +136,7 @@ def fsdp_rank(rank: int, world: int, folder: str, on_meta: bool) -> dict[str, An
     return {"read": loaded.bytes_read, "total": loaded.total_bytes, "full": full, "buffers": buffers}
 
 
+@pytest.mark.slow  # 15-70 s: full suite only, so the fast subset stays under 5 minutes
 @pytest.mark.parametrize("on_meta", [False, True], ids=["built-then-sharded", "built-on-meta"])
 def test_fsdp_ranks_read_only_their_own_rows(tmp_path: Path, on_meta: bool) -> None:
     source = llama(1)

@@ -237,6 +237,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[dict[str, 
     return done
 
 
+@pytest.mark.slow  # 15-70 s: full suite only, so the fast subset stays under 5 minutes
 def test_an_mlp_learns_synthetic_regression_far_below_the_target_variance(runs: dict) -> None:
     _, learns = runs["learns"]
     final = learns.final

@@ -64,6 +64,7 @@ def final_state(run_dir: Path, tmp: Path) -> dict[str, Any]:
 # tests/faults/test_exact_resume.py::test_session_crashed_mid_epoch_restarts_bit_identical;
 # a real worker killed under Ray: test_worker_killed_mid_epoch_resumes_bit_identical there.
 # This test is the FSDP variant of those.
+@pytest.mark.slow  # 15-70 s: full suite only, so the fast subset stays under 5 minutes
 def test_fsdp_session_crashed_and_restarted_is_bit_identical(tmp_path: Path) -> None:
     strategy, tp = "fsdp", 1
     straight = train(config(tmp_path / "straight", strategy, tp=tp), 2)
