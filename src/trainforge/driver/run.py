@@ -393,14 +393,14 @@ def _fit_warm(
     group was asked for, when the run cannot use one (said once), or when the warm group failed with
     failures to spare: Ray Train's group then continues from the newest checkpoint, and the failure
     counts against ``failure.max_failures``."""
-    if pool is None and config.scaling.reuse_workers:
-        pool = process_pool()
-    if pool is None:
+    if pool is None and not config.scaling.reuse_workers:
         return None, config
     reason = why_not(config)
     if reason is not None:
         log.info("warm workers not used: %s", reason)
         return None, config
+    if pool is None:
+        pool = process_pool()
     payload = make_payload(config, mailbox, None, local_ray=local_ray)
     trainer = WarmTrainer(pool, WarmShape.of(config, run_env(config)), payload, mailbox)
     try:

@@ -280,7 +280,10 @@ class WarmTrainer:
 
     def fit(self) -> WarmTrainer:
         leased_at = time.time()
-        group_id, workers, joined, runs = ray.get(self.pool.lease.remote(self.shape, self.mailbox))
+        try:
+            group_id, workers, joined, runs = ray.get(self.pool.lease.remote(self.shape, self.mailbox))
+        except RayError as err:  # the pool itself is gone
+            raise WarmGroupFailed(f"no warm worker pool: {type(err).__name__}: {err}".splitlines()[0][:500]) from None
         self.group_id = group_id
         healthy = False
         try:
