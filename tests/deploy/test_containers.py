@@ -1,6 +1,7 @@
 """The container images (Dockerfile, Dockerfile.cpu, the compose MLflow image) and the laptop
-cluster (deploy/compose) checked statically: no container runtime runs here, so nothing is built
-or started. checkov covers both the Dockerfiles and the rendered Kubernetes objects (one run).
+cluster (deploy/compose) checked statically; test_images.py and test_compose.py build and start
+them for real with podman. checkov covers both the Dockerfiles and the rendered Kubernetes objects
+(one run).
 """
 
 from __future__ import annotations

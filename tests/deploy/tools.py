@@ -1,7 +1,8 @@
 """The deploy tests' tools and readers: kubectl's kustomize, checkov in its own environment, the
 rendered overlays and the pod templates inside KubeRay objects.
 
-Nothing here can reach a Kubernetes API server or a container runtime: every check is static.
+Nothing here reaches a Kubernetes API server or a container runtime: these checks are static (the
+container runtime's are in images.py).
 """
 
 from __future__ import annotations
