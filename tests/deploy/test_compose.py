@@ -191,37 +191,39 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         why = "rootful podman only: Ray's CA key is mounted for the containers' group 10001 (chown)"
     if why is not None:
         pytest.skip(why)
+    # One cluster on the machine at a time, and no build beside it: its project name and host ports
+    # are fixed (another session's suite waits here rather than tearing this one down).
     with images.exclusive():
         env = {**os.environ, **images.compose_images(timeout=scaled(BUILD_S))}
-    secret_dir = tmp_path_factory.mktemp("compose-secrets")
-    files = write_secrets(secret_dir)
-    conf = secret_dir / "containers.conf"
-    limits = images.ulimits()[1::2]
-    conf.write_text(f'[containers]\ndefault_ulimits = {json.dumps(limits)}\n[engine]\nruntime = "runc"\n')
-    env.update(
-        CONTAINERS_CONF=str(conf),
-        TRAINFORGE_TEST_SECRETS=str(secret_dir),
-        MINIO_ROOT_USER=S3_USER,
-        MINIO_ROOT_PASSWORD=S3_KEY,
-        POSTGRES_PASSWORD=files["postgres_password"].read_text(),
-        RAY_AUTH_TOKEN=files["ray_auth_token"].read_text(),
-        GRAFANA_ADMIN_PASSWORD=files["grafana_admin_password"].read_text(),
-    )
-    workdir = tmp_path_factory.mktemp("compose-user")
-    shutil.copyfile(ROOT / "tests" / "helpers" / "user_models.py", workdir / "user_models.py")
-    run = yaml.safe_load((COMPOSE / "run.yaml").read_text())
-    for section, values in RUN.items():
-        run[section] = {**run.get(section, {}), **values}
-    (workdir / "run.yaml").write_text(yaml.safe_dump(run))
-    tear_down(env)  # what an interrupted session left
-    try:
-        started = time.monotonic()
-        start(env, files["ray_auth_token"].read_text())
-        print(f"compose cluster up in {time.monotonic() - started:.0f} s")
-        yield Cluster(env, files["ray_auth_token"], workdir)
-    finally:
-        left = tear_down(env)
-        assert left == [] or all(item.startswith("network") for item in left), f"down left {left}"
+        secret_dir = tmp_path_factory.mktemp("compose-secrets")
+        files = write_secrets(secret_dir)
+        conf = secret_dir / "containers.conf"
+        limits = images.ulimits()[1::2]
+        conf.write_text(f'[containers]\ndefault_ulimits = {json.dumps(limits)}\n[engine]\nruntime = "runc"\n')
+        env.update(
+            CONTAINERS_CONF=str(conf),
+            TRAINFORGE_TEST_SECRETS=str(secret_dir),
+            MINIO_ROOT_USER=S3_USER,
+            MINIO_ROOT_PASSWORD=S3_KEY,
+            POSTGRES_PASSWORD=files["postgres_password"].read_text(),
+            RAY_AUTH_TOKEN=files["ray_auth_token"].read_text(),
+            GRAFANA_ADMIN_PASSWORD=files["grafana_admin_password"].read_text(),
+        )
+        workdir = tmp_path_factory.mktemp("compose-user")
+        shutil.copyfile(ROOT / "tests" / "helpers" / "user_models.py", workdir / "user_models.py")
+        run = yaml.safe_load((COMPOSE / "run.yaml").read_text())
+        for section, values in RUN.items():
+            run[section] = {**run.get(section, {}), **values}
+        (workdir / "run.yaml").write_text(yaml.safe_dump(run))
+        tear_down(env)  # what an interrupted session left
+        try:
+            started = time.monotonic()
+            start(env, files["ray_auth_token"].read_text())
+            print(f"compose cluster up in {time.monotonic() - started:.0f} s")
+            yield Cluster(env, files["ray_auth_token"], workdir)
+        finally:
+            left = tear_down(env)
+            assert left == [] or all(item.startswith("network") for item in left), f"down left {left}"
 
 
 def s3_client() -> Any:
