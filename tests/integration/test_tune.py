@@ -124,10 +124,16 @@ def check_mlflow(uri: str, summary: dict[str, Any]) -> None:
 
 def test_optuna_search_with_asha_stops_trials_gives_their_resources_back_and_tracks_them(tmp_path: Path) -> None:
     """Optuna proposes, ASHA stops: early-stopped trials give their CPUs back, and MLflow holds one
-    parent run with a child per trial. (Random search runs end to end in the PBT test below.)"""
+    parent run with a child per trial. (Random search runs end to end in the PBT test below.)
+
+    Tune decides on a report while the trial trains on (reports reach Tune at most once a second,
+    train.report_min_interval_s): a trial of 60 steps on a warm worker group ends in under a second,
+    before a stop could land, so these trials are 1,000 steps, several reports long."""
     result = search(
         tmp_path,
         "optuna-asha",
+        "train.max_steps=1000",
+        "checkpoint.every_n_steps=250",
         "tune.scheduler_params.asha={grace_period: 20, reduction_factor: 2}",
         "tracking.enabled=true",  # the local MLflow store under run.output_dir
         trials=5,

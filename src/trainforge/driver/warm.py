@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayError
+from ray.exceptions import ActorDiedError, GetTimeoutError, RayError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -230,9 +230,9 @@ def alive(mailbox: Any, timeout_s: float = 10.0) -> bool:
     """Whether a run's mailbox (owned by its driver) still answers; a slow answer is not death."""
     try:
         ray.get(mailbox.stop_requested.remote(), timeout=timeout_s)
-    except RayActorError:
+    except ActorDiedError:
         return False
-    except (GetTimeoutError, RayError):
+    except (GetTimeoutError, RayError):  # ActorUnavailableError among them: it may come back
         return True
     return True
 

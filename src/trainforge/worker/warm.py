@@ -17,12 +17,14 @@ import gc
 import logging
 import os
 import socket
+import threading
 import time
 from typing import Any
 
 import ray
 import torch
 import torch.distributed as dist
+from ray.exceptions import ActorDiedError, RayError
 
 from trainforge.protocol import Payload, Report, UserError, merge_reports
 from trainforge.worker import collectives
@@ -93,6 +95,8 @@ class WarmWorker:
         assert self.rank is not None, "join the group first"
         marks = {"train_fn": time.time()} if self.rank == 0 else None
         self.runs += 1
+        ended = threading.Event()
+        threading.Thread(target=end_with_the_driver, args=(payload.mailbox, ended), daemon=True).start()
         try:
             with shipped_logs(payload.mailbox, self.rank, ray.util.get_node_ip_address()):
                 if self.rank == 0:
@@ -108,10 +112,27 @@ class WarmWorker:
                     channel=GatheringChannel(self.rank, payload.mailbox),
                 )
         finally:
+            ended.set()
             reset()
 
     def ping(self) -> int:
         return self.runs
+
+
+def end_with_the_driver(mailbox: Any, ended: threading.Event, every_s: float = 0.5) -> None:
+    """A Ray Train worker dies with its run's driver (its controller is the driver's, its actors the
+    controller's); a warm worker belongs to the pool instead, so it watches the run's mailbox, which
+    is the driver's, and ends its process the moment that is gone: a run whose driver ended (a
+    trial Tune stopped) writes nothing more, no checkpoint past the step Tune stopped it at."""
+    while not ended.wait(every_s):
+        try:
+            ray.get(mailbox.stop_requested.remote(), timeout=30)
+        except ActorDiedError:
+            if not ended.is_set():
+                log.warning("warm worker: the run's driver is gone; ending this worker")
+                os._exit(1)
+        except RayError:  # slow or unreachable for now: not gone
+            continue
 
 
 def reset() -> None:
