@@ -8,6 +8,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ from mlflow import MlflowClient
 from tests.helpers.faults import free_port
 from tests.helpers.runs import tiny_run
 from tests.helpers.timing import scaled
-from trainforge.config import load_config
+from trainforge.config import load_config, to_yaml, validate
 from trainforge.errors import ConfigError
 from trainforge.metrics.nvml import Gpus
 from trainforge.metrics.worker.system import SystemMetrics
@@ -422,3 +423,39 @@ def test_system_sample_has_every_key_for_the_node() -> None:
     assert all(v >= 0 for k, v in node.items() if k.endswith("_mb_s"))
     gpu_keys = {k for k in node if k.startswith("gpu")}
     assert bool(gpu_keys) == bool(Gpus().handles)
+
+
+def test_a_trial_stopped_before_its_tracker_opened_its_run_still_gets_its_mlflow_run(tmp_path: Path) -> None:
+    """On a warm worker group a trial reports within a second and ASHA may stop it at once, before
+    its tracker's thread opened the MLflow run: the search driver opens it afterwards, with the
+    trial's params, the reports of its metrics.jsonl and status KILLED."""
+    from trainforge.driver.events import MetricsLog
+    from trainforge.tune.results import complete_run_dir
+    from trainforge.tune.tracking import finish_trial_runs
+    from trainforge.tune.trial import TrialOutcome
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(tracking_uri=uri)
+    parent = client.create_run(client.create_experiment("search")).info.run_id
+    raw = tiny_run(tmp_path, run={"name": "trial-1", "output_dir": str(tmp_path)})
+    raw["tracking"] = {"enabled": True, "uri": uri, "experiment": "search", "parent_run_id": parent}
+    config = validate(raw)
+    run_dir = config.run_dir
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text(to_yaml(config))
+    log = MetricsLog(run_dir)
+    log.on_start(RunInfo("trial-1", 1, "local", str(run_dir)))
+    for step in (10, 20):
+        log.on_report(Report(step=step, total_steps=60, time=time.time(), figures={"train/loss": 2.0 / step}))
+    outcome = TrialOutcome("trial-1", {"optim.lr": 0.05}, "stopped", True, None, None, 20, 60, 1.0, str(run_dir))
+    assert complete_run_dir(outcome) and not (run_dir / "tracking.json").exists()
+
+    finish_trial_runs([outcome])
+
+    (run,) = client.search_runs(
+        [client.get_experiment_by_name("search").experiment_id], f"tags.`mlflow.parentRunId` = '{parent}'"
+    )
+    assert run.info.status == "KILLED" and run.info.run_name == "trial-1"
+    assert float(run.data.params["optim.lr"]) == 0.05
+    assert [p.step for p in client.get_metric_history(run.info.run_id, "train/loss")] == [10, 20]
+    assert run.data.tags["trainforge.stopped_early"] == "true"

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from trainforge.config import Config, load_config
 from trainforge.driver.summary import SEARCH_DRIVER, RunLog
+from trainforge.protocol import RunInfo
 from trainforge.tracking import SearchRun, make_tracker
 from trainforge.tracking.records import metric_points
 from trainforge.tracking.runs import RESUME_FILE, end_call, tags_call
@@ -59,8 +60,15 @@ def finish_trial_runs(outcomes: list[TrialOutcome]) -> None:
     for outcome in outcomes:
         run_dir = Path(outcome.run_dir)
         remembered = run_dir / RESUME_FILE
-        if not remembered.is_file() or not (run_dir / "config.yaml").is_file():
-            continue  # the trial never opened a run (tracking off, or it never started)
+        if not (run_dir / "config.yaml").is_file():
+            continue  # the trial never started
+        summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").is_file() else {}
+        cut_short = summary.get("written_by") == SEARCH_DRIVER  # Tune ended the trial's actor
+        # A trial stopped within a second of its start (a warm worker group reports at once) can
+        # end before its tracker opened its run: the run is opened now, params and all.
+        opened = remembered.is_file()
+        if not (opened or cut_short):
+            continue  # tracking off
         config = load_config(run_dir / "config.yaml")
         tracker = make_tracker(config, run_dir)
         if tracker is None:
@@ -68,14 +76,15 @@ def finish_trial_runs(outcomes: list[TrialOutcome]) -> None:
         flag = outcome.stopped_early
         tracker.outbox.add_call("stopped_early tag", tags_call({"trainforge.stopped_early": str(flag).lower()}))
         tracker.outbox.add_points(metric_points({"step": outcome.steps, "tune/stopped_early": float(flag)}))
-        summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").is_file() else {}
-        cut_short = summary.get("written_by") == SEARCH_DRIVER  # Tune ended the trial's actor
         if cut_short:
-            sent = logged_up_to(tracker.uri, json.loads(remembered.read_text()).get("run_id"))
+            sent = logged_up_to(tracker.uri, json.loads(remembered.read_text()).get("run_id")) if opened else -1
             for report in RunLog.read(run_dir).reports:
                 if report.step > sent:
                     tracker.outbox.add_points(metric_points(report))
-        tracker.outbox.start()
+        if opened:
+            tracker.outbox.start()
+        else:
+            tracker.on_start(RunInfo(config.run.name, config.scaling.max_workers, "search", str(run_dir)))
         if cut_short:
             tracker.on_end(summary)  # files and final status: what fit would have done had Tune let it
             continue
