@@ -436,7 +436,8 @@ def test_a_trial_stopped_before_its_tracker_opened_its_run_still_gets_its_mlflow
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = MlflowClient(tracking_uri=uri)
-    parent = client.create_run(client.create_experiment("search")).info.run_id
+    experiment = client.create_experiment("search", artifact_location=(tmp_path / "artifacts").as_uri())
+    parent = client.create_run(experiment).info.run_id
     raw = tiny_run(tmp_path, run={"name": "trial-1", "output_dir": str(tmp_path)})
     raw["tracking"] = {"enabled": True, "uri": uri, "experiment": "search", "parent_run_id": parent}
     config = validate(raw)
