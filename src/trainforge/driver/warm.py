@@ -27,11 +27,12 @@ import hashlib
 import importlib.util
 import json
 import logging
+import math
 import os
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -89,7 +90,7 @@ class Shape:
     def of(cls, config: Config, env: dict[str, str]) -> Shape:
         scaling = config.scaling
         resources = dict(scaling.resources_per_worker or {"CPU": 1.0})
-        timeout = max(1, int(-(-config.failure.collective_timeout_s // 1)))
+        timeout = math.ceil(config.failure.collective_timeout_s)  # as build_trainer's TorchConfig
         return cls(
             int(scaling.max_workers), resources, scaling.placement_strategy, dict(env), timeout, code_stamp(config)
         )
@@ -274,33 +275,26 @@ class WarmTrainer:
     shape: Shape
     payload: Payload
     mailbox: Any
-    group_id: str = ""
     return_value: Report | UserError | None = None
-    marks: dict[str, float] = field(default_factory=dict)
 
     def fit(self) -> WarmTrainer:
-        leased_at = time.time()
         try:
             group_id, workers, joined, runs = ray.get(self.pool.lease.remote(self.shape, self.mailbox))
         except RayError as err:  # the pool itself is gone
             raise WarmGroupFailed(f"no warm worker pool: {type(err).__name__}: {err}".splitlines()[0][:500]) from None
-        self.group_id = group_id
         healthy = False
         try:
-            self.marks["controller"] = time.time()
-            if not joined:
-                host, port = ray.get(workers[0].address.remote())
-                ray.get(
-                    [w.join.remote(r, len(workers), host, port, self.shape.timeout_s) for r, w in enumerate(workers)]
-                )
-                self.pool.joined.remote(group_id)
-                self.marks["workers"] = time.time()
-            else:
-                self.marks["workers"] = time.time()
+            marks = {"controller": time.time()}  # the lease: what Ray Train's controller start is to its runs
+            if joined:
                 log.info("warm worker group %s: %d worker(s), run %d on them", group_id, len(workers), runs + 1)
-            self.marks["process_group"] = time.time()
-            self.mailbox.put.remote(StartupMarks(tuple(self.marks.items())))
-            results = wait_all([w.run.remote(self.payload, leased_at) for w in workers])
+            else:
+                host, port = ray.get(workers[0].address.remote())
+                world, timeout = len(workers), self.shape.timeout_s
+                ray.get([w.join.remote(rank, world, host, port, timeout) for rank, w in enumerate(workers)])
+                self.pool.joined.remote(group_id)
+            marks["workers"] = marks["process_group"] = time.time()
+            self.mailbox.put.remote(StartupMarks(tuple(marks.items())))
+            results = wait_all([w.run.remote(self.payload) for w in workers])
             self.return_value = results[0]
             healthy = all(isinstance(r, Report) for r in results)
         except RayError as err:

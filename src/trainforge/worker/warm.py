@@ -90,7 +90,7 @@ class WarmWorker:
         )
         return rank
 
-    def run(self, payload: Payload, entered_at: float) -> Report | UserError:
+    def run(self, payload: Payload) -> Report | UserError:
         """One run on this rank; rank 0's return value is the run's (a final Report or a user's error)."""
         assert self.rank is not None, "join the group first"
         marks = {"train_fn": time.time()} if self.rank == 0 else None
@@ -99,18 +99,8 @@ class WarmWorker:
         threading.Thread(target=end_with_the_driver, args=(payload.mailbox, ended), daemon=True).start()
         try:
             with shipped_logs(payload.mailbox, self.rank, ray.util.get_node_ip_address()):
-                if self.rank == 0:
-                    log.info(
-                        "warm worker group: run %d on these workers (started %.1f s ago)",
-                        self.runs,
-                        time.time() - entered_at,
-                    )
-                return run_worker(
-                    payload,
-                    marks,
-                    ranks=(self.rank, self.world),
-                    channel=GatheringChannel(self.rank, payload.mailbox),
-                )
+                channel = GatheringChannel(self.rank, payload.mailbox)
+                return run_worker(payload, marks, ranks=(self.rank, self.world), channel=channel)
         finally:
             ended.set()
             reset()
