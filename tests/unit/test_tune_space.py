@@ -218,3 +218,25 @@ def test_peak_overlap_counts_trials_running_together() -> None:
 
     assert peak_overlap([(0, 10), (1, 5), (2, 3), (6, 9)]) == 3
     assert peak_overlap([(0, 1), (1, 2)]) == 1  # one ends as the next starts
+
+
+@pytest.mark.parametrize(
+    ("wall_s", "share", "verdict"),
+    [(74.5, 0.017, ": pass"), (74.5, 0.12, ": miss"), (58.0, 0.018, ": not judged: trials under 60 s, raise --steps")],
+)
+def test_bench_tune_judges_overhead_only_on_trials_of_a_minute(wall_s: float, share: float, verdict: str) -> None:
+    from rich.console import Console
+
+    from trainforge.bench.tune import print_report
+
+    overhead = {
+        "median_share": share,
+        "median_wall_s": wall_s,
+        "median_overhead_s": share * wall_s,
+        "median_before_loop_s": 0.1,
+        "median_after_loop_s": 1.0,
+    }
+    console = Console(record=True, width=400)
+    print_report(console, {"measures": {"overhead": overhead}})
+    (line,) = [line for line in console.export_text().splitlines() if line.startswith("trial overhead")]
+    assert line.endswith(verdict)
