@@ -26,30 +26,38 @@ if "PYTEST_XDIST_WORKER" in os.environ and "RAY_TMPDIR" not in os.environ:
     os.environ["RAY_TMPDIR"] = str(_ray_tmp)  # short: Ray's socket paths live under it
 
 
-# Files that take minutes, longest first (seconds of test time in a full run under `-n 2`). With
+# Files that take minutes, longest first: seconds of test time in a full run under `-n 2` on a fresh
+# clone, quiet 2-core machine, 2026-11-27 (`PYTEST_ADDOPTS=--durations=0`; the container tests with
+# their images already built: a cold build adds about 3 minutes to the first of them). With
 # `--dist loadfile` xdist hands whole files out in collection order, so the longest start first and
 # the short files fill the gaps at the end: a long file that starts last runs alone and idles the
 # other core. xdist's own reordering (by number of tests, not time) is switched off for this.
 LONGEST_FIRST = (
-    "integration/test_tune.py",  # 486
-    "faults/test_exact_resume.py",  # 431
-    "cluster/test_multinode.py",  # 424
-    "integration/test_stream.py",  # 352
-    "integration/test_tune_faults.py",  # 292
-    "integration/test_s3.py",  # 283
-    "integration/test_engine.py",  # 178
-    "integration/test_bench_peers.py",  # 170
-    "integration/test_fsdp.py",  # 164
-    "integration/test_mlflow.py",  # 142
-    "unit/test_finetune.py",  # ~100 (gloo ranks: base, fine-tunes, LoRA resumes)
-    "integration/test_lm.py",  # 74
-    "integration/test_bench_startup.py",  # 66
-    "integration/test_cli.py",  # 129
-    "faults/test_hang.py",  # 100
-    "cluster/test_scaling.py",  # 100 (alone)
-    "faults/test_disk_full.py",  # 97
-    "integration/test_ckpt_cli.py",  # 95
-    "integration/test_submit.py",  # 89
+    "faults/test_exact_resume.py",  # 376
+    "deploy/test_compose.py",  # 195
+    "cluster/test_multinode.py",  # 188
+    "integration/test_stream.py",  # 177
+    "cluster/test_tls.py",  # 137
+    "integration/test_s3.py",  # 136
+    "integration/test_tune.py",  # 128
+    "integration/test_tune_faults.py",  # 113
+    "integration/test_bench_startup.py",  # 110
+    "integration/test_mlflow.py",  # 93
+    "deploy/test_images.py",  # 92
+    "integration/test_cli.py",  # 90
+    "integration/test_fsdp.py",  # 88
+    "cluster/test_scaling.py",  # 83
+    "faults/test_hang.py",  # 81
+    "integration/test_bench_peers.py",  # 76
+    "integration/test_submit.py",  # 69
+    "integration/test_lm.py",  # 62
+    "unit/test_fsdp.py",  # 61
+    "integration/test_warm.py",  # 60
+    "integration/test_engine.py",  # 53
+    "unit/test_communication.py",  # 51
+    "integration/test_ckpt_cli.py",  # 50
+    "unit/test_session.py",  # 48
+    "unit/test_finetune.py",  # 46
 )
 
 

@@ -17,6 +17,7 @@ from rich.console import Console
 from trainforge.config import Config, load_config
 from trainforge.driver.events import Observer
 from trainforge.driver.run import train
+from trainforge.driver.startup import Timeline
 from trainforge.tune.search import TuneResult
 from trainforge.tune.search import search as tune
 
@@ -65,7 +66,9 @@ def fit(
     ``lock_wait_s``: how long to wait for another run holding the run directory (driver/runlock.py) to
     end before giving up with RunLockedError.
     """
+    startup = Timeline()  # from the call (the CLI's process start, where the CLI called)
     resolved = load_config(config, overrides)
+    startup.mark("cli")
     summary = train(
         resolved,
         console=console,
@@ -74,5 +77,6 @@ def fit(
         verbose=verbose,
         callbacks=train_callbacks,
         lock_wait_s=lock_wait_s,
+        startup=startup,
     )
     return RunResult(summary, resolved.run_dir)

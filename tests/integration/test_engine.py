@@ -8,6 +8,7 @@ workers) are properties of the loop, tested without Ray in tests/unit/test_sessi
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -47,9 +48,16 @@ def test_two_workers_train_digits_and_write_the_contract(tmp_path: Path) -> None
         optim={"name": "adamw", "lr": 0.003},
         scaling={"num_workers": 2},
     )
+    called = time.time()
     result = trainforge.fit(config)
     summary = json.loads((result.run_dir / "summary.json").read_text())
     assert summary.keys() >= SUMMARY_KEYS
+    # The start is timed from the fit call: the config read ("cli") and the observers made
+    # ("imports") are phases of it, and the phases add up to the first step.
+    startup = summary["startup"]
+    assert startup["start_unix"] >= called
+    assert {"cli", "imports", "controller", "first_step"} <= startup["phases"].keys()
+    assert startup["to_first_step_s"] == pytest.approx(sum(startup["phases"].values()), abs=0.01)
     assert summary["status"] == "finished"
     assert summary["num_workers"] == 2
     assert summary["epoch"] == 4

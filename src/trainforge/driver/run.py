@@ -271,9 +271,11 @@ def train(
     callbacks: Sequence[Any] = (),
     lock_wait_s: float = 0.0,
     pool: Any = None,
+    startup: Timeline | None = None,
 ) -> dict[str, Any]:
     """Train the run with the standard observers around ``observers``; its summary. Raises
-    TrainingFailed when it failed, and TrainforgeError for user errors.
+    TrainingFailed when it failed, and TrainforgeError for user errors. ``startup``: the run's
+    start-up marks so far (``api.fit``'s, from its call); a new timeline starts here without one.
 
     The report writer comes after the other observers (it reads what they wrote) and the MLflow
     tracker last (it uploads the report). ``api.fit`` and a search's trials (tune/trial.py) run
@@ -292,7 +294,14 @@ def train(
     ]
     try:
         summary = run_training(
-            config, watchers, address=address, verbose=verbose, callbacks=callbacks, lock_wait_s=lock_wait_s, pool=pool
+            config,
+            watchers,
+            address=address,
+            verbose=verbose,
+            callbacks=callbacks,
+            lock_wait_s=lock_wait_s,
+            pool=pool,
+            startup=startup,
         )
     except BaseException:
         if tracker is not None:
@@ -315,6 +324,7 @@ def run_training(
     callbacks: Sequence[Any] = (),
     lock_wait_s: float = 0.0,
     pool: Any = None,
+    startup: Timeline | None = None,
 ) -> dict[str, Any]:
     """Train to completion (or failure) and return the summary that was written to summary.json.
 
@@ -322,7 +332,8 @@ def run_training(
     is written, whatever the outcome (driver/runlock.py); ``lock_wait_s`` waits for a holder that is ending.
     ``pool``: a warm worker pool (driver/warm.py) to lease the run's workers from.
     """
-    startup = Timeline()
+    if startup is None:
+        startup = Timeline()
     startup.mark("imports")
     address = resolve_address(config, address)
     local = address is None

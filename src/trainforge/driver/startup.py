@@ -20,8 +20,12 @@ from typing import Any
 
 # (mark, what the phase that ends at it holds), in the order they happen.
 PHASES: tuple[tuple[str, str], ...] = (
-    ("cli", "Python start, the CLI's imports, the config read and validated"),
-    ("imports", "torch, Ray and the driver's modules imported (trainforge train starts a local Ray meanwhile)"),
+    ("cli", "Python start and the CLI's imports (from a fit call: none), the config read and validated"),
+    (
+        "imports",
+        "torch, Ray and the driver's modules imported (trainforge train starts a local Ray meanwhile), "
+        "the run's observers and MLflow tracker made",
+    ),
     ("preflight", "checks before Ray (paths, factories, pretrained weights), the run lock"),
     ("ray", "a local Ray up (what its start took beyond the imports), or the cluster connected"),
     ("controller", "Ray Train's controller actor started"),
@@ -34,7 +38,8 @@ PHASES: tuple[tuple[str, str], ...] = (
     ("first_step", "the first training step"),
 )
 ORDER = {name: i for i, name in enumerate(name for name, _ in PHASES)}
-# The process's own start, when trainforge's CLI launched it; fit() called from Python starts at the call.
+# The process's own start, when trainforge's CLI launched it; fit() called from Python starts at the call
+# (api.fit makes the run's Timeline as it is called; a search's trials start theirs in run_training).
 _command: dict[str, float] = {}
 
 
