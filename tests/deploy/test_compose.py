@@ -94,8 +94,9 @@ def user_env() -> dict[str, str]:
 
 
 def compose(env: dict[str, str], *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """podman-compose with ``timeout`` seconds of the quiet machine's (scaled)."""
     command = ["podman-compose", "-p", PROJECT, *(f"--file={f}" for f in FILES), *args]
-    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=scaled(timeout))
 
 
 def http_ok(url: str, headers: dict[str, str] | None = None) -> bytes | None:
@@ -108,7 +109,8 @@ def http_ok(url: str, headers: dict[str, str] | None = None) -> bytes | None:
 
 def write_secrets(directory: Path) -> dict[str, Path]:
     """The secret files compose.override.yaml mounts; Ray's CA key readable by group 10001 only."""
-    made = subprocess.run([TRAINFORGE, "certs", "create", str(directory / "tls")], capture_output=True, timeout=120)
+    certs = [TRAINFORGE, "certs", "create", str(directory / "tls")]
+    made = subprocess.run(certs, capture_output=True, timeout=scaled(120))
     assert made.returncode == 0, made.stderr
     values = {
         "ray_auth_token": secrets.token_hex(32),
@@ -164,8 +166,14 @@ def start(env: dict[str, str], token: str) -> None:
 
     up("postgres", "minio", "prometheus")
     ready = ["pg_isready", "--host=127.0.0.1", "--username=mlflow", "--dbname=mlflow"]
-    wait_until(lambda: images.podman("exec", container("postgres"), *ready, timeout=30, check=False).returncode == 0,
-               SERVICE_S, "PostgreSQL", interval_s=0.5)  # fmt: skip
+
+    def postgres_ready() -> bool:
+        try:
+            return images.podman("exec", container("postgres"), *ready, timeout=30, check=False).returncode == 0
+        except subprocess.TimeoutExpired:  # a probe slower than 30 s on a busy machine: not ready yet
+            return False
+
+    wait_until(postgres_ready, SERVICE_S, "PostgreSQL", interval_s=0.5)
     wait_until(lambda: http_ok("http://127.0.0.1:9000/"), SERVICE_S, "the S3 server", interval_s=0.5)
     wait_until(lambda: http_ok("http://127.0.0.1:9090/-/ready"), SERVICE_S, "Prometheus", interval_s=0.5)
     up("s3-init")

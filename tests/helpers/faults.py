@@ -20,7 +20,7 @@ from typing import Any
 import psutil
 
 from tests.helpers.runs import tiny_run
-from tests.helpers.timing import scaled
+from tests.helpers.timing import rescaled, scaled
 from trainforge.protocol import Resumed, event_from_json
 
 
@@ -81,15 +81,20 @@ def checkpoints(run_dir: Path) -> list[Path]:
 def wait_until(condition: Callable[[], Any], timeout_s: float, what: str, interval_s: float = 0.05) -> Any:
     """Poll ``condition`` until it returns something truthy; that value, or TimeoutError naming ``what``.
 
-    ``timeout_s`` is the quiet machine's figure, scaled by the machine's slowdown (helpers/timing.py)."""
-    waited = scaled(timeout_s)
-    deadline = time.monotonic() + waited
-    while time.monotonic() < deadline:
+    ``timeout_s`` is the quiet machine's figure, scaled by the machine's slowdown (helpers/timing.py);
+    when that runs out on a machine that got busier since, by the last minute's load (``rescaled``)."""
+    started = time.monotonic()
+    allowed = scaled(timeout_s)
+    while True:
         value = condition()
         if value:
             return value
+        waited = time.monotonic() - started
+        if waited >= allowed:
+            allowed = max(allowed, rescaled(timeout_s))
+            if waited >= allowed:
+                raise TimeoutError(f"timed out after {waited:.0f} s waiting for {what}")
         time.sleep(interval_s)
-    raise TimeoutError(f"timed out after {waited:.0f} s waiting for {what}")
 
 
 def reports(run_dir: Path) -> list[dict[str, Any]]:

@@ -6,7 +6,8 @@ The factor is ``TRAINFORGE_TEST_SLOWDOWN`` when set (a number >= 1), else measur
 process: the seconds a fresh Python takes to import torch here, over what it takes on the quiet
 reference machine. That import is what every worker, driver and CLI process of the suite starts
 with, so it scales with what the suite's waits are made of. The conftest also scales every test's
-pytest-timeout by it.
+pytest-timeout by it. A wait that runs out (``faults.wait_until``) asks once more with the last
+minute's load (``rescaled``): the machine may have got busier since the factor was measured.
 """
 
 from __future__ import annotations
@@ -55,3 +56,24 @@ def torch_import_s() -> float | None:
 def scaled(seconds: float) -> float:
     """``seconds`` on the quiet reference machine, as long as this machine needs now."""
     return seconds * slowdown()
+
+
+def load_factor() -> float:
+    """How much busier the machine has been over the last minute than one runnable process per
+    core: the 1-minute load average over the cores (>= 1). A process gets about cores/load of a
+    core when more want one, so the wait for it to do something stretches by about this much."""
+    try:
+        load = os.getloadavg()[0]
+    except OSError:  # not on this platform
+        return 1.0
+    return max(load / (os.cpu_count() or 1), 1.0)
+
+
+def rescaled(seconds: float) -> float:
+    """``seconds`` on the quiet reference machine, for a wait that has run out: the factor measured
+    at the start, or the last minute's load where the machine got busier since (capped as a measured
+    factor is), unless ``TRAINFORGE_TEST_SLOWDOWN`` fixes it. Load that arrives after the
+    measurement (another job starting beside the suite) then stretches the wait instead of failing it."""
+    if os.environ.get(ENV):
+        return scaled(seconds)
+    return seconds * max(slowdown(), min(load_factor(), MAX_MEASURED))
