@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -40,8 +41,38 @@ class Paced(nn.Module):
 
 def paced_net(hidden: int = 32, delay_s: float = 0.02, dropout: float = 0.1) -> nn.Module:
     """A digits classifier with dropout (so RNG state matters) that takes at least ``delay_s`` a step."""
-    inner = nn.Sequential(nn.Flatten(), nn.Linear(64, hidden), nn.ReLU(), nn.Dropout(dropout), nn.Linear(hidden, 10))
-    return Paced(inner, delay_s)
+    return Paced(dropout_net(hidden, dropout), delay_s)
+
+
+def dropout_net(hidden: int, dropout: float) -> nn.Module:
+    return nn.Sequential(nn.Flatten(), nn.Linear(64, hidden), nn.ReLU(), nn.Dropout(dropout), nn.Linear(hidden, 10))
+
+
+class Held(Paced):
+    """Paced, and each training forward waits while ``hold_file`` exists, after writing
+    ``<hold_file>.held`` to say so: a test holds a run's workers until it has done what must happen
+    mid-run. A hold ends after ``max_hold_s`` whatever happens, so a test whose release never comes
+    fails on its checks instead of hanging."""
+
+    def __init__(self, inner: nn.Module, delay_s: float, hold_file: str, max_hold_s: float) -> None:
+        super().__init__(inner, delay_s)
+        self.hold_file = Path(hold_file)
+        self.max_hold_s = max_hold_s
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training and self.hold_file.exists():
+            self.hold_file.with_name(self.hold_file.name + ".held").touch()
+            given_up = time.monotonic() + self.max_hold_s
+            while self.hold_file.exists() and time.monotonic() < given_up:
+                time.sleep(0.01)
+        return super().forward(x)
+
+
+def held_net(
+    hold_file: str, hidden: int = 32, delay_s: float = 0.02, dropout: float = 0.1, max_hold_s: float = 600
+) -> nn.Module:
+    """paced_net's model, held while ``hold_file`` exists (Held)."""
+    return Held(dropout_net(hidden, dropout), delay_s, hold_file, max_hold_s)
 
 
 def chatty_net(hidden: int = 16) -> nn.Module:

@@ -140,7 +140,13 @@ def test_two_workers_make_one_run_and_a_resume_continues_it_through_a_server_out
     MLflow run, and the server dying mid-way through it stops nothing (what was buffered arrives
     when it is back). The resume and the outage share one fit: each Ray Train fit costs ~18 s."""
     tracking = {"uri": server.url, "experiment": "two-workers", "flush_timeout_s": 400}
-    result = trainforge.fit(paced_run(tmp_path, scaling={"num_workers": 2}, train={"max_steps": 20}, tracking=tracking))
+    # Both fits train held_net: free while `hold` is absent; the resumed run's workers wait at their
+    # first step while it exists, so the server dies mid-run however loaded the machine is.
+    hold = tmp_path / "hold"
+    held_kwargs = {"delay_s": 0.05, "hold_file": str(hold)}
+    held = {"factory": "tests.helpers.user_models:held_net", "kwargs": held_kwargs}
+    two = {"scaling": {"num_workers": 2}, "tracking": tracking, "model": held}
+    result = trainforge.fit(paced_run(tmp_path, train={"max_steps": 20}, **two))
     assert result.status == "finished"
     client = MlflowClient(server.url)
     run = only_run(client, "two-workers")
@@ -163,20 +169,23 @@ def test_two_workers_make_one_run_and_a_resume_continues_it_through_a_server_out
     assert {"report/report.html", "report/loss.png"} <= {a.path for a in client.list_artifacts(run_id, "report")}
 
     # The same run directory with more steps: training resumes from step 20, tracking continues the
-    # run; once the resumed run has reported (step 25), the server is killed and started again.
+    # run; once the resumed run's workers are at their first step (held), the server is killed and
+    # started again.
     run_dir = result.run_dir
 
-    def resumed_and_reporting() -> bool:
-        return any(r.get("step", 0) >= 25 for r in reports(run_dir))
+    def resumed_and_training() -> bool:
+        return hold.with_name("hold.held").exists()
 
     def kill_and_restart() -> dict[str, Any]:
         server.kill()
         killed = time.time()
+        hold.unlink()  # steps 21-70 train after the server died
         server.start()  # comes back in tens of seconds; training does not wait for it
         return {"at": killed}
 
-    longer = paced_run(tmp_path, scaling={"num_workers": 2}, train={"max_steps": 70}, tracking=tracking)
-    with caplog.at_level(logging.INFO, logger="trainforge"), Fault(resumed_and_reporting, kill_and_restart) as fault:
+    longer = paced_run(tmp_path, train={"max_steps": 70}, **two)
+    hold.touch()
+    with caplog.at_level(logging.INFO, logger="trainforge"), Fault(resumed_and_training, kill_and_restart) as fault:
         resumed = trainforge.fit(longer)
         killed_at = fault.join()["at"]
     assert resumed.status == "finished" and resumed.summary["global_step"] == 70
