@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -62,8 +64,19 @@ LONGEST_FIRST = (
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    missing = missing_packages()
+    if missing:  # one line, not a collection error per test file
+        raise pytest.UsageError(
+            f"{', '.join(missing)} not importable by {sys.executable}: run the suite in the project's "
+            'environment, as the README does (.venv/bin/pip install -e ".[dev]" && .venv/bin/python -m pytest)'
+        )
     if hasattr(config.option, "loadscopereorder"):  # pytest-xdist: keep the order below
         config.option.loadscopereorder = False
+
+
+def missing_packages() -> list[str]:
+    """What the suite imports everywhere that this Python cannot: the project and its test tools."""
+    return [name for name in ("trainforge", "torch", "ray", "moto") if importlib.util.find_spec(name) is None]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

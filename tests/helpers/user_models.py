@@ -61,11 +61,16 @@ class Held(Paced):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.training and self.hold_file.exists():
-            self.hold_file.with_name(self.hold_file.name + ".held").touch()
+            held_marker(self.hold_file).touch()
             given_up = time.monotonic() + self.max_hold_s
             while self.hold_file.exists() and time.monotonic() < given_up:
                 time.sleep(0.01)
         return super().forward(x)
+
+
+def held_marker(hold_file: str | Path) -> Path:
+    """The file a Held model writes once a forward waits on ``hold_file``."""
+    return Path(f"{hold_file}.held")
 
 
 def held_net(

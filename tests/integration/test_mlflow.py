@@ -21,6 +21,7 @@ from mlflow import MlflowClient
 import trainforge
 from tests.helpers.faults import Fault, free_port, paced_run, reports, wait_until
 from tests.helpers.runs import tiny_run
+from tests.helpers.user_models import held_marker
 from trainforge.protocol import curve_points
 from trainforge.tracking.runs import RESUME_FILE
 
@@ -174,7 +175,7 @@ def test_two_workers_make_one_run_and_a_resume_continues_it_through_a_server_out
     run_dir = result.run_dir
 
     def resumed_and_training() -> bool:
-        return hold.with_name("hold.held").exists()
+        return held_marker(hold).exists()
 
     def kill_and_restart() -> dict[str, Any]:
         server.kill()

@@ -42,11 +42,24 @@ def test_on_a_quiet_machine_the_wait_still_runs_out(measured_quiet: pytest.Monke
         wait_until(ready_after(5.0), 0.1, "the condition", interval_s=0.01)
 
 
-def test_the_load_stretch_is_capped_and_a_given_factor_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(os, "getloadavg", lambda: (1000.0, 1.0, 1.0))
-    monkeypatch.delenv(timing.ENV, raising=False)
-    monkeypatch.setattr(timing, "slowdown", lambda: 1.0)
+def test_the_load_stretch_is_capped_and_a_given_factor_is_kept(measured_quiet: pytest.MonkeyPatch) -> None:
+    measured_quiet.setattr(os, "getloadavg", lambda: (1000.0, 1.0, 1.0))
     assert timing.rescaled(1.0) == timing.MAX_MEASURED
-    monkeypatch.setenv(timing.ENV, "2")
-    monkeypatch.setattr(timing, "slowdown", lambda: 2.0)
+    measured_quiet.setenv(timing.ENV, "2")
+    measured_quiet.setattr(timing, "slowdown", lambda: 2.0)
     assert timing.rescaled(1.0) == 2.0  # TRAINFORGE_TEST_SLOWDOWN sets the factor: no stretch
+
+
+def test_pytest_outside_the_project_environment_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run by a Python without the project (not the README's .venv), the suite stops at configure
+    with one line naming what is missing, instead of a collection error per test file."""
+    import importlib.util
+
+    from tests import conftest
+
+    assert conftest.missing_packages() == []  # this environment is the project's
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name in {"torch", "ray"} else real(name))
+    assert conftest.missing_packages() == ["torch", "ray"]
+    with pytest.raises(pytest.UsageError, match=r"^torch, ray not importable by .*\.venv/bin/python -m pytest"):
+        conftest.pytest_configure(None)  # type: ignore[arg-type]  # stops before it reads the config
