@@ -76,16 +76,21 @@ def test_verify_checks_the_ciphertext_without_the_key_and_the_contents_with_it(t
     save(tmp_path, cipher(), (5,))
     keyless = CheckpointStore.from_uri(str(tmp_path / "run"))
     assert keyless.verify(checkpoint_name(5), schemas=SCHEMAS, contents=False).ok  # ckpt verify, no key
-    [problem] = keyless.verify(checkpoint_name(5), schemas=SCHEMAS).problems  # restore, no key
+    check = keyless.verify(checkpoint_name(5), schemas=SCHEMAS)  # restore, no key
+    [problem] = check.problems
     assert problem.startswith("encrypted (aes-256-gcm, key ") and "key_env" in problem
-    [problem] = CheckpointStore.from_uri(str(tmp_path / "run"), cipher(KEY_B)).verify(checkpoint_name(5)).problems
+    assert check.kinds == {"key"}  # restore decides by the kind, never by the text
+    check = CheckpointStore.from_uri(str(tmp_path / "run"), cipher(KEY_B)).verify(checkpoint_name(5))
+    assert check.kinds == {"key"}
+    [problem] = check.problems
     assert problem == (
         f"the checkpoint is encrypted with key {key_id(bytes(range(32)))}; checkpoint.encryption.key_env "
         f"TF_TEST_KEY holds key {key_id(bytes(range(1, 33)))} (the wrong key)"
     )
     flip_byte(tmp_path / "run" / checkpoint_name(5))  # a ciphertext byte: the hash tells, no key needed
-    [problem] = keyless.verify(checkpoint_name(5), contents=False).problems
-    assert problem.startswith(f"{MODEL_FILE} fails its")
+    check = keyless.verify(checkpoint_name(5), contents=False)
+    [problem] = check.problems
+    assert problem.startswith(f"{MODEL_FILE} fails its") and check.kinds == {"invalid"}
 
 
 def test_restore_is_bit_identical_and_walks_back_past_a_wrong_key_or_a_tampered_file(tmp_path: Path) -> None:

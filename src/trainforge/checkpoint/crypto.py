@@ -36,6 +36,7 @@ from typing import IO, Any
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
+from trainforge.checkpoint.problems import KeyProblem
 from trainforge.errors import CheckpointError
 
 SCHEME = "aes-256-gcm"
@@ -108,7 +109,7 @@ class FileCipher:
         """A checkpoint's manifest ``encryption`` record names this key; one line otherwise."""
         wanted = getattr(encryption, "key_id", None)
         if wanted != self.key_id:
-            raise CheckpointError(
+            raise KeyProblem(
                 f"{what} is encrypted with key {wanted}; {self.origin} holds key {self.key_id} {WRONG_KEY}"
             )
 
@@ -183,11 +184,6 @@ def is_sealed(data: bytes) -> bool:
     return data.startswith(MAGIC)
 
 
-def is_key_problem(problem: str) -> bool:
-    """A verification problem that a key would solve: the checkpoint is fine, the key is not."""
-    return problem.endswith((WRONG_KEY, ENCRYPTED_HINT))
-
-
 @contextlib.contextmanager
 def decrypted_copy(directory: Path, files: Iterable[str], cipher: FileCipher) -> Iterator[Path]:
     """A private folder (0700, in RAM where ``/dev/shm`` exists) holding the plaintext of
@@ -220,7 +216,6 @@ __all__ = [
     "Sealer",
     "cipher_of",
     "decrypted_copy",
-    "is_key_problem",
     "is_sealed",
     "key_id",
     "parse_key",

@@ -36,6 +36,7 @@ import pyarrow.fs as pafs
 
 from trainforge.checkpoint.crypto import ENCRYPTED_HINT, OVERHEAD, FileCipher
 from trainforge.checkpoint.hashing import LABELS, new_digest
+from trainforge.checkpoint.problems import INVALID, KEY, UNREADABLE, Problem, ProblemKind, problem_of
 from trainforge.checkpoint.saved import saved_from
 from trainforge.checkpoint.schema import (
     MANIFEST,
@@ -61,15 +62,25 @@ _MAX_ENTRIES = 10_000  # a checkpoint holds a few files per rank; a bigger tree 
 
 @dataclass(frozen=True)
 class Verification:
-    """The outcome of checking one checkpoint directory; ``manifest`` is the raw JSON when it parsed."""
+    """The outcome of checking one checkpoint directory: its problems, typed (``problems.py``);
+    ``manifest`` is the raw JSON when it parsed."""
 
     path: Path
-    problems: tuple[str, ...]
+    issues: tuple[Problem, ...]
     manifest: dict[str, Any] | None
 
     @property
     def ok(self) -> bool:
-        return not self.problems
+        return not self.issues
+
+    @property
+    def problems(self) -> tuple[str, ...]:
+        """The problems' texts, for people."""
+        return tuple(issue.text for issue in self.issues)
+
+    @property
+    def kinds(self) -> set[ProblemKind]:
+        return {issue.kind for issue in self.issues}
 
 
 @dataclass
@@ -201,7 +212,7 @@ def verify_tree(
         kind = fs.get_file_info(root).type
         if kind != pafs.FileType.Directory:
             missing = kind == pafs.FileType.NotFound
-            return Verification(where, (f"{root} {'does not exist' if missing else 'is not a directory'}",), None)
+            return _invalid(where, [f"{root} {'does not exist' if missing else 'is not a directory'}"], None)
         tree = list_tree(fs, root, local)
         schema, manifest = read_manifest(fs, root, local)
         problems = tree.problems + _file_set_problems(schema, tree)
@@ -209,8 +220,9 @@ def verify_tree(
             problems = _hash_problems(fs, root, local, schema)
         if not problems and schema.encryption is not None and cipher is None:
             if contents:
-                problems = [f"encrypted ({schema.encryption.scheme}, key {schema.encryption.key_id}): {ENCRYPTED_HINT}"]
-            return Verification(where, tuple(problems), manifest)
+                text = f"encrypted ({schema.encryption.scheme}, key {schema.encryption.key_id}): {ENCRYPTED_HINT}"
+                return Verification(where, (Problem(KEY, text),), manifest)
+            return _invalid(where, problems, manifest)
         if not problems:
             raw = read_capped(fs, f"{root}/{STATE_FILE}", local, MAX_STATE_BYTES + OVERHEAD)
             if schema.encryption is not None and cipher is not None:
@@ -221,10 +233,14 @@ def verify_tree(
                 refusal = _load_refusal(fs, root, local, schema, cipher)
                 problems = [refusal] if refusal else []
     except CheckpointError as err:
-        return Verification(where, (str(err),), manifest)
+        return Verification(where, (problem_of(err),), manifest)
     except OSError as err:  # storage unreachable, permission denied, the directory vanished
-        return Verification(where, (f"unreadable: {printable(str(err))}",), manifest)
-    return Verification(where, tuple(problems), manifest)
+        return Verification(where, (Problem(UNREADABLE, f"unreadable: {printable(str(err))}"),), manifest)
+    return _invalid(where, problems, manifest)
+
+
+def _invalid(where: Path, problems: list[str], manifest: dict[str, Any] | None) -> Verification:
+    return Verification(where, tuple(Problem(INVALID, text) for text in problems), manifest)
 
 
 def _file_set_problems(manifest: Manifest, tree: Tree) -> list[str]:

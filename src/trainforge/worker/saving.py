@@ -25,8 +25,9 @@ from typing import TYPE_CHECKING, Any, cast
 import ray.train
 from safetensors import SafetensorError
 
-from trainforge.checkpoint.crypto import cipher_of, is_key_problem
+from trainforge.checkpoint.crypto import cipher_of
 from trainforge.checkpoint.names import name_of_uri
+from trainforge.checkpoint.problems import KEY, OUTDATED
 from trainforge.checkpoint.reader import load_shards, load_state
 from trainforge.checkpoint.saved import Saved, read_saved
 from trainforge.checkpoint.schema import FULL, SHARDED, ComponentSchemas
@@ -167,6 +168,7 @@ class Candidates:
     schemas: dict[str, ComponentSchemas]
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (checkpoint name, why)
     unloadable: list[str] = field(default_factory=list)
+    locked: list[tuple[str, str]] = field(default_factory=list)  # skipped: this run's key does not open them
     _queue: list[str] = field(default_factory=list)
     explicit: bool = False
 
@@ -190,16 +192,20 @@ class Candidates:
             check = self.store.verify(name, schemas=self.schemas)
             if check.ok:
                 return ("try", self.store.uri(name), False)
-            self.skip(name, "; ".join(check.problems))
+            why = "; ".join(check.problems)
+            if OUTDATED in check.kinds:  # resuming from an older checkpoint instead would lose steps
+                return ("error", f"checkpoint {self.store.uri(name)} {why}")
+            if KEY in check.kinds:
+                self.locked.append((name, why))
+            self.skip(name, why)
         if self.unloadable:
             return (
                 "error",
                 f"no checkpoint of this run loads into the model as configured ({self.unloadable[0]}); "
                 "go back to the config that wrote them, or start afresh under another run.name",
             )
-        locked = [(name, why) for name, why in self.skipped if is_key_problem(why)]
-        if locked:  # a fresh start over checkpoints this key cannot open would bury them
-            name, why = locked[0]
+        if self.locked:  # a fresh start over checkpoints this key cannot open would bury them
+            name, why = self.locked[0]
             return (
                 "error",
                 f"no checkpoint of this run opens with this run's key ({name}: {why}); give the key they "
