@@ -104,7 +104,11 @@ def test_worker_killed_mid_epoch_resumes_bit_identical(
     with the key from its environment, and the run is the plaintext one's, bit for bit. Warm
     (scaling.reuse_workers): the run trains on a warm worker group (driver/warm.py), one of whose
     workers is killed; it continues under Ray Train from the newest checkpoint, bit for bit the
-    uninterrupted Ray Train run."""
+    uninterrupted Ray Train run.
+
+    Correctness only: the run records one recovery (``recovery_s``) and how long it took is not
+    judged here, since it depends on how loaded the machine is. Recovery time is a benchmark's
+    (docs/operations.md, "Measured recovery times"); ``pytest -s`` prints this run's."""
     label, sections = "2-workers-accum-bf16-loader-workers", TWO_WORKERS
     reference = straight(label, sections)  # plaintext, uninterrupted, Ray Train's worker group
     run_dir = tmp_path / "killed" / "t"
@@ -121,7 +125,8 @@ def test_worker_killed_mid_epoch_resumes_bit_identical(
     summary = resumed.summary
     assert summary["status"] == "finished"
     assert summary["restarts"] == 1
-    assert len(summary["recovery_s"]) == 1 and summary["recovery_s"][0] < 60
+    assert len(summary["recovery_s"]) == 1, summary["recovery_s"]
+    print(f"\nworker killed ({'warm' if warm else 'Ray Train'} group): recovery_s {summary['recovery_s']}")
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     events = [e.text for line in lines for e in events_of(json.loads(line))]
     assert any(e.startswith("resumed from") and "checkpoint_0000000" in e for e in events), events
