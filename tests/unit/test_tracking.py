@@ -460,3 +460,44 @@ def test_a_trial_stopped_before_its_tracker_opened_its_run_still_gets_its_mlflow
     assert float(run.data.params["optim.lr"]) == 0.05
     assert [p.step for p in client.get_metric_history(run.info.run_id, "train/loss")] == [10, 20]
     assert run.data.tags["trainforge.stopped_early"] == "true"
+
+
+@pytest.mark.parametrize("remembered", [True, False], ids=["remembered", "not-remembered"])
+def test_a_trial_stopped_after_its_tracker_created_its_run_gets_its_params(tmp_path: Path, remembered: bool) -> None:
+    """Tune ended the trial's actor after its tracker created the MLflow run and before the params
+    went out, with the run remembered in tracking.json or not yet: the search driver completes that
+    same run (found by the run directory it was tagged with), params and all, and makes no second."""
+    from trainforge.driver.events import MetricsLog
+    from trainforge.tracking.runs import RunPlan, open_run
+    from trainforge.tune.results import complete_run_dir
+    from trainforge.tune.tracking import finish_trial_runs
+    from trainforge.tune.trial import TrialOutcome
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(tracking_uri=uri)
+    experiment = client.create_experiment("search", artifact_location=(tmp_path / "artifacts").as_uri())
+    parent = client.create_run(experiment).info.run_id
+    raw = tiny_run(tmp_path, run={"name": "trial-1", "output_dir": str(tmp_path)})
+    raw["tracking"] = {"enabled": True, "uri": uri, "experiment": "search", "parent_run_id": parent}
+    config = validate(raw)
+    run_dir = config.run_dir
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text(to_yaml(config))
+    # What the trial's tracker got done before its actor ended: the run created (as MlflowTracker
+    # plans it), nothing sent to it.
+    plan = RunPlan(uri, "search", "trial-1", {}, parent, run_dir / RESUME_FILE if remembered else None, run_dir)
+    created = open_run(client, plan).run_id
+    assert (run_dir / RESUME_FILE).is_file() == remembered
+    log = MetricsLog(run_dir)
+    log.on_start(RunInfo("trial-1", 1, "local", str(run_dir)))
+    log.on_report(Report(step=10, total_steps=60, time=time.time(), figures={"train/loss": 0.2}))
+    outcome = TrialOutcome("trial-1", {"optim.lr": 0.05}, "stopped", True, None, None, 10, 60, 1.0, str(run_dir))
+    assert complete_run_dir(outcome)
+
+    finish_trial_runs([outcome])
+
+    (run,) = client.search_runs([experiment], f"tags.`mlflow.parentRunId` = '{parent}'")
+    assert run.info.run_id == created and run.info.status == "KILLED"
+    assert float(run.data.params["optim.lr"]) == 0.05
+    assert [p.step for p in client.get_metric_history(run.info.run_id, "train/loss")] == [10]
+    assert run.data.tags["trainforge.stopped_early"] == "true"

@@ -28,6 +28,7 @@ PER_REQUEST = 100  # MLflow's limit on params (and tags) per log_batch request
 RESUME_FILE = "tracking.json"
 STATUS = {"finished": "FINISHED", "failed": "FAILED", "stopped": "KILLED", "aborted": "KILLED"}
 PARENT_TAG = "mlflow.parentRunId"
+RUN_DIR_TAG = "trainforge.run_dir"
 # MLflow 3's UI guesses the kind of an experiment without this tag and may open it in its GenAI
 # view (traces, prompts); custom_model_development is its kind for model training (runs, charts).
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
@@ -44,20 +45,43 @@ class RunPlan:
     tags: Mapping[str, str]
     parent_run_id: str | None = None
     resume_file: Path | None = None  # remembers the run id, so a resumed training run continues it
+    run_dir: Path | None = None  # tagged on the run as it is created, so that the run can be found by it
 
 
 def open_run(client: MlflowClient, plan: RunPlan) -> OpenedRun:
-    """Continue the run ``plan.resume_file`` names if the store still has it, else create one."""
-    resumed = reopen(client, plan)
-    if resumed is not None:
-        return resumed
+    """Continue the run ``plan.resume_file`` names if the store still has it, or the child of the
+    parent made for this run directory, else create one."""
+    found = reopen(client, plan) or adopt(client, plan)
+    if found is not None:
+        return found
     if plan.parent_run_id:  # a trial lives in its search's experiment, whatever its own config says
         experiment_id = client.get_run(plan.parent_run_id).info.experiment_id
     else:
         experiment_id = ensure_experiment(client, plan.experiment, plan.uri)
     tags = {**plan.tags, **({PARENT_TAG: plan.parent_run_id} if plan.parent_run_id else {})}
+    if plan.run_dir is not None:
+        tags[RUN_DIR_TAG] = str(plan.run_dir)
     run = client.create_run(experiment_id, run_name=plan.run_name, tags=tags)
     opened = OpenedRun(run.info.run_id, experiment_id)
+    if plan.resume_file is not None:
+        remember(plan.resume_file, plan.uri, opened)
+    return opened
+
+
+def adopt(client: MlflowClient, plan: RunPlan) -> OpenedRun | None:
+    """The child of ``plan.parent_run_id`` created for ``plan.run_dir`` and never remembered: a
+    trial's process that Tune ended between creating its run and writing the resume file. The
+    search driver, completing the trial, continues that run rather than starting a second one."""
+    value = str(plan.run_dir) if plan.run_dir is not None else ""
+    if not plan.parent_run_id or not value or "'" in value:
+        return None
+    experiment_id = client.get_run(plan.parent_run_id).info.experiment_id
+    query = f"tags.`{PARENT_TAG}` = '{plan.parent_run_id}' and tags.`{RUN_DIR_TAG}` = '{value}'"
+    runs = client.search_runs([experiment_id], query, max_results=1, order_by=["attributes.start_time ASC"])
+    if not runs:
+        return None
+    client.update_run(runs[0].info.run_id, status="RUNNING")
+    opened = OpenedRun(runs[0].info.run_id, experiment_id)
     if plan.resume_file is not None:
         remember(plan.resume_file, plan.uri, opened)
     return opened

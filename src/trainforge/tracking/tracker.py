@@ -61,6 +61,7 @@ class MlflowTracker:
             tags={},
             parent_run_id=parent_run_id or self.settings.parent_run_id,
             resume_file=self.run_dir / RESUME_FILE,
+            run_dir=self.run_dir,
         )
         self.outbox = Outbox(
             self.uri,

@@ -3,11 +3,11 @@
 A trial is a ``trainforge.fit`` run, so its MLflow run is the ordinary training run (params, every
 report's metrics, artifacts, final status); the search only points it at the parent
 (``tracking.parent_run_id``) in the parent's store (``tracking.uri``). A trial Tune stopped never
-reaches the end of ``fit``: the driver completes its run afterwards (the reports it had not sent,
-summary, files, status KILLED; FINISHED for one stopped while it was finishing). Every trial's run
-gets the ``trainforge.stopped_early`` tag and ``tune/stopped_early`` metric; the parent gets the
-search's settings, the best value after each trial, the best trial, ``tune_summary.json``,
-``best.yaml`` and the plots.
+reaches the end of ``fit``: the driver completes its run afterwards (params and tags, the reports
+it had not sent, summary, files, status KILLED; FINISHED for one stopped while it was finishing).
+Every trial's run gets the ``trainforge.stopped_early`` tag and ``tune/stopped_early`` metric; the
+parent gets the search's settings, the best value after each trial, the best trial,
+``tune_summary.json``, ``best.yaml`` and the plots.
 
 A continued (restored) search reopens its parent run (``tracking.json`` in the search folder);
 trials that resume continue their own runs.
@@ -55,8 +55,14 @@ def start_search_run(config: Config, settings: SearchSettings, space: SearchSpac
 
 def finish_trial_runs(outcomes: list[TrialOutcome]) -> None:
     """Tag every trial's run with whether it stopped early and give it its final status. A stopped
-    trial's actor ended before its tracker had sent everything: the reports MLflow lacks are sent
-    from the run's metrics.jsonl, then its summary and files, status KILLED."""
+    trial's actor ended before its tracker had sent everything: the params and tags it lacks, the
+    reports MLflow lacks from the run's metrics.jsonl, then its summary and files, status KILLED.
+
+    Tune may end a trial's actor at any point of its tracker's work: before the run was created,
+    between creating it and remembering it (``tracking.json``), or before its params went out. The
+    driver's tracker opens the same run in every case (the remembered one, else the parent's child
+    tagged with the run directory, else a new one) and sends params and tags again: MLflow gets only
+    those it lacks (``params_call``), so a run never ends without them, however early Tune stopped it."""
     for outcome in outcomes:
         run_dir = Path(outcome.run_dir)
         remembered = run_dir / RESUME_FILE
@@ -64,13 +70,11 @@ def finish_trial_runs(outcomes: list[TrialOutcome]) -> None:
             continue  # the trial never started
         summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").is_file() else {}
         cut_short = summary.get("written_by") == SEARCH_DRIVER  # Tune ended the trial's actor
-        # A trial stopped within a second of its start (a warm worker group reports at once) can
-        # end before its tracker opened its run: the run is opened now, params and all.
         opened = remembered.is_file()
         if not (opened or cut_short):
             continue  # tracking off
         config = load_config(run_dir / "config.yaml")
-        tracker = make_tracker(config, run_dir)
+        tracker = make_tracker(config, config.run_dir)  # the trial's own: its run is tagged with it
         if tracker is None:
             continue
         flag = outcome.stopped_early
@@ -81,10 +85,7 @@ def finish_trial_runs(outcomes: list[TrialOutcome]) -> None:
             for report in RunLog.read(run_dir).reports:
                 if report.step > sent:
                     tracker.outbox.add_points(metric_points(report))
-        if opened:
-            tracker.outbox.start()
-        else:
-            tracker.on_start(RunInfo(config.run.name, config.scaling.max_workers, "search", str(run_dir)))
+        tracker.on_start(RunInfo(config.run.name, config.scaling.max_workers, "search", str(run_dir)))
         if cut_short:
             tracker.on_end(summary)  # files and final status: what fit would have done had Tune let it
             continue
