@@ -21,6 +21,7 @@ import yaml
 from packaging.requirements import Requirement
 
 from tests.deploy.tools import DOCKERFILES, ROOT, load_generator, normalise_relabel
+from tests.helpers.cli import trainforge_command, trainforge_on_path
 from trainforge.config import load_config
 
 COMPOSE = ROOT / "deploy" / "compose"
@@ -246,11 +247,10 @@ def test_the_ray_containers_run_with_tls_from_a_certificate_they_sign_at_start(t
         sign, start = document["services"][name]["command"][-1].split(" && exec ")
         assert start.startswith("ray start ") and "--ca-from /run/secrets/ray-ca" in sign, name
     ca = tmp_path / "ca"
-    trainforge = ROOT / ".venv" / "bin" / "trainforge"
-    subprocess.run([str(trainforge), "certs", "create", str(ca)], check=True, capture_output=True, timeout=120)
+    subprocess.run([*trainforge_command(), "certs", "create", str(ca)], check=True, capture_output=True, timeout=120)
     sign = document["services"]["ray-head"]["command"][-1].split(" && exec ")[0]
     sign = sign.replace("/run/secrets/ray-ca", str(ca)).replace("/tmp/tls", str(tmp_path / "tls"))
-    path = f"{trainforge.parent}:/usr/bin:/bin"
+    path = f"{trainforge_on_path(tmp_path / 'bin')}:/usr/bin:/bin"
     done = subprocess.run(["sh", "-c", sign], env={"PATH": path}, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     node = x509.load_pem_x509_certificate((tmp_path / "tls" / "node.crt").read_bytes())

@@ -30,6 +30,7 @@ from tests.deploy.tools import (
     one,
     pod_templates,
 )
+from tests.helpers.cli import trainforge_command, trainforge_on_path
 from trainforge.config import load_config
 
 Docs = dict[str, list[dict[str, Any]]]
@@ -312,15 +313,14 @@ def test_every_ray_process_runs_with_tls_from_its_pods_own_certificate(rendered:
 
 
 def test_the_init_containers_command_makes_a_certificate_for_the_pods_ip(rendered: Docs, tmp_path: Path) -> None:
-    """The head's init command as the kubelet runs it ($(VAR) expanded), with trainforge from this
-    environment and the paths moved under tmp_path: a certificate the CA signed, for the pod's IP
-    and the head service's names; run twice (a restarted pod), it replaces the first one."""
+    """The head's init command as the kubelet runs it ($(VAR) expanded), with the trainforge these
+    tests import (this interpreter's) on PATH and the paths moved under tmp_path: a certificate the
+    CA signed, for the pod's IP and the head service's names; run twice (a restarted pod), it
+    replaces the first one."""
     from cryptography import x509
 
     ca = tmp_path / "ca"
-    subprocess.run(
-        [str(ROOT / ".venv" / "bin" / "trainforge"), "certs", "create", str(ca)], check=True, capture_output=True
-    )
+    subprocess.run([*trainforge_command(), "certs", "create", str(ca)], check=True, capture_output=True, timeout=120)
     (head,) = [t for t in pod_templates(rendered["cpu-dev"]) if t.role == "head"]
     (init,) = head.template["spec"]["initContainers"]
     mounts = {m["name"]: m["mountPath"] for m in init["volumeMounts"]}
@@ -330,7 +330,7 @@ def test_the_init_containers_command_makes_a_certificate_for_the_pods_ip(rendere
     ]
     argv[-1] = argv[-1].replace("$(POD_IP)", "10.244.3.9").replace("$(POD_NAMESPACE)", "trainforge-dev")
     (tmp_path / "tls").mkdir()
-    env = {"PATH": f"{ROOT / '.venv' / 'bin'}:/usr/bin:/bin", "HOME": str(tmp_path)}
+    env = {"PATH": f"{trainforge_on_path(tmp_path / 'bin')}:/usr/bin:/bin", "HOME": str(tmp_path)}
     for _ in range(2):
         done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stderr
