@@ -12,9 +12,10 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from safetensors.torch import save_model
+from safetensors.torch import save_file, save_model
 
 from tests.helpers.ranks import spawn_ranks
+from trainforge.checkpoint.state import model_snapshot
 from trainforge.config import ModelConfig
 from trainforge.data import DataSpec
 from trainforge.errors import ModelError
@@ -112,6 +113,22 @@ def test_tied_weights_load_from_a_file_that_keeps_them_once(tmp_path: Path) -> N
     load_pretrained(target, str(tmp_path / "gpt2"))
     assert same_weights(source, target)
     assert target.model.lm_head.weight is target.model.transformer.wte.weight  # still tied
+
+
+def test_tied_weights_load_under_whichever_name_the_file_kept(tmp_path: Path) -> None:
+    """A checkpoint keeps GPT-2's tied embedding as ``lm_head.weight`` (safetensors' choice), the
+    model's first name for it is ``transformer.wte.weight``: both meet, strictly."""
+    kwargs = {"n_layer": 1, "n_embd": 32, "n_head": 2}
+    torch.manual_seed(0)
+    source = build_model(ModelConfig(name="gpt2_small", kwargs=kwargs), tokens())
+    kept = model_snapshot(source)
+    assert "model.lm_head.weight" in kept and "model.transformer.wte.weight" not in kept
+    save_file(kept, str(tmp_path / "weights.safetensors"))
+    torch.manual_seed(1)
+    target = build_model(ModelConfig(name="gpt2_small", kwargs=kwargs), tokens())
+    load_pretrained(target, str(tmp_path / "weights.safetensors"))
+    assert same_weights(source, target)
+    assert target.model.lm_head.weight is target.model.transformer.wte.weight
 
 
 def fsdp_rank(rank: int, world: int, folder: str, on_meta: bool) -> dict[str, Any]:

@@ -280,6 +280,19 @@ class Matching:
         return "; ".join(parts)
 
 
+def tied_names(model: nn.Module) -> dict[str, list[str]]:
+    """Each of :func:`target_tensors`' names with every other name the same tensor has (GPT-2's
+    ``transformer.wte.weight`` and ``lm_head.weight``): a file may keep a tied tensor under any."""
+    keep = set(model.state_dict(keep_vars=True))
+    first: dict[int, str] = {}
+    aliases: dict[str, list[str]] = {}
+    for name, tensor in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        if name in keep:
+            owner = first.setdefault(id(tensor), name)
+            aliases.setdefault(owner, []).append(name)
+    return aliases
+
+
 def target_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     """What a pretrained file fills: the model's parameters and persistent buffers by name, one
     name per tensor (tied weights, such as GPT-2's output layer and input embedding, once)."""
@@ -306,8 +319,14 @@ def match(model: nn.Module, weights: Weights) -> Matching:
     tied = set(model.state_dict(keep_vars=True)) - set(targets)  # names another name already holds
     names = weights.names()
     renamings = [{rename(n): n for n in names} for rename in NAMINGS]
-    chosen = max(renamings, key=lambda renamed: sum(t in renamed for t in targets))
-    pairs = {t: chosen[t] for t in targets if t in chosen}
+    aliases = tied_names(model)
+    everyone = [a for names in aliases.values() for a in names]
+    chosen = max(renamings, key=lambda renamed: sum(t in renamed for t in everyone))
+    pairs: dict[str, str] = {}
+    for target in targets:  # a tied tensor under whichever of its names the file kept
+        stored = [chosen[a] for a in aliases.get(target, [target]) if a in chosen]
+        if stored:
+            pairs[target] = stored[0]
     result = Matching()
     result.missing = sorted(t for t in targets if t not in pairs)
     # A file written from a whole state_dict also holds tied copies: those are not "unexpected".
