@@ -33,6 +33,11 @@ class RunLockedError(TrainforgeError):
     """Another trainforge run holds the run directory or its checkpoint folder (driver/runlock.py)."""
 
 
+class UserCodeError(TrainforgeError):
+    """The user's code (a factory, the data, the model's forward) raised on every worker before the
+    first step: the same on any attempt, so the run is not retried (worker/user_code.py)."""
+
+
 class TrainingFailed(TrainforgeError):
     """Training stopped with an error after exhausting its retries."""
 
@@ -52,6 +57,7 @@ ERROR_KINDS: dict[str, type[TrainforgeError]] = {
         ClusterError,
         CheckpointError,
         RunLockedError,
+        UserCodeError,
         TrainingFailed,
     )
 }

@@ -9,10 +9,51 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import os
+import sys
+import sysconfig
+import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from trainforge.errors import ModelError, TrainforgeError
+
+
+def import_from_working_directory() -> None:
+    """Put the working directory first on ``sys.path``, as a local run's workers have it (their
+    ``PYTHONPATH``): a factory's module beside the config imports in this process too."""
+    cwd = os.getcwd()
+    if cwd not in sys.path:
+        sys.path.insert(0, cwd)
+
+
+PACKAGE = str(Path(__file__).resolve().parents[1]) + os.sep  # trainforge's own files
+STDLIB = str(Path(sysconfig.get_paths()["stdlib"]).resolve()) + os.sep
+INSTALLED = ("site-packages", "dist-packages")
+
+
+def raised_at(err: BaseException) -> str:
+    """`` at FILE:LINE (in FUNCTION)``: where ``err`` was raised in the user's own code (not
+    trainforge, the standard library or an installed package); else the innermost frame outside
+    trainforge; empty without a traceback."""
+    frames = traceback.extract_tb(err.__traceback__)
+    if not frames:
+        return ""
+    paths = [os.path.realpath(frame.filename) for frame in frames]
+    own = [f for f, p in zip(frames, paths, strict=True) if not library(p)]
+    outside = [f for f, p in zip(frames, paths, strict=True) if not p.startswith(PACKAGE)]
+    frame = (own or outside or frames)[-1]
+    return f" at {frame.filename}:{frame.lineno} (in {frame.name})"
+
+
+def library(path: str) -> bool:
+    """Whether ``path`` is trainforge's, the standard library's or an installed package's file."""
+    return (
+        path.startswith((PACKAGE, STDLIB, sys.prefix + os.sep))
+        or any(part in path.split(os.sep) for part in INSTALLED)
+        or path.startswith("<")
+    )
 
 
 def one_line(text: str) -> str:

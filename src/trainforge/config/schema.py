@@ -99,7 +99,8 @@ class ModelConfig(Section):
     kwargs: PlainDict = Field(default_factory=dict)
     # None: classification for image data, causal_lm for token data, regression for float targets;
     # masked_lm: BERT's objective; custom: the model's own training_step / validation_step (models/tasks.py)
-    task: Literal["classification", "causal_lm", "masked_lm", "regression", "custom"] | None = None
+    # hf: the batch as keyword arguments with labels, the loss the model returns (models/hf_task.py)
+    task: Literal["classification", "causal_lm", "masked_lm", "regression", "custom", "hf"] | None = None
     loss: Literal["mse", "l1"] | None = None  # regression's loss; None: mse
     # Weights read before the first step (models/pretrained.py): a Hugging Face directory, a
     # .safetensors file, or a trainforge run or checkpoint directory; paths only, nothing downloaded.
@@ -611,7 +612,7 @@ class Config(Section):
             raise ValueError("model.loss needs model.task: regression (and data with float targets)")
         if task == "regression" and floats is False:
             raise ValueError(f"model.task regression needs float targets: {float_targets_hint(self.data)}")
-        if task not in ("regression", "custom", None) and floats:
+        if task not in ("regression", "custom", "hf", None) and floats:
             where = "data.target names" if isinstance(self.data, TabularData) else "data.kind regression gives"
             raise ValueError(f"{where} float targets, which model.task {task} cannot learn: set model.task: regression")
         return self

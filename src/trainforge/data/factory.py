@@ -48,7 +48,8 @@ Kind = Literal["image", "tokens", "regression", "custom"]
 class UserData:
     """What a data factory returns: the data and the facts a model is shaped by.
 
-    ``kind`` is ``image`` for classification (a float input of any shape, an integer class target),
+    ``kind`` is ``image`` for classification (a float input of any shape, or integer token ids
+    where ``vocab_size`` is given, and an integer class target),
     ``tokens`` for language modelling (integer input and target of ``seq_len`` tokens),
     ``regression`` for float targets (a float input of any shape, float targets of one shape,
     ``target_shape``: ``()`` one value per sample) and ``custom`` for samples of the data's own
@@ -225,13 +226,22 @@ class SampleRule:
                 )
             return (inputs.float() if inputs.dtype == torch.float64 else inputs), target.float()
         if self.kind == "image":
-            if not inputs.is_floating_point():
-                self.fail(where, f"a {dtype_name(inputs)} input", "a floating-point input (e.g. x.float() / 255)")
+            # Classification: float inputs, or token ids (a sequence to classify) where vocab_size says so.
+            if self.vocab_size is not None and not is_integer(inputs):
+                self.fail(where, f"a {dtype_name(inputs)} input", "integer token ids (vocab_size is given)")
+            if self.vocab_size is None and not inputs.is_floating_point():
+                self.fail(
+                    where,
+                    f"a {dtype_name(inputs)} input",
+                    "a floating-point input (e.g. x.float() / 255), or token ids with UserData(vocab_size=N)",
+                )
             if target.ndim != 0 or not is_integer(target):
                 self.fail(where, f"a {dtype_name(target)} target of shape {tuple(target.shape)}", "an integer class")
             label = int(target)
             if self.num_classes is not None and not 0 <= label < self.num_classes:
                 self.fail(where, f"class {label}", f"a class in 0..{self.num_classes - 1} (num_classes)")
+            if self.vocab_size is not None:
+                return inputs.long(), target.long()
             return (inputs.float() if inputs.dtype == torch.float64 else inputs), target.long()
         if not is_integer(inputs) or not is_integer(target) or target.shape != inputs.shape:
             self.fail(
@@ -245,7 +255,7 @@ class SampleRule:
         """Token ids inside the vocabulary (on the first sample: a reduction over every token)."""
         if self.vocab_size is None:
             return
-        tokens = torch.stack(pair)
+        tokens = pair[0] if self.kind == "image" else torch.stack(pair)  # a classified sequence: its input
         low, high = int(tokens.min()), int(tokens.max())
         if low < 0 or high >= self.vocab_size:
             self.fail(where, f"token ids {low}..{high}", f"ids in 0..{self.vocab_size - 1} (vocab_size)")
@@ -388,7 +398,7 @@ def checked_map_style(user: UserData, cfg: FactoryData, path: str) -> UserData:
                 f"data.factory {path!r}: classification needs num_classes >= 2 (targets 0..num_classes-1); "
                 "return UserData(..., num_classes=N)"
             )
-        rule = SampleRule(path, kind, shape, num_classes=num_classes)
+        rule = SampleRule(path, kind, shape, num_classes=num_classes, vocab_size=user.vocab_size)
     first = rule.pair((inputs, target), "train sample 0")
     rule.check_token_range(first, "train sample 0")
     train = CheckedPairs(user.train, rule, "train")

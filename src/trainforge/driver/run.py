@@ -8,7 +8,6 @@ import logging
 import math
 import os
 import signal
-import sys
 import threading
 import time
 import traceback
@@ -29,6 +28,7 @@ from trainforge.checkpoint.crypto import cipher_of
 from trainforge.checkpoint.storage import CheckpointStore
 from trainforge.checkpoint.uris import check_scheme, first_line
 from trainforge.config import Config, FactoryData, to_yaml
+from trainforge.config.factories import import_from_working_directory
 from trainforge.data.augment import augment_of, check_augment
 from trainforge.data.factory import check_data_factory
 from trainforge.data.registry import check_local_paths, open_stream, source_of
@@ -52,14 +52,14 @@ from trainforge.driver.startup import Timeline
 from trainforge.driver.summary import RunRecord, finish_run_dir
 from trainforge.driver.warm import Shape as WarmShape
 from trainforge.driver.warm import WarmGroupFailed, WarmTrainer, process_pool, why_not
-from trainforge.errors import CheckpointError, TrainforgeError, TrainingFailed
+from trainforge.errors import CheckpointError, TrainforgeError, TrainingFailed, UserCodeError
 from trainforge.metrics.driver.observer import metrics_observers
 from trainforge.models.registry import load_factory, require_builtin
 from trainforge.protocol import PAYLOAD_KEY, Payload, Report, RunInfo, UserError
 from trainforge.redact import install_on_logger, redact_text
 from trainforge.report import ReportWriter
 from trainforge.tracking import make_tracker
-from trainforge.worker.build import check_block_names, check_parameter_names, check_pretrained_fits
+from trainforge.worker.build import check_block_names, check_model_output, check_parameter_names, check_pretrained_fits
 from trainforge.worker.loop import train_loop_per_worker, worker_env
 from trainforge.worker.profiling import fetch_profiles
 from trainforge.worker.registry import state_schemas
@@ -82,6 +82,7 @@ class Outcome:
     checkpoint: str | None
     wall_time_s: float
     error: str | None = None
+    raise_after: TrainforgeError | None = None  # the user's error, raised once the summary is written
 
 
 def build_trainer(
@@ -182,14 +183,15 @@ def preflight(config: Config, *, local: bool) -> None:
     prepare_or_verify(config.data)  # data.name tokens: data.prepare's corpus written if missing, every byte checked
     check_local_paths(config.data)
     user_code = config.model.factory is not None or isinstance(config.data, FactoryData)
-    if user_code and os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())  # as the local workers see it (build_trainer's PYTHONPATH)
+    if user_code:
+        import_from_working_directory()  # as the local workers see it (run_env's PYTHONPATH)
     if config.model.factory is not None:
         load_factory(config.model.factory)
     check_data_factory(config.data)
     check_block_names(config)
     check_pretrained_fits(config)
     check_parameter_names(config)
+    check_model_output(config)
 
 
 def check_storage(config: Config, *, local: bool) -> None:
@@ -384,6 +386,8 @@ def _train(
     fanout.on_end(summary)
     if outcome.status == "failed":
         (run_dir / "error.log").write_text(redact_text(outcome.error or ""))
+    if outcome.raise_after is not None:
+        raise outcome.raise_after
     return summary
 
 
@@ -466,6 +470,8 @@ def _fit(trainer: TorchTrainer | WarmTrainer, pump: Pump, started: float) -> Out
         error = returned.error()
         if isinstance(error, TrainingFailed):  # the run's own failure (a save under on_save_error: fail)
             return Outcome("failed", pump.last_report, pump.last_checkpoint, elapsed, returned.message)
+        if isinstance(error, UserCodeError):  # the run started: its summary says how it ended (restarts: 0)
+            return Outcome("failed", pump.last_report, pump.last_checkpoint, elapsed, returned.message, error)
         raise error
     final = returned if isinstance(returned, Report) else pump.last_report
     status = final.status if final is not None and final.status else "finished"

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from trainforge.config import ModelConfig
-from trainforge.config.factories import describe, load_factory, one_line
+from trainforge.config.factories import describe, load_factory, one_line, raised_at
 from trainforge.data.spec import DataSpec
 from trainforge.errors import ModelError
 
@@ -107,8 +107,8 @@ def build_from_factory(path: str, kwargs: Mapping[str, Any]) -> nn.Module:
         model = factory(**kwargs)
     except Exception as err:
         raise ModelError(
-            f"model.factory {path!r} raised {type(err).__name__} when called with model.kwargs {dict(kwargs)}: "
-            f"{one_line(str(err))}"
+            f"model.factory {path!r} raised {type(err).__name__}{raised_at(err)} when called with model.kwargs "
+            f"{dict(kwargs)}: {one_line(str(err))}"
         ) from err
     if not isinstance(model, nn.Module):
         raise ModelError(

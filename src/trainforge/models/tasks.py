@@ -9,6 +9,9 @@ the reduced totals into averages.
   cross-entropy over the last dimension of ``model(inputs)``.
 * ``regression``: float targets, mean squared (``model.loss: mse``) or absolute (``l1``) error;
   mse, mae and r2 from sums.
+* The model's output may be the logits, a transformers ``ModelOutput``, a dict or a tuple
+  (models/outputs.py reads the logits out of it); ``hf`` (models/hf_task.py) trains on the loss
+  the model itself returns when given ``labels``.
 * ``custom``: the model owns its step. Its ``training_step(batch)`` returns the loss, or
   ``(loss, {name: value})``, or ``{"loss": loss, name: value}``; its optional
   ``validation_step(batch)`` returns ``{name: value}`` (without it, validation is the training
@@ -20,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -30,6 +33,7 @@ from torch import nn
 from trainforge.config import ModelConfig
 from trainforge.data.spec import DataSpec
 from trainforge.errors import ModelError
+from trainforge.models.outputs import logits_of
 
 IGNORE_INDEX = -100
 """Targets equal to this are left out of the loss and the counts (PyTorch's cross-entropy default)."""
@@ -54,7 +58,7 @@ class Task:
     def train_step(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, Stats]:
         """The loss to backpropagate (mean over the batch) and the batch's metric sums."""
         inputs, targets = batch
-        output = model(inputs)
+        output = logits_of(model(inputs), self.name)
         loss = self.loss(output, targets)
         return loss, self.sums(loss, output, targets)
 
@@ -62,7 +66,7 @@ class Task:
     def eval_step(self, model: nn.Module, batch: Any) -> Stats:
         """The batch's metric sums for validation."""
         inputs, targets = batch
-        output = model(inputs)
+        output = logits_of(model(inputs), self.name)
         return self.sums(self.loss(output, targets), output, targets)
 
     def sums(self, loss: torch.Tensor, output: torch.Tensor, targets: torch.Tensor) -> Stats:
@@ -138,7 +142,7 @@ class MaskedLMTask(Task):
 
     def train_step(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, Stats]:
         inputs, labels = self.mask(batch[0], None)
-        output = model(inputs)
+        output = logits_of(model(inputs), self.name)
         loss = self.loss(output, labels)
         return loss, self.sums(loss, output, labels)
 
@@ -147,7 +151,7 @@ class MaskedLMTask(Task):
         tokens = batch[0]
         generator = torch.Generator(tokens.device).manual_seed(int(tokens.sum()) % 2**31)
         inputs, labels = self.mask(tokens, generator)
-        output = model(inputs)
+        output = logits_of(model(inputs), self.name)
         return self.sums(self.loss(output, labels), output, labels)
 
     def mask(self, tokens: torch.Tensor, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -381,18 +385,27 @@ def routed_forward(module: nn.Module, step: Any) -> Iterator[None]:
         module.__dict__.pop("forward", None)
 
 
-def check_fits(model: nn.Module, cfg: ModelConfig, spec: DataSpec, sample: Any) -> None:
-    """Before the first step, one line instead of an IndexError deep in a worker: the model's input
-    embedding against the data's vocabulary, and its outputs per prediction against the classes
-    (or the vocabulary), from one forward of one ``sample`` (eval mode, no gradients, the RNG
-    state kept). Built-in supervised tasks only: a custom step reads its batches its own way."""
-    if spec.kind == "custom" or cfg.task == "custom":
+def check_fits(model: nn.Module, cfg: ModelConfig, spec: DataSpec, sample: Any, task: Task | None = None) -> None:
+    """Before the first step, one line instead of an IndexError deep in a worker: the model's output
+    is one the task reads, the model's input embedding fits the data's vocabulary, and its outputs
+    per prediction the classes (or the vocabulary), from one forward of one ``sample`` traced on
+    fake tensors (eval mode, no gradients, no compute). A custom step reads its batches its own way;
+    the ``hf`` task checks that the model returns a loss (models/hf_task.py)."""
+    if cfg.task == "custom":
+        return
+    if task is None and spec.kind != "custom":
+        task = build_task(cfg, spec, model)
+    if task is not None and task.name == "hf":
+        task.check_output(model, sample)  # type: ignore[attr-defined]
+        return
+    if spec.kind == "custom":
         return
     if spec.target_shape is not None:
         check_regression_fits(model, cfg, spec, sample)
         return
     size, key = (spec.vocab_size, "vocab_size") if spec.kind == "tokens" else (spec.num_classes, "num_classes")
     if not size:
+        output_shape(model, first_input(sample), cfg.task or "classification")  # the output is readable
         return
     size += 1 if cfg.task == "masked_lm" else 0  # the mask token, after the data's ids
     setting = (
@@ -406,10 +419,7 @@ def check_fits(model: nn.Module, cfg: ModelConfig, spec: DataSpec, sample: Any) 
             f"the model's input embedding has {embedding.num_embeddings} token ids but the data's vocabulary "
             f"has {size} (ids up to {size - 1}): {setting}"
         )
-    inputs = sample[0] if isinstance(sample, (tuple, list)) else sample
-    if not isinstance(inputs, torch.Tensor):
-        return
-    output = output_shape(model, inputs.unsqueeze(0))
+    output = output_shape(model, first_input(sample), task.name if task is not None else "classification")
     if output is not None and len(output) >= 1 and output[-1] < size:
         raise ModelError(
             f"the model gives {output[-1]} outputs per prediction but the data has {size} "
@@ -417,12 +427,15 @@ def check_fits(model: nn.Module, cfg: ModelConfig, spec: DataSpec, sample: Any) 
         )
 
 
+def first_input(sample: Any) -> torch.Tensor | None:
+    """A sample's input as a batch of one (None when it is not a tensor)."""
+    inputs = sample[0] if isinstance(sample, (tuple, list)) else sample
+    return inputs.unsqueeze(0) if isinstance(inputs, torch.Tensor) else None
+
+
 def check_regression_fits(model: nn.Module, cfg: ModelConfig, spec: DataSpec, sample: Any) -> None:
     """The model's values per sample against the float targets' (one forward on fake tensors)."""
-    inputs = sample[0] if isinstance(sample, (tuple, list)) else sample
-    if not isinstance(inputs, torch.Tensor):
-        return
-    output = output_shape(model, inputs.unsqueeze(0))
+    output = output_shape(model, first_input(sample), "regression")
     if output is None or len(output) < 1:
         return
     given, wanted = math.prod(output[1:]), math.prod(spec.target_shape or ())
@@ -438,21 +451,35 @@ def check_regression_fits(model: nn.Module, cfg: ModelConfig, spec: DataSpec, sa
         )
 
 
-def output_shape(model: nn.Module, inputs: torch.Tensor) -> tuple[int, ...] | None:
-    """The shape ``model(inputs)`` would have, traced on fake tensors: no compute, no memory for
-    activations (None when the model does not trace)."""
+def output_shape(model: nn.Module, inputs: torch.Tensor | None, task: str) -> tuple[int, ...] | None:
+    """The shape of the logits ``model(inputs)`` would give, traced on fake tensors (None when the
+    model does not trace); a ModelError when the output holds nothing the task can read."""
+    if inputs is None:
+        return None
+    traced = traced_output(model, (inputs,), {})
+    if traced is None:
+        return None
+    return tuple(logits_of(traced, task).shape)
+
+
+def traced_output(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``model(*args, **kwargs)`` on fake tensors: no compute, no memory for activations. On a
+    model built on the meta device, the inputs go there too. None when the model does not trace
+    (the first step will say what is wrong)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    if device.type == "meta":
+        args, kwargs = to_device(args, device), to_device(kwargs, device)
     training = model.training
     model.eval()
     try:
         with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True):
-            output = model(inputs)
+            return model(*args, **kwargs)
     except Exception:  # a model fake tensors cannot run: the first step will say what is wrong
         return None
     finally:
         model.train(training)
-    return tuple(output.shape) if isinstance(output, torch.Tensor) else None
 
 
 def input_embedding(model: nn.Module) -> nn.Embedding | None:
@@ -466,41 +493,66 @@ def input_embedding(model: nn.Module) -> nn.Embedding | None:
     return next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
 
 
-TASKS: dict[str, type[Task]] = {"classification": ClassificationTask, "causal_lm": CausalLMTask}
-"""The tasks built without arguments; masked_lm, regression and custom are built from the data or model."""
+TaskBuilder = Callable[[ModelConfig, DataSpec, "nn.Module | None"], Task]
+
+
+def build_custom(cfg: ModelConfig, spec: DataSpec, model: nn.Module | None) -> Task:
+    if model is None:
+        raise ModelError("model.task custom: the task is built with the model it calls")
+    return CustomTask(model)
+
+
+def build_hf(cfg: ModelConfig, spec: DataSpec, model: nn.Module | None) -> Task:
+    from trainforge.models.hf_task import HFTask  # it builds on this module's Task
+
+    return HFTask(spec, model)
+
+
+def build_regression(cfg: ModelConfig, spec: DataSpec, model: nn.Module | None) -> Task:
+    if spec.target_shape is None:
+        raise ModelError(
+            "model.task regression needs float targets, but the data's targets are classes or token ids: "
+            "set data.target (parquet, jsonl), data.kind: regression (synthetic) or give a data.factory "
+            "float targets"
+        )
+    return RegressionTask(cfg.loss or "mse", spec.target_shape)
+
+
+def build_masked_lm(cfg: ModelConfig, spec: DataSpec, model: nn.Module | None) -> Task:
+    return MaskedLMTask(int(spec.vocab_size or 0))
+
+
+TASKS: dict[str, TaskBuilder] = {
+    "classification": lambda cfg, spec, model: ClassificationTask(),
+    "causal_lm": lambda cfg, spec, model: CausalLMTask(),
+    "masked_lm": build_masked_lm,
+    "regression": build_regression,
+    "custom": build_custom,
+    "hf": build_hf,
+}
+"""Every task by its ``model.task`` name: a new task is one class and one line here."""
+
+OWN_BATCHES = ("custom", "hf")  # tasks that take batches of any shape (dicts, tuples), not only (input, target)
 
 
 def build_task(cfg: ModelConfig, spec: DataSpec, model: nn.Module | None = None) -> Task:
     """``model.task`` if set, else classification for image data, regression for float targets and
-    causal_lm for token data.
-    ``custom`` needs the (plain) model, whose ``training_step`` it calls."""
-    if cfg.task == "custom":
-        if model is None:
-            raise ModelError("model.task custom: the task is built with the model it calls")
-        return CustomTask(model)
-    if spec.kind == "custom":
-        raise ModelError(
-            "the data yields batches of its own shape (not (input, target) pairs): set model.task: custom "
-            "and give the model a training_step(batch) -> loss"
-        )
+    causal_lm for token data. ``custom`` and ``hf`` use the (plain) model: its ``training_step``,
+    or its forward's arguments."""
     floats = spec.target_shape is not None
     name = cfg.task or ("causal_lm" if spec.kind == "tokens" else "regression" if floats else "classification")
+    if spec.kind == "custom" and name not in OWN_BATCHES:
+        raise ModelError(
+            "the data yields batches of its own shape (not (input, target) pairs): set model.task: custom "
+            "and give the model a training_step(batch) -> loss, or model.task: hf for a model that takes the "
+            "batch's keys as arguments and returns its loss"
+        )
     if cfg.loss is not None and name != "regression":
         raise ModelError(f"model.loss needs model.task: regression (model.task {name} has its own loss)")
-    if name == "regression":
-        if not floats:
-            raise ModelError(
-                "model.task regression needs float targets, but the data's targets are classes or token ids: "
-                "set data.target (parquet, jsonl), data.kind: regression (synthetic) or give a data.factory "
-                "float targets"
-            )
-        return RegressionTask(cfg.loss or "mse", spec.target_shape or ())
-    if floats:
+    if floats and name not in ("regression", *OWN_BATCHES):
         raise ModelError(
             f"the data's targets are floats, which model.task {name} cannot learn: set model.task: regression"
         )
     if name in ("causal_lm", "masked_lm") and spec.kind != "tokens":
         raise ModelError(f"model.task {name} needs token data, but data.kind is {spec.kind!r}")
-    if name == "masked_lm":
-        return MaskedLMTask(int(spec.vocab_size or 0))
-    return TASKS[name]()
+    return TASKS[name](cfg, spec, model)

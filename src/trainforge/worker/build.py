@@ -20,6 +20,7 @@ from trainforge.checkpoint.state import capture_rng, restore_rng
 from trainforge.config import Config, ParallelConfig
 from trainforge.data import build_datasets, collate_of
 from trainforge.data.augment import augment_of, build_augmenter
+from trainforge.data.registry import source_of
 from trainforge.data.stream import StreamFeed, StreamShape
 from trainforge.models import Task, build_model, build_task
 from trainforge.models.lora import apply_lora
@@ -152,7 +153,7 @@ def build(
     if data.feed is None:  # a map-style set: its first sample, read with every generator kept
         drawn = capture_rng()
         try:
-            check_fits(plain, config.model, data.spec, data.train_set[0])
+            check_fits(plain, config.model, data.spec, data.train_set[0], task)
         finally:
             restore_rng(drawn)
     plan = build_plan(config.parallel, device, sync_batchnorm=config.train.sync_batchnorm, layout=layout)
@@ -205,6 +206,21 @@ def check_block_names(config: Config) -> None:
         repeated_blocks(model, parallel.fsdp.wrap)
     if parallel.tensor_parallel > 1:
         check_tensor_parallel(model, parallel.tensor_parallel, parallel.tp_plan)
+
+
+def check_model_output(config: Config) -> None:
+    """The model, built on the meta device, traced on one training sample: an output the task
+    cannot read, a model without the loss ``model.task: hf`` needs, or one that does not fit the
+    data is one line before Ray starts (models/tasks.check_fits). A streamed source has no sample
+    here: its workers check at their first batch."""
+    if config.model.task == "custom" or source_of(config.data).streamed:
+        return
+    train_set, _, spec = build_datasets(config.data, config.seed)
+    if len(train_set) == 0:
+        return
+    with torch.device("meta"):
+        model = build_model(config.model, spec)
+    check_fits(model, config.model, spec, train_set[0])
 
 
 def check_parameter_names(config: Config) -> None:

@@ -48,6 +48,7 @@ from trainforge.worker.metrics import IntervalHistory, Signals, Throughput, redu
 from trainforge.worker.profiling import StepProfiler
 from trainforge.worker.saving import Checkpointing, Restored, restore, run_store
 from trainforge.worker.step import MetricSums, StepOutOfMemory
+from trainforge.worker.user_code import is_user_code_error, user_code_error
 
 log = logging.getLogger("trainforge.worker")
 
@@ -88,7 +89,12 @@ def run_worker(
         # Every rank fails the same way on a bad data path, model or checkpoint; returning (instead
         # of raising) spares Ray's retries, which are meant for crashes. The driver re-raises it.
         return UserError.of(err)
+    except Exception as err:
+        if not is_user_code_error(err):
+            raise
+        return UserError.of(user_code_error(err, "while building the run"))
     hooks = build_hooks(run)
+    session: Session | None = None
     try:
         events: list[Event] = [Note(batch_choice)] if batch_choice else []
         session = Session(run, checkpointing, restored, payload.mailbox, hooks, events=events, startup=startup)
@@ -97,6 +103,16 @@ def run_worker(
         return session.train()
     except SaveFailedStop as err:
         return UserError.of(TrainingFailed(str(err)))
+    except TrainforgeError as err:
+        if session is None or not session.before_first_step:
+            raise
+        return UserError.of(err)
+    except Exception as err:
+        # At the first step of a fresh run, an exception of the user's code (the model's forward,
+        # the data) is one every attempt would raise; after steps, or on a resume, Ray restarts.
+        if session is None or not session.before_first_step or not is_user_code_error(err):
+            raise
+        return UserError.of(user_code_error(err, "at the first step"))
     finally:
         checkpointing.close()
         hooks.close()
@@ -173,6 +189,11 @@ class Session:
         self.stop_probe: Any = None  # the stop flag's pending read: asked at one report, read at a later one
         self.failed_message = ""
         self.events.extend(restore_events(self.restored, self.run))
+
+    @property
+    def before_first_step(self) -> bool:
+        """A fresh run (nothing restored) that has not completed a step yet."""
+        return self.restored.source is None and self.progress.global_step == self.first_step
 
     def train(self) -> Report:
         run, progress = self.run, self.progress
