@@ -107,6 +107,8 @@ def test_the_hf_task_gives_a_causal_lm_its_input_ids_as_labels_and_a_dict_batch_
 
 
 def test_the_hf_task_refuses_a_model_that_takes_no_labels_or_returns_no_loss() -> None:
+    with pytest.raises(ModelError, match=r"the built-in 'mlp' returns logits: leave model\.task out"):
+        build_task(ModelConfig(name="mlp", task="hf"), DIGITS)
     with pytest.raises(ModelError, match=r"Linear.forward takes no labels"):
         build_task(ModelConfig(factory="m:f", task="hf"), DIGITS, torch.nn.Linear(64, 10))
     task = build_task(ModelConfig(factory="m:f", task="hf"), DIGITS, hf_models.vit_classifier())

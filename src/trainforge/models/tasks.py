@@ -505,6 +505,11 @@ def build_custom(cfg: ModelConfig, spec: DataSpec, model: nn.Module | None) -> T
 def build_hf(cfg: ModelConfig, spec: DataSpec, model: nn.Module | None) -> Task:
     from trainforge.models.hf_task import HFTask  # it builds on this module's Task
 
+    if cfg.name is not None:
+        raise ModelError(
+            f"model.task hf trains on the loss a model.factory's model returns; the built-in {cfg.name!r} returns "
+            "logits: leave model.task out (its task computes the loss from them)"
+        )
     return HFTask(spec, model)
 
 

@@ -211,8 +211,11 @@ def check_block_names(config: Config) -> None:
 def check_model_output(config: Config) -> None:
     """The model, built on the meta device, traced on one training sample: an output the task
     cannot read, a model without the loss ``model.task: hf`` needs, or one that does not fit the
-    data is one line before Ray starts (models/tasks.check_fits). A streamed source has no sample
-    here: its workers check at their first batch."""
+    data is one line before Ray starts (models/tasks.check_fits). Only for a factory's model (the
+    built-ins return logits) or ``model.task: hf``; a streamed source has no sample here: its
+    workers check before their first step."""
+    if config.model.factory is None and config.model.task != "hf":
+        return
     if config.model.task == "custom" or source_of(config.data).streamed:
         return
     train_set, _, spec = build_datasets(config.data, config.seed)
