@@ -14,6 +14,7 @@ import yaml
 from pydantic import BaseModel, Tag, ValidationError
 
 from trainforge.config.data import DataConfig, foreign_key_message, unknown_source_message
+from trainforge.config.factories import import_from_working_directory
 from trainforge.config.safeyaml import MAX_DEPTH, MAX_TEXT_CHARS, YamlRefused, load_yaml, read_yaml_file
 from trainforge.config.schema import ENV_PREFIX, Config
 from trainforge.errors import ConfigError
@@ -55,7 +56,8 @@ def load_run_config(source: str | os.PathLike[str] | Mapping[str, Any], origin: 
     """A config read back from a run directory or a checkpoint (``generate``, ``export``): data, not
     code. Run directories are shared and downloaded, and whoever wrote one chose its factories: one
     that names code to import is refused unless the user vouches for it (``trust``, the CLI's
-    ``--trust-run-config``). Nothing is imported here."""
+    ``--trust-run-config``). Nothing is imported here; code the user trusts imports later from the
+    working directory too, as the run's workers imported it."""
     config = load_config(source)
     named = code_keys(config)
     if named and not trust:
@@ -64,6 +66,8 @@ def load_run_config(source: str | os.PathLike[str] | Mapping[str, Any], origin: 
             f"{origin} names code to import ({key}: {_clip(value)}); a run directory's config is data, "
             f"not code: add {TRUST_FLAG} if you trust whoever wrote it"
         )
+    if named:
+        import_from_working_directory()
     return config
 
 

@@ -33,9 +33,10 @@ from trainforge.config import Config, load_config, load_run_config, to_yaml
 from trainforge.data import build_datasets
 from trainforge.data.spec import DataSpec
 from trainforge.errors import CheckpointError, ModelError
+from trainforge.models.hub import corpus_hf_tokenizer, require_transformers_model, write_hf
 from trainforge.models.lora import ADAPTER_MARK, apply_lora, lora_target, merge
 from trainforge.models.pretrained import Source, checkpoint_source, load_pretrained, load_weights
-from trainforge.models.registry import HFLogits, build_model
+from trainforge.models.registry import build_model
 
 log = logging.getLogger("trainforge.export")
 
@@ -91,11 +92,9 @@ def export_run(
             "(or --format safetensors for the adapters alone)"
         )
     model = run_model(config)
-    if fmt == "hf" and not isinstance(model, HFLogits):
-        raise ModelError(
-            f"--format hf needs a built-in transformers model (gpt2_*, bert_*, llama_*, resnet*, vit_*); "
-            f"{config.model.name or config.model.factory} is not one: use --format safetensors"
-        )
+    if fmt == "hf":
+        require_transformers_model(model)
+    tokenizer = corpus_hf_tokenizer(config) if fmt == "hf" else None  # a prepared corpus's, else None
     if lora is None:
         load_weights(model, source, key=f"checkpoint {checkpoint}")
     else:
@@ -105,8 +104,7 @@ def export_run(
     staging.mkdir(parents=True)
     try:
         if fmt == "hf":
-            assert isinstance(model, HFLogits)
-            write_hf(model.model, staging)
+            write_hf(model, staging, tokenizer)
         elif lora is not None and not merge_lora:  # the adapters alone, by the adapted model's names
             adapters = {n: p.detach().contiguous() for n, p in model.named_parameters() if ADAPTER_MARK in n}
             save_file(adapters, str(staging / MODEL_FILE))
@@ -138,8 +136,8 @@ def check_output(output: Path) -> None:
     """``--output DIR``: new, or an empty folder; never one with files in it."""
     if output.exists() and (not output.is_dir() or any(output.iterdir())):
         raise ModelError(f"--output {output}: exists and is not an empty folder (nothing is overwritten)")
-    if not output.parent.is_dir():
-        raise ModelError(f"--output {output}: folder {output.parent} does not exist")
+    if output.parent.exists() and not output.parent.is_dir():
+        raise ModelError(f"--output {output}: {output.parent} is a file, not a folder")
 
 
 def pick_checkpoint(run_dir: Path, config: Config | None, which: str) -> Path:
@@ -209,14 +207,6 @@ def adapted_model(model: nn.Module, config: Config, source: Source, key: str, me
     if merge_lora:
         merge(lora_target(model))
     return model
-
-
-def write_hf(model: nn.Module, folder: Path) -> None:
-    """transformers' own ``save_pretrained``: config.json and model.safetensors."""
-    save = getattr(model, "save_pretrained", None)
-    if save is None:
-        raise ModelError("--format hf: the model has no save_pretrained (not a transformers model)")
-    save(str(folder), safe_serialization=True)
 
 
 def describe(exported: Exported) -> str:

@@ -17,14 +17,14 @@ import torch
 from safetensors.torch import load_model
 from torch import nn
 
-from trainforge.checkpoint.hashing import SHA256, hash_file
-from trainforge.config import Config, TokensData, load_run_config
-from trainforge.data.shards import CorpusManifest, read_manifest
+from trainforge.config import load_run_config
 from trainforge.data.spec import DataSpec
-from trainforge.data.tokenizer import Tokenizer, load_corpus_tokenizer
-from trainforge.errors import CheckpointError, DataError, ModelError
+from trainforge.data.tokenizer import Tokenizer
+from trainforge.errors import CheckpointError, ModelError
 from trainforge.models import build_model
 from trainforge.models.export import final_model
+from trainforge.models.hub import run_tokenizer, token_data
+from trainforge.models.outputs import logits_of
 
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.yaml"
@@ -79,29 +79,6 @@ def load_run_model(run_dir: Path, *, trust_run_config: bool = False) -> RunModel
     return RunModel(model, tokenizer, seq_len)
 
 
-def token_data(config: Config) -> TokensData:
-    """The run's data section, which must be a prepared corpus's."""
-    if not isinstance(config.data, TokensData) or config.data.path is None:
-        raise DataError(
-            f"generate needs a run trained on data.name tokens (a prepared corpus); this one used data.name "
-            f"{config.data.name}"
-        )
-    return config.data
-
-
-def run_tokenizer(config: Config) -> tuple[Tokenizer, CorpusManifest]:
-    """The tokenizer of the corpus the run trained on, its file checked against the manifest."""
-    path = Path(str(token_data(config).path)).expanduser()
-    origin = "the run's data.path"
-    manifest = read_manifest(path, origin)
-    entry = manifest.tokenizer
-    if entry.file is not None:
-        file = path / entry.file
-        if not file.is_file() or hash_file(file, SHA256).digest != manifest.files[entry.file].sha256:
-            raise DataError(f"{origin} {path}: {entry.file} is missing or fails its SHA-256 check")
-    return load_corpus_tokenizer(path, entry.kind, f"{origin} {path}"), manifest
-
-
 @torch.no_grad()
 def sample(run: RunModel, prompt: str, sampling: Sampling) -> str:
     """``prompt`` and what the model writes after it, as text.
@@ -114,7 +91,7 @@ def sample(run: RunModel, prompt: str, sampling: Sampling) -> str:
     ids = [eod, *run.tokenizer.encode(prompt).tolist()]
     for _ in range(sampling.max_tokens):
         context = torch.tensor([ids[-run.seq_len :]], dtype=torch.int64)
-        logits = run.model(context)[0, -1].float()
+        logits = logits_of(run.model(context), "causal_lm")[0, -1].float()  # a ModelOutput's too
         token = next_token(logits, sampling, generator)
         if token == eod:
             break
