@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_model, save_model
 from torch import nn
 
+from tests.helpers import user_models
 from trainforge.config import ModelConfig
 from trainforge.data.spec import DataSpec
 from trainforge.errors import ModelError
@@ -242,7 +243,10 @@ def test_factory_builds_the_users_module() -> None:
             "tests.helpers.user_models:NOT_CALLABLE",
             "'tests.helpers.user_models:NOT_CALLABLE' is not callable (got a value of type int)",
         ),
-        ("tests.helpers.user_models:failing", "'tests.helpers.user_models:failing' raised ValueError when called"),
+        (  # where in the user's file it raised
+            "tests.helpers.user_models:failing",
+            f"'tests.helpers.user_models:failing' raised ValueError at {user_models.__file__}:",
+        ),
         ("tests.helpers.user_models:not_a_module", "returned builtins.dict, expected a torch.nn.Module"),
     ],
 )

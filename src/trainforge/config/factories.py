@@ -36,14 +36,15 @@ INSTALLED = ("site-packages", "dist-packages")
 def raised_at(err: BaseException) -> str:
     """`` at FILE:LINE (in FUNCTION)``: where ``err`` was raised in the user's own code (not
     trainforge, the standard library or an installed package); else the innermost frame outside
-    trainforge; empty without a traceback."""
+    trainforge (a library the user's model calls); empty when only trainforge's frames are there
+    (a call with the wrong arguments)."""
     frames = traceback.extract_tb(err.__traceback__)
-    if not frames:
-        return ""
     paths = [os.path.realpath(frame.filename) for frame in frames]
     own = [f for f, p in zip(frames, paths, strict=True) if not library(p)]
     outside = [f for f, p in zip(frames, paths, strict=True) if not p.startswith(PACKAGE)]
-    frame = (own or outside or frames)[-1]
+    if not own and not outside:
+        return ""
+    frame = (own or outside)[-1]
     return f" at {frame.filename}:{frame.lineno} (in {frame.name})"
 
 
