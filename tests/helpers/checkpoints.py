@@ -9,10 +9,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_model
 from torch import nn
 
 from trainforge.checkpoint.format import write_json_hashed, write_manifest
-from trainforge.checkpoint.schema import FULL, MODEL_FILE, STATE_FILE
+from trainforge.checkpoint.schema import FULL, STATE_FILE
 from trainforge.checkpoint.state import (
     Record,
     Snapshot,
@@ -25,6 +26,9 @@ from trainforge.checkpoint.state import (
 )
 from trainforge.checkpoint.writer import state_file
 
+# The files the model and optimizer components write in the full layout (checkpoint/ names none).
+MODEL_FILE = "model.safetensors"
+OPTIMIZER_FILE = "optimizer.pt"
 # The record of the config that wrote the test checkpoints (a small part of one).
 CONFIG = {"model": {"name": "mlp"}, "train": {"batch_size": 8}, "seed": 0}
 BATCH = 8  # samples per step of the one worker
@@ -71,3 +75,14 @@ def write_checkpoint(
     write_json_hashed(directory / STATE_FILE, state_file(written, ranks, files))
     meta = {"global_step": step, "epoch": written.epoch, "metrics": metrics or {}, "created_at": time.time()}
     return write_manifest(directory, meta)
+
+
+def load_weights(directory: Path, model: nn.Module) -> None:
+    """The model component's weights of a full-layout checkpoint into ``model`` (strict; tied
+    weights restored from the one stored copy)."""
+    load_model(model, str(directory / MODEL_FILE), strict=True)
+
+
+def load_optimizer(directory: Path, optimizer: torch.optim.Optimizer) -> None:
+    """The optimizer component's state of a full-layout checkpoint into ``optimizer``."""
+    optimizer.load_state_dict(torch.load(directory / OPTIMIZER_FILE, map_location="cpu", weights_only=True))

@@ -135,13 +135,14 @@ def test_ckpt_verify_and_list_name_every_corruption(
     inspected = ckpt("inspect", "--json", str(trained / checkpoint_name(20)), capsys=capsys)
     assert inspected.returncode == 0, inspected.stderr
     report = json.loads(inspected.stdout)
-    assert report["progress"]["global_step"] == 20 and report["progress"]["world_size"] == 1
-    assert report["progress"]["samples_seen"] == 20 * 16
+    assert report["step"] == 20 and report["world_size"] == 1
+    assert report["components"]["progress"]["values"] == {"global_step": 20, "samples_seen": 20 * 16}
     assert report["manifest"]["global_step"] == 20 and report["problems"] == []
     assert report["config"]["model"]["name"] == "mlp" and report["config"]["train"]["max_steps"] == 20
-    assert report["model"]["tensors"] > 0 and report["model"]["parameters"] > 0
-    assert set(report["model"]["dtypes"]) == {"F32"}
-    assert report["optimizer"]["size_bytes"] > 0 and set(report["versions"]) >= {"torch", "ray", "trainforge"}
+    weights = report["components"]["model"]["weights"]
+    assert weights["tensors"] > 0 and weights["parameters"] > 0 and set(weights["dtypes"]) == {"F32"}
+    assert report["components"]["optimizer"]["size_bytes"] > 0
+    assert set(report["versions"]) >= {"torch", "ray", "trainforge"}
 
 
 @pytest.mark.slow
@@ -263,7 +264,7 @@ def test_ckpt_tools_read_checkpoints_on_s3(trained: Path, tmp_path: Path, capsys
         assert bad.returncode == 1 and "optimizer.pt has 9 bytes" in bad.stdout
         inspected = ckpt("inspect", "--json", f"s3://ckpt-bucket/runs/t/{checkpoint_name(15)}", capsys=capsys)
         assert inspected.returncode == 0, inspected.stderr
-        assert json.loads(inspected.stdout)["progress"]["global_step"] == 15
+        assert json.loads(inspected.stdout)["step"] == 15
         missing = ckpt("list", "s3://ckpt-bucket/runs/absent", capsys=capsys)
         assert missing.returncode == 2
         assert missing.stderr.strip() == "error: s3://ckpt-bucket/runs/absent does not exist"

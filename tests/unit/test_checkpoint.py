@@ -6,6 +6,7 @@ limit, and, where the test may mount, a full or read-only tmpfs), hostile files 
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import pickle
@@ -22,23 +23,21 @@ import blake3
 import numpy as np
 import pytest
 import torch
+from rich.console import Console
 from torch import nn
 
 from tests.helpers import checkpoints
-from tests.helpers.checkpoints import snapshot
+from tests.helpers.checkpoints import MODEL_FILE, OPTIMIZER_FILE, load_optimizer, load_weights, snapshot
 from tests.helpers.mounts import tmpfs
 from tests.helpers.timing import scaled
 from trainforge.checkpoint import inspect as ckpt_inspect
 from trainforge.checkpoint.format import MANIFEST, write_manifest
 from trainforge.checkpoint.saved import read_saved
 from trainforge.checkpoint.state import (
-    MODEL_FILE,
-    OPTIMIZER_FILE,
     STATE_FILE,
     Snapshot,
+    State,
     capture_rng,
-    load_optimizer,
-    load_weights,
     model_snapshot,
     restore_rng,
     tensor_file,
@@ -47,7 +46,7 @@ from trainforge.checkpoint.state import (
 from trainforge.checkpoint.storage import CheckpointStore, checkpoint_name
 from trainforge.checkpoint.verify import Verification
 from trainforge.checkpoint.writer import CheckpointWriter, RotationPolicy, SaveOutcome
-from trainforge.worker.registry import state_schemas
+from trainforge.worker.registry import COMPONENTS, state_schemas
 
 ROOT = Path(__file__).resolve().parents[2]
 SCHEMAS = state_schemas()  # the components' own, as restore, rotation and `ckpt verify` pass them
@@ -188,28 +187,55 @@ def test_verify_reports_a_malformed_manifest_entry_instead_of_crashing(checkpoin
     assert verify(checkpoint).problems == (expected,)
 
 
-def test_inspect_file_names_match_what_state_writes() -> None:
-    assert (ckpt_inspect.MODEL_FILE, ckpt_inspect.OPTIMIZER_FILE, ckpt_inspect.STATE_FILE) == (
-        MODEL_FILE,
-        OPTIMIZER_FILE,
-        STATE_FILE,
-    )
+def test_checkpoint_modules_name_no_component_outside_the_upgrade() -> None:
+    """Adding a component touches no module under checkpoint/: none names one or its files."""
+    package = Path(ckpt_inspect.__file__).parent
+    names = [kind.name for kind in COMPONENTS] + [MODEL_FILE, OPTIMIZER_FILE, "sync.pt"]
+    found = []
+    for module in sorted(package.glob("*.py")):
+        if module.name == "upgrade.py":  # the one module of the old fixed-field format
+            continue
+        text = module.read_text()
+        found += [f"{module.name}: {n}" for n in names if f'"{n}"' in text or f"'{n}'" in text or f"``{n}``" in text]
+    assert not found, found
 
 
 def test_inspect_reads_the_safetensors_header_without_loading(checkpoint: Path) -> None:
     report = ckpt_inspect.inspect_checkpoint(str(checkpoint))
     model = small_model()
-    assert report["model"]["tensors"] == len(model.state_dict())
-    assert report["model"]["parameters"] == sum(p.numel() for p in model.parameters())
-    assert report["model"]["dtypes"] == {"F32": {"tensors": 4, "parameters": report["model"]["parameters"]}}
-    assert report["progress"]["global_step"] == 7 and report["rng_ranks"] == 1
-    assert report["optimizer"]["size_bytes"] == (checkpoint / OPTIMIZER_FILE).stat().st_size
+    weights = report["components"]["model"]["weights"]
+    assert report["components"]["model"]["tensors"] == MODEL_FILE
+    assert weights["tensors"] == len(model.state_dict())
+    assert weights["parameters"] == sum(p.numel() for p in model.parameters())
+    assert weights["dtypes"] == {"F32": {"tensors": 4, "parameters": weights["parameters"]}}
+    assert report["step"] == 7 and report["components"]["progress"]["values"]["global_step"] == 7
+    assert report["components"]["rng"]["rank_values"] == 1
+    assert report["components"]["optimizer"]["size_bytes"] == (checkpoint / OPTIMIZER_FILE).stat().st_size
     assert report["problems"] == [] and report["sizes_match_manifest"]
     json.dumps(report)  # --json prints it
 
 
 # ---------------------------------------------------------------------------------------------
 # storage: layout, staging, commit
+
+
+def test_inspect_shows_every_component_from_the_checkpoints_own_record(tmp_path: Path) -> None:
+    """An EMA run's ``ema`` component, its values and its weights, with no line of inspect naming it."""
+    store = CheckpointStore.from_uri(str(tmp_path / "run"))
+    writer = CheckpointWriter(store, RotationPolicy(keep_last=3), schemas=SCHEMAS, scratch=tmp_path / "scratch")
+    model = small_model()
+    snap = snapshot(model, trained(model), 5)
+    snap.states["ema"] = State({"updates": 5}, model_snapshot(small_model(seed=3)))
+    snap.exports["model_ema.safetensors"] = "ema"
+    [outcome] = save_all(writer, [snap])
+    report = ckpt_inspect.inspect_checkpoint(outcome.uri)
+    assert report["problems"] == [] and list(report["components"]) == list(snap.states)
+    ema = report["components"]["ema"]
+    assert ema["values"] == {"updates": 5} and ema["tensors"] == "ema.safetensors"
+    assert ema["weights"]["tensors"] == len(model.state_dict()) and report["exports"]["model_ema.safetensors"]
+    shown = io.StringIO()
+    Console(file=shown, width=200).print(ckpt_inspect.inspection_view(report))
+    assert "│ ema " in shown.getvalue() and "updates=5" in shown.getvalue(), shown.getvalue()
 
 
 def test_staging_dir_is_never_listed_as_a_checkpoint(tmp_path: Path) -> None:
@@ -453,7 +479,7 @@ FSIZE_SCRIPT = textwrap.dedent(
     from pathlib import Path
     import torch
     from torch import nn
-    from tests.helpers.checkpoints import snapshot
+    from tests.helpers.checkpoints import MODEL_FILE, OPTIMIZER_FILE, load_optimizer, load_weights, snapshot
     from tests.unit.test_checkpoint import small_model, trained
     from trainforge.checkpoint.storage import CheckpointStore
     from trainforge.checkpoint.writer import CheckpointWriter, RotationPolicy

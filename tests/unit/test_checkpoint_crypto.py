@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers.checkpoints import snapshot
+from tests.helpers.checkpoints import MODEL_FILE, OPTIMIZER_FILE, snapshot
 from tests.unit.test_checkpoint import SCHEMAS, flip_byte, save_all, small_model, trained
 from tests.unit.test_checkpoint_hostile import worker_run, writer
 from trainforge.checkpoint.crypto import MAGIC, OVERHEAD, FileCipher, key_id, parse_key
 from trainforge.checkpoint.format import write_manifest
-from trainforge.checkpoint.schema import MANIFEST, MODEL_FILE, OPTIMIZER_FILE, STATE_FILE
+from trainforge.checkpoint.schema import MANIFEST, STATE_FILE
 from trainforge.checkpoint.storage import CheckpointStore, checkpoint_name
 from trainforge.errors import CheckpointError
 from trainforge.worker.saving import restore
@@ -161,8 +161,8 @@ def test_ckpt_verify_without_the_key_and_inspect_with_it(
     assert code == 0 and "contents checked with its key" in out, out
     code, out, _ = cli(capsys, "ckpt", "inspect", path, "--key-env", "TF_CLI_KEY", "--json")
     report = json.loads(out)
-    assert code == 0 and report["progress"]["global_step"] == 5 and report["problems"] == [], out
-    assert report["model"]["tensors"] == 4  # the header, read from the decrypted file
+    assert code == 0 and report["step"] == 5 and report["problems"] == [], out
+    assert report["components"]["model"]["weights"]["tensors"] == 4  # the header, read from the decrypted file
     monkeypatch.setenv("TF_CLI_KEY", KEY_B)
     code, out, _ = cli(capsys, "ckpt", "verify", path, "--key-env", "TF_CLI_KEY")
     assert code == 1 and "(the wrong key)" in out, out

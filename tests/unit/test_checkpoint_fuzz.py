@@ -8,21 +8,24 @@ import json
 import time
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.helpers.checkpoints import MODEL_FILE, OPTIMIZER_FILE
+from trainforge.checkpoint.problems import OutdatedCheckpoint
 from trainforge.checkpoint.saved import saved_from
 from trainforge.checkpoint.schema import (
     FULL,
-    MODEL_FILE,
-    OPTIMIZER_FILE,
+    MAX_STATE_BYTES,
     STATE_FILE,
     Manifest,
     StateFile,
-    TrainerStateFile,
+    parse_json,
     parse_manifest,
     parse_trainer_state,
 )
+from trainforge.checkpoint.upgrade import OldStateFile
 from trainforge.errors import CheckpointError
 from trainforge.worker.registry import state_schemas
 
@@ -87,8 +90,13 @@ def as_components(raw: bytes) -> None:
     saved_from(raw, FULL, FILES, SCHEMAS)
 
 
+def parse_old_state(raw: bytes) -> tuple[OldStateFile, dict[str, Any]]:
+    """``trainer_state.json`` of formats 1 and 2, as ``trainforge ckpt upgrade`` reads it."""
+    return parse_json(raw, STATE_FILE, MAX_STATE_BYTES, OldStateFile)
+
+
 def parse_both(raw: bytes) -> None:
-    for parse in (parse_manifest, parse_trainer_state, as_components):
+    for parse in (parse_manifest, parse_trainer_state, parse_old_state, as_components):
         started = time.perf_counter()
         try:
             parse(raw)
@@ -99,7 +107,9 @@ def parse_both(raw: bytes) -> None:
 
 def test_the_valid_documents_parse() -> None:
     assert isinstance(parse_manifest(json.dumps(VALID_MANIFEST).encode())[0], Manifest)
-    assert isinstance(parse_trainer_state(json.dumps(VALID_STATE).encode())[0], TrainerStateFile)
+    with pytest.raises(OutdatedCheckpoint, match="trainforge ckpt upgrade"):
+        parse_trainer_state(json.dumps(VALID_STATE).encode())
+    assert isinstance(parse_old_state(json.dumps(VALID_STATE).encode())[0], OldStateFile)
     assert isinstance(parse_trainer_state(json.dumps(VALID_STATE_3).encode())[0], StateFile)
     as_components(json.dumps(VALID_STATE_3).encode())
 

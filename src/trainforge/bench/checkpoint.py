@@ -8,8 +8,9 @@ moments double the bytes), and each repeat measures, on the disk of ``--dir``:
   ``trainer_state.json`` (every file hashed while written, the files in parallel, each fsynced) +
   ``write_manifest_of`` + ``CheckpointStore.commit``,
   each phase timed; then one more ``fsync`` of every file, which should find nothing left to flush;
-* load: ``CheckpointStore.verify`` + ``read_saved`` + ``load_weights`` + ``load_optimizer``
-  into a second model and optimizer, from a cold page cache (the files' pages are evicted first);
+* load: ``CheckpointStore.verify``, then restore's reading half (``read_saved`` + ``load_state``
+  of each component, ``checkpoint/reader.py``) into a second model and optimizer, from a cold page
+  cache (the files' pages are evicted first);
 * async save: a training loop keeps stepping; the stall is what the snapshot and
   ``CheckpointWriter.save_async`` cost the training thread, and the steps taken while the
   background thread writes are timed against steps without a save in flight.
@@ -45,6 +46,7 @@ from trainforge.bench.machine import cpu_model
 from trainforge.checkpoint.crypto import KEY_BYTES, FileCipher
 from trainforge.checkpoint.format import write_json_hashed, write_manifest_of
 from trainforge.checkpoint.hashing import DEFAULT_HASH, in_parallel
+from trainforge.checkpoint.reader import load_state
 from trainforge.checkpoint.saved import read_saved
 from trainforge.checkpoint.schema import FULL, STATE_FILE
 from trainforge.checkpoint.state import (
@@ -52,8 +54,6 @@ from trainforge.checkpoint.state import (
     Snapshot,
     State,
     capture_rng,
-    load_optimizer,
-    load_weights,
     model_snapshot,
     snapshot_tensors,
     tensor_file,
@@ -355,7 +355,8 @@ def sync_save(
 
 
 def load(target: Workload, store: CheckpointStore, name: str, figures: Repeat) -> None:
-    """What restore does on rank 0: verify, then weights, optimizer and trainer state."""
+    """What restore does on rank 0: verify, then trainer state, weights and optimizer, read by
+    the one reader restore uses."""
     started = time.perf_counter()
     check = store.verify(name)
     figures.verify_s = time.perf_counter() - started
@@ -363,11 +364,13 @@ def load(target: Workload, store: CheckpointStore, name: str, figures: Repeat) -
         raise BenchFailed(f"the checkpoint just saved does not verify: {'; '.join(check.problems)}")
     started = time.perf_counter()
     with store.opened(Path(store.path(name))) as directory:  # encrypted: decrypted first, counted in the load
-        read_saved(directory)
-        load_weights(directory, target.model)
+        saved = read_saved(directory)
+        weights = load_state(directory, saved, "model", rank=0, same_ranks=True, shards={})
+        target.model.load_state_dict(weights.tensors, strict=True)
         figures.load_weights_s = time.perf_counter() - started
         started = time.perf_counter()
-        load_optimizer(directory, target.optimizer)
+        optimizer = load_state(directory, saved, "optimizer", rank=0, same_ranks=True, shards={})
+        target.optimizer.load_state_dict(optimizer.tensors)
         figures.load_optimizer_s = time.perf_counter() - started
 
 

@@ -6,7 +6,7 @@ random 96-bit nonce per file:
     b"TFENC1\\n\\0" | nonce (12 bytes) | ciphertext (as long as the plaintext) | tag (16 bytes)
 
 The file's name inside the checkpoint is the associated data, so a file moved to another name
-(``optimizer.pt`` swapped with ``model.safetensors``) fails authentication like a flipped byte. The
+(one component's file swapped with another's) fails authentication like a flipped byte. The
 manifest stays plaintext: it hashes the ciphertext (so ``trainforge ckpt verify`` checks every
 byte without the key) and names the scheme and the key's id, a one-way fingerprint of the key
 that tells a wrong key from a tampered file without decrypting anything.

@@ -184,7 +184,7 @@ class HashingWriter(io.RawIOBase):
         super().close()
 
     def finish(self, *, sync: bool = True) -> FileRecord:
-        """Flush (and ``fsync`` when ``sync``) the file, close it; its size and digest."""
+        """Flush the file (and ``fsync`` it, unless told not to), close it; its size and digest."""
         self._seal()
         self.flush()
         if sync:

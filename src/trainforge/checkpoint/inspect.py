@@ -26,8 +26,6 @@ from trainforge.checkpoint.schema import (
     FULL,
     MANIFEST,
     MAX_STATE_BYTES,
-    MODEL_FILE,
-    OPTIMIZER_FILE,
     SHARDED,
     SHARDED_METADATA,
     STATE_FILE,
@@ -42,9 +40,7 @@ from trainforge.checkpoint.verify import Verification, list_tree, open_file, rea
 from trainforge.errors import CheckpointError
 
 # Rendering lives in render.py; the CLI imports it from here, with the tools.
-__all__ = ["MODEL_FILE", "OPTIMIZER_FILE", "STATE_FILE", "human_bytes", "human_time", "inspection_view", "list_table"]
-CONFIG_SECTIONS = ("model", "data", "train", "optim", "schedule", "scaling", "checkpoint")
-CONFIG_SCALARS = ("precision", "seed", "deterministic")
+__all__ = ["STATE_FILE", "human_bytes", "human_time", "inspection_view", "list_table"]
 INCOMPLETE = "incomplete save"  # a .tmp- staging dir of a save that never committed
 RETIRED = "retired invalid"  # restore skipped it as invalid; a later save of its step set it aside
 _MAX_HEADER_BYTES = 100 << 20  # safetensors refuses headers above 100 MB too
@@ -236,7 +232,9 @@ def _as_int(value: Any, default: int | None) -> int | None:
 def inspect_checkpoint(path: str, cipher: FileCipher | None = None) -> dict[str, Any]:
     """Everything worth knowing about one checkpoint without loading a tensor; JSON-ready.
 
-    Sizes are compared with the manifest (cheap); ``verify`` is the full SHA-256 check. Files are
+    Generic: each component's values and files as the checkpoint's own ``trainer_state.json``
+    records them (a safetensors file's header summarised), whatever components the run had.
+    Sizes are compared with the manifest (cheap); ``verify`` is the full digest check. Files are
     read as verification reads them: regular files only, bounded, schema-checked. An encrypted
     checkpoint needs ``cipher`` (its key): without it, one line.
     """
@@ -246,8 +244,8 @@ def inspect_checkpoint(path: str, cipher: FileCipher | None = None) -> dict[str,
     except OSError as err:
         raise CheckpointError(f"cannot read {path}: {printable(str(err))}") from None
     files = {printable(rel): size for rel, size in tree.files.items()}
-    if not {MANIFEST, STATE_FILE, MODEL_FILE} & files.keys():
-        raise CheckpointError(f"{path} is not a checkpoint: it holds none of {MANIFEST}, {STATE_FILE}, {MODEL_FILE}")
+    if not {MANIFEST, STATE_FILE} & files.keys():
+        raise CheckpointError(f"{path} is not a checkpoint: it holds neither {MANIFEST} nor {STATE_FILE}")
     problems: list[str] = list(tree.problems)
     problems.extend(f"{printable(rel)} is {kind}, not a regular file" for rel, kind in sorted(tree.others.items()))
     manifest, manifest_problem = store.read_manifest(name)
@@ -263,30 +261,24 @@ def inspect_checkpoint(path: str, cipher: FileCipher | None = None) -> dict[str,
     if manifest is not None:
         problems.extend(_size_problems(manifest, files))
     sharding = _sharding(manifest, files)
-    full = sharding["layout"] == FULL
     saved = _read_state(store, name, tree.files, sharding["layout"], problems)
-    components = saved.components if saved is not None else {}
-    report: dict[str, Any] = {
+    return {
         "path": store.uri(name),
         "manifest": _manifest_summary(manifest) if manifest is not None else None,
         "sizes_match_manifest": manifest is not None and not problems,
         "files": files,
-        "progress": _progress(saved) if saved is not None else {},
-        "components": _components(saved) if saved is not None else {},
+        "step": saved.step if saved is not None else (manifest or {}).get("global_step"),
+        "epoch": saved.epoch if saved is not None else (manifest or {}).get("epoch"),
+        "world_size": saved.world if saved is not None else (manifest or {}).get("world_size"),
+        "plan": saved.plan if saved is not None else None,
+        "components": _components(store, name, saved, files, problems) if saved is not None else {},
+        "exports": saved.exports if saved is not None else {},
         "versions": saved.versions if saved is not None else {},
         "metrics": (saved.metrics if saved is not None else {}) or (manifest or {}).get("metrics", {}),
         "config": _config_sections(saved.config if saved is not None else {}),
-        "scheduler": components.get("schedule", {}),
-        "scaler": components.get("scaler", {}),
-        "rng_ranks": sum(1 for mine in saved.ranks if "rng" in mine) if saved is not None else 0,
         "sharding": sharding,
-        "model": _model_summary(store, name, tree.files, problems, required=full),
-        "optimizer": {"file": OPTIMIZER_FILE, "size_bytes": files[OPTIMIZER_FILE]} if OPTIMIZER_FILE in files else None,
         "problems": problems,
     }
-    if OPTIMIZER_FILE not in files and full:
-        problems.append(f"{OPTIMIZER_FILE} is missing")
-    return report
 
 
 def _sharding(manifest: dict[str, Any] | None, files: dict[str, int]) -> dict[str, Any]:
@@ -344,61 +336,61 @@ def _read_state(
     return None
 
 
-def _progress(saved: Saved) -> dict[str, Any]:
-    """Where training stood: the progress and data components, and the writers."""
-    data = saved.components.get("data", {})
-    return {
-        **saved.components.get("progress", {}),
-        "epoch": data.get("epoch", saved.epoch),
-        "epoch_position": data.get("position"),
-        "world_size": saved.world,
-        "micro_batch_size": data.get("micro_batch_size"),
-        "grad_accum_steps": data.get("grad_accum_steps"),
-    }
-
-
-def _components(saved: Saved) -> dict[str, Any]:
-    """Each component and where its state is: JSON only, a file, DCP's shards, each rank's own."""
+def _components(
+    store: CheckpointStore, name: str, saved: Saved, files: dict[str, int], problems: list[str]
+) -> dict[str, Any]:
+    """Each component as its record has it: its values (the same on every rank), whether each
+    rank keeps its own, and its tensor file (a weights file's header summarised) or DCP's shards."""
     found: dict[str, Any] = {}
-    for name in saved.components:
-        where = saved.files.get(name)
-        found[name] = {
-            "tensors": where.tensors if where is not None else None,
-            "per_rank": bool(where is not None and where.rank_tensors) or any(name in mine for mine in saved.ranks),
+    for component, values in saved.components.items():
+        where = saved.files.get(component)
+        tensors = where.tensors if where is not None else None
+        entry: dict[str, Any] = {
+            "values": values,
+            "tensors": tensors,
+            "rank_values": sum(1 for mine in saved.ranks if component in mine),
+            "rank_tensors": bool(where is not None and where.rank_tensors),
         }
+        if tensors is not None and tensors != SHARDED:
+            entry["size_bytes"] = files.get(tensors)
+            if tensors.endswith(".safetensors"):
+                entry["weights"] = _weights_summary(store, name, tensors, files, problems)
+        found[component] = entry
+    for target, source in saved.exports.items():  # a sharded run's last save: full weights beside the shards
+        owner = next((c for c, w in saved.files.items() if w.tensors == SHARDED and f"{c}.safetensors" == source), None)
+        if owner is not None:
+            found[owner]["export"] = {"file": source, "as": target, "size_bytes": files.get(source)}
+            found[owner]["weights"] = _weights_summary(store, name, source, files, problems)
     return found
 
 
 def _config_sections(config: dict[str, Any]) -> dict[str, Any]:
-    picked = {k: config[k] for k in CONFIG_SECTIONS if isinstance(config.get(k), dict)}
-    picked.update({k: config[k] for k in CONFIG_SCALARS if k in config})
-    return picked
+    """The recorded config's sections and top-level values, as recorded (already redacted)."""
+    return {k: v for k, v in config.items() if v is not None and v != {}}
 
 
-def _model_summary(
-    store: CheckpointStore, name: str, files: dict[str, int], problems: list[str], *, required: bool = True
-) -> dict[str, Any]:
-    if MODEL_FILE not in files:
-        if required:  # a sharded checkpoint holds the full weights only at the end of a run
-            problems.append(f"{MODEL_FILE} is missing")
-        return {"file": MODEL_FILE, "size_bytes": None}
-    summary: dict[str, Any] = {"file": MODEL_FILE, "size_bytes": files[MODEL_FILE]}
+def _weights_summary(
+    store: CheckpointStore, name: str, rel: str, files: dict[str, int], problems: list[str]
+) -> dict[str, Any] | None:
+    """A safetensors file's tensor, parameter and dtype counts, from its header alone (an
+    encrypted file decrypted and authenticated whole first)."""
+    if rel not in files:
+        return None
     try:
-        path = f"{store.path(name)}/{MODEL_FILE}"
+        path = f"{store.path(name)}/{rel}"
         with open_file(store.fs, path, store.is_local) as stream:
             sealed = store.cipher is not None and is_sealed(stream.read(len(MAGIC)))
         if store.cipher is not None and sealed:
             plain = io.BytesIO()  # the whole file, authenticated, before its header is believed
             with open_file(store.fs, path, True) if store.is_local else store.fs.open_input_file(path) as source:
-                store.cipher.open_stream(MODEL_FILE, source, files[MODEL_FILE], plain)
+                store.cipher.open_stream(rel, source, files[rel], plain)
             plain.seek(0)
-            summary.update(safetensors_summary(read_safetensors_header(plain)))
-        else:
-            with open_file(store.fs, path, store.is_local) as stream:
-                summary.update(safetensors_summary(read_safetensors_header(stream)))
+            return safetensors_summary(read_safetensors_header(plain))
+        with open_file(store.fs, path, store.is_local) as stream:
+            return safetensors_summary(read_safetensors_header(stream))
     except (OSError, ValueError, TypeError, CheckpointError) as err:
-        problems.append(f"{MODEL_FILE} header is unreadable: {err}")
-    return summary
+        problems.append(f"{rel} header is unreadable: {err}")
+    return None
 
 
 def read_safetensors_header(stream: Any) -> dict[str, Any]:

@@ -1,33 +1,30 @@
 """A verified checkpoint's components read back as ``State`` (the one restore path's reading half).
 
-Shared tensors come from their file (``model.safetensors``, ``optimizer.pt``, ...) or from DCP's
-shards, resharded to this run's layout (one ``dcp.load`` for every sharded component: it is a
-collective); each rank's own state only when the same ranks wrote it. Format 2's ``sync.pt``
-(parallel.sync's state with every rank's own in one file) is read here into the same parts.
-Nothing is unpickled but tensors and plain containers.
+Shared tensors come from the component's file (``<component>.safetensors`` or ``.pt``) or from
+DCP's shards, resharded to this run's layout (one ``dcp.load`` for every sharded component: it is
+a collective); each rank's own state only when the same ranks wrote it. Nothing is unpickled but
+tensors and plain containers.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, cast
-
-import torch
+from typing import Any
 
 from trainforge.checkpoint.saved import Saved
-from trainforge.checkpoint.schema import SHARDED, SYNC_FILE, rank_path
-from trainforge.checkpoint.sharded import load_sharded
+from trainforge.checkpoint.schema import SHARDED, rank_path
+from trainforge.checkpoint.sharded import load_sharded, read_sharded_whole
 from trainforge.checkpoint.state import State, read_tensors
 
 
 def load_shards(directory: Path, saved: Saved, templates: Mapping[str, Any]) -> dict[str, Any]:
     """Fill ``templates`` (by component: this run's own tensors, DTensors under a sharded plan)
     from the checkpoint's shards, resharded by DCP; every rank calls it (a collective)."""
-    keyed = {saved.shard_key(component): tree for component, tree in templates.items()}
+    keyed = dict(templates)
     if keyed:
         load_sharded(directory, keyed)
-    return {component: keyed[saved.shard_key(component)] for component in templates}
+    return keyed
 
 
 def load_state(
@@ -35,8 +32,6 @@ def load_state(
 ) -> State:
     """Component ``component``'s state in the checkpoint at ``directory``, as this rank sees it:
     each rank's own parts only when ``same_ranks`` (the writers were this run's ranks)."""
-    if saved.legacy_sync and component == "sync":
-        return _format_2_sync(directory / SYNC_FILE, rank, len(saved.ranks), same_ranks)
     where = saved.files.get(component)
     tensors = None
     if where is not None and where.tensors == SHARDED:
@@ -50,12 +45,18 @@ def load_state(
     return State(dict(saved.components.get(component, {})), tensors, rank_values, rank_tensors)
 
 
-def _format_2_sync(path: Path, rank: int, world: int, same_ranks: bool) -> State:
-    saved = cast(dict[str, Any], torch.load(path, map_location="cpu", weights_only=True))
-    ranks = saved["ranks"]
-    mine = ranks[rank] if same_ranks and len(ranks) == world else None
-    return State(
-        values={"last_sync": int(saved["last_sync"]), "every_n_steps": int(saved["every_n_steps"])},
-        tensors={"anchor": saved["anchor"], "outer": saved["outer"]},
-        rank_tensors=mine,
-    )
+def weights_file(directory: Path, saved: Saved, component: str) -> Path | None:
+    """The safetensors file holding ``component``'s full weights in the checkpoint at ``directory``:
+    the component's own file, or (a sharded run's last save) the full weights it exported beside
+    its shards; None when only DCP's shards hold them (:func:`read_whole` reads those)."""
+    where = saved.files.get(component)
+    if where is not None and where.tensors not in (None, SHARDED) and where.tensors.endswith(".safetensors"):
+        return directory / where.tensors
+    exported = f"{component}.safetensors"  # as the writer names a component's full weights
+    return directory / exported if exported in saved.exports.values() else None
+
+
+def read_whole(directory: Path, component: str) -> dict[str, Any]:
+    """``component``'s tensors in a verified sharded checkpoint, whole, in this process (no
+    process group): every rank's shards read and joined."""
+    return read_sharded_whole(directory, component)

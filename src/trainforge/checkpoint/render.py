@@ -75,24 +75,18 @@ def inspection_view(report: dict[str, Any]) -> RenderableType:
             f"rank {rank}: {v['files']} file(s), {human_bytes(v['bytes'])}" for rank, v in sharding["ranks"].items()
         )
         parts.append(f"sharding: sharded over {sharding['world_size']} rank(s) (torch.distributed.checkpoint); {ranks}")
-    parts.append(_pairs("progress", {k: v for k, v in report["progress"].items() if v is not None}))
-    parts.append(_pairs("components", {name: _where(c) for name, c in report.get("components", {}).items()}))
+    writers = {"step": report["step"], "epoch": report["epoch"], "world_size": report["world_size"]}
+    parts.append(_pairs("written at", {**writers, "plan": report["plan"]}))
     parts.append(_pairs("versions", report["versions"]))
     shown = {k: _short(v) for k, v in sorted(report["metrics"].items()) if k.startswith(("train/", "val/"))}
     parts.append(_pairs("metrics", shown) + f" ({len(report['metrics']) - len(shown)} more with --json)")
-    model = report["model"]
-    if "tensors" in model:
-        dtypes = ", ".join(
-            f"{dtype} {v['tensors']} tensors / {v['parameters']:,} params" for dtype, v in model["dtypes"].items()
-        )
-        parts.append(
-            f"model: {model['file']} {human_bytes(model['size_bytes'])}, {model['tensors']} tensors, "
-            f"{model['parameters']:,} parameters ({dtypes})"
-        )
-    optimizer = report["optimizer"]
-    if optimizer is not None:
-        parts.append(f"optimizer: {optimizer['file']} {human_bytes(optimizer['size_bytes'])}")
-    parts.append(f"rng states: {report['rng_ranks']} rank(s)")
+    components = Table(title="components", show_header=True)
+    for column in ("component", "state", "files"):
+        components.add_column(column)
+    for name, component in report["components"].items():
+        values = ", ".join(f"{k}={_short(v)}" for k, v in component["values"].items())
+        components.add_row(name, values or "-", _files(component))
+    parts.append(components)
     config = Table(title="config", show_header=False)
     config.add_column("section", style="bold")
     config.add_column("values")
@@ -113,10 +107,24 @@ def _pairs(title: str, values: dict[str, Any]) -> str:
     return f"{title}: {body}"
 
 
-def _where(component: dict[str, Any]) -> str:
-    """Where a component's state is kept, in a word or two."""
-    kept = [component["tensors"]] if component.get("tensors") else ["json"]
-    return "(" + ", ".join(kept + (["per rank"] if component.get("per_rank") else [])) + ")"
+def _files(component: dict[str, Any]) -> str:
+    """Where a component's state is kept beside its values, and what its weights hold."""
+    kept = []
+    if component.get("tensors") == "sharded":
+        kept.append("DCP shards")
+    elif component.get("tensors"):
+        kept.append(f"{component['tensors']} {human_bytes(component.get('size_bytes'))}")
+    if component.get("export"):
+        kept.append(f"{component['export']['file']} {human_bytes(component['export']['size_bytes'])}")
+    weights = component.get("weights")
+    if weights:
+        dtypes = ", ".join(f"{dtype} {v['tensors']}" for dtype, v in weights["dtypes"].items())
+        kept.append(f"{weights['tensors']} tensors, {weights['parameters']:,} parameters ({dtypes})")
+    if component.get("rank_values"):
+        kept.append(f"own values on {component['rank_values']} rank(s)")
+    if component.get("rank_tensors"):
+        kept.append("own tensors per rank")
+    return "; ".join(kept) or "-"
 
 
 def _short(value: Any) -> Any:

@@ -1,9 +1,9 @@
 """Schemas of a checkpoint's JSON files (``manifest.json``, ``trainer_state.json``) and their parsers.
 
-``trainer_state.json`` has two shapes: format 3 holds ``{component: state}`` (each component's own
-state checked by that component's schema, which the caller passes: the worker's registry owns
-them), format 1 and 2 the fixed fields of the engine before components (``TrainerStateFile``),
-which ``checkpoint/saved.py`` maps onto the same components.
+``trainer_state.json`` holds ``{component: state}`` (format 3), each component's own state checked
+by that component's schema, which the caller passes (the worker's registry owns them); no component
+is named here. Formats 1 and 2 kept fixed fields instead: reading one is an ``OutdatedCheckpoint``
+that says to run ``trainforge ckpt upgrade`` (``checkpoint/upgrade.py``, the one module that knows them).
 
 Checkpoints are read back from storage, so they are untrusted input: every byte string gets either
 a parsed, typed value or a :class:`CheckpointError` with a one-line reason, never another exception.
@@ -14,8 +14,6 @@ No torch here: ``trainforge ckpt`` uses these without importing it.
 
 from __future__ import annotations
 
-import base64
-import binascii
 import errno
 import json
 import os
@@ -38,14 +36,12 @@ from pydantic import (
     model_validator,
 )
 
+from trainforge.checkpoint.problems import KeyProblem, OutdatedCheckpoint
 from trainforge.errors import CheckpointError
 
 MANIFEST = "manifest.json"
-MODEL_FILE = "model.safetensors"
-OPTIMIZER_FILE = "optimizer.pt"
 STATE_FILE = "trainer_state.json"
 SHARDED_DIR = "sharded"
-SYNC_FILE = "sync.pt"  # format 2's parallel.sync file: anchor, outer optimizer, every rank's own
 RANKS_DIR = "ranks"  # format 3: each rank's own tensor state, ranks/<rank>/<component>.pt
 SHARDED_METADATA = f"{SHARDED_DIR}/.metadata"  # torch.distributed.checkpoint's metadata (rank 0)
 # Format 1: {size, sha256} per file, the full layout only. Format 2 names its hash ("hash") and its
@@ -57,8 +53,8 @@ READ_FORMATS = (1, 2, 3)
 FULL = "full"
 SHARDED = "sharded"
 HASHES = ("sha256", "blake3")
-# The files every checkpoint of a layout holds; a full manifest may list more (never fewer).
-REQUIRED_FILES = frozenset({MODEL_FILE, OPTIMIZER_FILE, STATE_FILE})
+# The files every checkpoint of a layout holds; the components' own files are named by trainer_state.json.
+REQUIRED_FILES = frozenset({STATE_FILE})
 REQUIRED_SHARDED = frozenset({STATE_FILE, SHARDED_METADATA})
 # Read caps: a manifest lists a few files per rank; trainer_state.json holds the config and about
 # 30 kB of RNG state per rank, so 64 MB covers thousands of ranks. Anything bigger is refused.
@@ -106,12 +102,12 @@ def is_checkpoint_name(rel: str) -> bool:
 
 def is_sharded_name(rel: str, format_version: int = FORMAT_VERSION) -> bool:
     """A file the sharded layout holds: trainer_state.json, sharded/.metadata,
-    sharded/__<rank>_<n>.distcp, and (a run's final checkpoint) the full weights, model.safetensors;
-    from format 3 also any component's full weights (``ema.safetensors``) and each rank's own
-    state (``ranks/<rank>/<component>.pt``)."""
-    if rel in (STATE_FILE, SHARDED_METADATA, MODEL_FILE) or _SHARD_FILE.fullmatch(rel) is not None:
+    sharded/__<rank>_<n>.distcp, (a run's final checkpoint) a component's full weights
+    (``<component>.safetensors``), and from format 3 each rank's own state
+    (``ranks/<rank>/<component>.pt``)."""
+    if rel in (STATE_FILE, SHARDED_METADATA) or _SHARD_FILE.fullmatch(rel) or _WEIGHTS_FILE.fullmatch(rel):
         return True
-    return format_version >= 3 and (_WEIGHTS_FILE.fullmatch(rel) is not None or rank_file(rel) is not None)
+    return format_version >= 3 and rank_file(rel) is not None
 
 
 def rank_file(rel: str) -> int | None:
@@ -127,12 +123,12 @@ def shard_rank(rel: str) -> int | None:
     return int(rel.split("__", 1)[1].split("_", 1)[0])
 
 
-class _Schema(BaseModel):
+class Schema(BaseModel):
     # Keys a newer writer adds are ignored, so the readers of format 1 stay forward compatible.
     model_config = ConfigDict(extra="ignore", frozen=True)
 
 
-class FileEntry(_Schema):
+class FileEntry(Schema):
     """One file's size and digest: ``sha256`` in format 1, ``digest`` (of the manifest's hash) in 2."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -152,7 +148,7 @@ class FileEntry(_Schema):
         return self.digest or self.sha256 or ""
 
 
-class Encryption(_Schema):
+class Encryption(Schema):
     """How an encrypted checkpoint's files were encrypted (``checkpoint/crypto.py``)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -161,7 +157,7 @@ class Encryption(_Schema):
     key_id: Annotated[StrictStr, Field(pattern=r"^[0-9a-f]{16}$")]
 
 
-class Manifest(_Schema):
+class Manifest(Schema):
     """``manifest.json``: every file's size and digest, plus what rotation and listings show."""
 
     format_version: StrictInt
@@ -221,96 +217,10 @@ class Manifest(_Schema):
         return self
 
 
-class Format2Progress(_Schema):
-    """Format 1 and 2's ``progress`` (now the ``progress`` and ``data`` components)."""
-
-    epoch: Bounded
-    global_step: Bounded
-    samples_seen: Count
-    epoch_position: Count
-    world_size: Ranks
-    micro_batch_size: Annotated[StrictInt, Field(ge=1, le=2**31)] | None = None
-    grad_accum_steps: Annotated[StrictInt, Field(ge=1, le=2**31)] | None = None
-
-
-class RngState(_Schema):
-    """One rank's generators, as ``state.capture_rng`` writes them: the ``rng`` component's state
-    (``worker/components/training.py``), also in format 1 and 2's ``trainer_state.json``."""
-
-    python: tuple[
-        Annotated[StrictInt, Field(ge=0)],
-        Annotated[list[UInt32], Field(min_length=625, max_length=625)],
-        StrictFloat | None,
-    ]
-    numpy: tuple[
-        StrictStr, Annotated[list[UInt32], Field(min_length=624, max_length=624)], NonNegative, StrictInt, Number
-    ]
-    torch: StrictStr
-    cuda: list[StrictStr] | None = None
-
-    @field_validator("torch")
-    @classmethod
-    def _base64(cls, value: str) -> str:
-        try:
-            base64.b64decode(value, validate=True)
-        except (binascii.Error, ValueError):
-            raise ValueError("is not base64") from None
-        return value
-
-
-class Scheduler(_Schema):
-    """The LR schedule's state dict: the keys torch's schedulers read back, with their types."""
-
-    model_config = ConfigDict(extra="allow", frozen=True, populate_by_name=True)
-
-    last_epoch: StrictInt | None = None
-    base_lrs: list[Number] | None = None
-    step_count: StrictInt | None = Field(None, alias="_step_count")
-    last_lr: list[Number] | None = Field(None, alias="_last_lr")
-
-
-class Scaler(_Schema):
-    """The grad scaler's state dict (empty when the scaler is off)."""
-
-    scale: Number | None = None
-    growth_factor: Number | None = None
-    backoff_factor: Number | None = None
-    growth_interval: StrictInt | None = None
-    growth_tracker: StrictInt | None = Field(None, alias="_growth_tracker")
-
-
-class TrainerStateFile(_Schema):
-    """``trainer_state.json`` of formats 1 and 2: fixed fields, read for old checkpoints
-    (``checkpoint/saved.py`` maps them onto components)."""
-
-    progress: Format2Progress
-    scheduler: Scheduler
-    scaler: Scaler
-    rng: list[RngState]
-    metrics: dict[str, Number] = Field(default_factory=dict)
-    config: dict[str, Any] = Field(default_factory=dict)
-    versions: dict[str, StrictStr] = Field(default_factory=dict)
-
-    @field_validator("config")
-    @classmethod
-    def _sections_are_tables(cls, config: dict[str, Any]) -> dict[str, Any]:
-        # Restore reads config["optim"]["name"] and compares the optim and schedule sections.
-        for section in ("optim", "schedule"):
-            if section in config and not isinstance(config[section], dict):
-                raise ValueError(f"config.{section} is not a table")
-        return config
-
-    @model_validator(mode="after")
-    def _one_rng_state_per_rank(self) -> TrainerStateFile:
-        if len(self.rng) != self.progress.world_size:
-            raise ValueError(f"holds {len(self.rng)} RNG states for {self.progress.world_size} ranks")
-        return self
-
-
 ComponentName = Annotated[StrictStr, Field(pattern=rf"^{_COMPONENT}$")]
 
 
-class ComponentFiles(_Schema):
+class ComponentFiles(Schema):
     """Where a component's tensors are (format 3): a file of the checkpoint, or ``sharded`` (in
     torch.distributed.checkpoint's shards, under the component's name); ``rank_tensors``: every rank
     wrote ``ranks/<rank>/<component>.pt``."""
@@ -321,7 +231,7 @@ class ComponentFiles(_Schema):
     rank_tensors: StrictBool = False
 
 
-class StateFile(_Schema):
+class StateFile(Schema):
     """``trainer_state.json`` of format 3: ``{component: state}`` (the same on every rank: rank 0's),
     each rank's own ``{component: state}`` in ``ranks``, where each component's tensors are, which
     files a finished run exports, and the record (metrics, config, versions). The components'
@@ -427,20 +337,25 @@ class ComponentSchemas:
 def parse_manifest(raw: bytes) -> tuple[Manifest, dict[str, Any]]:
     """A manifest from its bytes: the validated schema and the raw JSON object; CheckpointError
     saying what is wrong otherwise."""
-    return _validated(raw, MANIFEST, MAX_MANIFEST_BYTES, Manifest)
+    return parse_json(raw, MANIFEST, MAX_MANIFEST_BYTES, Manifest)
 
 
-def parse_trainer_state(raw: bytes) -> tuple[TrainerStateFile | StateFile, dict[str, Any]]:
-    """``trainer_state.json`` from its bytes, as :func:`parse_manifest`: format 3 (it names its
-    ``format_version``) or the fixed fields of formats 1 and 2."""
+def parse_trainer_state(raw: bytes) -> tuple[StateFile, dict[str, Any]]:
+    """``trainer_state.json`` from its bytes, as :func:`parse_manifest`; an ``OutdatedCheckpoint``
+    when it is of formats 1 or 2 (no ``format_version``: fixed fields)."""
     if raw.startswith(b"TFENC1"):  # crypto.MAGIC: a reader that was not given the key
-        raise CheckpointError(f"{STATE_FILE} is encrypted (checkpoint.encryption): reading it needs the key")
+        raise KeyProblem(f"{STATE_FILE} is encrypted (checkpoint.encryption): reading it needs the key")
     data = _json_object(raw, STATE_FILE, MAX_STATE_BYTES)
-    schema: type[TrainerStateFile | StateFile] = StateFile if "format_version" in data else TrainerStateFile
-    return _checked(data, STATE_FILE, schema), data
+    if "format_version" not in data:
+        raise OutdatedCheckpoint(
+            f"{STATE_FILE} is of an earlier trainforge's format: convert the checkpoint with "
+            "`trainforge ckpt upgrade PATH` first"
+        )
+    return _checked(data, STATE_FILE, StateFile), data
 
 
-def _validated(raw: bytes, what: str, cap: int, schema: type[_M]) -> tuple[_M, dict[str, Any]]:
+def parse_json(raw: bytes, what: str, cap: int, schema: type[_M]) -> tuple[_M, dict[str, Any]]:
+    """A checkpoint's JSON file ``what`` from its bytes (at most ``cap``), checked by ``schema``."""
     data = _json_object(raw, what, cap)
     return _checked(data, what, schema), data
 

@@ -151,7 +151,7 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
 def read_sharded_whole(directory: Path, key: str) -> dict[str, Any]:
     """Component ``key``'s tensors in a verified sharded checkpoint, whole: every rank's shards
     read in this process, with no template and no process group (an export, a warm start). It
-    holds the whole component in memory; a run's last save also has it in ``model.safetensors``."""
+    holds the whole component in memory; a run's last save also has its full weights in a safetensors file."""
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 

@@ -23,18 +23,14 @@ import numpy as np
 import torch
 import torch.utils.serialization as torch_serialization
 from safetensors import safe_open
-from safetensors.torch import _TYPES, _remove_duplicate_names, load_file, load_model
+from safetensors.torch import _TYPES, _remove_duplicate_names, load_file
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from trainforge.checkpoint.hashing import DEFAULT_HASH, FileRecord, Sealing, open_hashing
-from trainforge.checkpoint.schema import (
-    MODEL_FILE,
-    OPTIMIZER_FILE,
-    STATE_FILE,
-)
+from trainforge.checkpoint.schema import STATE_FILE
 
-__all__ = ["MODEL_FILE", "OPTIMIZER_FILE", "STATE_FILE", "Record", "Snapshot", "State"]
+__all__ = ["STATE_FILE", "Record", "Snapshot", "State"]
 _SAFETENSORS_DTYPES = {dtype: name for name, dtype in _TYPES.items()}
 
 
@@ -74,7 +70,7 @@ class Snapshot:
 
     ``layout``: full (rank 0 writes the shared tensors) or sharded (every rank writes its shards).
     ``exports``: the run directory's weights files and the component whose full weights each is
-    (``model.safetensors`` <- ``model``); ``full_weights``: rank 0's gathered full weights of a
+    (``<file>.safetensors`` <- ``<component>``); ``full_weights``: rank 0's gathered full weights of a
     sharded run's final save, by component."""
 
     step: int
@@ -255,26 +251,16 @@ def _torch_save_crc32(enabled: bool) -> Iterator[None]:
         config.compute_crc32 = before
 
 
-def load_weights(directory: Path, model: nn.Module) -> None:
-    """Weights into ``model``; strict, with tied weights restored from the one stored copy."""
-    load_model(model, str(directory / MODEL_FILE), strict=True)
-
-
-def load_optimizer(directory: Path, optimizer: torch.optim.Optimizer) -> None:
-    # weights_only=True: tensors and plain containers only, never arbitrary pickled objects.
-    optimizer.load_state_dict(torch.load(directory / OPTIMIZER_FILE, map_location="cpu", weights_only=True))
-
-
-def check_loadable(directory: Path, files: Iterable[str] | None = None) -> str | None:
+def check_loadable(directory: Path, files: Iterable[str]) -> str | None:
     """Why a verified checkpoint still cannot be loaded safely (None if it can), without loading tensors.
 
     A manifest proves the files are the ones written, not that whoever wrote them was benign: every
-    ``.safetensors`` file's header must parse, and every ``.pt`` file (optimizer, a component's
-    state, each rank's own) must unpickle under ``weights_only`` (tensors and plain containers
-    only). ``files``: the checkpoint's files by relative name (default: the full layout's two).
+    ``.safetensors`` file's header must parse, and every ``.pt`` file (a component's state, each
+    rank's own) must unpickle under ``weights_only`` (tensors and plain containers only).
+    ``files``: the checkpoint's files by relative name.
     """
-    names = sorted(files) if files is not None else [MODEL_FILE, OPTIMIZER_FILE]
-    name = MODEL_FILE
+    names = sorted(files)
+    name = names[0] if names else ""
     try:
         for name in names:
             path = directory / name

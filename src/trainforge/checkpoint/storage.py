@@ -31,7 +31,7 @@ from trainforge.checkpoint.names import (
     staging_name,
 )
 from trainforge.checkpoint.saved import saved_from
-from trainforge.checkpoint.schema import FULL, MANIFEST, MAX_STATE_BYTES, MODEL_FILE, STATE_FILE, ComponentSchemas
+from trainforge.checkpoint.schema import FULL, MANIFEST, MAX_STATE_BYTES, STATE_FILE, ComponentSchemas
 from trainforge.checkpoint.sse import EncryptingWriter, ServerSide
 from trainforge.checkpoint.uris import open_uri, plain
 from trainforge.checkpoint.verify import Verification
@@ -158,11 +158,11 @@ class CheckpointStore:
 
     def exports(self, name: str) -> dict[str, str]:
         """The weights files checkpoint ``name`` holds for the run directory: ``{run-directory file:
-        checkpoint file}`` (``model.safetensors``, with ``train.ema`` also ``model_ema.safetensors``);
-        a checkpoint written before components, or one whose state does not read: the model's alone."""
+        checkpoint file}``, as its components declared them (``trainer_state.json``'s ``exports``);
+        none when its state does not read."""
         manifest, _ = self.read_manifest(name)
         if manifest is None:
-            return {MODEL_FILE: MODEL_FILE}
+            return {}
         try:
             raw = verify_module.read_capped(
                 self.fs, f"{self.path(name)}/{STATE_FILE}", self.is_local, MAX_STATE_BYTES + OVERHEAD
@@ -171,8 +171,8 @@ class CheckpointStore:
                 raw = self.cipher.open_bytes(STATE_FILE, raw)
             saved = saved_from(raw, str(manifest.get("layout", FULL)), set(manifest["files"]))
         except (CheckpointError, OSError):
-            return {MODEL_FILE: MODEL_FILE}
-        return saved.exports or {MODEL_FILE: MODEL_FILE}
+            return {}
+        return saved.exports
 
     def copy_out(self, name: str, rel: str, target: Path) -> None:
         """File ``rel`` of checkpoint ``name`` to the local ``target`` (written whole, then renamed

@@ -283,7 +283,7 @@ def _hash_problems(fs: pafs.FileSystem, root: str, local: bool, manifest: Manife
 def _load_refusal(
     fs: pafs.FileSystem, root: str, local: bool, manifest: Manifest, cipher: FileCipher | None
 ) -> str | None:
-    """Why a checkpoint whose files verify still must not be loaded (a hostile ``optimizer.pt``, or
+    """Why a checkpoint whose files verify still must not be loaded (a hostile ``.pt`` file, or
     a sharded checkpoint's metadata that would unpickle objects or read outside its shards)."""
     if manifest.layout == SHARDED:
         from trainforge.checkpoint.dcp_metadata import MAX_METADATA_BYTES, metadata_refusal  # torch

@@ -6,7 +6,7 @@ state (``Snapshot``). Then, on a thread of every rank, over a process group of t
 
 1. rank 0 names the staging directory (a broadcast);
 2. each rank writes its files into it, hashed and fsynced: in the full layout rank 0 the shared
-   tensors (``model.safetensors``, ``optimizer.pt``, ...), in the sharded layout every rank its
+   tensors (``<component>.safetensors`` or ``.pt``), in the sharded layout every rank its
    DCP shards; every rank its own tensor state (``ranks/<rank>/...``);
 3. the ranks gather their file records and their own JSON state (RNG) on rank 0;
 4. rank 0 writes ``trainer_state.json``, the manifest last, commits, and rotates.

@@ -1,4 +1,5 @@
-"""``trainforge ckpt list|verify|inspect``: checkpoints read without loading their tensors."""
+"""``trainforge ckpt list|verify|inspect|upgrade``: checkpoints read without loading their tensors,
+and an earlier format converted to today's."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from trainforge.errors import TrainforgeError
 if TYPE_CHECKING:
     from trainforge.checkpoint.crypto import FileCipher
 
-app = typer.Typer(help="List, verify and inspect checkpoints.", no_args_is_help=True)
+app = typer.Typer(help="List, verify, inspect and upgrade checkpoints.", no_args_is_help=True)
 CkptPathArg = Annotated[str, typer.Argument(help="A checkpoint directory: a local path or a URI (s3://...).")]
 KeyEnvOpt = Annotated[
     str | None,
@@ -96,3 +97,18 @@ def ckpt_inspect(
         typer.echo(json_text(report, indent=1, sort_keys=True))
     else:
         wide_console().print(inspection_view(report), highlight=False)
+
+
+@app.command("upgrade")
+def ckpt_upgrade(
+    path: Annotated[str, typer.Argument(help="A local checkpoint directory written by an earlier trainforge.")],
+) -> None:
+    """Rewrite a checkpoint of an earlier format (1 or 2) as today's, in place; the old one is kept
+    beside it (hidden). Restore and model.pretrained read only today's format."""
+    from pathlib import Path
+
+    from trainforge.checkpoint.upgrade import upgrade
+    from trainforge.worker.registry import state_schemas
+
+    done = upgrade(Path(path).expanduser(), state_schemas())
+    typer.echo(f"upgraded: {done.path} (format {done.old_format} -> 3; the original is kept as {done.kept})")

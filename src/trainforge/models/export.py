@@ -28,14 +28,14 @@ from torch import nn
 
 from trainforge.checkpoint.hashing import SHA256, hash_file
 from trainforge.checkpoint.saved import read_saved
-from trainforge.checkpoint.schema import MANIFEST, MODEL_FILE
+from trainforge.checkpoint.schema import MANIFEST
 from trainforge.config import Config, load_config, load_run_config, to_yaml
 from trainforge.data import build_datasets
 from trainforge.data.spec import DataSpec
 from trainforge.errors import CheckpointError, ModelError
 from trainforge.models.hub import corpus_hf_tokenizer, require_transformers_model, write_hf
 from trainforge.models.lora import ADAPTER_MARK, apply_lora, lora_target, merge
-from trainforge.models.pretrained import Source, checkpoint_source, load_pretrained, load_weights
+from trainforge.models.pretrained import MODEL_FILE, Source, checkpoint_source, load_pretrained, load_weights
 from trainforge.models.registry import build_model
 
 log = logging.getLogger("trainforge.export")

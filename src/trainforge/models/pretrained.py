@@ -36,14 +36,16 @@ import psutil
 import torch
 from torch import nn
 
+from trainforge.checkpoint.reader import read_whole, weights_file
 from trainforge.checkpoint.saved import read_saved
-from trainforge.checkpoint.schema import MANIFEST, MODEL_FILE, SHARDED
-from trainforge.checkpoint.sharded import read_sharded_whole
+from trainforge.checkpoint.schema import MANIFEST
 from trainforge.checkpoint.storage import CheckpointStore
 from trainforge.errors import ModelError
 
 log = logging.getLogger("trainforge.pretrained")
 
+MODEL_FILE = "model.safetensors"  # the weights of a Hugging Face directory and of a trainforge run directory
+MODEL_COMPONENT = "model"  # the checkpoint component whose weights a warm start reads (worker/components)
 HF_CONFIG = "config.json"
 HF_INDEX = "model.safetensors.index.json"
 MAX_INDEX_BYTES = 64 << 20
@@ -139,13 +141,9 @@ def checkpoint_source(path: Path, key: str) -> Source:
         raise ModelError(f"{key}: checkpoint {path.name} does not verify: {verification.problems[0]}")
     saved = read_saved(path)
     where = f"checkpoint {path} (step {saved.step}, verified)"
-    exported = saved.exports.get(MODEL_FILE)  # the checkpoint file the run directory's weights come from
-    model_files = saved.files.get("model")
-    tensors = model_files.tensors if model_files is not None else MODEL_FILE  # formats 1-2: model.safetensors
-    if tensors != SHARDED and tensors is not None:
-        return Source(where, (path / tensors,))
-    if exported is not None or (path / MODEL_FILE).is_file():
-        return Source(where, (path / (exported or MODEL_FILE),))
+    found = weights_file(path, saved, MODEL_COMPONENT)
+    if found is not None:
+        return Source(where, (found,))
     return Source(where, sharded_checkpoint=path)
 
 
@@ -163,8 +161,7 @@ class Weights:
         self.where: dict[str, Any] = {}
         self.whole: dict[str, torch.Tensor] = {}
         if source.sharded_checkpoint is not None:
-            saved = read_saved(source.sharded_checkpoint)
-            self.whole = read_sharded_whole(source.sharded_checkpoint, saved.shard_key("model"))
+            self.whole = read_whole(source.sharded_checkpoint, MODEL_COMPONENT)
         self.spans: dict[str, tuple[Path, int, str]] = {}  # name -> (file, first data byte, dtype)
         for file in source.files:
             try:

@@ -20,7 +20,6 @@ from rich.console import Console
 from rich.table import Table
 
 from trainforge.checkpoint.format import write_json_atomic
-from trainforge.checkpoint.schema import MODEL_FILE
 from trainforge.checkpoint.storage import CheckpointStore
 from trainforge.config import Config
 from trainforge.driver.summary import SEARCH_DRIVER, RunLog, RunRecord, finish_run_dir
@@ -128,7 +127,8 @@ def complete_run_dir(outcome: TrialOutcome) -> bool:
     )
     # The run's config.yaml is redacted: the checkpoint's own URI (credentials from the environment) it is.
     store = CheckpointStore.for_checkpoint(checkpoint)[0] if checkpoint else None
-    finish_run_dir(run_dir, record, None if (run_dir / MODEL_FILE).is_file() else store)
+    weights = run_dir / "model.safetensors"  # the model component's export (worker/components/weights.py)
+    finish_run_dir(run_dir, record, None if weights.is_file() else store)
     return True
 
 

@@ -11,14 +11,16 @@
 
 from __future__ import annotations
 
+import base64
+import binascii
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, ClassVar
 
 import torch
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, StrictFloat, StrictInt, StrictStr, field_validator
 
-from trainforge.checkpoint.schema import MAX_STEP, RngState
+from trainforge.checkpoint.schema import MAX_STEP, NonNegative, Number, Schema, UInt32
 from trainforge.checkpoint.state import State, capture_rng, restore_rng
 from trainforge.config import OptimConfig, ScheduleConfig
 from trainforge.worker.components.base import Component, Restore, StateSchema
@@ -31,6 +33,30 @@ Step = Annotated[int, Field(ge=0, le=MAX_STEP)]
 Count = Annotated[int, Field(ge=0, le=2**62)]
 # A learning rate or loss scale read back: finite and not negative (NaN would train on NaN).
 Rate = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+
+
+class RngState(Schema):
+    """One rank's generators, as ``state.capture_rng`` writes them: the ``rng`` component's own state."""
+
+    python: tuple[
+        Annotated[StrictInt, Field(ge=0)],
+        Annotated[list[UInt32], Field(min_length=625, max_length=625)],
+        StrictFloat | None,
+    ]
+    numpy: tuple[
+        StrictStr, Annotated[list[UInt32], Field(min_length=624, max_length=624)], NonNegative, StrictInt, Number
+    ]
+    torch: StrictStr
+    cuda: list[StrictStr] | None = None
+
+    @field_validator("torch")
+    @classmethod
+    def _base64(cls, value: str) -> str:
+        try:
+            base64.b64decode(value, validate=True)
+        except (binascii.Error, ValueError):
+            raise ValueError("is not base64") from None
+        return value
 
 
 class ProgressState(StateSchema):
