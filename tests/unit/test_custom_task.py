@@ -22,7 +22,8 @@ from tests.helpers.user_models import Returns, own_step, tiny_lm
 from trainforge.config import ModelConfig
 from trainforge.data import DataSpec
 from trainforge.errors import ModelError
-from trainforge.models.tasks import CustomTask, build_task, check_fits
+from trainforge.models.task_registry import build_task, check_fits
+from trainforge.models.tasks import CustomTask
 
 
 def config(tmp: Path, name: str, *, workers: int = 2, batch: int = 16, strategy: str = "ddp", dropout: float = 0.0):

@@ -21,7 +21,7 @@ from trainforge.errors import ModelError
 from trainforge.models import build_task
 from trainforge.models.hf_task import HFTask
 from trainforge.models.outputs import logits_of
-from trainforge.models.tasks import check_fits
+from trainforge.models.task_registry import check_fits
 from trainforge.worker.user_code import is_user_code_error, user_code_error
 
 DIGITS = DataSpec(kind="image", input_shape=(1, 8, 8), num_classes=10)

@@ -31,7 +31,8 @@ from trainforge.data import DataSpec
 from trainforge.data.stream import Decode, first_row, list_files
 from trainforge.errors import DataError, ModelError
 from trainforge.models import build_task
-from trainforge.models.tasks import RegressionTask, check_fits
+from trainforge.models.task_registry import check_fits
+from trainforge.models.tasks import RegressionTask
 
 SCALAR = DataSpec(kind="image", input_shape=(3,), target_shape=())
 TWO = DataSpec(kind="image", input_shape=(3,), target_shape=(2,))

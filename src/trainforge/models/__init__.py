@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from trainforge.models import language, vision  # noqa: F401  (importing them registers the built-ins)
 from trainforge.models.registry import BUILTIN_MODELS, build_model
-from trainforge.models.tasks import CausalLMTask, ClassificationTask, Task, build_task
+from trainforge.models.task_registry import build_task
+from trainforge.models.tasks import CausalLMTask, ClassificationTask, Task
 
 __all__ = [
     "BUILTIN_MODELS",

@@ -31,7 +31,8 @@ from trainforge.models.pretrained import (
     materialize,
     parameters_on_meta,
 )
-from trainforge.models.tasks import check_fits, to_device
+from trainforge.models.task_registry import check_fits
+from trainforge.models.tasks import to_device
 from trainforge.protocol import ParameterCounts
 from trainforge.worker import collectives
 from trainforge.worker.blocks import repeated_blocks
