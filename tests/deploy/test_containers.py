@@ -20,7 +20,7 @@ import pytest
 import yaml
 from packaging.requirements import Requirement
 
-from tests.deploy.tools import DOCKERFILES, ROOT, load_generator, normalise_relabel
+from tests.deploy.tools import DOCKERFILES, ROOT, gauges_outlive_a_scrape, load_generator, normalise_relabel
 from tests.helpers.cli import trainforge_command, trainforge_on_path
 from trainforge.config import load_config
 
@@ -176,6 +176,18 @@ def test_the_laptop_prometheus_loads_the_project_rules_and_relabels_like_the_shi
     )
     assert checked.returncode == 0, checked.stdout + checked.stderr
     assert "SUCCESS: 2 rule files found" in checked.stdout + checked.stderr
+
+
+def test_the_laptop_prometheus_scrapes_every_ray_gauge_before_the_agent_drops_it() -> None:
+    """A run's ranks live a few seconds in the laptop cluster's workers (test_compose.py's: about
+    15 s); their gauges stay on the agent two export intervals after the last push. The ray job's
+    scrape comes within that, so each rank is scraped however short its process."""
+    config = yaml.safe_load((COMPOSE / "prometheus.yml").read_text())
+    (job,) = [j for j in config["scrape_configs"] if j["job_name"] == "ray"]
+    interval = job.get("scrape_interval", config["global"]["scrape_interval"])
+    for service in ("ray-head", "ray-worker"):
+        export_ms = compose()["services"][service]["environment"].get("RAY_metrics_report_interval_ms")
+        assert gauges_outlive_a_scrape(interval, export_ms), (service, interval, export_ms)
 
 
 def test_grafana_is_provisioned_with_the_project_dashboards() -> None:

@@ -25,6 +25,7 @@ from tests.deploy.tools import (
     ROOT,
     SCHEMAS,
     by_kind,
+    gauges_outlive_a_scrape,
     load_generator,
     normalise_relabel,
     one,
@@ -135,6 +136,25 @@ def test_monitoring_objects_match_the_operator_api(rendered: Docs, overlay: str)
     dashboards = [d for d in by_kind(docs, "ConfigMap") if d["metadata"].get("labels", {}).get("grafana_dashboard")]
     shipped = {p.name: p.read_text() for p in (MONITORING / "grafana" / "dashboards").glob("*.json")}
     assert {name: text for d in dashboards for name, text in d["data"].items()} == shipped
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_pod_monitor_scrapes_every_ray_gauge_before_the_agent_drops_it(rendered: Docs, overlay: str) -> None:
+    """Every Ray container's gauges stay on its agent two export intervals after their last push:
+    the PodMonitor's interval is within that, so a rank that lives less than a scrape interval is
+    scraped all the same."""
+    docs = rendered[overlay]
+    (endpoint,) = one(docs, "PodMonitor")["spec"]["podMetricsEndpoints"]
+    ray_containers = [
+        c
+        for t in pod_templates(docs)
+        for c in t.template["spec"]["containers"]
+        if any(port.get("name") == "metrics" for port in c.get("ports", []))
+    ]
+    assert ray_containers
+    for c in ray_containers:
+        export_ms = {e["name"]: e.get("value") for e in c.get("env", [])}.get("RAY_metrics_report_interval_ms")
+        assert gauges_outlive_a_scrape(endpoint["interval"], export_ms), (c["name"], endpoint["interval"], export_ms)
 
 
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed (.ci/run installs Debian's)")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import fcntl
 import importlib.util
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -33,6 +34,12 @@ CHECKOV_VERSION = "3.3.30"
 PYTHON_TAG = f"py{sys.version_info[0]}{sys.version_info[1]}"
 CHECKOV_HOME = Path.home() / ".cache" / "trainforge-tests" / f"checkov-{CHECKOV_VERSION}-{PYTHON_TAG}"
 DOCKERFILES = ("Dockerfile", "Dockerfile.cpu", "deploy/compose/mlflow/Dockerfile")
+# Ray's metrics agent drops a gauge its process has not pushed for two export intervals
+# (RAY_metrics_report_interval_ms, Ray's default 10 s; docs/monitoring.md): Prometheus must scrape
+# within that, with this much to spare for a scrape's own time, or a process that lives less than
+# a scrape interval (a short run's rank) leaves no sample.
+SCRAPE_MARGIN_S = 5.0
+RAY_EXPORT_DEFAULT_MS = 10_000
 
 
 def kubectl() -> str | None:
@@ -159,3 +166,16 @@ def normalise_relabel(rule: dict[str, Any]) -> dict[str, Any]:
     out = {names.get(k, k): v for k, v in rule.items()}
     out.setdefault("action", "replace")
     return out
+
+
+def duration_s(text: str) -> float:
+    """A Prometheus duration of one unit (``15s``, ``1m``, ``500ms``) in seconds."""
+    units = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+    number, unit = re.fullmatch(r"(\d+)(ms|s|m|h)", text).groups()  # type: ignore[union-attr]
+    return int(number) * units[unit]
+
+
+def gauges_outlive_a_scrape(scrape_interval: str, export_ms: str | int | None) -> bool:
+    """Whether every gauge a Ray process pushed at least once is scraped before the agent drops it."""
+    export_s = int(export_ms if export_ms is not None else RAY_EXPORT_DEFAULT_MS) / 1000
+    return duration_s(scrape_interval) + SCRAPE_MARGIN_S <= 2 * export_s
