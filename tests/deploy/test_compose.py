@@ -15,7 +15,6 @@ import re
 import secrets
 import shutil
 import subprocess
-import sys
 import time
 import urllib.parse
 import urllib.request
@@ -30,26 +29,30 @@ from safetensors.torch import load_file
 
 from tests.deploy import images
 from tests.deploy.tools import ROOT
+from tests.helpers.cli import trainforge_command
 from tests.helpers.faults import events_of, patched_environ, wait_until
 from tests.helpers.sessions import assert_bit_identical
-from tests.helpers.timing import scaled
+from tests.helpers.timing import scaled, slowdown
 from trainforge.protocol import Resumed
 
 COMPOSE = ROOT / "deploy" / "compose"
 FILES = (COMPOSE / "compose.yaml", images.COMPOSE_IMAGES / "compose.override.yaml")
 PROJECT = "trainforge-test"
 LABEL = f"io.podman.compose.project={PROJECT}"
-TRAINFORGE = str(Path(sys.executable).parent / "trainforge")
+TRAINFORGE = trainforge_command()
 DASHBOARD = "http://127.0.0.1:8265"
 S3_USER, S3_KEY = "trainforge-test", secrets.token_hex(12)
 # Quiet 2-core machine, measured (docs/deploy.md): every image reused 10 s (all built: 5 min);
 # PostgreSQL, S3 and Prometheus answer in 5 s, MLflow in 25 s, the Ray head and both workers in
 # 30 s; a submitted run of RUN below takes 40 s, 55 s with a worker container killed.
 BUILD_S = 1500
+SERVICES_QUIET_S = 5
+MLFLOW_QUIET_S = 25
 SERVICE_S = 60
 RAY_S = 90
 RUN_S = 240
-# A scrape every 15 s and DNS discovery every 30 s (prometheus.yml).
+# The ray job's scrape every 5 s, DNS discovery every 30 s (prometheus.yml): the series are in
+# Prometheus by the time the run has ended; this is what a slow query may add.
 SCRAPE_S = 90
 # The user's run: deploy/compose/run.yaml's with steps paced (0.1 s) so that a worker container can
 # be killed between checkpoints, and SPREAD so that the two workers land in the two worker
@@ -72,7 +75,7 @@ class Cluster:
     def submit(self, name: str, *flags: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
         """``trainforge submit`` of the user's run from its directory, as ``name``."""
         return subprocess.Popen(
-            [TRAINFORGE, "submit", "run.yaml", "--set", f"run.name={name}", "--address", DASHBOARD, *flags],
+            [*TRAINFORGE, "submit", "run.yaml", "--set", f"run.name={name}", "--address", DASHBOARD, *flags],
             cwd=self.workdir, env=env or user_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )  # fmt: skip
 
@@ -109,7 +112,7 @@ def http_ok(url: str, headers: dict[str, str] | None = None) -> bytes | None:
 
 def write_secrets(directory: Path) -> dict[str, Path]:
     """The secret files compose.override.yaml mounts; Ray's CA key readable by group 10001 only."""
-    certs = [TRAINFORGE, "certs", "create", str(directory / "tls")]
+    certs = [*TRAINFORGE, "certs", "create", str(directory / "tls")]
     made = subprocess.run(certs, capture_output=True, timeout=scaled(120))
     assert made.returncode == 0, made.stderr
     values = {
@@ -155,16 +158,43 @@ def tear_down(env: dict[str, str]) -> list[str]:
     return left
 
 
-def start(env: dict[str, str], token: str) -> None:
+class StartClock:
+    """How much slower than the quiet machine this cluster's containers start now: each stage's
+    measured seconds over its quiet figure. A later stage's wait is its quiet figure times the
+    largest such ratio so far (never less than the suite's slowdown): the measurement is of this
+    machine, these containers and the load they start under, not a guess capped in advance."""
+
+    def __init__(self) -> None:
+        self.ratios: dict[str, float] = {}
+
+    def timed(self, stage: str, quiet_s: float, wait: Any) -> None:
+        started = time.monotonic()
+        wait()
+        self.ratios[stage] = (time.monotonic() - started) / quiet_s
+
+    def factor(self) -> float:
+        return max([slowdown(), *self.ratios.values()])
+
+    def wait(self, condition: Any, quiet_s: float, what: str, interval_s: float) -> Any:
+        """``wait_until`` for ``quiet_s`` of the quiet machine's, times ``factor()`` (wait_until
+        multiplies by the suite's slowdown itself, and stretches a wait by the load after that)."""
+        return wait_until(condition, quiet_s * self.factor() / slowdown(), what, interval_s=interval_s)
+
+    def describe(self) -> str:
+        measured = ", ".join(f"{stage} x{ratio:.1f}" for stage, ratio in self.ratios.items())
+        return f"start-up measured {measured}; waits x{self.factor():.1f}"
+
+
+def start(env: dict[str, str], token: str, clock: StartClock) -> None:
     """Up in dependency order, each stage waited for by what it serves: podman-compose 1.0.3
-    starts dependencies without waiting for their health (nor runs health checks without systemd)."""
+    starts dependencies without waiting for their health (nor runs health checks without systemd).
+    Each stage's wait is scaled by how slowly the stages before it started (``StartClock``)."""
 
     def up(*services: str) -> None:
         # Services already up are reported as name conflicts and left running: not an error.
         done = compose(env, "up", "--detach", *services)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
-    up("postgres", "minio", "prometheus")
     ready = ["pg_isready", "--host=127.0.0.1", "--username=mlflow", "--dbname=mlflow"]
 
     def postgres_ready() -> bool:
@@ -173,23 +203,55 @@ def start(env: dict[str, str], token: str) -> None:
         except subprocess.TimeoutExpired:  # a probe slower than 30 s on a busy machine: not ready yet
             return False
 
-    wait_until(postgres_ready, SERVICE_S, "PostgreSQL", interval_s=0.5)
-    wait_until(lambda: http_ok("http://127.0.0.1:9000/"), SERVICE_S, "the S3 server", interval_s=0.5)
-    wait_until(lambda: http_ok("http://127.0.0.1:9090/-/ready"), SERVICE_S, "Prometheus", interval_s=0.5)
+    def services() -> None:
+        up("postgres", "minio", "prometheus")
+        wait_until(postgres_ready, SERVICE_S, "PostgreSQL", interval_s=0.5)
+        wait_until(lambda: http_ok("http://127.0.0.1:9000/"), SERVICE_S, "the S3 server", interval_s=0.5)
+        wait_until(lambda: http_ok("http://127.0.0.1:9090/-/ready"), SERVICE_S, "Prometheus", interval_s=0.5)
+
+    clock.timed("PostgreSQL, S3, Prometheus", SERVICES_QUIET_S, services)
     up("s3-init")
-    exited = images.podman("wait", container("s3-init"), timeout=scaled(SERVICE_S))
+    exited = images.podman("wait", container("s3-init"), timeout=scaled(SERVICE_S) * clock.factor())
     assert exited.stdout.strip() == "0", images.podman("logs", container("s3-init"), timeout=60).stderr
-    up("mlflow")
-    wait_until(lambda: http_ok("http://127.0.0.1:5000/health"), SERVICE_S, "MLflow", interval_s=0.5)
+
+    def mlflow() -> None:
+        up("mlflow")
+        clock.wait(lambda: http_ok("http://127.0.0.1:5000/health"), SERVICE_S, "MLflow", interval_s=0.5)
+
+    clock.timed("MLflow", MLFLOW_QUIET_S, mlflow)
     up("ray-head", "ray-worker")
     headers = {"Authorization": f"Bearer {token}"}
 
-    def alive_nodes() -> int:
+    def alive_nodes() -> list[str]:
         answer = http_ok("http://127.0.0.1:8265/nodes?view=summary", headers)
         nodes = json.loads(answer)["data"]["summary"] if answer else []
-        return sum(n["raylet"]["state"] == "ALIVE" for n in nodes)
+        return [n["raylet"].get("nodeManagerAddress", "?") for n in nodes if n["raylet"]["state"] == "ALIVE"]
 
-    wait_until(lambda: alive_nodes() == 3, RAY_S, "the Ray head and two workers", interval_s=1)
+    try:
+        clock.wait(lambda: len(alive_nodes()) == 3, RAY_S, "the Ray head and two workers", interval_s=1)
+    except TimeoutError as err:
+        raise TimeoutError(f"{err} ({clock.describe()}): {ray_containers_not_up(alive_nodes())}") from None
+
+
+def ray_containers_not_up(alive: list[str]) -> str:
+    """Which Ray container has no ALIVE node on the dashboard, in what state, and its last words."""
+    missing = []
+    for name in (container("ray-head"), container("ray-worker", 1), container("ray-worker", 2)):
+        fmt = (
+            "{{.State.Status}} exit={{.State.ExitCode}} restarts={{.RestartCount}} started={{.State.StartedAt}}"
+            " ip={{range .NetworkSettings.Networks}}{{.IPAddress}}{{end}}"
+        )
+        inspected = images.podman("inspect", "--format", fmt, name, timeout=60, check=False)
+        if inspected.returncode != 0:
+            missing.append(f"{name} not created ({inspected.stderr.strip()[-200:]})")
+            continue
+        state = inspected.stdout.strip()
+        if state.rsplit("ip=", 1)[-1] in alive:
+            continue
+        logs = images.podman("logs", "--tail", "5", name, timeout=60, check=False)
+        last = " | ".join((logs.stdout + logs.stderr).strip().splitlines()[-5:])
+        missing.append(f"{name} not an ALIVE Ray node: {state}; last log lines: {last or '(none)'}")
+    return "; ".join(missing) or f"every Ray container is an ALIVE node now ({alive})"
 
 
 @pytest.fixture(scope="module")
@@ -225,9 +287,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         (workdir / "run.yaml").write_text(yaml.safe_dump(run))
         tear_down(env)  # what an interrupted session left
         try:
-            started = time.monotonic()
-            start(env, files["ray_auth_token"].read_text())
-            print(f"compose cluster up in {time.monotonic() - started:.0f} s")
+            started, clock = time.monotonic(), StartClock()
+            start(env, files["ray_auth_token"].read_text(), clock)
+            print(f"compose cluster up in {time.monotonic() - started:.0f} s ({clock.describe()})")
             yield Cluster(env, files["ray_auth_token"], workdir)
         finally:
             left = tear_down(env)
@@ -284,6 +346,24 @@ def prometheus(query: str) -> list[dict[str, Any]]:
     return json.loads(answer)["data"]["result"] if answer else []
 
 
+def scrapes_against_reports(run: str, artifacts: Path) -> str:
+    """When Prometheus scraped each Ray target (``up``'s samples) and found the run's loss on it,
+    in seconds from the run's first report, and when the ranks reported: where a series went."""
+    lines = (artifacts / "metrics.jsonl").read_text().splitlines()
+    times = [r["time/unix"] for r in map(json.loads, filter(str.strip, lines)) if "time/unix" in r]
+    if not times:
+        return "the run has no timed reports in metrics.jsonl"
+    first = min(times)
+    found = {s["metric"]["instance"]: s["values"] for s in prometheus(f'trainforge_train_loss{{run="{run}"}}[15m]')}
+    story = [f"ranks reported from +0 to +{max(times) - first:.0f} s"]
+    for target in prometheus('up{job="ray"}[15m]'):
+        instance = target["metric"]["instance"]
+        scraped = " ".join(f"{float(t) - first:+.0f}{'' if v == '1' else '(down)'}" for t, v in target["values"])
+        loss = " ".join(f"{float(t) - first:+.0f}" for t, _ in found.get(instance, []))
+        story.append(f"{instance} scraped at {scraped}; loss found at {loss or 'none'}")
+    return "; ".join(story)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(2400)
 def test_a_submitted_run_trains_in_both_workers_checkpoints_to_s3_and_ends_in_mlflow_and_prometheus(
@@ -307,7 +387,11 @@ def test_a_submitted_run_trains_in_both_workers_checkpoints_to_s3_and_ends_in_ml
     assert summary["checkpoint"] == "s3://checkpoints/runs/compose-reference/checkpoint_000000100"
     # Prometheus scraped both ranks' metrics, each from its own worker container's metrics agent.
     query = 'count by (instance, rank) (last_over_time(trainforge_train_loss{run="compose-reference"}[15m]))'
-    series = wait_until(lambda: len(found := prometheus(query)) == 2 and found, SCRAPE_S, "both ranks' series", 1)
+    try:
+        series = wait_until(lambda: len(found := prometheus(query)) == 2 and found, SCRAPE_S, "both ranks' series", 1)
+    except TimeoutError as err:
+        raise TimeoutError(f"{err}: {scrapes_against_reports('compose-reference', artifacts)}") from None
+    print(f"\nPrometheus: {scrapes_against_reports('compose-reference', artifacts)}")  # pytest -s
     instances = {s["metric"]["instance"].rsplit(":", 1)[0] for s in series}
     assert instances == worker_addresses(), (instances, worker_addresses())
 
