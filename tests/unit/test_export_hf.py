@@ -50,6 +50,7 @@ def make(vocab_size: int = 257):
     return GPT2LMHeadModel(GPT2Config(vocab_size=vocab_size, n_layer=1, n_embd=32, n_head=2, n_positions=64))
 """
 STEPS = 4
+CORPORA = {"bytes": "bytes", "bpe": "bpe:300", "prepared_again": "bytes"}
 MODELS = ("gpt2_small", "llama_tiny", "factory_gpt2")
 
 
@@ -84,16 +85,20 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     code = tmp / "code"
     code.mkdir()
     (code / f"{FACTORY_MODULE}.py").write_text(FACTORY_CODE)
-    corpora = {"bytes": make_corpus(tmp, "bytes", "bytes"), "bpe": make_corpus(tmp, "bpe", "bpe:300")}
+    corpora = {name: make_corpus(tmp, name, tokenizer) for name, tokenizer in CORPORA.items()}
     models = {
         "gpt2_small": ("bytes", {"name": "gpt2_small", "kwargs": GPT2}),
         "llama_tiny": ("bpe", {"name": "llama_tiny", "kwargs": LLAMA}),
         "factory_gpt2": ("bytes", {"name": None, "factory": f"{FACTORY_MODULE}:make"}),
+        "gpt2_prepared_again": ("prepared_again", {"name": "gpt2_small", "kwargs": GPT2}),
     }
     with pytest.MonkeyPatch.context() as patch:
         patch.syspath_prepend(str(code))  # the ranks import the factory as a run's workers do
         trained = train_each_once({name: lm_run(tmp, corpora[c], name, STEPS, m) for name, (c, m) in models.items()})
     sys.modules.pop(FACTORY_MODULE, None)  # from here on importable from the working directory only
+    shutil.rmtree(corpora["prepared_again"])  # its vocabulary changes under the trained run
+    shutil.rmtree(tmp / "prepared_again-texts")
+    make_corpus(tmp, "prepared_again", "bpe:300")
     exported = {}
     with pytest.MonkeyPatch.context() as patch:
         patch.chdir(code)
@@ -237,3 +242,18 @@ def test_export_output_under_a_file_is_one_line(runs: dict[str, Any], capsys: py
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert exited.value.code == 2 and len(errors) == 1 and "is a file, not a folder" in errors[0], errors
     assert blocker.read_text() == "mine"
+
+
+def test_a_run_whose_corpus_changed_since_is_one_line_that_says_so(
+    runs: dict[str, Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Its weights no longer fit the model the config rebuilds: no model.pretrained_strict hint (export has no
+    such key), the likely cause instead."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exited:
+        main(["export", str(runs["trained"]["gpt2_prepared_again"].run_dir), "--format", "safetensors",
+              "--output", str(runs["tmp"] / "never-written")])  # fmt: skip
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert exited.value.code == 2 and len(errors) == 1, errors
+    assert "does not fit the model" in errors[0] and "was data.path prepared again" in errors[0], errors
+    assert "pretrained_strict" not in errors[0] and not (runs["tmp"] / "never-written").exists()

@@ -43,6 +43,8 @@ log = logging.getLogger("trainforge.export")
 FORMATS = ("hf", "safetensors")
 CONFIG_FILE = "config.yaml"
 EXPORT_RECORD = "trainforge_export.json"
+# A run's own weights that do not fit the model its config rebuilds: the data that sizes it changed.
+REBUILT_HINT = "the model is rebuilt from the run's config and data: was data.path prepared again since the run?"
 
 
 @dataclass(frozen=True)
@@ -96,7 +98,7 @@ def export_run(
         require_transformers_model(model)
     tokenizer = corpus_hf_tokenizer(config) if fmt == "hf" else None  # a prepared corpus's, else None
     if lora is None:
-        load_weights(model, source, key=f"checkpoint {checkpoint}")
+        load_weights(model, source, key=f"checkpoint {checkpoint}", hint=REBUILT_HINT)
     else:
         model = adapted_model(model, config, source, f"checkpoint {checkpoint}", merge_lora)
     staging = output.parent / f".tmp-export-{output.name}-{os.getpid()}"
@@ -188,7 +190,7 @@ def final_model(config: Config, weights: Path, spec: DataSpec | None = None) -> 
     source = Source(f"{weights}", (weights,))
     if config.model.lora is not None:
         return adapted_model(model, config, source, str(weights), merge_lora=True)
-    load_weights(model, source, key=str(weights))
+    load_weights(model, source, key=str(weights), hint=REBUILT_HINT)
     return model
 
 

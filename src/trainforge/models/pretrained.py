@@ -415,13 +415,15 @@ def check_pretrained(model: nn.Module, given: str, *, strict: bool = True) -> No
     refuse_mismatch(match(model, Weights(source)), f"model.pretrained {given!r}", strict)
 
 
-def refuse_mismatch(found: Matching, key: str, strict: bool) -> None:
+STRICT_HINT = "set model.pretrained_strict: false to load what matches"
+
+
+def refuse_mismatch(found: Matching, key: str, strict: bool, hint: str = STRICT_HINT) -> None:
+    """One line for weights that do not fit: ``hint`` says what to do about it."""
     if not found.pairs:
         raise ModelError(f"{key}: none of its tensors matches the model's names ({found.describe()})")
     if strict and not found.exact:
-        raise ModelError(
-            f"{key} does not fit the model: {found.describe()}; set model.pretrained_strict: false to load what matches"
-        )
+        raise ModelError(f"{key} does not fit the model: {found.describe()}; {hint}")
 
 
 def load_pretrained(model: nn.Module, given: str, *, strict: bool = True) -> Loaded:
@@ -430,13 +432,16 @@ def load_pretrained(model: nn.Module, given: str, *, strict: bool = True) -> Loa
 
 
 @torch.no_grad()
-def load_weights(model: nn.Module, source: Source, *, strict: bool = True, key: str = "the weights") -> Loaded:
+def load_weights(
+    model: nn.Module, source: Source, *, strict: bool = True, key: str = "the weights", hint: str = STRICT_HINT
+) -> Loaded:
     """Fill ``model``'s tensors from ``source`` (wrapped or not: FSDP's and tensor parallelism's
-    shards are read as slices); one line naming what does not match unless ``strict`` is off."""
+    shards are read as slices); one line naming what does not match, and ``hint``, unless ``strict``
+    is off."""
     started = time.perf_counter()
     weights = Weights(source)
     found = match(model, weights)
-    refuse_mismatch(found, key, strict)
+    refuse_mismatch(found, key, strict, hint)
     targets = target_tensors(model)
     read = total = 0
     for target, name in found.pairs.items():
