@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from tests.helpers.runs import tiny_run
-from tests.helpers.timing import scaled
+from tests.helpers.timing import rescaled, scaled
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -217,7 +217,8 @@ def test_hostile_config_is_one_line_before_ray_starts(
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], result.stderr
     assert not (tmp_path / "runs").exists()  # no run directory, no ray.log: Ray never started
-    assert elapsed < 15, f"{elapsed:.1f} s (the loader's own time is held to 1 s in tests/unit/test_config_hostile.py)"
+    # Refused before Ray, not after a connection attempt's timeouts: 15 s on the quiet machine, stretched by the load.
+    assert elapsed < rescaled(15), f"{elapsed:.1f} s (the loader's own time: tests/unit/test_config_hostile.py)"
 
 
 @pytest.mark.slow

@@ -34,7 +34,7 @@ import requests
 import yaml
 
 from tests.helpers.runs import tiny_run
-from tests.helpers.timing import scaled
+from tests.helpers.timing import rescaled, scaled
 
 pytestmark = pytest.mark.slow
 
@@ -340,7 +340,7 @@ def test_a_wrong_or_missing_token_is_one_line_and_exit_2(
     assert result.returncode == 2, result.stderr
     errors = error_lines(result)
     assert len(errors) == 1 and expected in errors[0], result.stderr
-    assert elapsed < 10, elapsed
+    assert elapsed < rescaled(10), elapsed  # refused at once, not after retries (10 s quiet, stretched by the load)
 
 
 def test_a_token_file_is_read(head: Head, project: Path, tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.helpers.timing import rescaled
 from trainforge.config import Config, load_config, parse_override, to_yaml
 from trainforge.config.safeyaml import MAX_DEPTH, MAX_FILE_BYTES, MAX_NODES, load_yaml, read_yaml_file
 from trainforge.errors import ConfigError, TrainforgeError
@@ -35,7 +36,8 @@ train: {max_steps: 1}
 
 
 def refused(source: Any, *fragments: str, overrides: tuple[str, ...] = (), env: dict[str, str] | None = None) -> str:
-    """Load and expect one ConfigError of one line that holds every fragment, within a second."""
+    """Load and expect one ConfigError of one line that holds every fragment, within a second (on the
+    quiet machine; stretched by the load)."""
     start = time.perf_counter()
     with pytest.raises(ConfigError) as err:
         load_config(source, overrides, env={} if env is None else env)
@@ -44,7 +46,7 @@ def refused(source: Any, *fragments: str, overrides: tuple[str, ...] = (), env: 
     assert "\n" not in message and len(message) < 400, message
     for fragment in fragments:
         assert fragment in message, message
-    assert elapsed < 1.0, f"{elapsed:.2f} s: {message}"
+    assert elapsed < rescaled(1.0), f"{elapsed:.2f} s: {message}"  # no blow-up: 1 s quiet, stretched by the load
     return message
 
 
