@@ -434,16 +434,7 @@ def test_a_trial_stopped_before_its_tracker_opened_its_run_still_gets_its_mlflow
     from trainforge.tune.tracking import finish_trial_runs
     from trainforge.tune.trial import TrialOutcome
 
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    client = MlflowClient(tracking_uri=uri)
-    experiment = client.create_experiment("search", artifact_location=(tmp_path / "artifacts").as_uri())
-    parent = client.create_run(experiment).info.run_id
-    raw = tiny_run(tmp_path, run={"name": "trial-1", "output_dir": str(tmp_path)})
-    raw["tracking"] = {"enabled": True, "uri": uri, "experiment": "search", "parent_run_id": parent}
-    config = validate(raw)
-    run_dir = config.run_dir
-    run_dir.mkdir()
-    (run_dir / "config.yaml").write_text(to_yaml(config))
+    _, client, parent, run_dir = search_trial_dir(tmp_path)
     log = MetricsLog(run_dir)
     log.on_start(RunInfo("trial-1", 1, "local", str(run_dir)))
     for step in (10, 20):
@@ -473,16 +464,7 @@ def test_a_trial_stopped_after_its_tracker_created_its_run_gets_its_params(tmp_p
     from trainforge.tune.tracking import finish_trial_runs
     from trainforge.tune.trial import TrialOutcome
 
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    client = MlflowClient(tracking_uri=uri)
-    experiment = client.create_experiment("search", artifact_location=(tmp_path / "artifacts").as_uri())
-    parent = client.create_run(experiment).info.run_id
-    raw = tiny_run(tmp_path, run={"name": "trial-1", "output_dir": str(tmp_path)})
-    raw["tracking"] = {"enabled": True, "uri": uri, "experiment": "search", "parent_run_id": parent}
-    config = validate(raw)
-    run_dir = config.run_dir
-    run_dir.mkdir()
-    (run_dir / "config.yaml").write_text(to_yaml(config))
+    uri, client, parent, run_dir = search_trial_dir(tmp_path)
     # What the trial's tracker got done before its actor ended: the run created (as MlflowTracker
     # plans it), nothing sent to it.
     plan = RunPlan(uri, "search", "trial-1", {}, parent, run_dir / RESUME_FILE if remembered else None, run_dir)
@@ -496,8 +478,24 @@ def test_a_trial_stopped_after_its_tracker_created_its_run_gets_its_params(tmp_p
 
     finish_trial_runs([outcome])
 
+    experiment = client.get_experiment_by_name("search").experiment_id
     (run,) = client.search_runs([experiment], f"tags.`mlflow.parentRunId` = '{parent}'")
     assert run.info.run_id == created and run.info.status == "KILLED"
     assert float(run.data.params["optim.lr"]) == 0.05
     assert [p.step for p in client.get_metric_history(run.info.run_id, "train/loss")] == [10]
     assert run.data.tags["trainforge.stopped_early"] == "true"
+
+
+def search_trial_dir(tmp_path: Path) -> tuple[str, MlflowClient, str, Path]:
+    """A search's MLflow store with its parent run, and trial-1's run directory with its config:
+    (tracking uri, client, parent run id, run directory)."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(tracking_uri=uri)
+    experiment = client.create_experiment("search", artifact_location=(tmp_path / "artifacts").as_uri())
+    parent = client.create_run(experiment).info.run_id
+    raw = tiny_run(tmp_path, run={"name": "trial-1", "output_dir": str(tmp_path)})
+    raw["tracking"] = {"enabled": True, "uri": uri, "experiment": "search", "parent_run_id": parent}
+    config = validate(raw)
+    config.run_dir.mkdir()
+    (config.run_dir / "config.yaml").write_text(to_yaml(config))
+    return uri, client, parent, config.run_dir
