@@ -416,3 +416,26 @@ def test_a_run_directory_written_before_a_masking_rule_is_masked_again(tmp_path:
     assert "name: mlp" in shown
     path.write_text("c: " + "[" * 200 + "]" * 200 + "\n")  # deeper than safeyaml reads
     assert config_text(path).startswith("# config.yaml not shown: ")
+
+
+@pytest.mark.parametrize(
+    ("model", "figures", "label"),
+    [
+        ({}, {"train/loss": 2.0}, "cross-entropy loss"),
+        ({}, {"train/loss": 2.0, "train/perplexity": 7.4}, "cross-entropy loss per token"),
+        ({}, {"train/loss": 0.5, "val/mse": 0.5}, "mean squared error"),  # regression inferred from its metrics
+        ({"task": "regression", "loss": "l1"}, {"train/loss": 0.5}, "mean absolute error (L1)"),
+        ({"task": "custom"}, {"train/loss": 0.5}, "loss (the model's training_step)"),
+        ({"task": "hf"}, {"train/loss": 0.5}, "loss (the model's own)"),
+    ],
+)
+def test_the_loss_axis_is_labelled_by_the_task(
+    tmp_path: Path, model: dict[str, Any], figures: dict[str, float], label: str
+) -> None:
+    from trainforge.report.data import RunData
+    from trainforge.report.plots import loss_label
+
+    data = RunData(tmp_path, reports=[{"step": 10, **figures}], summary={"config": {"model": model}})
+    assert loss_label(data) == label
+    from_yaml = RunData(tmp_path, reports=[{"step": 10, **figures}], config_text=f"model: {json.dumps(model)}\n")
+    assert loss_label(from_yaml) == label  # a run still going: its config.yaml

@@ -74,6 +74,19 @@ class RunData:
         """Every report's curve points: one per log interval, then the report's own (``curve_points``)."""
         return [point for report in self.reports for point in curve_points(report)]
 
+    def model_section(self) -> dict[str, Any]:
+        """The run's ``model`` config section: the summary's, else config.yaml's ({} without either)."""
+        config = self.summary.get("config")
+        if not isinstance(config, dict):
+            import yaml
+
+            try:
+                config = yaml.safe_load(self.config_text) if self.config_text else None
+            except yaml.YAMLError:
+                config = None
+        model = config.get("model") if isinstance(config, dict) else None
+        return model if isinstance(model, dict) else {}
+
     def has(self, key: str) -> bool:
         return any(finite(point.get(key)) is not None for point in self.points())
 

@@ -226,8 +226,33 @@ def finish(fig: Figure, ax: Axes, data: RunData, path: Path, *, faded_lost: bool
     fig.savefig(path, format="png", facecolor="white")
 
 
+LOSS_LABELS = {
+    "classification": "cross-entropy loss",
+    "causal_lm": "cross-entropy loss per token",
+    "masked_lm": "cross-entropy loss per masked token",
+    "custom": "loss (the model's training_step)",
+    "hf": "loss (the model's own)",
+}
+
+
+def loss_label(data: RunData) -> str:
+    """What the run's loss is, by its task (``model.task``, else what its metrics show: a
+    regression reports mse): the loss axis's label."""
+    model = data.model_section()
+    task = model.get("task")
+    if task == "regression" or (task is None and (data.has("val/mse") or data.has("train/mse"))):
+        return "mean absolute error (L1)" if model.get("loss") == "l1" else "mean squared error"
+    if task is None:
+        return (
+            LOSS_LABELS["causal_lm"]
+            if data.has("train/perplexity") or data.has("val/perplexity")
+            else "cross-entropy loss"
+        )
+    return LOSS_LABELS.get(str(task), "loss")
+
+
 def plot_loss(data: RunData, out: Path) -> Plot | None:
-    fig, ax = new_figure("Loss", "cross-entropy loss")
+    fig, ax = new_figure("Loss", loss_label(data))
     train = draw_series(ax, data, "train/loss", "train", TRAIN_COLOR)
     val = draw_series(ax, data, "val/loss", "validation", VAL_COLOR)
     if not (train or val):
