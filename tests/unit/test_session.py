@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from tests.helpers.runs import tiny_run
-from tests.helpers.sessions import train
+from tests.helpers.sessions import assert_bit_identical, checkpoint_state, train
 
 STEPS = 24
 
@@ -102,3 +102,29 @@ def test_fsdp_checkpoint_resumes_under_ddp_and_with_one_worker_and_says_so(tmp_p
             assert any("resharded: the checkpoint was written by fsdp, this run uses ddp" in e for e in events)
         if workers == 1:
             assert any(e.startswith("resumed with 1 workers from a checkpoint written by 2") for e in events), events
+
+
+@pytest.mark.slow  # three 24-step runs in a pair of gloo ranks: about 30 s
+def test_a_torch_optim_class_by_name_resumes_bit_identical(tmp_path: Path) -> None:
+    """optim.name Adadelta with its own kwargs (not one of trainforge's three): its state is the
+    optimizer component's like any other, so a crashed run resumes to the same weights and moments."""
+
+    def run(tmp: Path) -> dict[str, Any]:
+        return tiny_run(
+            tmp,
+            train={"max_steps": STEPS, "batch_size": 16, "log_every_n_steps": 4},
+            optim={"name": "Adadelta", "lr": 1.0, "kwargs": {"rho": 0.95}},
+            scaling={"num_workers": 2},
+            checkpoint={"every_n_steps": 8, "keep_last": 5},
+            seed=3,
+        )
+
+    straight = train(run(tmp_path / "straight"), 2)
+    assert straight[0].final["status"] == "finished"
+    assert train(run(tmp_path / "crashed"), 2, crash_at=12)[0].crashed
+    resumed = train(run(tmp_path / "crashed"), 2)
+    assert any(e.startswith("resumed from") and "checkpoint_000000008" in e for e in resumed[0].events)
+    a = checkpoint_state(tmp_path / "straight" / "t", STEPS)
+    b = checkpoint_state(tmp_path / "crashed" / "t", STEPS)
+    assert any(key.startswith("optim/") for key in a)  # the moments compared too
+    assert_bit_identical(a, b)

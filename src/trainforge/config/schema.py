@@ -180,8 +180,16 @@ class ParamGroupConfig(Section):
     weight_decay: Annotated[float, Field(ge=0.0, le=1e3)] | None = None
 
 
+OWN_OPTIMIZERS = ("sgd", "adam", "adamw")  # trainforge's names: its keys (momentum, betas, eps) set them
+OPTIMIZER_KEYS = {"sgd": ("momentum", "nesterov"), "adam": ("betas", "eps"), "adamw": ("betas", "eps")}
+COMMON_OPTIMIZER_KEYS = ("params", "lr", "weight_decay")  # optim.lr and optim.weight_decay, never in optim.kwargs
+
+
 class OptimConfig(Section):
-    name: Literal["sgd", "adam", "adamw"] = "adamw"
+    # sgd, adam, adamw (with the keys below), or any torch.optim class by its name (Adadelta,
+    # RMSprop, SGD, ...: its own defaults, its other arguments in optim.kwargs; worker/optim.py)
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")] = "adamw"
+    kwargs: PlainDict = Field(default_factory=dict)  # the optimizer's other keyword arguments
     lr: Annotated[float, Field(gt=0, le=1e3)] = 1e-3
     weight_decay: Annotated[float, Field(ge=0.0, le=1e3)] = 0.0
     momentum: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.9
@@ -192,6 +200,19 @@ class OptimConfig(Section):
     base_batch_size: Annotated[int, Field(ge=1, le=MAX_BATCH)] = 256
     # per-group settings by parameter name (worker/optim.py); a parameter takes the first entry that matches
     param_groups: Annotated[list[ParamGroupConfig], Field(max_length=64)] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _kwargs_not_common(self) -> OptimConfig:
+        common = sorted(set(self.kwargs) & set(COMMON_OPTIMIZER_KEYS))
+        if common:
+            raise ValueError(
+                f"optim.kwargs {common}: set optim.lr and optim.weight_decay instead (LR scaling and Tune read them)"
+            )
+        own = sorted(set(self.kwargs) & set(OPTIMIZER_KEYS.get(self.name, ())))
+        if own:
+            keys = ", ".join(f"optim.{key}" for key in own)
+            raise ValueError(f"optim.kwargs {own}: with optim.name {self.name}, set {keys} instead")
+        return self
 
 
 class ScheduleConfig(Section):

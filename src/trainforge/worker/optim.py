@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 
 from trainforge.config import OptimConfig, ScheduleConfig
+from trainforge.config.schema import OPTIMIZER_KEYS
 from trainforge.errors import ConfigError
 from trainforge.worker.params import check_globs, matching
 
@@ -108,11 +111,56 @@ def build_optimizer(cfg: OptimConfig, model: nn.Module, lr: float) -> torch.opti
         if settings.lr is not None:
             group["lr"] = group_lr(settings, cfg, lr)
         groups.append(group)
+    kwargs = dict(cfg.kwargs)
     if cfg.name == "sgd":
-        return torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum, nesterov=cfg.nesterov and cfg.momentum > 0)
+        nesterov = cfg.nesterov and cfg.momentum > 0
+        return torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum, nesterov=nesterov, **kwargs)
     if cfg.name == "adam":
-        return torch.optim.Adam(groups, lr=lr, betas=cfg.betas, eps=cfg.eps)
-    return torch.optim.AdamW(groups, lr=lr, betas=cfg.betas, eps=cfg.eps)
+        return torch.optim.Adam(groups, lr=lr, betas=cfg.betas, eps=cfg.eps, **kwargs)
+    if cfg.name == "adamw":
+        return torch.optim.AdamW(groups, lr=lr, betas=cfg.betas, eps=cfg.eps, **kwargs)
+    optimizer_class: Any = check_optimizer(cfg)  # a subclass: lr is every torch.optim class's argument
+    return cast(torch.optim.Optimizer, optimizer_class(groups, lr=lr, **kwargs))
+
+
+UNSUPPORTED = {"LBFGS": "it needs a closure that re-evaluates the loss", "SparseAdam": "it takes sparse gradients only"}
+
+
+def check_optimizer(cfg: OptimConfig) -> type[torch.optim.Optimizer]:
+    """The optimizer class ``optim.name`` names (trainforge's sgd, adam and adamw, or any
+    ``torch.optim`` class by its name), with ``optim.kwargs`` checked against its arguments: one
+    line naming what exists, before Ray starts (driver/run.preflight) and on every worker."""
+    own = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
+    found = own.get(cfg.name) or getattr(torch.optim, cfg.name, None)
+    if not (isinstance(found, type) and issubclass(found, torch.optim.Optimizer)):
+        names = optimizer_names()
+        close = difflib.get_close_matches(cfg.name, names, n=1, cutoff=0.6)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ConfigError(
+            f"optim.name {cfg.name!r} is not a torch.optim optimizer{hint} (one of sgd, adam, adamw, or a torch.optim "
+            f"class: {', '.join(names)})"
+        )
+    if found.__name__ in UNSUPPORTED:
+        raise ConfigError(f"optim.name {cfg.name!r} is not supported: {UNSUPPORTED[found.__name__]}")
+    parameters = inspect.signature(found.__init__).parameters
+    takes = [name for name in parameters if name not in ("self", "params", "lr")]
+    unknown = sorted(set(cfg.kwargs) - set(takes))
+    if unknown and not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        raise ConfigError(f"optim.kwargs {unknown} are not arguments of torch.optim.{found.__name__}: it takes {takes}")
+    return found
+
+
+def optimizer_names() -> list[str]:
+    """torch.optim's optimizer classes that trainforge can step, by name."""
+    classes = (getattr(torch.optim, name) for name in dir(torch.optim))
+    return sorted(
+        cls.__name__
+        for cls in classes
+        if isinstance(cls, type)
+        and issubclass(cls, torch.optim.Optimizer)
+        and cls is not torch.optim.Optimizer
+        and cls.__name__ not in UNSUPPORTED
+    )
 
 
 def lr_multiplier(cfg: ScheduleConfig, total_steps: int) -> Callable[[int], float]:
@@ -138,10 +186,6 @@ def build_scheduler(
     cfg: ScheduleConfig, optimizer: torch.optim.Optimizer, total_steps: int
 ) -> torch.optim.lr_scheduler.LambdaLR:
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_multiplier(cfg, total_steps))
-
-
-# Optimizer hyperparameters a config sets, by optimizer, as torch names them in a param group.
-GROUP_KEYS = {"sgd": ("momentum", "nesterov"), "adam": ("betas", "eps"), "adamw": ("betas", "eps")}
 
 
 def hyperparameters_differ(saved: dict, cfg_optim: OptimConfig, cfg_schedule: ScheduleConfig) -> bool:
@@ -176,7 +220,7 @@ def apply_hyperparameters(
     """
     assert isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR), "build_scheduler makes LambdaLR schedules"
     factor = scheduler.lr_lambdas[0](scheduler.last_epoch) if scheduler.last_epoch >= 0 else 1.0
-    extra = GROUP_KEYS[cfg.name]
+    extra = OPTIMIZER_KEYS.get(cfg.name, ())
     names = names or {}
     for group in optimizer.param_groups:
         first = next(iter(group["params"]), None)
@@ -191,5 +235,8 @@ def apply_hyperparameters(
                 group[key] = tuple(cfg.betas)
             else:
                 group[key] = getattr(cfg, key)
+        for key, value in cfg.kwargs.items():  # a torch.optim class's own arguments, as its groups hold them
+            if key in group:
+                group[key] = tuple(value) if isinstance(value, list) else value
     scheduler.base_lrs = [group["initial_lr"] for group in optimizer.param_groups]  # each group's own
     scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]  # what get_last_lr() reports

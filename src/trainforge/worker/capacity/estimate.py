@@ -245,7 +245,28 @@ def optimizer_states(config: Config) -> tuple[int, int]:
     optim = config.optim
     if optim.name in ("adam", "adamw"):
         return 2, ADAM_STEP_BYTES  # exp_avg, exp_avg_sq; and the step counter
-    return (1 if optim.momentum > 0 else 0), 0  # SGD's momentum buffer
+    if optim.name == "sgd":
+        return (1 if optim.momentum > 0 else 0), 0  # SGD's momentum buffer
+    if optim.name == "SGD":
+        return (1 if float(optim.kwargs.get("momentum", 0) or 0) > 0 else 0), 0
+    return STATE_TENSORS.get(optim.name, 2), ADAM_STEP_BYTES  # an unknown class: two, as the Adam family
+
+
+# A torch.optim class's state tensors shaped like each parameter (before options such as
+# RMSprop's momentum or centred variant, or Adam's amsgrad, add one).
+STATE_TENSORS = {
+    "Adadelta": 2,
+    "Adafactor": 1,
+    "Adagrad": 1,
+    "Adam": 2,
+    "AdamW": 2,
+    "Adamax": 2,
+    "ASGD": 1,
+    "NAdam": 2,
+    "RAdam": 2,
+    "RMSprop": 1,
+    "Rprop": 2,
+}
 
 
 def rank_breakdown(
