@@ -228,3 +228,12 @@ def marked_net(hidden: tuple[int, ...] = (256, 128)) -> nn.Module:
     with torch.no_grad():
         net[1].weight.fill_(WIRE_MARK)
     return net
+
+
+def adadelta(groups: list[dict], lr: float, rho: float = 0.9) -> torch.optim.Optimizer:
+    """A user's optimizer factory (optim.factory): Adadelta over trainforge's parameter groups."""
+    return torch.optim.Adadelta(groups, lr=lr, rho=rho)
+
+
+def not_an_optimizer(groups: list[dict], lr: float) -> dict:
+    return {"lr": lr}

@@ -158,3 +158,16 @@ def test_train_refuses_optimizer_kwargs_before_ray_starts(tmp_path: Path, capsys
     config = write_config(tmp_path, optim={"name": "RMSprop", "kwargs": {"beta": 0.9}})
     result = in_process("train", str(config), capsys=capsys)  # fails the test if Ray started
     assert_user_error(result, "optim.kwargs ['beta'] are not arguments of torch.optim.RMSprop: it takes [")
+
+
+def test_an_optimizer_factory_builds_over_the_parameter_groups() -> None:
+    cfg = OptimConfig(factory="tests.helpers.user_models:adadelta", lr=0.5, weight_decay=0.01, kwargs={"rho": 0.8})
+    optimizer = build_optimizer(cfg, tiny_model(), cfg.lr)
+    assert type(optimizer) is torch.optim.Adadelta
+    settings = [(g["lr"], g["rho"], g["weight_decay"]) for g in optimizer.param_groups]
+    assert settings == [(0.5, 0.8, 0.01), (0.5, 0.8, 0.0)]
+    wrong = OptimConfig(factory="tests.helpers.user_models:not_an_optimizer")
+    with pytest.raises(ConfigError, match=r"returned dict, expected a torch\.optim\.Optimizer"):
+        build_optimizer(wrong, tiny_model(), 0.1)
+    with pytest.raises(ConfigError, match=r"give one of optim.name \(a torch.optim class\) or optim.factory"):
+        load_config({"model": {"name": "mlp"}, "train": {"max_steps": 1}, "optim": {"name": "sgd", "factory": "a:b"}})

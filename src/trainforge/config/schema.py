@@ -190,6 +190,8 @@ class OptimConfig(Section):
     # RMSprop, SGD, ...: its own defaults, its other arguments in optim.kwargs; worker/optim.py)
     name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")] = "adamw"
     kwargs: PlainDict = Field(default_factory=dict)  # the optimizer's other keyword arguments
+    # "pkg.module:function": the user's optimizer, built from the parameter groups (worker/optim.py)
+    factory: Annotated[str, Field(pattern=r"^[\w.]+:[\w.]+$", max_length=200)] | None = None
     lr: Annotated[float, Field(gt=0, le=1e3)] = 1e-3
     weight_decay: Annotated[float, Field(ge=0.0, le=1e3)] = 0.0
     momentum: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.9
@@ -200,6 +202,12 @@ class OptimConfig(Section):
     base_batch_size: Annotated[int, Field(ge=1, le=MAX_BATCH)] = 256
     # per-group settings by parameter name (worker/optim.py); a parameter takes the first entry that matches
     param_groups: Annotated[list[ParamGroupConfig], Field(max_length=64)] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _name_or_factory(self) -> OptimConfig:
+        if self.factory is not None and "name" in self.model_fields_set:
+            raise ValueError("give one of optim.name (a torch.optim class) or optim.factory ('pkg.module:function')")
+        return self
 
     @model_validator(mode="after")
     def _kwargs_not_common(self) -> OptimConfig:

@@ -52,7 +52,7 @@ from trainforge.driver.startup import Timeline
 from trainforge.driver.summary import RunRecord, finish_run_dir
 from trainforge.driver.warm import Shape as WarmShape
 from trainforge.driver.warm import WarmGroupFailed, WarmTrainer, process_pool, why_not
-from trainforge.errors import CheckpointError, TrainforgeError, TrainingFailed, UserCodeError
+from trainforge.errors import CheckpointError, ConfigError, TrainforgeError, TrainingFailed, UserCodeError
 from trainforge.metrics.driver.observer import metrics_observers
 from trainforge.models.registry import load_factory, require_builtin
 from trainforge.protocol import PAYLOAD_KEY, Payload, Report, RunInfo, UserError
@@ -184,11 +184,13 @@ def preflight(config: Config, *, local: bool) -> None:
         return
     prepare_or_verify(config.data)  # data.name tokens: data.prepare's corpus written if missing, every byte checked
     check_local_paths(config.data)
-    user_code = config.model.factory is not None or isinstance(config.data, FactoryData)
+    user_code = config.model.factory or config.optim.factory or isinstance(config.data, FactoryData)
     if user_code:
         import_from_working_directory()  # as the local workers see it (run_env's PYTHONPATH)
     if config.model.factory is not None:
         load_factory(config.model.factory)
+    if config.optim.factory is not None:
+        load_factory(config.optim.factory, "optim.factory", "a torch.optim.Optimizer", ConfigError)
     check_data_factory(config.data)
     check_block_names(config)
     check_pretrained_fits(config)

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from trainforge.config import OptimConfig, ScheduleConfig
+from trainforge.config.factories import load_factory, one_line, raised_at
 from trainforge.config.schema import OPTIMIZER_KEYS
 from trainforge.errors import ConfigError
 from trainforge.worker.params import check_globs, matching
@@ -112,6 +113,8 @@ def build_optimizer(cfg: OptimConfig, model: nn.Module, lr: float) -> torch.opti
             group["lr"] = group_lr(settings, cfg, lr)
         groups.append(group)
     kwargs = dict(cfg.kwargs)
+    if cfg.factory is not None:
+        return from_factory(cfg, groups, lr)
     if cfg.name == "sgd":
         nesterov = cfg.nesterov and cfg.momentum > 0
         return torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum, nesterov=nesterov, **kwargs)
@@ -123,13 +126,41 @@ def build_optimizer(cfg: OptimConfig, model: nn.Module, lr: float) -> torch.opti
     return cast(torch.optim.Optimizer, optimizer_class(groups, lr=lr, **kwargs))
 
 
+def from_factory(cfg: OptimConfig, groups: list[dict[str, Any]], lr: float) -> torch.optim.Optimizer:
+    """``optim.factory(param_groups, lr=..., **optim.kwargs)``: the user's optimizer over trainforge's
+    parameter groups (their weight decay and per-group LRs set), or one line saying what it did."""
+    assert cfg.factory is not None
+    factory = load_factory(cfg.factory, "optim.factory", "a torch.optim.Optimizer", ConfigError)
+    try:
+        optimizer = factory(groups, lr=lr, **cfg.kwargs)
+    except Exception as err:
+        raise ConfigError(
+            f"optim.factory {cfg.factory!r} raised {type(err).__name__}{raised_at(err)} when called with the parameter "
+            f"groups, lr and optim.kwargs: {one_line(str(err))}"
+        ) from err
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ConfigError(
+            f"optim.factory {cfg.factory!r} returned {type(optimizer).__name__}, expected a torch.optim.Optimizer "
+            "(it gets the parameter groups, lr= and optim.kwargs)"
+        )
+    return optimizer
+
+
+def optimizer_kind(cfg: OptimConfig) -> str:
+    """What a checkpoint records of the optimizer that wrote the moments: its name, or the factory."""
+    return cfg.factory if cfg.factory is not None else cfg.name
+
+
 UNSUPPORTED = {"LBFGS": "it needs a closure that re-evaluates the loss", "SparseAdam": "it takes sparse gradients only"}
 
 
 def check_optimizer(cfg: OptimConfig) -> type[torch.optim.Optimizer]:
     """The optimizer class ``optim.name`` names (trainforge's sgd, adam and adamw, or any
     ``torch.optim`` class by its name), with ``optim.kwargs`` checked against its arguments: one
-    line naming what exists, before Ray starts (driver/run.preflight) and on every worker."""
+    line naming what exists, before Ray starts (driver/run.preflight) and on every worker. With
+    ``optim.factory`` the base class: the factory is the user's, imported where it runs."""
+    if cfg.factory is not None:
+        return torch.optim.Optimizer
     own = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
     found = own.get(cfg.name) or getattr(torch.optim, cfg.name, None)
     if not (isinstance(found, type) and issubclass(found, torch.optim.Optimizer)):

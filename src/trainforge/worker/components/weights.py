@@ -17,6 +17,7 @@ from torch import nn
 from trainforge.checkpoint.state import State
 from trainforge.config import OptimConfig
 from trainforge.worker.components.base import Component, Restore, StateSchema
+from trainforge.worker.optim import optimizer_kind
 
 if TYPE_CHECKING:
     from trainforge.worker.build import WorkerRun
@@ -83,7 +84,7 @@ class OptimizerState(Component):
         self.plan = plan
         self.model = model
         self.optimizer = optimizer
-        self.kind = cfg.name
+        self.kind = optimizer_kind(cfg)
 
     @classmethod
     def from_run(cls, run: WorkerRun) -> OptimizerState:
