@@ -29,7 +29,7 @@ def tune_command(tmp_path: Path, space: str, *extra: str) -> list[str]:
         ("optim.lr: {uniform: [0.1]}\n", "optim.lr: uniform takes [lo, hi] with lo < hi, got [0.1]"),
         ("optim.lr: {uniform: [0.1, 0.01]}\n", "got [0.1, 0.01]"),
         ("optim.name: {grid: []}\n", "optim.name: grid needs at least one value, got an empty list"),
-        ("optim.name: {choice: [sgd, lion]}\n", "value 'lion' is rejected: optim.name = 'lion'"),
+        ("optim.name: {choice: [sgd, lion]}\n", "value 'lion' is rejected: optim.name 'lion' is not a torch.optim"),
         ("optim.lr: [0.1, 0.2]\n", "expected one domain such as {uniform: [lo, hi]}"),
         ("- optim.lr\n", "expected a mapping of config keys to domains"),
     ],

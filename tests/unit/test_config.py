@@ -59,7 +59,7 @@ def test_override_values_are_typed() -> None:
             "train.batch_size = 0: Input should be greater than or equal to 1"[:60],
         ),
         ({"train": {"batch_size": "big", "max_steps": 1}}, "train.batch_size = 'big': Input should be a valid integer"),
-        ({"optim": {"name": "lbfgs"}}, "optim.name = 'lbfgs': Input should be 'sgd', 'adam' or 'adamw'"),
+        ({"optim": {"name": "torch.optim.LBFGS"}}, "optim.name = 'torch.optim.LBFGS': String should match pattern"),
         ({"data": {"val_fraction": 1.5}}, "data.val_fraction = 1.5: Input should be less than 1"),
         ({"scaling": {"num_workers": [3, 1]}}, "[min, max] needs min <= max"),
         ({"train": {"batch_size": 4}}, "set train.max_steps or train.epochs"),

@@ -58,7 +58,10 @@ def test_the_bundled_demo_space_fits_the_bundled_demo_config() -> None:
         ({"schedule.warmup_steps": {"randint": [0, 9.5]}}, "randint takes [lo, hi] integers"),
         ({"optim.name": {"grid": []}}, "optim.name: grid needs at least one value, got an empty list"),
         ({"optim.name": {"choice": []}}, "choice needs at least one value"),
-        ({"optim.name": {"grid": ["sgd", "rmsprop"]}}, "value 'rmsprop' is rejected: optim.name = 'rmsprop'"),
+        (
+            {"optim.name": {"grid": ["sgd", "rmsprop"]}},
+            "value 'rmsprop' is rejected: optim.name 'rmsprop' is not a torch.optim optimizer; did you mean 'RMSprop'",
+        ),
         ({"optim.momentum": {"uniform": [0.5, 1.5]}}, "value 1.5 is rejected: optim.momentum = 1.5"),
         ({"train.batch_size": {"uniform": [16, 64]}}, "train.batch_size = 33.76: Input should be a valid integer"),
         ({"optim.lr": [0.1, 0.2]}, "optim.lr: expected one domain such as {uniform: [lo, hi]}"),

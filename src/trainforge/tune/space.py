@@ -261,9 +261,18 @@ def check_values(domain: Domain, raw: dict[str, Any], source: str) -> None:
     for value in probes:
         candidate = apply_params(raw, {domain.key: value})
         try:
-            Config.model_validate(candidate)
+            config = Config.model_validate(candidate)
         except ValidationError as err:
             detail = describe_validation_error(err)
             raise ConfigError(
                 f"{source}: {domain.key} {domain.describe()}: value {value!r} is rejected: {detail}"
             ) from None
+        if domain.key.startswith("optim."):  # a torch.optim class by name, and its kwargs
+            from trainforge.worker.optim import check_optimizer
+
+            try:
+                check_optimizer(config.optim)
+            except ConfigError as err:
+                raise ConfigError(
+                    f"{source}: {domain.key} {domain.describe()}: value {value!r} is rejected: {err}"
+                ) from None

@@ -165,8 +165,9 @@ def check_optimizer(cfg: OptimConfig) -> type[torch.optim.Optimizer]:
     found = own.get(cfg.name) or getattr(torch.optim, cfg.name, None)
     if not (isinstance(found, type) and issubclass(found, torch.optim.Optimizer)):
         names = optimizer_names()
-        close = difflib.get_close_matches(cfg.name, names, n=1, cutoff=0.6)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
+        by_lower = {name.lower(): name for name in names}
+        close = difflib.get_close_matches(cfg.name.lower(), list(by_lower), n=1, cutoff=0.6)
+        hint = f"; did you mean {by_lower[close[0]]!r}?" if close else ""
         raise ConfigError(
             f"optim.name {cfg.name!r} is not a torch.optim optimizer{hint} (one of sgd, adam, adamw, or a torch.optim "
             f"class: {', '.join(names)})"
