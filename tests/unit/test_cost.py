@@ -10,10 +10,10 @@ from mlflow import MlflowClient
 
 from tests.helpers.runs import tiny_run
 from trainforge.config import load_config
-from trainforge.driver.console import describe
 from trainforge.driver.cost import CostMeter, Units, earlier_sessions_cost, hourly_rate, project, units_per_worker
 from trainforge.driver.summary import Recovery, RunRecord, build_summary
 from trainforge.errors import ConfigError
+from trainforge.observers.console import describe
 from trainforge.protocol import Report, Resumed, RunInfo
 from trainforge.tracking import make_tracker
 from trainforge.tracking.store import local_store_uri

@@ -1,4 +1,4 @@
-"""The driver's side of the typed protocol without Ray (driver/events.py, driver/console.py): the
+"""The driver's side of the typed protocol without Ray (driver/events.py, observers/console.py): the
 controller callback takes each rank's Report out of Ray Train's metrics and merges the per-node
 samples, the Pump hands each kind of mail to its typed callback, metrics.jsonl gets Report.to_json,
 and the console colours an event by its level, not by its words."""
@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from trainforge.driver import events as observe
-from trainforge.driver.console import ProgressDisplay
+from trainforge.observers.console import ProgressDisplay
 from trainforge.protocol import (
     REPORT_KEY,
     CheckpointSkipped,

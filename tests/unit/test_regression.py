@@ -281,7 +281,7 @@ def test_regression_crashed_and_restarted_is_bit_identical(runs: dict) -> None:
 
 
 def test_the_console_line_shows_val_mse_and_no_accuracy() -> None:
-    from trainforge.driver.console import describe
+    from trainforge.observers.console import describe
 
     line = describe({"train/loss": 0.5, "val/loss": 0.25, "val/mse": 0.0123, "val/mae": 0.1}, epoch=2)
     assert "val_mse 0.0123" in line and "acc" not in line

@@ -34,7 +34,6 @@ from trainforge.data.factory import check_data_factory
 from trainforge.data.registry import check_local_paths, open_stream, source_of
 from trainforge.data.stream import StreamShape, check_stream_config, ordered_split_config
 from trainforge.data.tokens import prepare_or_verify
-from trainforge.driver.console import ProgressDisplay
 from trainforge.driver.cost import CostMeter
 from trainforge.driver.events import (
     ForwardingCallback,
@@ -55,6 +54,7 @@ from trainforge.driver.warm import WarmGroupFailed, WarmTrainer, process_pool, w
 from trainforge.errors import CheckpointError, ConfigError, TrainforgeError, TrainingFailed, UserCodeError
 from trainforge.metrics.driver.observer import metrics_observers
 from trainforge.models.registry import load_factory, require_builtin
+from trainforge.observers.console import ProgressDisplay
 from trainforge.protocol import PAYLOAD_KEY, Payload, Report, RunInfo, UserError
 from trainforge.redact import install_on_logger, redact_text
 from trainforge.report import ReportWriter
