@@ -223,12 +223,69 @@ class OptimConfig(Section):
         return self
 
 
+SCHEDULES = ("constant", "step", "cosine", "linear")  # trainforge's own, counted in optimizer steps
+SCHEDULE_KEYS = ("step_size", "gamma", "min_lr_ratio")  # their keys; a torch class takes schedule.kwargs
+PLATEAU = "ReduceLROnPlateau"  # the torch class that steps on a validation metric (schedule.monitor)
+
+
 class ScheduleConfig(Section):
-    name: Literal["constant", "step", "cosine", "linear"] = "constant"
+    # constant, step, cosine, linear (with the keys below), or any torch.optim.lr_scheduler class
+    # by its name (StepLR, OneCycleLR, ...: its arguments in schedule.kwargs; worker/schedule.py)
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")] = "constant"
+    kwargs: PlainDict = Field(default_factory=dict)  # a torch class's keyword arguments
+    interval: Literal["step", "epoch"] = "step"  # when a torch class steps: each optimizer step or epoch end
     warmup_steps: Annotated[int, Field(ge=0, le=MAX_STEPS)] = 0
+    # the same warm-up in epochs (converted with the run's steps per epoch); give one of the two
+    warmup_epochs: Annotated[float, Field(ge=0.0, le=MAX_EPOCHS)] | None = None
+    # ReduceLROnPlateau's validation metric, as reports name it (val/loss; val_loss also matches)
+    monitor: Annotated[str, Field(max_length=200)] | None = None
     step_size: Steps = 1000
     gamma: Annotated[float, Field(gt=0, le=1e3)] = 0.1
     min_lr_ratio: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
+
+    @field_validator("monitor")
+    @classmethod
+    def _validation_metric(cls, value: str | None) -> str | None:
+        if value is not None and not re.fullmatch(r"val[A-Za-z0-9_]*[/_][\w.-]+", value):
+            raise ValueError(f"{value!r} is not a validation metric: name one as reports do (val/loss, val/accuracy)")
+        return value
+
+    @model_validator(mode="after")
+    def _one_warmup(self) -> ScheduleConfig:
+        if self.warmup_epochs is not None and "warmup_steps" in self.model_fields_set:
+            raise ValueError("give one of schedule.warmup_steps or schedule.warmup_epochs")
+        return self
+
+    @model_validator(mode="after")
+    def _keys_of_the_name(self) -> ScheduleConfig:
+        """Each key where the named schedule reads it; nothing set that it would ignore."""
+        if self.name in SCHEDULES:
+            if self.kwargs:
+                keys = ", ".join(f"schedule.{key}" for key in SCHEDULE_KEYS)
+                raise ValueError(
+                    f"schedule.kwargs is for a torch.optim.lr_scheduler class; schedule.name {self.name} takes {keys}"
+                )
+            if self.interval != "step":
+                raise ValueError(
+                    f"schedule.interval epoch needs a torch.optim.lr_scheduler class (StepLR, ...): schedule.name "
+                    f"{self.name} counts optimizer steps"
+                )
+        else:
+            own = sorted(set(SCHEDULE_KEYS) & self.model_fields_set)
+            if own:
+                raise ValueError(
+                    f"schedule {own} are for constant/step/cosine/linear; {self.name}'s arguments go in schedule.kwargs"
+                )
+        if self.name == PLATEAU:
+            if self.monitor is None:
+                raise ValueError(f"schedule.name {PLATEAU} needs schedule.monitor (a validation metric: val/loss, ...)")
+            if "interval" in self.model_fields_set:
+                raise ValueError(
+                    f"{PLATEAU} steps after each validation (schedule.monitor): leave schedule.interval out"
+                )
+        elif self.monitor is not None:
+            raise ValueError(f"schedule.monitor is read by {PLATEAU} only, not by schedule.name {self.name}")
+        return self
 
 
 class ScalingConfig(Section):
