@@ -46,8 +46,8 @@ from trainforge.config import Config
 from trainforge.errors import CheckpointError
 from trainforge.worker.build import WorkerRun
 from trainforge.worker.components.data import DataSource
-from trainforge.worker.optim import build_scheduler
 from trainforge.worker.registry import build_components, state_schemas
+from trainforge.worker.schedule import build_scheduler
 from trainforge.worker.saving import restore
 from trainforge.worker.step import StepRunner
 

@@ -15,11 +15,11 @@ from trainforge.worker.loop import report_stride
 from trainforge.worker.optim import (
     apply_hyperparameters,
     build_optimizer,
-    build_scheduler,
     check_optimizer,
     effective_lr,
     lr_multiplier,
 )
+from trainforge.worker.schedule import build_scheduler
 
 
 def test_linear_lr_scaling_follows_the_global_batch() -> None:

@@ -16,20 +16,18 @@ from trainforge.worker.components.weights import OptimizerState
 from trainforge.worker.optim import (
     apply_hyperparameters,
     build_optimizer,
-    build_scheduler,
     effective_lr,
     hyperparameters_differ,
     lr_multiplier,
 )
 from trainforge.worker.plan import ParallelPlan
+from trainforge.worker.schedule import LRSchedule, build_scheduler
 
 TOTAL = 100
 SCHEDULE = ScheduleConfig(name="cosine", warmup_steps=5)
 
 
-def trained(
-    cfg: OptimConfig, steps: int
-) -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+def trained(cfg: OptimConfig, steps: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, LRSchedule]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
     optimizer = build_optimizer(cfg, model, cfg.lr)
@@ -48,7 +46,7 @@ def test_restored_state_runs_with_this_runs_lr_and_decay() -> None:
     mine = OptimConfig(name="adamw", lr=0.002, weight_decay=0.1, betas=(0.8, 0.99))
     model, optimizer, scheduler = trained(mine, steps=0)
     optimizer.load_state_dict(donor.state_dict())
-    scheduler.load_state_dict({**donor_schedule.state_dict(), "lr_lambdas": [None] * len(optimizer.param_groups)})
+    scheduler.load_state_dict(donor_schedule.state_dict(), 12)
     assert optimizer.param_groups[0]["lr"] == pytest.approx(donor.param_groups[0]["lr"])  # the donor's, so far
 
     apply_hyperparameters(optimizer, scheduler, mine, mine.lr)
@@ -59,11 +57,11 @@ def test_restored_state_runs_with_this_runs_lr_and_decay() -> None:
         assert group["betas"] == (0.8, 0.99)
         decays = any(p.ndim >= 2 for p in group["params"])
         assert group["weight_decay"] == (0.1 if decays else 0.0)
-    assert scheduler.get_last_lr() == [pytest.approx(0.002 * factor)] * len(optimizer.param_groups)
+    assert scheduler.scheduler.get_last_lr() == [pytest.approx(0.002 * factor)] * len(optimizer.param_groups)
     # The moments and the step count are the donor's.
     first = next(iter(donor.state.values()))
     assert torch.equal(next(iter(optimizer.state.values()))["exp_avg"], first["exp_avg"])
-    assert scheduler.last_epoch == 12
+    assert scheduler.scheduler.last_epoch == 12
     # The schedule goes on from there with this run's base LR.
     model(torch.randn(8, 4)).pow(2).mean().backward()
     optimizer.step()

@@ -62,6 +62,7 @@ from trainforge.tracking import make_tracker
 from trainforge.worker.build import check_block_names, check_model_output, check_parameter_names, check_pretrained_fits
 from trainforge.worker.loop import train_loop_per_worker, worker_env
 from trainforge.worker.optim import check_optimizer
+from trainforge.worker.schedule import check_schedule
 from trainforge.worker.profiling import fetch_profiles
 from trainforge.worker.registry import state_schemas
 
@@ -177,6 +178,7 @@ def preflight(config: Config, *, local: bool) -> None:
     check_data_factory(config.data, local=False)
     check_augment(augment_of(config.data))
     check_optimizer(config.optim)
+    check_schedule(config.schedule, config.optim)
     if local:  # checkpoint.encryption: the key is in this machine's environment (a cluster's workers have their own)
         cipher_of(config.checkpoint.encryption)
     check_storage(config, local=local)  # before a corpus is prepared: nothing written for a run that cannot save

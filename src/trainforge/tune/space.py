@@ -276,3 +276,15 @@ def check_values(domain: Domain, raw: dict[str, Any], source: str) -> None:
                 raise ConfigError(
                     f"{source}: {domain.key} {domain.describe()}: value {value!r} is rejected: {err}"
                 ) from None
+        if domain.key.startswith(("schedule.", "optim.")):  # a torch lr_scheduler class by name, its kwargs
+            from trainforge.worker.schedule import check_schedule, lr_search_problem
+
+            try:
+                check_schedule(config.schedule, config.optim)
+                problem = lr_search_problem(domain.key, config.schedule)
+            except ConfigError as err:
+                problem = str(err)
+            if problem:
+                raise ConfigError(
+                    f"{source}: {domain.key} {domain.describe()}: value {value!r} is rejected: {problem}"
+                ) from None

@@ -22,6 +22,7 @@ from trainforge.data import build_datasets, collate_of
 from trainforge.data.augment import augment_of, build_augmenter
 from trainforge.data.registry import source_of
 from trainforge.data.stream import StreamFeed, StreamShape
+from trainforge.errors import ConfigError
 from trainforge.models import Task, build_model, build_task
 from trainforge.models.lora import apply_lora
 from trainforge.models.pretrained import (
@@ -39,10 +40,11 @@ from trainforge.worker.blocks import repeated_blocks
 from trainforge.worker.components.base import Component
 from trainforge.worker.components.data import DataSource
 from trainforge.worker.components.training import Progress
-from trainforge.worker.optim import build_optimizer, build_scheduler, effective_lr, group_parameters
+from trainforge.worker.optim import build_optimizer, effective_lr, group_parameters
 from trainforge.worker.params import freeze
 from trainforge.worker.plan import ParallelPlan, all_reduce_max, build_plan
 from trainforge.worker.registry import build_components
+from trainforge.worker.schedule import build_scheduler
 from trainforge.worker.step import MetricSums, StepRunner
 from trainforge.worker.tp import Layout, check_tensor_parallel
 
@@ -173,7 +175,9 @@ def build(
     global_batch = data.samples_per_step * layout.dp
     # Over the module under the wrapper: the same parameters, by the plain model's names.
     optimizer = build_optimizer(config.optim, plan.eval_model(model), effective_lr(config.optim, global_batch))
-    scheduler = build_scheduler(config.schedule, optimizer, total_steps)
+    if config.schedule.monitor is not None and data.val_set is None:
+        raise ConfigError(f"schedule.monitor {config.schedule.monitor} needs validation data; this run has none")
+    scheduler = build_scheduler(config.schedule, optimizer, total_steps, data.steps_per_epoch)
     runner = StepRunner(
         model,
         task,

@@ -250,6 +250,7 @@ class Session:
         if data.epoch_done:
             # A full epoch: the next one starts at its beginning with a new shuffle.
             data.next_epoch()
+            run.runner.scheduler.epoch_end()  # schedule.interval epoch: the LR of the next epoch
             more = progress.global_step < run.total_steps
             if more and run.val_set is not None and cfg.train.eval_every_n_steps is None:
                 self.val_metrics = self.timed_evaluate()
@@ -367,6 +368,7 @@ class Session:
         started = time.perf_counter()
         metrics = evaluate(self.run)
         self.meter.exclude(time.perf_counter() - started)
+        self.run.runner.scheduler.validated(metrics)  # ReduceLROnPlateau: all-reduced, the same on every rank
         self.val_points.append({"step": self.progress.global_step, "time/unix": time.time(), **metrics})
         return metrics
 

@@ -1,4 +1,4 @@
-"""Optimizer and LR schedule built from their config sections."""
+"""The optimizer built from its config section; the LR multiplier of trainforge's own schedules."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import inspect
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import torch
 from torch import nn
@@ -214,12 +214,6 @@ def lr_multiplier(cfg: ScheduleConfig, total_steps: int) -> Callable[[int], floa
     return factor
 
 
-def build_scheduler(
-    cfg: ScheduleConfig, optimizer: torch.optim.Optimizer, total_steps: int
-) -> torch.optim.lr_scheduler.LambdaLR:
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_multiplier(cfg, total_steps))
-
-
 def hyperparameters_differ(saved: dict, cfg_optim: OptimConfig, cfg_schedule: ScheduleConfig) -> bool:
     """Whether a checkpoint's config (``saved``, a config dict) set other optimizer or schedule
     values than this run's: then restoring the optimizer and schedule state brought them back.
@@ -234,9 +228,15 @@ def hyperparameters_differ(saved: dict, cfg_optim: OptimConfig, cfg_schedule: Sc
     return False
 
 
+class Rebases(Protocol):
+    """An LR schedule whose base LRs can be replaced where it stands (worker/schedule.LRSchedule)."""
+
+    def rebase(self, initial_lrs: Sequence[float]) -> None: ...
+
+
 def apply_hyperparameters(
     optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    scheduler: Rebases,
     cfg: OptimConfig,
     lr: float,
     names: Mapping[int, Sequence[str]] | None = None,
@@ -250,15 +250,13 @@ def apply_hyperparameters(
     own schedule at the restored step, or where ``optim.param_groups`` sets a group's own, that
     (``names``: each parameter's names by its id, to match the entries' globs).
     """
-    assert isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR), "build_scheduler makes LambdaLR schedules"
-    factor = scheduler.lr_lambdas[0](scheduler.last_epoch) if scheduler.last_epoch >= 0 else 1.0
+    initial_lrs = []
     extra = OPTIMIZER_KEYS.get(cfg.name, ())
     names = names or {}
     for group in optimizer.param_groups:
         first = next(iter(group["params"]), None)
         own = settings_of(cfg, entry_of(cfg, names.get(id(first), ())), group["params"])
-        group["initial_lr"] = group_lr(own, cfg, lr)
-        group["lr"] = group["initial_lr"] * factor
+        initial_lrs.append(group_lr(own, cfg, lr))
         group["weight_decay"] = own.weight_decay
         for key in extra:
             if key == "nesterov":
@@ -270,5 +268,4 @@ def apply_hyperparameters(
         for key, value in cfg.kwargs.items():  # a torch.optim class's own arguments, as its groups hold them
             if key in group:
                 group[key] = tuple(value) if isinstance(value, list) else value
-    scheduler.base_lrs = [group["initial_lr"] for group in optimizer.param_groups]  # each group's own
-    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]  # what get_last_lr() reports
+    scheduler.rebase(initial_lrs)  # each group's own base LR, the schedule where it stands

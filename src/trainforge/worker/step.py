@@ -22,6 +22,7 @@ from trainforge.models import Task
 from trainforge.models.tasks import to_device
 from trainforge.worker import collectives
 from trainforge.worker.plan import ParallelPlan
+from trainforge.worker.schedule import LRSchedule
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -67,7 +68,7 @@ class StepRunner:
         model: nn.Module,
         task: Task,
         optimizer: torch.optim.Optimizer,
-        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        scheduler: LRSchedule,
         *,
         device: torch.device,
         precision: str,
@@ -153,7 +154,7 @@ class StepRunner:
         else:
             self._step_if_finite(finite)
         self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
+        self.scheduler.step()  # an optimizer step taken: the schedule decides whether its scheduler steps
         sums.add("grad_norm_sum", torch.where(finite, grad_norm, torch.zeros_like(grad_norm)))
         sums.add("skipped_steps", (~finite).double())
         sums.add("steps", 1.0)

@@ -18,13 +18,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, ClassVar
 
 import torch
-from pydantic import BaseModel, Field, StrictFloat, StrictInt, StrictStr, field_validator
+from pydantic import BaseModel, Field, JsonValue, StrictFloat, StrictInt, StrictStr, field_validator, model_validator
 
 from trainforge.checkpoint.schema import MAX_STEP, NonNegative, Number, Schema, UInt32
 from trainforge.checkpoint.state import State, capture_rng, restore_rng
 from trainforge.config import OptimConfig, ScheduleConfig
 from trainforge.worker.components.base import Component, Restore, StateSchema
 from trainforge.worker.optim import apply_hyperparameters, effective_lr, hyperparameters_differ, names_by_parameter
+from trainforge.worker.schedule import LRSchedule
 
 if TYPE_CHECKING:
     from trainforge.worker.build import WorkerRun
@@ -87,37 +88,75 @@ class Progress(Component):
 
 
 class ScheduleState(StateSchema):
-    """What torch's LR schedulers keep (``lr_lambdas`` are code, not state, and are left out)."""
+    """trainforge's own schedule (constant, step, cosine, linear): LambdaLR's state, its functions
+    (code, not state) left out. A torch.optim.lr_scheduler class: its name, the optimizer steps
+    taken and its state_dict as JSON, checked key by key against this run's scheduler as it loads."""
 
-    last_epoch: Annotated[int, Field(ge=-1, le=MAX_STEP)]
-    base_lrs: Annotated[list[Rate], Field(max_length=4096)]
+    last_epoch: Annotated[int, Field(ge=-1, le=MAX_STEP)] | None = None
+    base_lrs: Annotated[list[Rate], Field(max_length=4096)] | None = None
     step_count: Annotated[int | None, Field(ge=0, le=MAX_STEP + 1, alias="_step_count")] = None
     last_lr: Annotated[list[Rate] | None, Field(max_length=4096, alias="_last_lr")] = None
     is_initial: Annotated[bool | None, Field(alias="_is_initial")] = None
     get_lr_called: Annotated[bool | None, Field(alias="_get_lr_called_within_step")] = None
     verbose: bool | None = None
+    scheduler: Annotated[StrictStr, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")] | None = None
+    steps: Step | None = None
+    state: dict[str, JsonValue] | None = None
+
+    @field_validator("state")
+    @classmethod
+    def _bounded(cls, value: dict[str, JsonValue] | None) -> dict[str, JsonValue] | None:
+        if value is not None and json_size(value) > MAX_SCHEDULER_VALUES:
+            raise ValueError(f"holds more than {MAX_SCHEDULER_VALUES} values")
+        return value
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> ScheduleState:
+        if self.scheduler is None:
+            if self.last_epoch is None or self.base_lrs is None:
+                raise ValueError("needs last_epoch and base_lrs (trainforge's own schedule) or scheduler, steps, state")
+            if self.steps is not None or self.state is not None:
+                raise ValueError("steps and state go with a scheduler's name")
+        elif self.steps is None or self.state is None:
+            raise ValueError(f"scheduler {self.scheduler} needs steps and state")
+        elif self.last_epoch is not None or self.base_lrs is not None:
+            raise ValueError("last_epoch and base_lrs of a torch scheduler go in its state")
+        return self
+
+
+# A scheduler's state is a few numbers per parameter group (OneCycleLR's phases, MultiStepLR's milestones).
+MAX_SCHEDULER_VALUES = 1 << 16
+
+
+def json_size(value: JsonValue) -> int:
+    """The values in a JSON value, containers included."""
+    if isinstance(value, dict):
+        return 1 + sum(json_size(item) for item in value.values())
+    if isinstance(value, list):
+        return 1 + sum(json_size(item) for item in value)
+    return 1
 
 
 class Schedule(Component):
-    """The LR schedule of a worker's optimizer, with this run's hyperparameters re-applied when the
-    checkpoint's config set others."""
+    """The LR schedule of a worker's optimizer (worker/schedule.py), with this run's hyperparameters
+    re-applied when the checkpoint's config set others."""
 
     name: ClassVar[str] = "schedule"
     schema: ClassVar[type[BaseModel]] = ScheduleState
 
     def __init__(
         self,
-        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        schedule: LRSchedule,
         optimizer: torch.optim.Optimizer,
         optim: OptimConfig,
-        schedule: ScheduleConfig,
+        config: ScheduleConfig,
         lr: float,
         names: Mapping[int, Sequence[str]] | None = None,
     ) -> None:
-        self.scheduler = scheduler
+        self.schedule = schedule
         self.optimizer = optimizer
         self.optim = optim
-        self.schedule = schedule
+        self.config = config
         self.lr = lr  # this run's base LR (after linear scaling): what a foreign checkpoint gets
         self.names = names  # each parameter's names by id: which optim.param_groups entry it is in
 
@@ -129,16 +168,16 @@ class Schedule(Component):
         return cls(runner.scheduler, runner.optimizer, cfg.optim, cfg.schedule, lr, names)
 
     def state_dict(self) -> State:
-        return State({k: v for k, v in self.scheduler.state_dict().items() if k != "lr_lambdas"})
+        return State(self.schedule.state_dict())
 
     def load_state_dict(self, state: State, restore: Restore) -> None:
         saved = ScheduleState.model_validate(state.values).model_dump(by_alias=True, exclude_none=True)
-        groups = len(self.optimizer.param_groups)
-        if len(saved["base_lrs"]) != groups:
-            raise ValueError(f"the schedule has {len(saved['base_lrs'])} parameter groups, this optimizer {groups}")
-        self.scheduler.load_state_dict({**saved, "lr_lambdas": [None] * groups})
-        if restore.config and hyperparameters_differ(restore.config, self.optim, self.schedule):
-            apply_hyperparameters(self.optimizer, self.scheduler, self.optim, self.lr, self.names)
+        differ = bool(restore.config) and hyperparameters_differ(restore.config, self.optim, self.config)
+        note = self.schedule.load_state_dict(saved, restore.step, keep_arguments=differ)
+        if note:
+            restore.notes.append(note)
+        if differ:
+            apply_hyperparameters(self.optimizer, self.schedule, self.optim, self.lr, self.names)
             lr = self.optimizer.param_groups[0]["lr"]
             restore.notes.append(f"optimizer hyperparameters from this run's config (lr now {lr:.4g})")
 
