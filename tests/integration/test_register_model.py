@@ -28,8 +28,9 @@ from trainforge.cli import main
 from trainforge.config import load_config, to_yaml
 from trainforge.models.export import run_model
 from trainforge.models.pretrained import load_pretrained
+from trainforge.observers.mlflow import make_tracker
 from trainforge.protocol import RunInfo
-from trainforge.tracking import TrackingError, make_tracker
+from trainforge.tracking import TrackingError
 from trainforge.tracking.runs import RESUME_FILE
 
 LLAMA = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2}
@@ -169,7 +170,7 @@ def test_an_unreachable_registry_is_a_note_in_summary_json_and_the_run_stands(
     summary, tracker = end_run(away, trained.outcome.final)
     record = summary["registered_model"]
     assert record["name"] == "tiny-llama" and record["version"] is None and "did not answer" in record["error"]
-    tracker.raise_if_incomplete()  # tracking.required is false: the run stands
+    tracker.check_complete()  # tracking.required is false: the run stands
 
 
 def test_with_tracking_required_a_run_without_a_registered_version_fails(
@@ -181,7 +182,7 @@ def test_with_tracking_required_a_run_without_a_registered_version_fails(
     summary, tracker = end_run(strict, trained.outcome.final, weights=False)
     assert summary["registered_model"]["error"] == "not registered: the run has no model.safetensors"
     with pytest.raises(TrackingError, match=r"tracking.required is set .* a version of model tiny-llama"):
-        tracker.raise_if_incomplete()
+        tracker.check_complete()
 
 
 @pytest.mark.parametrize(

@@ -14,8 +14,8 @@ from trainforge.driver.cost import CostMeter, Units, earlier_sessions_cost, hour
 from trainforge.driver.summary import Recovery, RunRecord, build_summary
 from trainforge.errors import ConfigError
 from trainforge.observers.console import describe
+from trainforge.observers.mlflow import make_tracker
 from trainforge.protocol import Report, Resumed, RunInfo
-from trainforge.tracking import make_tracker
 from trainforge.tracking.store import local_store_uri
 
 BASE = {"model": {"name": "mlp"}, "train": {"max_steps": 10}}

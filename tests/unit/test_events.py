@@ -1,4 +1,4 @@
-"""The driver's side of the typed protocol without Ray (driver/events.py, observers/console.py): the
+"""The driver's side of the typed protocol without Ray (driver/events.py, observers/): the
 controller callback takes each rank's Report out of Ray Train's metrics and merges the per-node
 samples, the Pump hands each kind of mail to its typed callback, metrics.jsonl gets Report.to_json,
 and the console colours an event by its level, not by its words."""
@@ -14,7 +14,9 @@ from typing import Any
 import pytest
 
 from trainforge.driver import events as observe
+from trainforge.observers import Observers
 from trainforge.observers.console import ProgressDisplay
+from trainforge.observers.metrics_log import MetricsLog
 from trainforge.protocol import (
     REPORT_KEY,
     CheckpointSkipped,
@@ -94,10 +96,8 @@ def test_the_pump_hands_each_kind_of_mail_to_its_callback(monkeypatch: pytest.Mo
         resumed,
     ]
     monkeypatch.setattr(observe.ray, "get", lambda ref, timeout=None: ref)
-    recorder, log = Recorder(), observe.MetricsLog(tmp_path)
-    pump = observe.Pump(
-        SimpleNamespace(drain=SimpleNamespace(remote=lambda: list(mail))), observe.Observers([recorder, log])
-    )
+    recorder, log = Recorder(), MetricsLog(tmp_path)
+    pump = observe.Pump(SimpleNamespace(drain=SimpleNamespace(remote=lambda: list(mail))), Observers([recorder, log]))
     pump.drain()
     assert [kind for kind, _ in recorder.seen] == ["report", "worker_error", "log", "report"]
     assert recorder.seen[2][1] == list(lines)

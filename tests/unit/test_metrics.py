@@ -19,10 +19,10 @@ from tests.helpers.runs import tiny_run
 from trainforge.config import MetricsConfig, load_config
 from trainforge.errors import ConfigError
 from trainforge.metrics import names
-from trainforge.metrics.driver.observer import failure_reason
 from trainforge.metrics.driver.session import check_cluster_options, link, local_ray_options, write_targets
 from trainforge.metrics.worker.comm import CommReport, CommTimer, comm_hooks, union_length
 from trainforge.metrics.worker.gpu import gpu_readings
+from trainforge.observers.prometheus import failure_reason
 from trainforge.protocol import Report
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -14,8 +14,9 @@ from typing import Any
 
 import pytest
 
+from trainforge.observers.report import ReportWriter
 from trainforge.protocol import HISTORY_KEY, CheckpointSkipped, Resumed, event_to_json
-from trainforge.report import ReportError, ReportWriter, load_run, write_report
+from trainforge.report import ReportError, load_run, write_report
 from trainforge.report.html import format_metric
 from trainforge.report.plots import pieces, xy
 

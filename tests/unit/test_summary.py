@@ -24,6 +24,7 @@ from trainforge.driver.summary import (
     RunRecord,
     build_summary,
 )
+from trainforge.observers import Observers
 from trainforge.protocol import Report, Resumed, WorkerFailure
 from trainforge.tune.results import complete_run_dir
 from trainforge.tune.trial import TrialOutcome
@@ -52,7 +53,7 @@ EVENTS: list[Report | WorkerFailure] = [
 
 
 def metrics_log_lines(events: list[Report | WorkerFailure]) -> list[str]:
-    """metrics.jsonl as driver/events.MetricsLog appends it, with each failure's time."""
+    """metrics.jsonl as observers/metrics_log.MetricsLog appends it, with each failure's time."""
     return [json.dumps(event.to_json()) for event in events]
 
 
@@ -60,7 +61,7 @@ def pump_fed(events: list[Report | WorkerFailure], monkeypatch: pytest.MonkeyPat
     """The driver's real Pump, drained once from a mailbox that holds ``events``."""
     monkeypatch.setattr(observe.ray, "get", lambda ref, timeout=None: ref)
     mailbox = SimpleNamespace(drain=SimpleNamespace(remote=lambda: list(events)))
-    pump = observe.Pump(mailbox, observe.Observers([]))
+    pump = observe.Pump(mailbox, Observers([]))
     pump.drain()
     return pump
 

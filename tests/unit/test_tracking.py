@@ -23,8 +23,9 @@ from trainforge.config import load_config, to_yaml, validate
 from trainforge.errors import ConfigError
 from trainforge.metrics.nvml import Gpus
 from trainforge.metrics.worker.system import SystemMetrics
+from trainforge.observers.mlflow import make_tracker
 from trainforge.protocol import Report, RunInfo, WorkerFailure
-from trainforge.tracking import SearchRun, TrackingError, make_tracker
+from trainforge.tracking import SearchRun, TrackingError
 from trainforge.tracking.outbox import Outbox, is_transient
 from trainforge.tracking.records import (
     MAX_KEY_LENGTH,
@@ -227,7 +228,7 @@ def test_tracking_keys_bound_the_buffer_and_the_wait_at_the_end(tmp_path: Path) 
     assert "final status finished" in tracker.leftover.calls
     tracker.settings.required = True
     with pytest.raises(TrackingError, match=r"tracking\.required is set and MLflow at http://127\.0\.0\.1"):
-        tracker.raise_if_incomplete()
+        tracker.check_complete()
 
 
 def test_required_tracking_fails_before_training_when_the_store_is_unreachable(tmp_path: Path) -> None:
@@ -325,11 +326,11 @@ def test_a_run_that_raised_before_its_end_is_marked_failed(tmp_path: Path) -> No
     cfg = config(tmp_path, flush_timeout_s=60)
     tracker = make_tracker(cfg, cfg.run_dir)
     assert tracker is not None
-    tracker.on_error()  # before on_start: no run was opened, nothing to end
+    tracker.on_error(RuntimeError("before the start"))  # before on_start: no run was opened, nothing to end
     assert tracker.leftover is None
     tracker.on_start(STARTED)
     tracker.on_report(as_report(REPORT))
-    tracker.on_error()
+    tracker.on_error(RuntimeError("a user error the workers found"))
     assert tracker.leftover is not None and not tracker.leftover
     assert tracker.outbox.opened is not None
     run = client_for(tmp_path).get_run(tracker.outbox.opened.run_id)
@@ -429,7 +430,7 @@ def test_a_trial_stopped_before_its_tracker_opened_its_run_still_gets_its_mlflow
     """On a warm worker group a trial reports within a second and ASHA may stop it at once, before
     its tracker's thread opened the MLflow run: the search driver opens it afterwards, with the
     trial's params, the reports of its metrics.jsonl and status KILLED."""
-    from trainforge.driver.events import MetricsLog
+    from trainforge.observers.metrics_log import MetricsLog
     from trainforge.tune.results import complete_run_dir
     from trainforge.tune.tracking import finish_trial_runs
     from trainforge.tune.trial import TrialOutcome
@@ -458,7 +459,7 @@ def test_a_trial_stopped_after_its_tracker_created_its_run_gets_its_params(tmp_p
     """Tune ended the trial's actor after its tracker created the MLflow run and before the params
     went out, with the run remembered in tracking.json or not yet: the search driver completes that
     same run (found by the run directory it was tagged with), params and all, and makes no second."""
-    from trainforge.driver.events import MetricsLog
+    from trainforge.observers.metrics_log import MetricsLog
     from trainforge.tracking.runs import RunPlan, open_run
     from trainforge.tune.results import complete_run_dir
     from trainforge.tune.tracking import finish_trial_runs

@@ -504,9 +504,11 @@ class ClusterConfig(Section):
 
 
 class TrackingConfig(Section):
-    """MLflow: one run per training job, logged from the driver (tracking/)."""
+    """Where the driver records a run besides its run directory: MLflow, one run per training job
+    (tracking/, observers/mlflow.py), and TensorBoard event files (observers/tensorboard.py)."""
 
-    enabled: bool = True
+    enabled: bool = True  # MLflow
+    tensorboard: bool = False  # TensorBoard event files under <run dir>/tensorboard/, independent of enabled
     uri: str | None = None  # None: a local store under run.output_dir, so no server is needed
     experiment: str = "trainforge"
     required: bool = False  # True: unreachable at the start fails the run; an incomplete record fails it at the end

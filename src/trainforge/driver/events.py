@@ -1,32 +1,16 @@
-"""How the driver watches a run: the controller forwards reports to a mailbox, observers consume them.
+"""How the driver watches a run: the controller forwards reports to a mailbox, the pump hands them
+to the observers (observers/).
 
 What crosses is typed (``trainforge.protocol``): the workers' ``Report`` (with its events), the
-controller's ``WorkerFailure``, the workers' ``LogBatch``. Observers get typed callbacks, modelled
-on Ray Train's ``UserCallback``; every one but ``on_log`` is required.
-
-Firing order, for every observer, once per driver session:
-
-1. ``on_start(RunInfo)``, before the workers start;
-2. ``on_report(Report)`` per report of the workers (rank 0's figures, all-reduced, plus every
-   node's ``system/...`` samples), in step order, the final one with ``status`` set; with a price
-   set the report carries the driver's ``cost/...`` figures (driver/cost.py);
-3. ``on_worker_error(WorkerFailure)`` when a worker group fails (Ray restarts it; the next report
-   after the restore carries a ``Resumed`` event) and ``on_log(list[LogLine])`` (batches of worker
-   log lines), interleaved with 2. as they happen;
-4. ``on_end(summary)`` once, with summary.json's content, after it is written (not when ``fit``
-   raises a user's error: the tracker's ``on_error`` covers that).
-
-Observers run on the driver's main thread between mailbox drains (every 0.5 s). One that raises
-is logged once and skipped from then on; observation never stops training.
+controller's ``WorkerFailure``, the workers' ``LogBatch``, the start-up phases' ``StartupMarks``.
+The observers' hooks and their firing order are ``observers/base.py``'s.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import time
-from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import ray
 from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
@@ -34,13 +18,12 @@ from ray.train.v2.api.callback import UserCallback
 
 from trainforge.driver.cost import CostMeter
 from trainforge.driver.startup import Timeline
-from trainforge.driver.summary import DRIVER_START, Recovery
+from trainforge.driver.summary import Recovery
+from trainforge.observers.base import Observers
 from trainforge.protocol import (
     REPORT_KEY,
     LogBatch,
-    LogLine,
     Report,
-    RunInfo,
     StartupMarks,
     WorkerFailure,
     merge_reports,
@@ -126,50 +109,6 @@ class StartupCallback(ControllerCallback, WorkerGroupCallback):
         self.sent = True  # a restarted group's start is recovery, not start-up
 
 
-class Observer(Protocol):
-    def on_start(self, info: RunInfo) -> None: ...
-    def on_report(self, report: Report) -> None: ...
-    def on_worker_error(self, failure: WorkerFailure) -> None: ...
-    def on_end(self, summary: dict[str, Any]) -> None: ...
-
-    # optional: def on_log(self, lines: list[LogLine]) -> None
-
-
-class Observers:
-    """Fans events out to every observer; failures in one are logged once and do not propagate."""
-
-    def __init__(self, observers: list[Observer]) -> None:
-        self.observers = observers
-        self._failed: set[int] = set()
-
-    def _each(self, method: str, *args: Any) -> None:
-        for index, observer in enumerate(self.observers):
-            handler = getattr(observer, method, None)
-            if handler is None:  # optional methods (on_log)
-                continue
-            try:
-                handler(*args)
-            except Exception as err:  # an observer must never take training down
-                if index not in self._failed:
-                    log.warning("%s.%s failed: %s", type(observer).__name__, method, err)
-                    self._failed.add(index)
-
-    def on_start(self, info: RunInfo) -> None:
-        self._each("on_start", info)
-
-    def on_report(self, report: Report) -> None:
-        self._each("on_report", report)
-
-    def on_worker_error(self, failure: WorkerFailure) -> None:
-        self._each("on_worker_error", failure)
-
-    def on_log(self, lines: list[LogLine]) -> None:
-        self._each("on_log", lines)
-
-    def on_end(self, summary: dict[str, Any]) -> None:
-        self._each("on_end", summary)
-
-
 class Pump:
     """Drains the mailbox and dispatches events; the driver's main loop calls ``drain`` while it waits.
 
@@ -215,51 +154,3 @@ class Pump:
     @property
     def last_checkpoint(self) -> str | None:
         return self.last_report.checkpoint if self.last_report is not None else None
-
-
-class MetricsLog:
-    """Appends every report to ``<run dir>/metrics.jsonl`` (the source for reports and plots)."""
-
-    def __init__(self, run_dir: Path) -> None:
-        self.path = run_dir / "metrics.jsonl"
-
-    def on_start(self, info: RunInfo) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        # A driver session begins: a replay (driver/summary.RunLog) counts restarts from the last one on.
-        self._append({"event": DRIVER_START, "time": time.time()})
-
-    def on_report(self, report: Report) -> None:
-        self._append(report.to_json())
-
-    def on_worker_error(self, failure: WorkerFailure) -> None:
-        self._append(failure.to_json())
-
-    def _append(self, record: dict[str, Any]) -> None:
-        with self.path.open("a") as handle:
-            handle.write(json.dumps(record) + "\n")
-
-    def on_end(self, summary: dict[str, Any]) -> None:
-        pass
-
-
-class WorkerLog:
-    """Appends every worker's log lines (tagged with rank and node) to ``<run dir>/workers.log``."""
-
-    def __init__(self, run_dir: Path) -> None:
-        self.path = run_dir / "workers.log"
-
-    def on_start(self, info: RunInfo) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-
-    def on_report(self, report: Report) -> None:
-        pass
-
-    def on_worker_error(self, failure: WorkerFailure) -> None:
-        pass
-
-    def on_log(self, lines: list[LogLine]) -> None:
-        with self.path.open("a") as handle:
-            handle.writelines(line.text + "\n" for line in lines)
-
-    def on_end(self, summary: dict[str, Any]) -> None:
-        pass

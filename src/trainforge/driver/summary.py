@@ -19,6 +19,7 @@ from trainforge.checkpoint.format import write_json_atomic
 from trainforge.checkpoint.names import name_of_uri, step_of_uri
 from trainforge.checkpoint.storage import CheckpointStore
 from trainforge.errors import CheckpointError
+from trainforge.observers.metrics_log import DRIVER_START
 from trainforge.protocol import Report, Resumed, WorkerFailure
 from trainforge.redact import redact_config, redact_text
 
@@ -27,7 +28,6 @@ log = logging.getLogger("trainforge")
 SUMMARY_FILE = "summary.json"
 RUN_DRIVER = "trainforge"  # ``written_by``: the run's own driver, at the end of fit
 SEARCH_DRIVER = "trainforge tune"  # ``written_by``: a search's driver, for a trial Tune cut short
-DRIVER_START = "driver_start"  # metrics.jsonl's ``event`` when a driver session starts the run (again)
 
 
 @dataclass
@@ -65,7 +65,7 @@ class RunLog:
 
     @classmethod
     def replay(cls, lines: Iterable[str]) -> RunLog:
-        """The lines driver/events.MetricsLog appended, in order; a line cut short (a stopped trial's
+        """The lines observers/metrics_log.MetricsLog appended, in order; a line cut short (a stopped trial's
         actor ended mid-write) or of another shape is skipped (``Report.from_json``: events by
         kind, a run's from before events had kinds as plain notes). ``restarts`` and ``recovery_s``
         cover the last driver session (from the last ``DRIVER_START`` line on), as the driver's

@@ -3,21 +3,18 @@
 The report reads only what the driver wrote (``metrics.jsonl``, ``summary.json``, ``config.yaml``),
 so it works for finished, stopped, failed and still-running runs, and on any machine the run
 directory is copied to. It writes ``RUN_DIR/report/report.html`` and one PNG per plot next to it.
-``data.py`` reads the run directory, ``plots.py`` draws, ``html.py`` lays out the page.
+``data.py`` reads the run directory, ``plots.py`` draws, ``html.py`` lays out the page. A run
+writes its report at its end through observers/report.py.
 """
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Any
 
-from trainforge.protocol import Report, RunInfo, WorkerFailure
 from trainforge.report.data import REPORT_DIR, ReportError, RunData, load_run
 
-log = logging.getLogger("trainforge")
-
-__all__ = ["REPORT_DIR", "ReportError", "ReportWriter", "RunData", "load_run", "write_report"]
+__all__ = ["REPORT_DIR", "ReportError", "RunData", "load_run", "write_report"]
 
 
 def write_report(run_dir: str | Path, summary: dict[str, Any] | None = None) -> Path:
@@ -36,35 +33,3 @@ def write_report(run_dir: str | Path, summary: dict[str, Any] | None = None) -> 
     page = out / "report.html"
     page.write_text(render_page(data, plots), encoding="utf-8")
     return page
-
-
-class ReportWriter:
-    """Observer that writes the run report when the run ends, whatever its status.
-
-    A report that cannot be written is a warning, never an error: the run's outcome stands.
-    """
-
-    def __init__(self, run_dir: Path) -> None:
-        self.run_dir = Path(run_dir)
-
-    def on_start(self, info: RunInfo) -> None:
-        pass
-
-    def on_report(self, report: Report) -> None:
-        pass
-
-    def on_worker_error(self, failure: WorkerFailure) -> None:
-        pass
-
-    def on_end(self, summary: dict[str, Any]) -> None:
-        try:
-            page = write_report(self.run_dir, summary)
-        except Exception as err:  # the report is a convenience; training already succeeded or failed
-            log.warning(
-                "could not write the run report for %s: %s (retry with: trainforge report %s)",
-                self.run_dir,
-                err,
-                self.run_dir,
-            )
-            return
-        log.info("run report: %s", page)

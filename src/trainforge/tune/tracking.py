@@ -21,8 +21,9 @@ from typing import TYPE_CHECKING, Any
 
 from trainforge.config import Config, load_config
 from trainforge.driver.summary import SEARCH_DRIVER, RunLog
+from trainforge.observers.mlflow import make_tracker
 from trainforge.protocol import RunInfo
-from trainforge.tracking import SearchRun, make_tracker
+from trainforge.tracking import SearchRun
 from trainforge.tracking.records import metric_points
 from trainforge.tracking.runs import RESUME_FILE, end_call, tags_call
 

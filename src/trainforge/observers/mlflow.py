@@ -1,4 +1,5 @@
-"""The driver-side observer that records one training job as one MLflow run."""
+"""MLflow: the observer that records one training job as one MLflow run (the store, the outbox and the
+records it sends are tracking/'s; docs/tracking.md)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from trainforge.observers.base import Observer, SinkSetup
 from trainforge.protocol import PROJECTED_KEY, SO_FAR_KEY, Report, RunInfo, WorkerFailure
 from trainforge.tracking.outbox import Leftover, Outbox
 from trainforge.tracking.records import (
@@ -17,7 +19,7 @@ from trainforge.tracking.records import (
     scaling_tags,
     version_tags,
 )
-from trainforge.tracking.registry import ModelRegistration
+from trainforge.tracking.registry import SUMMARY_KEY, ModelRegistration
 from trainforge.tracking.runs import (
     RESUME_FILE,
     RunPlan,
@@ -39,7 +41,7 @@ ARTIFACT_FILES = ("config.yaml", "summary.json", "metrics.jsonl", "workers.log",
 REPORT_DIR = "report"
 
 
-class MlflowTracker:
+class MlflowTracker(Observer):
     """Observer: params and tags at the start, every report's numbers as metrics, the run
     directory's files as artifacts at the end, all through a background ``Outbox``.
 
@@ -127,8 +129,8 @@ class MlflowTracker:
         self.outbox.add_call(f"final status {summary.get('status')}", end_call(str(summary.get("status"))))
         self._close()
 
-    def on_error(self) -> None:
-        """``fit`` raised instead of reaching ``on_end`` (a user error the workers found): the
+    def on_error(self, error: BaseException) -> None:
+        """The run raised instead of reaching ``on_end`` (a user error the workers found): the
         MLflow run ends FAILED rather than showing RUNNING forever."""
         if self.outbox.started and self.leftover is None:
             self.outbox.add_call("final status failed", end_call("failed"))
@@ -145,7 +147,12 @@ class MlflowTracker:
         """summary.json's ``registered_model`` (name, version, uri; or why there is no version)."""
         return self.registration.record if self.registration is not None else None
 
-    def raise_if_incomplete(self) -> None:
+    def summary_entries(self) -> dict[str, Any]:
+        """What the tracker added to summary.json: ``registered_model``, with tracking.register_model."""
+        record = self.registered_model
+        return {SUMMARY_KEY: record} if record is not None else {}
+
+    def check_complete(self) -> None:
         """With ``tracking.required``, a run whose record in MLflow is incomplete ends in an error."""
         missing = self.leftover.describe() if self.leftover else ""
         if self.registration is not None and self.registration.expected and not self.registration.registered:
@@ -181,6 +188,11 @@ def cluster_info() -> dict[str, str]:
         return {}
     alive = sum(1 for node in ray.nodes() if node.get("Alive"))
     return cluster_tags(ray.cluster_resources(), alive)
+
+
+def sink(setup: SinkSetup) -> MlflowTracker | None:
+    """The run's MLflow observer, when ``tracking.enabled`` (``make_tracker``)."""
+    return make_tracker(setup.config, setup.run_dir)
 
 
 def make_tracker(

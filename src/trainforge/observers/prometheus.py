@@ -1,7 +1,8 @@
-"""Driver side: what only the driver sees, as gauges of the run.
+"""Prometheus, driver side: what only the driver sees, as gauges of the run (the workers export
+their own, metrics/worker/).
 
 * ``trainforge_restarts{reason}``: the workers cannot count their own deaths; the driver sees
-  every failure through driver/events.py's ``on_worker_error`` (forwarded by the Ray Train controller's
+  every failure through the observers' ``on_worker_error`` (forwarded by the Ray Train controller's
   callback). Every reason starts at 0, so the series exist before the first failure.
 * ``trainforge_run_last_report_timestamp_seconds`` and ``trainforge_run_active``: the stall
   alert's input. A run that waits for workers (a lost node, no capacity) has no worker series at
@@ -24,6 +25,7 @@ from typing import Any
 from trainforge.config import Config
 from trainforge.metrics.names import DRIVER, RESTART_REASONS
 from trainforge.metrics.worker.export import Gauges
+from trainforge.observers.base import Observer, SinkSetup
 from trainforge.protocol import PROJECTED_KEY, SO_FAR_KEY, Report, RunInfo, WorkerFailure
 
 # Ray's memory monitor (OutOfMemoryError), torch's CUDA OOM, the kernel's OOM killer seen by Ray.
@@ -43,8 +45,8 @@ def failure_reason(errors: Iterable[str]) -> str:
     return "error"
 
 
-class RunMetrics:
-    """Observer (driver/events.py) that records the run's progress and its worker-group failures."""
+class RunMetrics(Observer):
+    """Observer that records the run's progress and its worker-group failures."""
 
     def __init__(self, config: Config) -> None:
         self.labels = {"run": config.run.name, "trial": config.metrics.trial or ""}
@@ -90,6 +92,6 @@ class RunMetrics:
             self.gauges.set("trainforge_restarts", self.counts[reason], reason=reason)
 
 
-def metrics_observers(config: Config) -> list[RunMetrics]:
-    """What ``driver/run.train`` adds to its observers, when ``metrics.enabled``."""
-    return [RunMetrics(config)] if config.metrics.enabled else []
+def sink(setup: SinkSetup) -> RunMetrics | None:
+    """The run's Prometheus observer, when ``metrics.enabled``."""
+    return RunMetrics(setup.config) if setup.config.metrics.enabled else None
