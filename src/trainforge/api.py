@@ -15,9 +15,10 @@ from typing import Any
 from rich.console import Console
 
 from trainforge.config import Config, load_config
+from trainforge.driver.events import Observer
 from trainforge.driver.run import train
 from trainforge.driver.startup import Timeline
-from trainforge.observers import Observer
+from trainforge.models import passed
 from trainforge.tune.search import TuneResult
 from trainforge.tune.search import search as tune
 
@@ -58,6 +59,8 @@ def fit(
     observers: Iterable[Observer] = (),
     train_callbacks: Sequence[Any] = (),
     lock_wait_s: float = 0.0,
+    model: Any = None,
+    data: Any = None,
 ) -> RunResult:
     """Train the run a config describes; raises TrainforgeError for user errors and failed runs.
 
@@ -65,18 +68,25 @@ def fit(
     ``train_callbacks``: extra Ray Train callbacks for the run's controller.
     ``lock_wait_s``: how long to wait for another run holding the run directory (driver/runlock.py) to
     end before giving up with RunLockedError.
+    ``model``: an ``nn.Module``, or a function or class that builds one (called with model.kwargs),
+    in place of model.name / model.factory; ``data``: a map-style ``Dataset`` of training pairs or a
+    ``UserData``, in place of the data source. Both may be defined in the caller (a notebook cell,
+    ``__main__``): they are pickled once and every worker trains on its own copy (models/passed.py).
     """
     startup = Timeline()  # from the call (the CLI's process start, where the CLI called)
-    resolved = load_config(config, overrides)
+    objects = passed.pack(model, data) if model is not None or data is not None else None
+    source = passed.config_naming(config, model=model is not None, data=data is not None)
+    resolved = load_config(source, overrides)
     startup.mark("cli")
-    summary = train(
-        resolved,
-        console=console,
-        observers=observers,
-        address=address,
-        verbose=verbose,
-        callbacks=train_callbacks,
-        lock_wait_s=lock_wait_s,
-        startup=startup,
-    )
+    with passed.installed(objects):
+        summary = train(
+            resolved,
+            console=console,
+            observers=observers,
+            address=address,
+            verbose=verbose,
+            callbacks=train_callbacks,
+            lock_wait_s=lock_wait_s,
+            startup=startup,
+        )
     return RunResult(summary, resolved.run_dir)

@@ -319,13 +319,26 @@ def _point(point: Mapping[str, Any]) -> dict[str, float]:
 
 
 @dataclass(frozen=True)
+class PassedObjects:
+    """The model and data given to ``trainforge.fit(model=..., data=...)``, each pickled once by
+    the driver (models/passed.py), with the names messages call them by (``Net``, ``make_net()``)."""
+
+    model: bytes | None = None
+    data: bytes | None = None
+    model_name: str = ""
+    data_name: str = ""
+
+
+@dataclass(frozen=True)
 class Payload:
     """What every worker receives (Ray Train's ``train_loop_config``): the resolved config, the
-    driver's mailbox (the stop flag, log lines; None in tests) and a streamed source's shape."""
+    driver's mailbox (the stop flag, log lines; None in tests), a streamed source's shape and the
+    objects fit was given."""
 
     config: Config
     mailbox: Any = None
     stream: StreamShape | None = None
+    passed: PassedObjects | None = None
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,20 @@ from typing import Any
 
 from trainforge.errors import ModelError, TrainforgeError
 
+PASSED_MODEL = "trainforge.models.passed:model"  # model.factory of a model given to trainforge.fit(model=...)
+PASSED_DATA = "trainforge.models.passed:data"  # data.factory of data given to trainforge.fit(data=...)
+
+
+def passed_again(key: str, value: str) -> str:
+    """Why a run whose ``key`` is ``value`` (:data:`PASSED_MODEL`, :data:`PASSED_DATA`) cannot be
+    built here: the object lived in the process that called ``trainforge.fit``, not in the run."""
+    what = "model" if value == PASSED_MODEL else "data"
+    return (
+        f"{key}: {value} is the {what} object given to trainforge.fit({what}=...), which is not kept with "
+        f"the run: call trainforge.fit(config, {what}=...) with it again (a re-run or resume of this run "
+        f"directory), or set {key}: 'package.module:function' to build it by name"
+    )
+
 
 def import_from_working_directory() -> None:
     """Put the working directory first on ``sys.path``, as a local run's workers have it (their

@@ -14,7 +14,7 @@ import yaml
 from pydantic import BaseModel, Tag, ValidationError
 
 from trainforge.config.data import DataConfig, foreign_key_message, unknown_source_message
-from trainforge.config.factories import import_from_working_directory
+from trainforge.config.factories import PASSED_DATA, PASSED_MODEL, import_from_working_directory, passed_again
 from trainforge.config.safeyaml import MAX_DEPTH, MAX_TEXT_CHARS, YamlRefused, load_yaml, read_yaml_file
 from trainforge.config.schema import ENV_PREFIX, Config
 from trainforge.errors import ConfigError
@@ -60,6 +60,9 @@ def load_run_config(source: str | os.PathLike[str] | Mapping[str, Any], origin: 
     working directory too, as the run's workers imported it."""
     config = load_config(source)
     named = code_keys(config)
+    for key, value in named:
+        if value in (PASSED_MODEL, PASSED_DATA):
+            raise ConfigError(f"{origin}: {passed_again(key, value)}")
     if named and not trust:
         key, value = named[0]
         raise ConfigError(

@@ -17,7 +17,7 @@ from torch import nn
 from trainforge.config import ModelConfig
 from trainforge.config.factories import describe, load_factory, one_line, raised_at
 from trainforge.data.spec import DataSpec
-from trainforge.errors import ModelError
+from trainforge.errors import ModelError, TrainforgeError
 
 Builder = Callable[..., nn.Module]
 """``builder(spec, **kwargs) -> nn.Module``; raises ModelError when the data does not fit."""
@@ -105,6 +105,8 @@ def build_from_factory(path: str, kwargs: Mapping[str, Any]) -> nn.Module:
     factory = load_factory(path)
     try:
         model = factory(**kwargs)
+    except TrainforgeError:
+        raise
     except Exception as err:
         raise ModelError(
             f"model.factory {path!r} raised {type(err).__name__}{raised_at(err)} when called with model.kwargs "

@@ -23,6 +23,7 @@ import ray.train
 from trainforge.checkpoint.storage import CheckpointStore
 from trainforge.config import Config
 from trainforge.errors import TrainforgeError, TrainingFailed
+from trainforge.models import passed
 from trainforge.protocol import (
     PAYLOAD_KEY,
     REPORT_KEY,
@@ -73,6 +74,7 @@ def run_worker(
     """One worker's run. Under Ray Train by default; a warm worker group (worker/warm.py) passes
     its own ``ranks`` (rank, world) and report ``channel``, and the store comes from the config."""
     config = payload.config
+    passed.install(payload.passed)  # fit's model/data objects, which the config's factories read
     try:
         stream = payload.stream.to_dict() if payload.stream is not None else None
         run = build(config, ranks, stream=stream, marks=startup)
