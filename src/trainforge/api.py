@@ -15,10 +15,10 @@ from typing import Any
 from rich.console import Console
 
 from trainforge.config import Config, load_config
-from trainforge.driver.events import Observer
 from trainforge.driver.run import train
 from trainforge.driver.startup import Timeline
 from trainforge.models import passed
+from trainforge.observers import Observer
 from trainforge.tune.search import TuneResult
 from trainforge.tune.search import search as tune
 

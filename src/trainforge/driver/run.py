@@ -35,16 +35,7 @@ from trainforge.data.registry import check_local_paths, open_stream, source_of
 from trainforge.data.stream import StreamShape, check_stream_config, ordered_split_config
 from trainforge.data.tokens import prepare_or_verify
 from trainforge.driver.cost import CostMeter
-from trainforge.driver.events import (
-    ForwardingCallback,
-    MetricsLog,
-    Observer,
-    Observers,
-    Pump,
-    StartupCallback,
-    WorkerLog,
-    start_mailbox,
-)
+from trainforge.driver.events import ForwardingCallback, Pump, StartupCallback, start_mailbox
 from trainforge.driver.ray_session import ray_logs_to, ray_session, resolve_address
 from trainforge.driver.runlock import run_locks
 from trainforge.driver.startup import Timeline
@@ -52,14 +43,12 @@ from trainforge.driver.summary import RunRecord, finish_run_dir
 from trainforge.driver.warm import Shape as WarmShape
 from trainforge.driver.warm import WarmGroupFailed, WarmTrainer, process_pool, why_not
 from trainforge.errors import CheckpointError, ConfigError, TrainforgeError, TrainingFailed, UserCodeError
-from trainforge.metrics.driver.observer import metrics_observers
 from trainforge.models import passed
 from trainforge.models.registry import load_factory, require_builtin
-from trainforge.observers.console import ProgressDisplay
+from trainforge.observers import Observer, Observers, SinkSetup
+from trainforge.observers.registry import build_observers
 from trainforge.protocol import PAYLOAD_KEY, Payload, Report, RunInfo, UserError
 from trainforge.redact import install_on_logger, redact_text
-from trainforge.report import ReportWriter
-from trainforge.tracking import make_tracker
 from trainforge.worker.build import check_block_names, check_model_output, check_parameter_names, check_pretrained_fits
 from trainforge.worker.loop import train_loop_per_worker, worker_env
 from trainforge.worker.optim import check_optimizer
@@ -286,25 +275,17 @@ def train(
     TrainingFailed when it failed, and TrainforgeError for user errors. ``startup``: the run's
     start-up marks so far (``api.fit``'s, from its call); a new timeline starts here without one.
 
-    The report writer comes after the other observers (it reads what they wrote) and the MLflow
-    tracker last (it uploads the report). ``api.fit`` and a search's trials (tune/trial.py) run
-    through here.
+    The standard observers are observers/registry.py's sinks that the config turns on, in its
+    order, with ``observers`` before the closing ones (the report writer, MLflow); their hooks fire
+    as observers/base.py says. ``api.fit`` and a search's trials (tune/trial.py) run through here.
     """
     run_dir = config.run_dir
-    tracker = make_tracker(config, run_dir)
-    watchers: list[Observer] = [
-        ProgressDisplay(console or Console(stderr=True)),
-        MetricsLog(run_dir),
-        WorkerLog(run_dir),
-        *metrics_observers(config),
-        *observers,
-        ReportWriter(run_dir),
-        *([tracker] if tracker is not None else []),
-    ]
+    setup = SinkSetup(config, run_dir, console or Console(stderr=True))
+    fanout = Observers(build_observers(setup, observers))
     try:
         summary = run_training(
             config,
-            watchers,
+            fanout,
             address=address,
             verbose=verbose,
             callbacks=callbacks,
@@ -312,21 +293,18 @@ def train(
             pool=pool,
             startup=startup,
         )
-    except BaseException:
-        if tracker is not None:
-            tracker.on_error()
+    except BaseException as err:
+        fanout.on_error(err)
         raise
-    if tracker is not None and tracker.registered_model is not None:
-        summary["registered_model"] = tracker.registered_model  # as the tracker added it to summary.json
+    summary.update(fanout.summary_entries())  # as the observers added them to summary.json
     raise_if_failed(summary, run_dir)
-    if tracker is not None:
-        tracker.raise_if_incomplete()
+    fanout.check_complete()
     return summary
 
 
 def run_training(
     config: Config,
-    observers: list[Observer],
+    observers: Observers,
     *,
     address: str | None,
     verbose: bool,
@@ -357,7 +335,7 @@ def run_training(
 
 def _train(
     config: Config,
-    observers: list[Observer],
+    observers: Observers,
     *,
     address: str | None,
     verbose: bool,
@@ -370,7 +348,7 @@ def _train(
     os.environ.setdefault(POLL_ENV, str(config.cluster.report_poll_interval_s))
     # Ray Train's own barrier in report() waits at most this long too (Ray passes it to the workers).
     os.environ[COLLECTIVE_TIMEOUT_ENV] = str(config.failure.collective_timeout_s)
-    fanout = Observers(observers)
+    fanout = observers
     started = time.monotonic()
     with (
         ray_logs_to(run_dir / "ray.log", verbose=verbose),
