@@ -194,3 +194,13 @@ class DictDigits(Dataset[Any]):
 def digits_dicts(data: DataConfig, seed: int) -> UserData:
     """Digits as dicts, the last 360 held out, for model.task custom."""
     return UserData(train=DictDigits(slice(0, 1437)), val=DictDigits(slice(1437, None)), kind="custom", num_classes=10)
+
+
+def digits_with_test(data: DataConfig, seed: int) -> UserData:
+    """Digits in three parts: 1200 to train, 300 to validate and the last 297 held out as a test set."""
+    return UserData(
+        train=NumpyDigits(slice(0, 1200)),
+        val=NumpyDigits(slice(1200, 1500)),
+        test=NumpyDigits(slice(1500, None)),
+        num_classes=10,
+    )

@@ -1,7 +1,7 @@
 """The ``trainforge`` command: each verb parses, builds a config, calls the API and prints.
 
 One module per verb group: ``run`` (train, tune, config show), ``jobs`` (submit, jobs), ``bench``,
-``certs``, ``ckpt``, ``data``, ``plan`` (plan, predict), ``report`` (report, generate), ``export``;
+``certs``, ``ckpt``, ``data``, ``plan`` (plan, predict), ``report`` (report, generate), ``export``, ``evaluate``;
 ``common`` holds what they share. Verbs import torch, Ray and the driver only once their flags are checked, so a
 mistake costs milliseconds.
 """
@@ -14,7 +14,7 @@ from typing import Annotated
 import typer
 from rich.markup import escape
 
-from trainforge.cli import bench, certs, ckpt, data, export, jobs, plan, report, run
+from trainforge.cli import bench, certs, ckpt, data, evaluate, export, jobs, plan, report, run
 from trainforge.cli.common import err_console
 from trainforge.errors import TrainforgeError
 from trainforge.redact import redact_text
@@ -35,6 +35,7 @@ for command in (
     report.report,
     report.generate,
     export.export,
+    evaluate.evaluate,
 ):
     app.command()(command)
 app.add_typer(run.app, name="config")

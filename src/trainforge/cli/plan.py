@@ -74,7 +74,7 @@ def predict(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead.")] = False,
     set_: SetOpt = None,
 ) -> None:
-    """Step time, samples/s, efficiency and exposed communication of CONFIG per GPU count, before renting them.
+    """Predict how fast CONFIG trains per GPU count (step time, samples/s, efficiency), before renting the GPUs.
 
     DDP's bucketed all-reduce or FSDP's all-gathers and reduce-scatters, as rings over the link's
     latency and bandwidth, overlapped with the backward; the per-GPU batch is fixed. With a cost

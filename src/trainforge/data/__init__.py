@@ -2,7 +2,16 @@
 augmentation and the resumable distributed sampler. ``registry.py`` holds every source."""
 
 from trainforge.data.factory import UserData, check_data_factory, is_ray_dataset, load_user_data
-from trainforge.data.registry import MAP_STYLE, REGISTRY, Source, SourceBuilder, build_datasets, open_stream, source_of
+from trainforge.data.registry import (
+    MAP_STYLE,
+    REGISTRY,
+    Source,
+    SourceBuilder,
+    build_datasets,
+    build_test_set,
+    open_stream,
+    source_of,
+)
 from trainforge.data.sampler import ResumableDistributedSampler, collate_of, make_loader
 from trainforge.data.sources import PairDataset
 from trainforge.data.spec import DataSpec
@@ -17,6 +26,7 @@ __all__ = [
     "SourceBuilder",
     "UserData",
     "build_datasets",
+    "build_test_set",
     "check_data_factory",
     "collate_of",
     "is_ray_dataset",

@@ -4,8 +4,9 @@ The contract, kept small so that any data a user can index fits:
 
 * the function takes the data config and the run seed, ``def my_data(data: DataConfig, seed: int)``,
   or nothing, ``def my_data()``;
-* it returns a :class:`UserData` (the training set, optionally a validation set, and what the model
-  needs to know), or the training set alone;
+* it returns a :class:`UserData` (the training set, optionally a validation set and a held-out
+  test set that only ``trainforge evaluate --split test`` reads, and what the model needs to
+  know), or the training set alone;
 * a training set is a map-style torch ``Dataset`` (``__len__`` and ``__getitem__``) of
   ``(input, target)`` pairs, tensors or numpy arrays, or a ``ray.data.Dataset``, which is handed
   on unchanged to the streaming path.
@@ -23,7 +24,7 @@ import inspect
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import numpy as np
 import torch
@@ -75,6 +76,7 @@ class UserData:
     std: tuple[float, ...] | None = None
     collate: Callable[[list[Any]], Any] | None = None
     target_shape: tuple[int, ...] | None = None
+    test: Any = None  # held out: training never reads it; ``trainforge evaluate --split test`` does
 
 
 def is_ray_dataset(obj: object) -> bool:
@@ -346,6 +348,9 @@ def custom_samples(user: UserData, cfg: FactoryData, path: str) -> UserData:
     """Custom samples: no (input, target) checks (the model's training_step reads them); the
     validation set given, or ``data.val_fraction`` split off as for the other kinds."""
     train, val = Samples(user.train, user.collate), None
+    test = Samples(user.test, user.collate) if user.test is not None else None
+    if test is not None:
+        dataset_length(user.test, "test", path)
     if user.val is not None:
         dataset_length(user.val, "val", path)
         val = Samples(user.val, user.collate)
@@ -353,7 +358,7 @@ def custom_samples(user: UserData, cfg: FactoryData, path: str) -> UserData:
         total = len(train)
         train_idx, val_idx = split_indices(total, val_count(total, cfg.val_fraction, f"data.factory {path!r}"))
         train, val = Samples(user.train, user.collate, train_idx), Samples(user.train, user.collate, val_idx)
-    return replace(user, train=train, val=val, kind="custom", input_shape=tuple(user.input_shape or ()))
+    return replace(user, train=train, val=val, test=test, kind="custom", input_shape=tuple(user.input_shape or ()))
 
 
 def infer_kind(inputs: Tensor, target: Tensor, *, classes: bool = False) -> Kind | None:
@@ -412,11 +417,17 @@ def checked_map_style(user: UserData, cfg: FactoryData, path: str) -> UserData:
         train_idx, val_idx = split_indices(total, val_count(total, cfg.val_fraction, f"data.factory {path!r}"))
         train = CheckedPairs(user.train, rule, "train", train_idx)
         val = CheckedPairs(user.train, rule, "train", val_idx)
+    test: CheckedPairs | None = None
+    if user.test is not None:
+        dataset_length(user.test, "test", path)
+        rule.check_token_range(rule.pair(first_sample(user.test, path, "test"), "test sample 0"), "test sample 0")
+        test = CheckedPairs(user.test, rule, "test")
     seq_len = shape[0] if kind == "tokens" else None
     return replace(
         user,
         train=train,
         val=val,
+        test=test,
         kind=kind,
         input_shape=shape,
         seq_len=seq_len,
@@ -496,3 +507,15 @@ def build_factory(cfg: FactoryData, seed: int) -> Splits:
             "this step needs a map-style torch Dataset"
         )
     return user.train, user.val, user_data_spec(user, path)
+
+
+def factory_test_set(cfg: FactoryData, seed: int) -> PairDataset:
+    """The factory's held-out ``UserData(test=...)``, checked as its training samples are (the
+    factory is called again: training never built it)."""
+    path = str(cfg.factory)
+    user = load_user_data(cfg, seed)
+    if user.test is None:
+        raise DataError(f"data.factory {path!r} returned no test set: return UserData(..., test=...) to evaluate one")
+    if is_ray_dataset(user.test) or is_ray_dataset(user.train):
+        raise DataError(f"data.factory {path!r}: a test set is evaluated from a map-style Dataset, not a ray.data one")
+    return cast(PairDataset, user.test)

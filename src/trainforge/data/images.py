@@ -11,7 +11,7 @@ import importlib
 import pickle
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, cast
 
 import numpy as np
 import torch
@@ -288,6 +288,21 @@ def build_imagefolder(cfg: ImageFolderData, seed: int) -> Splits:
         val_size=len(val) if val is not None else 0,
     )
     return train, val, spec
+
+
+def imagefolder_test(cfg: ImageFolderData, seed: int) -> PairDataset:
+    """The held-out images under ``data.path/test/<class>/``, by the training folder's classes and
+    at its image size (neither training nor validation reads them)."""
+    train = cast(FolderImages, build_imagefolder(cfg, seed)[0])
+    root = require_path(cfg, FOLDER_LAYOUT)
+    test_dir = root / "test"
+    if not test_dir.is_dir():
+        raise DataError(f"data.name imagefolder has no test split: add {test_dir}/<class>/ images to evaluate one")
+    classes = sorted(d.name for d in (root / "train").iterdir() if d.is_dir() and not d.name.startswith("."))
+    paths, labels = _scan(test_dir, classes)
+    if not paths:
+        raise DataError(f"{test_dir} has no images: add test/<class>/ images")
+    return FolderImages(paths, labels, train.size, train.resize)
 
 
 def _scan(split_dir: Path, classes: list[str]) -> tuple[list[str], list[int]]:

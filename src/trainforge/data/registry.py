@@ -32,12 +32,12 @@ from trainforge.config import (
     TokensData,
 )
 from trainforge.config.data import unknown_source_message
-from trainforge.data.factory import build_factory, source_name
-from trainforge.data.images import build_cifar10, build_imagefolder
-from trainforge.data.sources import PairDataset, Splits, build_digits
+from trainforge.data.factory import build_factory, factory_test_set, source_name
+from trainforge.data.images import build_cifar10, build_imagefolder, imagefolder_test
+from trainforge.data.sources import DIGITS_NO_TEST, PairDataset, Splits, build_digits
 from trainforge.data.spec import DataSpec
 from trainforge.data.stream import Stream, build_stream, list_files, stream_from_factory
-from trainforge.data.synthetic import build_synthetic
+from trainforge.data.synthetic import build_synthetic, synthetic_test
 from trainforge.data.tokens import build_tokens
 from trainforge.errors import DataError
 
@@ -56,6 +56,9 @@ class Source(Generic[C]):
     section: type[C]
     build: Callable[[C, int], Splits] | None = None  # map-style sets, on every worker
     stream: Callable[[C, int, Progress], Stream | None] | None = None  # Ray datasets, once on the driver
+    # A held-out test set (``trainforge evaluate --split test``); a source without one says why.
+    test: Callable[[C, int], PairDataset] | None = None
+    no_test: str = "its data has train and val splits only"
 
     @property
     def name(self) -> str:
@@ -70,12 +73,12 @@ class Source(Generic[C]):
 REGISTRY: dict[str, Source[Any]] = {
     source.name: source
     for source in (
-        Source(SyntheticData, build=build_synthetic),
-        Source(DigitsData, build=build_digits),
-        Source(Cifar10Data, build=build_cifar10),
-        Source(ImageFolderData, build=build_imagefolder),
-        Source(TokensData, build=build_tokens),
-        Source(FactoryData, build=build_factory, stream=stream_from_factory),
+        Source(SyntheticData, build=build_synthetic, test=synthetic_test),
+        Source(DigitsData, build=build_digits, no_test=DIGITS_NO_TEST),
+        Source(Cifar10Data, build=build_cifar10, no_test="its test batch is the validation set: evaluate --split val"),
+        Source(ImageFolderData, build=build_imagefolder, test=imagefolder_test),
+        Source(TokensData, build=build_tokens, no_test="a prepared corpus has train and val splits"),
+        Source(FactoryData, build=build_factory, stream=stream_from_factory, test=factory_test_set),
         Source(ParquetData, stream=build_stream),
         Source(ImagesData, stream=build_stream),
         Source(JsonlData, stream=build_stream),
@@ -93,6 +96,14 @@ def source_of(cfg: DataConfig) -> Source[Any]:
     if source is None:
         raise DataError(unknown_source_message(cfg.name))
     return source
+
+
+def build_test_set(cfg: DataConfig, seed: int) -> PairDataset:
+    """The held-out test set of ``cfg``'s source, map-style; a DataError saying why when it has none."""
+    source = source_of(cfg)
+    if source.test is None:
+        raise DataError(f"data.name {source.name} has no test split: {source.no_test}")
+    return source.test(cfg, seed)
 
 
 def open_stream(cfg: DataConfig, seed: int, progress: Progress = lambda _: None) -> Stream | None:

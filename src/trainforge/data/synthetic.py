@@ -14,6 +14,7 @@ import torch
 from trainforge.config import SyntheticData
 from trainforge.data.sources import Pair, PairDataset, Splits, mix_seed, val_count
 from trainforge.data.spec import DataSpec
+from trainforge.errors import DataError
 
 DATA_SEED = 1234  # fixed on purpose: the data must not change with the training seed
 IMAGE_NOISE_STD = 1.0  # noise around each class prototype, in prototype standard deviations
@@ -106,6 +107,19 @@ class SyntheticRegression(PairDataset):
         features = torch.randn(self.shape, generator=gen)
         noise = float(torch.randn((), generator=gen)) * REGRESSION_NOISE_STD
         return features, torch.tensor(float(features.reshape(-1) @ self.weights) + noise, dtype=torch.float32)
+
+
+def synthetic_test(cfg: SyntheticData, seed: int) -> PairDataset:
+    """A held-out test set: the ``data.val_fraction`` share's size again, the samples after the
+    last validation one (neither training nor validation reads them; ``seed`` is unused)."""
+    num_val = val_count(cfg.num_samples, cfg.val_fraction, "the synthetic data set (data.num_samples)")
+    if num_val == 0:
+        raise DataError("data.name synthetic sizes its test split as its validation split: data.val_fraction is 0")
+    if cfg.kind == "regression":
+        return SyntheticRegression(tuple(cfg.input_shape), cfg.num_samples, num_val)
+    if cfg.kind == "image":
+        return SyntheticImages(tuple(cfg.input_shape), cfg.num_classes, cfg.num_samples, num_val)
+    return SyntheticTokens(cfg.vocab_size, cfg.seq_len, cfg.num_samples, num_val)
 
 
 def build_synthetic(cfg: SyntheticData, seed: int) -> Splits:

@@ -7,6 +7,7 @@ import logging
 import math
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -309,22 +310,25 @@ def pin_memory(cfg: Config, device: torch.device) -> bool:
     return cfg.data.pin_memory if cfg.data.pin_memory is not None else device.type == "cuda"
 
 
-def evaluate(run: WorkerRun) -> dict[str, float]:
+def evaluate(run: WorkerRun, split: str = "val", shares: Callable[[], list[Any]] | None = None) -> dict[str, float]:
     """Validation (``val/...``), and the passes components ask for with their own weights swapped
-    in (``train.ema``: ``val_ema/...``)."""
-    metrics = evaluate_model(run, "val")
+    in (``train.ema``: ``val_ema/...``). ``shares`` (``trainforge evaluate``): the loaders of every
+    data-parallel rank's share of ``split``, read one after another in this process; by default
+    this rank's share of the validation set."""
+    loaders = shares if shares is not None else lambda: [run.data.val_batches()]
+    metrics = evaluate_model(run, split, loaders())
     for component in run.components.values():
-        for prefix, weights in component.evaluations():
+        for name, weights in component.evaluations():
             with weights:
-                metrics.update(evaluate_model(run, prefix))
+                metrics.update(evaluate_model(run, f"{split}_{name}", loaders()))
     return metrics
 
 
 @torch.no_grad()
-def evaluate_model(run: WorkerRun, prefix: str) -> dict[str, float]:
-    """Validation over every rank's disjoint share; metrics averaged over all samples of all ranks."""
-    loader = run.data.val_batches()
-    if loader is None:
+def evaluate_model(run: WorkerRun, prefix: str, loaders: list[Any]) -> dict[str, float]:
+    """Evaluation over every rank's disjoint share; metrics averaged over all samples of all ranks
+    (one process reading several shares adds their sums as the all-reduce adds the ranks')."""
+    if any(loader is None for loader in loaders):
         return {}
     # DDP: the plain module (no hooks; ranks may see different numbers of batches). FSDP: the
     # sharded one, whose forwards are collectives: every rank runs as many as the busiest, and
@@ -332,19 +336,20 @@ def evaluate_model(run: WorkerRun, prefix: str) -> dict[str, float]:
     model = run.plan.eval_model(run.model)
     model.eval()
     sums = MetricSums(run.device)
-    passes = all_reduce_max(len(loader), run.device) if run.plan.eval_in_lockstep else len(loader)
-    batches = iter(loader)
-    first: Any = None
-    for index in range(passes):
-        batch = next(batches, None) if index < len(loader) else None
-        if first is None:  # a rank with no samples of its own still joins each forward
-            first = batch if batch is not None else collate_of(run.val_set)([run.val_set[0]])
-        with run.runner.autocast():
-            stats = run.task.eval_step(model, eval_batch(run, batch if batch is not None else first))
-        if batch is None:
-            continue
-        for name, value in stats.items():
-            sums.add(name, value)
+    for loader in loaders:
+        passes = all_reduce_max(len(loader), run.device) if run.plan.eval_in_lockstep else len(loader)
+        batches = iter(loader)
+        first: Any = None
+        for index in range(passes):
+            batch = next(batches, None) if index < len(loader) else None
+            if first is None:  # a rank with no samples of its own still joins each forward
+                first = batch if batch is not None else collate_of(run.val_set)([run.val_set[0]])
+            with run.runner.autocast():
+                stats = run.task.eval_step(model, eval_batch(run, batch if batch is not None else first))
+            if batch is None:
+                continue
+            for name, value in stats.items():
+                sums.add(name, value)
     # Every rank's names (a rank without validation samples has none): one table for the all-reduce.
     names = sorted(set().union(*cast(list[list[str]], collectives.all_gather_objects(sorted(sums.values)))))
     zero = torch.zeros((), dtype=torch.float64, device=run.device)

@@ -105,7 +105,7 @@ class Ema(Component):
 
     def evaluations(self) -> Iterator[tuple[str, contextlib.AbstractContextManager[Any]]]:
         if self.cfg.evaluate:
-            yield "val_ema", self.swapped()
+            yield "ema", self.swapped()
 
     @contextlib.contextmanager
     def swapped(self) -> Iterator[None]:

@@ -9,7 +9,8 @@ schema (strict: an unknown key or a wrong type is refused) before anything is ap
 
 Besides its state a component may act at three points of the loop, called for every component in
 registry order: ``after_step(step)`` after each optimizer step, ``finish(step)`` when a run ends,
-and ``evaluations()``, extra validation passes (``val_<name>/...``) run in a context it provides.
+and ``evaluations()``, extra evaluation passes (``val_<name>/...``, ``test_<name>/...`` under
+``trainforge evaluate --split test``) run in a context it provides.
 """
 
 from __future__ import annotations
@@ -94,5 +95,6 @@ class Component:
         """At the end of a finished run, before the final evaluation and checkpoint."""
 
     def evaluations(self) -> Iterator[tuple[str, contextlib.AbstractContextManager[object]]]:
-        """Extra validation passes: (prefix, context to evaluate in); none by default."""
+        """Extra evaluation passes: (name, context to evaluate in), reported as ``<split>_<name>/...``;
+        none by default."""
         return iter(())

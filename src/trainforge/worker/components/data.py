@@ -160,10 +160,16 @@ class DataSource(Component):
             return self.feed.val_batches(self.micro_batch)
         if self.val_set is None:
             return None
+        return self.shard_batches(self.val_set, self.rank)
+
+    def shard_batches(self, dataset: Any, rank: int) -> DataLoader[Any]:
+        """Data-parallel rank ``rank``'s disjoint share of a map-style evaluation set, in this
+        rank's micro-batches: what that rank's validation reads (``trainforge evaluate`` reads
+        every rank's in one process, so its sums are the run's)."""
         cfg = self.config
-        sampler = ResumableDistributedSampler(len(self.val_set), self.world, self.rank, False, cfg.seed, even=False)
+        sampler = ResumableDistributedSampler(len(dataset), self.world, rank, False, cfg.seed, even=False)
         return make_loader(
-            self.val_set,
+            dataset,
             sampler,
             self.micro_batch,
             num_workers=cfg.data.num_workers,
@@ -171,7 +177,7 @@ class DataSource(Component):
             drop_last=False,
             seed=cfg.seed,
             epoch=0,
-            rank=self.rank,
+            rank=rank,
         )
 
     def advance(self) -> None:
