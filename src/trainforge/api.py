@@ -19,6 +19,7 @@ from trainforge.driver.run import train
 from trainforge.driver.startup import Timeline
 from trainforge.models import passed
 from trainforge.observers import Observer
+from trainforge.observers.console import StartupLines
 from trainforge.tune.search import TuneResult
 from trainforge.tune.search import search as tune
 
@@ -59,6 +60,7 @@ def fit(
     observers: Iterable[Observer] = (),
     train_callbacks: Sequence[Any] = (),
     lock_wait_s: float = 0.0,
+    resume: str | None = None,
     model: Any = None,
     data: Any = None,
 ) -> RunResult:
@@ -68,6 +70,9 @@ def fit(
     ``train_callbacks``: extra Ray Train callbacks for the run's controller.
     ``lock_wait_s``: how long to wait for another run holding the run directory (driver/runlock.py) to
     end before giving up with RunLockedError.
+    ``resume``: as ``trainforge train --resume``: ``auto``, ``none`` or a checkpoint path (sets
+    checkpoint.resume). A run directory trained with a different config is refused (ConfigError
+    naming the changed keys) unless ``resume`` is given: the run then continues with the new values.
     ``model``: an ``nn.Module``, or a function or class that builds one (called with model.kwargs),
     in place of model.name / model.factory; ``data``: a map-style ``Dataset`` of training pairs or a
     ``UserData``, in place of the data source. Both may be defined in the caller (a notebook cell,
@@ -75,9 +80,12 @@ def fit(
     """
     startup = Timeline()  # from the call (the CLI's process start, where the CLI called)
     objects = passed.pack(model, data) if model is not None or data is not None else None
+    resume_override = [f"checkpoint.resume={resume}"] if resume is not None else []
     source = passed.config_naming(config, model=model is not None, data=data is not None)
-    resolved = load_config(source, overrides)
+    resolved = load_config(source, [*overrides, *resume_override])
     startup.mark("cli")
+    console = console or Console(stderr=True)  # one console for the start-up lines and the progress
+    startup.watch(StartupLines(console))
     with passed.installed(objects):
         summary = train(
             resolved,
@@ -88,5 +96,6 @@ def fit(
             callbacks=train_callbacks,
             lock_wait_s=lock_wait_s,
             startup=startup,
+            changed_config="refuse" if resume is None else "continue",
         )
     return RunResult(summary, resolved.run_dir)

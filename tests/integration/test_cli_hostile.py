@@ -21,6 +21,7 @@ import torch
 import yaml
 
 from tests.helpers.checkpoints import write_checkpoint
+from tests.helpers.console import without_startup
 from tests.helpers.faults import free_port
 from tests.helpers.runs import tiny_run
 from tests.helpers.s3 import BUCKET, S3Server
@@ -36,7 +37,7 @@ UNREACHABLE_RAY = "127.0.0.1:9"  # had a command got as far as Ray, its error wo
 def one_line(result: subprocess.CompletedProcess[str], expected: str, code: int = 2) -> None:
     """Exit ``code``, and stderr exactly one ``error:`` line holding ``expected``."""
     assert result.returncode == code, result.stderr
-    lines = result.stderr.strip().splitlines()
+    lines = without_startup(result.stderr)  # train's first line and start-up phases come before a check fails
     assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], result.stderr
 
 

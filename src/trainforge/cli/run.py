@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+import shlex
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -14,7 +16,14 @@ from trainforge.cli.common import (
     setup_logging,
 )
 
+if TYPE_CHECKING:
+    from trainforge.config import Config
+
 app = typer.Typer(help="Inspect configs.", no_args_is_help=True)  # trainforge config ...
+
+# trainforge train's exit codes besides 0 (finished), 1 (training failed) and 2 (a user's error):
+STOPPED_EXIT = 3  # stopped before its end (Ctrl-C or SIGTERM once, preemption): resumable
+ABORTED_EXIT = 130  # aborted (a second Ctrl-C): resumable from its last checkpoint
 
 
 def train(
@@ -26,15 +35,17 @@ def train(
     resume: Annotated[
         str | None,
         typer.Option(
-            help="auto (newest valid checkpoint of this run), none, or a checkpoint path; sets checkpoint.resume."
+            help="auto (newest valid checkpoint of this run), none, or a checkpoint path; sets checkpoint.resume. "
+            "Given, a run directory trained with a different config continues with the new values."
         ),
     ] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show Ray's own logs.")] = False,
 ) -> None:
     """Train a model as CONFIG describes, on a local Ray or the cluster at --address.
 
-    Re-running the same command continues the run from its newest valid checkpoint.
-    Ctrl-C once: checkpoint and stop (resumable); twice: abort.
+    Re-running the same command continues the run from its newest valid checkpoint; with a
+    changed config it is refused unless --resume is given.
+    Ctrl-C once: checkpoint and stop (resumable, exit 3); twice: abort (exit 130).
     """
     from trainforge.config import load_config
     from trainforge.driver.job_secrets import submitted_source
@@ -44,6 +55,10 @@ def train(
     # Validate before importing torch and Ray, so a config error costs milliseconds. A job that
     # trainforge submit started gets its secrets from its environment, not from the file.
     resolved = load_config(submitted_source(resolve_config_path(config)), overrides)
+    err_console.print(first_line(resolved), highlight=False, soft_wrap=True)
+    from trainforge.driver.rerun import check_rerun
+
+    check_rerun(resolved, resume=resume is not None)  # refused before Ray starts; the driver asks again under the lock
     from trainforge.driver.tls import use_tls
 
     use_tls(resolved.cluster.tls)  # before Ray is imported: Ray reads its TLS settings then
@@ -55,10 +70,37 @@ def train(
     with early_local_ray(resolved, address, verbose=verbose):  # Ray boots while torch and the driver import
         from trainforge.api import fit
 
-        result = fit(resolved, address=address, verbose=verbose, console=err_console)
+        result = fit(resolved, address=address, verbose=verbose, console=err_console, resume=resume)
     typer.echo(str(result.run_dir / "summary.json"))
-    if result.status == "aborted":
-        raise typer.Exit(130)
+    code = {"stopped": STOPPED_EXIT, "aborted": ABORTED_EXIT}.get(result.status)
+    if code is not None:
+        again = resume_command(config, set_, address, verbose, resolved)
+        step = result.summary.get("global_step")
+        err_console.print(f"{result.status} at step {step}; to resume: {again}", highlight=False, soft_wrap=True)
+        raise typer.Exit(code)
+
+
+def first_line(config: Config) -> str:
+    """What ``train`` says before it imports torch and Ray (seconds before the run's own lines)."""
+    workers = config.scaling.num_workers
+    shown = f"{workers[0]}-{workers[1]}" if isinstance(workers, tuple) else str(workers)
+    output = Path(config.run.output_dir) / config.run.name
+    return f"trainforge: training {config.run.name} on {shown} worker(s), output {output} ..."
+
+
+def resume_command(config: str, set_: list[str] | None, address: str | None, verbose: bool, resolved: Config) -> str:
+    """The command that continues a stopped run: this one, with ``--resume auto`` where the config
+    does not resume by itself (``--resume none`` or a path started the run)."""
+    words = ["trainforge", "train", config]
+    for item in set_ or []:
+        words += ["--set", item]
+    if address is not None:
+        words += ["--address", address]
+    if resolved.checkpoint.resume != "auto":
+        words += ["--resume", "auto"]
+    if verbose:
+        words.append("--verbose")
+    return shlex.join(words)
 
 
 def tune(

@@ -14,7 +14,7 @@ import traceback
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pyarrow.fs as pafs
 import ray
@@ -37,6 +37,7 @@ from trainforge.data.tokens import prepare_or_verify
 from trainforge.driver.cost import CostMeter
 from trainforge.driver.events import ForwardingCallback, Pump, StartupCallback, start_mailbox
 from trainforge.driver.ray_session import ray_logs_to, ray_session, resolve_address
+from trainforge.driver.rerun import check_rerun, record_changes
 from trainforge.driver.runlock import run_locks
 from trainforge.driver.startup import Timeline
 from trainforge.driver.summary import RunRecord, finish_run_dir
@@ -63,6 +64,7 @@ install_on_logger()  # every driver-side line of the "trainforge" logger, on eve
 # default (2 s) would make every report cost up to 2 s of training time.
 POLL_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
 COLLECTIVE_TIMEOUT_ENV = "RAY_TRAIN_COLLECTIVE_TIMEOUT_S"
+ChangedConfig = Literal["refuse", "continue"] | None
 
 
 @dataclass
@@ -270,10 +272,13 @@ def train(
     lock_wait_s: float = 0.0,
     pool: Any = None,
     startup: Timeline | None = None,
+    changed_config: ChangedConfig = None,
 ) -> dict[str, Any]:
     """Train the run with the standard observers around ``observers``; its summary. Raises
     TrainingFailed when it failed, and TrainforgeError for user errors. ``startup``: the run's
     start-up marks so far (``api.fit``'s, from its call); a new timeline starts here without one.
+    ``changed_config``: what a run directory whose recorded config differs gets (driver/rerun.py):
+    ``refuse``, ``continue`` (the change recorded), or None, unchecked (a search's trials).
 
     The standard observers are observers/registry.py's sinks that the config turns on, in its
     order, with ``observers`` before the closing ones (the report writer, MLflow); their hooks fire
@@ -292,6 +297,7 @@ def train(
             lock_wait_s=lock_wait_s,
             pool=pool,
             startup=startup,
+            changed_config=changed_config,
         )
     except BaseException as err:
         fanout.on_error(err)
@@ -312,6 +318,7 @@ def run_training(
     lock_wait_s: float = 0.0,
     pool: Any = None,
     startup: Timeline | None = None,
+    changed_config: ChangedConfig = None,
 ) -> dict[str, Any]:
     """Train to completion (or failure) and return the summary that was written to summary.json.
 
@@ -327,6 +334,8 @@ def run_training(
     preflight(config, local=local)
     with run_locks(config, local=local, wait_s=lock_wait_s):
         check_resume(config, local=local)
+        if changed_config is not None:
+            record_changes(config.run_dir, check_rerun(config, resume=changed_config == "continue"))
         startup.mark("preflight")
         return _train(
             config, observers, address=address, verbose=verbose, callbacks=callbacks, startup=startup, pool=pool

@@ -5,16 +5,18 @@ their own (``mark``); the Ray Train controller marks its phases in a ``StartupCa
 marks the worker's and sends them to the mailbox after its first step (worker/loop.py). The
 driver keeps the first start of a run (a restart after a failure is ``recovery_s``'s business) and
 writes ``startup`` into summary.json: seconds to the first step and per phase, in this order.
-``trainforge bench startup`` reads it back.
+``trainforge bench startup`` reads it back. A watcher (``Timeline.watch``: the console's start-up
+lines) hears of each phase as its mark arrives.
 
 This module imports nothing heavy: the CLI marks its own phases before torch and Ray are imported.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +40,7 @@ PHASES: tuple[tuple[str, str], ...] = (
     ("first_step", "the first training step"),
 )
 ORDER = {name: i for i, name in enumerate(name for name, _ in PHASES)}
+log = logging.getLogger("trainforge")
 # The process's own start, when trainforge's CLI launched it; fit() called from Python starts at the call
 # (api.fit makes the run's Timeline as it is called; a search's trials start theirs in run_training).
 _command: dict[str, float] = {}
@@ -64,11 +67,16 @@ def process_start_time() -> float:
         return time.time()
 
 
+# Told of each phase as its first mark arrives: its name, and the seconds from the start to its end.
+Watcher = Callable[[str, float], None]
+
+
 class Timeline:
     """The marks of one run's start; ``start`` is the command's start (or the ``fit`` call)."""
 
     def __init__(self, start: float | None = None) -> None:
         self.marks: dict[str, float] = {}
+        self.watchers: list[Watcher] = []
         if start is not None:
             self.start = start
         elif _command:
@@ -82,12 +90,26 @@ class Timeline:
         """The phase ``name`` ended at ``at`` (now); a phase's first end is the one kept."""
         if name not in ORDER:
             raise ValueError(f"unknown start-up phase {name!r}")
-        self.marks.setdefault(name, time.time() if at is None else at)
+        if name in self.marks:
+            return
+        self.marks[name] = time.time() if at is None else at
+        for watcher in self.watchers:
+            try:
+                watcher(name, self.marks[name] - self.start)
+            except Exception as err:  # a display must never stop the run
+                log.warning("start-up watcher failed: %s", err)
 
     def add(self, marks: Mapping[str, float]) -> None:
-        for name, at in marks.items():
+        """Marks from another process (the controller's, rank 0's), in the order of the phases."""
+        for name, at in sorted(marks.items(), key=lambda item: ORDER.get(item[0], -1)):
             if name in ORDER:
                 self.mark(name, at)
+
+    def watch(self, watcher: Watcher) -> None:
+        """Tell ``watcher`` of every phase marked so far (in order), and of each one from now on."""
+        for name, at in sorted(self.marks.items(), key=lambda item: ORDER[item[0]]):
+            watcher(name, at - self.start)
+        self.watchers.append(watcher)
 
     def to_dict(self) -> dict[str, Any] | None:
         """summary.json's ``startup``: when the run started (unix time), seconds to the first step,
