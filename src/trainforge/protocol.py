@@ -120,6 +120,42 @@ class Stopping:
 
 
 @dataclass(frozen=True)
+class EndedEarly:
+    """The run ends before its budget, as a finished run: a callback asked (``source: callback``) or
+    ``train.early_stopping`` ran out of patience (``source: early_stopping``), after ``step``."""
+
+    step: int
+    reason: str
+    source: Literal["callback", "early_stopping"]
+    kind: ClassVar[str] = "ended_early"
+    level: ClassVar[Level] = "info"
+
+    @property
+    def text(self) -> str:
+        return f"ended at step {self.step}: {self.reason}"
+
+
+@dataclass(frozen=True)
+class BestValidation:
+    """``train.early_stopping``'s record at the end of a run: the best value of ``metric`` and the step
+    of the pass (and, with ``restore_best``, of the checkpoint) that gave it; ``stopped``: whether
+    patience ran out."""
+
+    metric: str
+    best: float | None
+    best_step: int | None
+    stopped: bool
+    kind: ClassVar[str] = "best_validation"
+    level: ClassVar[Level] = "info"
+
+    @property
+    def text(self) -> str:
+        if self.best is None or self.best_step is None:
+            return f"early stopping: no finite {self.metric} yet"
+        return f"early stopping: best {self.metric} {self.best:.6g} at step {self.best_step}"
+
+
+@dataclass(frozen=True)
 class Note:
     """Anything else the run says about itself (optimizer not restored, the batch size chosen, an
     out-of-memory retry, ...), and every event of a run written before events had kinds."""
@@ -129,8 +165,10 @@ class Note:
     kind: ClassVar[str] = "note"
 
 
-Event = Resumed | CheckpointSkipped | SaveFailed | Stopping | Note
-EVENT_TYPES: dict[str, Any] = {cls.kind: cls for cls in (Resumed, CheckpointSkipped, SaveFailed, Stopping, Note)}
+Event = Resumed | CheckpointSkipped | SaveFailed | Stopping | EndedEarly | BestValidation | Note
+EVENT_TYPES: dict[str, Any] = {
+    cls.kind: cls for cls in (Resumed, CheckpointSkipped, SaveFailed, Stopping, EndedEarly, BestValidation, Note)
+}
 
 
 def event_to_json(event: Event) -> dict[str, Any]:

@@ -53,6 +53,8 @@ class Outcome:
     losses: dict[int, float] = field(default_factory=dict)
     crashed: bool = False
     parameters: dict[str, int] | None = None  # the final report's trainable and frozen counts
+    report: dict[str, Any] = field(default_factory=dict)  # the final report, as metrics.jsonl has it
+    val_losses: dict[int, float] = field(default_factory=dict)  # val/loss by step
 
 
 def session(rank: int, world: int, config_dict: dict[str, Any], crash_at: int | None = None) -> Outcome:
@@ -82,12 +84,20 @@ def session(rank: int, world: int, config_dict: dict[str, Any], crash_at: int | 
         for point in report.history
         if "train/loss" in point
     }
+    val_losses = {
+        int(point["step"]): float(point["val/loss"])
+        for report in channel.reports
+        for point in report.history
+        if "val/loss" in point
+    }
     return Outcome(
         final={k: v for k, v in final.items() if isinstance(v, (int, float, str))},
         events=[e.text for r in channel.reports for e in r.events],
         losses=losses,
         crashed=crashed,
         parameters=final.get("parameters"),
+        report=final,
+        val_losses=val_losses,
     )
 
 

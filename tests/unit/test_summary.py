@@ -105,8 +105,14 @@ def test_the_run_driver_and_the_search_driver_write_the_same_summary(
     assert by_run_driver["restarts"] == by_search_driver["restarts"] == 2
     assert by_run_driver["recovery_s"] == by_search_driver["recovery_s"] == [6.5, 2.25]
     assert (by_run_driver["written_by"], by_search_driver["written_by"]) == (RUN_DRIVER, SEARCH_DRIVER)
-    assert (by_run_driver["stopped_early"], by_search_driver["stopped_early"]) == (False, True)
-    same = {k for k in by_run_driver if k not in ("written_by", "stopped_early")}
+    assert by_run_driver["stopped_by"] is None
+    assert by_search_driver["stopped_by"] == {
+        "source": "scheduler",
+        "reason": "the search's scheduler stopped the trial",
+        "step": 20,
+    }
+    assert by_run_driver["stopped_early"] is None is by_search_driver["stopped_early"]
+    same = {k for k in by_run_driver if k not in ("written_by", "stopped_by")}
     assert {k: by_run_driver[k] for k in same} == {k: by_search_driver[k] for k in same}
     assert by_run_driver["global_step"] == 20 and by_run_driver["num_workers"] == 2
     assert "SECRET" not in json.dumps(by_run_driver) and "SECRET" not in json.dumps(by_search_driver)

@@ -160,6 +160,9 @@ class CheckpointWriter:
     # Checkpoints restore passed over (they did not verify, or verified but did not load into this
     # run's model): never counted by rotation, never deleted by it.
     passed_over: set[str] = field(default_factory=set)
+    # Checkpoints rotation keeps besides those its policy keeps (train.early_stopping's best pass,
+    # with restore_best); the training thread replaces the set, the save thread reads it.
+    keep: set[str] = field(default_factory=set)
     # Verification reads every byte: its verdict per checkpoint, kept while no file of the
     # checkpoint changed (the size and modification time of each, the manifest's included).
     _verified: dict[str, tuple[Signature, bool]] = field(default_factory=dict)
@@ -365,7 +368,7 @@ class CheckpointWriter:
         for entry in valid:
             manifest, _ = self.store.read_manifest(entry.name)
             manifests[entry.name] = manifest or {}
-        kept = self.policy.keep(valid, manifests) | {keep_also}
+        kept = self.policy.keep(valid, manifests) | {keep_also} | set(self.keep)
         removed = []
         for entry in valid:
             if entry.name not in kept:

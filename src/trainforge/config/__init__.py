@@ -49,10 +49,12 @@ from trainforge.config.loading import (
 )
 from trainforge.config.schema import (
     ENV_PREFIX,
+    CallbackConfig,
     CheckpointConfig,
     ClusterConfig,
     Config,
     CostConfig,
+    EarlyStoppingConfig,
     EmaConfig,
     EncryptionConfig,
     FailureConfig,
@@ -113,6 +115,7 @@ __all__ = [
     "TRUST_FLAG",
     "WHOLE_SECTION_KEYS",
     "AugmentConfig",
+    "CallbackConfig",
     "CheckpointConfig",
     "Cifar10Data",
     "ClusterConfig",
@@ -124,6 +127,7 @@ __all__ = [
     "DataSection",
     "DigitsData",
     "Dim",
+    "EarlyStoppingConfig",
     "EmaConfig",
     "EncryptionConfig",
     "FSDPConfig",

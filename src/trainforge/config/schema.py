@@ -133,6 +133,47 @@ class EmaConfig(Section):
     evaluate: bool = True  # also validate with the averaged weights (val_ema/...)
 
 
+class EarlyStoppingConfig(Section):
+    """``train.early_stopping``: end the run when a validation metric stops improving
+    (worker/early_stopping.py), counted in validation passes."""
+
+    metric: Annotated[str, Field(max_length=200)]  # a validation metric: val/loss, val/accuracy, val_ema/loss
+    mode: Literal["min", "max"] = "min"
+    patience: Annotated[int, Field(ge=1, le=MAX_COUNT)] = 3  # validations without improvement before the stop
+    min_delta: Annotated[float, Field(ge=0.0)] = 0.0  # an improvement is better than the best by more than this
+    restore_best: bool = False  # model.safetensors from the checkpoint of the best validation
+
+    @field_validator("metric")
+    @classmethod
+    def _validation_metric(cls, value: str) -> str:
+        if not re.fullmatch(r"val(_\w+)?/\S+", value):
+            raise ValueError(f"must name a validation metric (val/loss, val/accuracy, val_ema/loss), got {value!r}")
+        return value
+
+
+def _callback_entry(value: Any) -> Any:
+    """``"pkg.mod:Class"`` is ``{path: "pkg.mod:Class"}``."""
+    return {"path": value} if isinstance(value, str) else value
+
+
+class CallbackConfig(Section):
+    """An entry of ``callbacks``: the user's class, built on every worker with ``kwargs``
+    (worker/callbacks.py)."""
+
+    path: Annotated[str, Field(max_length=200)]
+    kwargs: PlainDict = Field(default_factory=dict)
+
+    @field_validator("path")
+    @classmethod
+    def _class_path(cls, value: str) -> str:
+        if not re.fullmatch(r"[\w.]+:[\w.]+", value):
+            raise ValueError(f"must look like 'package.module:Class', got {value!r}")
+        return value
+
+
+Callback = Annotated[CallbackConfig, BeforeValidator(_callback_entry)]
+
+
 class TrainConfig(Section):
     max_steps: Steps | None = None
     epochs: Annotated[int, Field(ge=1, le=MAX_EPOCHS)] | None = None
@@ -149,6 +190,7 @@ class TrainConfig(Section):
     sync_batchnorm: bool = False
     threads_per_worker: Annotated[int, Field(ge=1, le=1024)] = 1
     ema: EmaConfig | None = None
+    early_stopping: EarlyStoppingConfig | None = None
 
     @model_validator(mode="after")
     def _has_length(self) -> TrainConfig:
@@ -641,6 +683,7 @@ class Config(Section):
     tune: TuneConfig = Field(default_factory=TuneConfig)
     cost: CostConfig = Field(default_factory=CostConfig)
     profile: ProfileConfig | None = None
+    callbacks: Annotated[list[Callback], Field(max_length=64)] = Field(default_factory=list)
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     seed: Annotated[int, Field(ge=0, le=2**32 - 1)] = 0
     deterministic: bool = False
@@ -703,6 +746,28 @@ class Config(Section):
         if task not in ("regression", "custom", "hf", None) and floats:
             where = "data.target names" if isinstance(self.data, TabularData) else "data.kind regression gives"
             raise ValueError(f"{where} float targets, which model.task {task} cannot learn: set model.task: regression")
+        return self
+
+    @model_validator(mode="after")
+    def _early_stopping_validates(self) -> Config:
+        """``train.early_stopping`` counts validation passes: it needs validation data and passes
+        during training (an eval cadence or epoch ends)."""
+        train = self.train
+        if train.early_stopping is None:
+            return self
+        data = self.data
+        fraction = getattr(data, "val_fraction", None)
+        fixed_split = "val_fraction" in getattr(data, "unread", ())
+        if fraction == 0 and not fixed_split and not getattr(data, "val_path", None):
+            raise ValueError(
+                "train.early_stopping needs validation data: data.val_fraction is 0 (set it above 0, or give "
+                "validation data)"
+            )
+        if train.eval_every_n_steps is None and train.epochs is None:
+            raise ValueError(
+                "train.early_stopping needs validations during training: set train.eval_every_n_steps "
+                "(or train.epochs: each epoch ends with one)"
+            )
         return self
 
     @model_validator(mode="after")

@@ -51,6 +51,7 @@ from trainforge.observers.registry import build_observers
 from trainforge.protocol import PAYLOAD_KEY, Payload, Report, RunInfo, UserError
 from trainforge.redact import install_on_logger, redact_text
 from trainforge.worker.build import check_block_names, check_model_output, check_parameter_names, check_pretrained_fits
+from trainforge.worker.callbacks import check_callbacks
 from trainforge.worker.loop import train_loop_per_worker, worker_env
 from trainforge.worker.optim import check_optimizer
 from trainforge.worker.schedule import check_schedule
@@ -178,11 +179,12 @@ def preflight(config: Config, *, local: bool) -> None:
         return
     prepare_or_verify(config.data)  # data.name tokens: data.prepare's corpus written if missing, every byte checked
     check_local_paths(config.data)
-    user_code = config.model.factory or config.optim.factory or isinstance(config.data, FactoryData)
+    user_code = config.model.factory or config.optim.factory or config.callbacks or isinstance(config.data, FactoryData)
     if user_code:
         import_from_working_directory()  # as the local workers see it (run_env's PYTHONPATH)
     if config.model.factory is not None:
         load_factory(config.model.factory)
+    check_callbacks(config)
     if config.optim.factory is not None:
         load_factory(config.optim.factory, "optim.factory", "a torch.optim.Optimizer", ConfigError)
     check_data_factory(config.data)

@@ -16,11 +16,11 @@ from pathlib import Path
 from typing import Any
 
 from trainforge.checkpoint.format import write_json_atomic
-from trainforge.checkpoint.names import name_of_uri, step_of_uri
+from trainforge.checkpoint.names import checkpoint_name, name_of_uri, step_of_uri
 from trainforge.checkpoint.storage import CheckpointStore
 from trainforge.errors import CheckpointError
 from trainforge.observers.metrics_log import DRIVER_START
-from trainforge.protocol import Report, Resumed, WorkerFailure
+from trainforge.protocol import BestValidation, EndedEarly, Report, Resumed, WorkerFailure
 from trainforge.redact import redact_config, redact_text
 
 log = logging.getLogger("trainforge")
@@ -110,15 +110,20 @@ class RunRecord:
     config: Mapping[str, Any]
     num_workers: int
     error: str | None = None
-    stopped_early: bool = False  # a search's scheduler stopped the trial before its budget
+    stopped_by_scheduler: bool = False  # a search's scheduler stopped the trial before its budget
     written_by: str = RUN_DRIVER
     cost: Mapping[str, Any] | None = None  # cost.CostEstimate.to_dict(), when a price is set
     startup: Mapping[str, Any] | None = None  # startup.Timeline.to_dict(): seconds to the first step, by phase
 
 
 def build_summary(record: RunRecord) -> dict[str, Any]:
-    """summary.json's content (DESIGN's contract plus ``recovery_s``, ``stopped_early``, ``written_by``,
-    and ``parameters``: the model's trainable and frozen parameter elements, as the workers counted)."""
+    """summary.json's content (DESIGN's contract plus ``recovery_s``, ``stopped_by``, ``stopped_early``,
+    ``written_by``, and ``parameters``: the model's trainable and frozen parameter elements, as the
+    workers counted).
+
+    ``stopped_by``: why the run ended before its budget as a finished run (``source``: callback or
+    early_stopping) or, for a search's trial, ``source: scheduler``; None otherwise.
+    ``stopped_early``: ``{step, best_step, best, metric}`` when ``train.early_stopping`` ended it."""
     final = record.final if record.final is not None else Report(step=0)
     figures = final.scalars()
     return {
@@ -133,7 +138,8 @@ def build_summary(record: RunRecord) -> dict[str, Any]:
         "wall_time_s": round(record.wall_time_s, 3),
         "checkpoint": redact_text(record.checkpoint) if record.checkpoint else None,
         "config": redact_config(dict(record.config)),
-        "stopped_early": record.stopped_early,
+        "stopped_by": stopped_by(record, final),
+        "stopped_early": stopped_early(final),
         "written_by": record.written_by,
         **({"parameters": final.parameters.to_json()} if final.parameters is not None else {}),
         **({"batch": batch_choice(final, record.config)} if "batch/micro_batch_size" in final.figures else {}),
@@ -141,6 +147,29 @@ def build_summary(record: RunRecord) -> dict[str, Any]:
         **({"startup": dict(record.startup)} if record.startup is not None else {}),
         **({"error": redact_text(record.error.strip().splitlines()[-1])} if record.error else {}),
     }
+
+
+def stopped_by(record: RunRecord, final: Report) -> dict[str, Any] | None:
+    ended = next((event for event in final.events if isinstance(event, EndedEarly)), None)
+    if ended is not None:
+        return {"source": ended.source, "reason": ended.reason, "step": ended.step}
+    if record.stopped_by_scheduler:
+        return {"source": "scheduler", "reason": "the search's scheduler stopped the trial", "step": final.step}
+    return None
+
+
+def stopped_early(final: Report) -> dict[str, Any] | None:
+    """``train.early_stopping``'s stop: where, and the best pass before it."""
+    ended = next((event for event in final.events if isinstance(event, EndedEarly)), None)
+    best = best_validation(final)
+    if ended is None or ended.source != "early_stopping" or best is None:
+        return None
+    return {"step": ended.step, "best_step": best.best_step, "best": best.best, "metric": best.metric}
+
+
+def best_validation(final: Report | None) -> BestValidation | None:
+    events = final.events if final is not None else ()
+    return next((event for event in events if isinstance(event, BestValidation)), None)
 
 
 def batch_choice(final: Report, config: Mapping[str, Any]) -> dict[str, int]:
@@ -160,12 +189,41 @@ def finish_run_dir(run_dir: Path, record: RunRecord, store: CheckpointStore | No
     run directory's weights as they are), then ``summary.json``; the summary."""
     summary = build_summary(record)
     if record.checkpoint and store is not None:
-        summary["model_weights_step"] = export_final_weights(store, record.checkpoint, run_dir, summary["global_step"])
+        best = best_checkpoint(record, store)
+        source = best or record.checkpoint
+        step = export_final_weights(store, source, run_dir, summary["global_step"], best=best is not None)
+        summary["model_weights_step"] = step
     write_json_atomic(run_dir / SUMMARY_FILE, summary)
     return summary
 
 
-def export_final_weights(store: CheckpointStore, checkpoint_uri: str, run_dir: Path, final_step: int) -> int | None:
+def best_checkpoint(record: RunRecord, store: CheckpointStore) -> str | None:
+    """``train.early_stopping.restore_best``: the checkpoint of the best validation pass (the
+    workers saved it at that pass; rotation kept it), when it is there; None otherwise."""
+    train = record.config.get("train")
+    early = train.get("early_stopping") if isinstance(train, Mapping) else None
+    best = best_validation(record.final)
+    if not isinstance(early, Mapping) or not early.get("restore_best") or best is None or best.best_step is None:
+        return None
+    name = checkpoint_name(best.best_step)
+    try:
+        present = any(entry.name == name for entry in store.entries())
+    except OSError as err:
+        log.warning("train.early_stopping.restore_best: cannot list the run's checkpoints: %s", err)
+        present = False
+    if not present:
+        log.warning(
+            "train.early_stopping.restore_best: no checkpoint of the best validation (step %d); "
+            "model.safetensors holds the last checkpoint's weights",
+            best.best_step,
+        )
+        return None
+    return store.uri(name)
+
+
+def export_final_weights(
+    store: CheckpointStore, checkpoint_uri: str, run_dir: Path, final_step: int, *, best: bool = False
+) -> int | None:
     """Copy the weights files (model.safetensors, and what other components export, such as
     model_ema.safetensors) out of the run's last valid checkpoint (local or object store); the
     step they hold, which is older than the final step when the final save failed (said in the log).
@@ -181,6 +239,8 @@ def export_final_weights(store: CheckpointStore, checkpoint_uri: str, run_dir: P
     except (OSError, CheckpointError) as err:
         log.error("could not copy the final weights out of %s: %s", redact_text(checkpoint_uri), err)
         return None
-    if step is not None and step != final_step:
+    if best:
+        log.info("model.safetensors holds the weights of step %s, the best validation (restore_best)", step)
+    elif step is not None and step != final_step:
         log.warning("model.safetensors holds the weights of step %s, the last checkpoint that was saved", step)
     return step

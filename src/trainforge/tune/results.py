@@ -5,7 +5,7 @@ holds every report, including those after the last one Tune saw; Tune's results 
 (errors) and the sampled values. A trial a scheduler stopped never reaches the end of ``fit``
 (Tune ends its actor), so its ``summary.json`` is written here through ``trainforge.driver.summary``
 (``written_by: trainforge tune``),
-with ``stopped_early: true``; so is that of a trial stopped while it was finishing.
+with ``stopped_by: {source: scheduler, ...}``; so is that of a trial stopped while it was finishing.
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ def complete_run_dir(outcome: TrialOutcome) -> bool:
         checkpoint=checkpoint,
         config=config,
         num_workers=int(config.get("scaling", {}).get("num_workers", 1)) if isinstance(config, dict) else 1,
-        stopped_early=outcome.stopped_early,
+        stopped_by_scheduler=outcome.stopped_early,
         written_by=SEARCH_DRIVER,
     )
     # The run's config.yaml is redacted: the checkpoint's own URI (credentials from the environment) it is.

@@ -15,11 +15,12 @@ import os
 import platform
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import ray
 import ray.train
 
+from trainforge.checkpoint.names import checkpoint_name
 from trainforge.checkpoint.storage import CheckpointStore
 from trainforge.config import Config
 from trainforge.errors import TrainforgeError, TrainingFailed
@@ -27,7 +28,9 @@ from trainforge.models import passed
 from trainforge.protocol import (
     PAYLOAD_KEY,
     REPORT_KEY,
+    BestValidation,
     CheckpointSkipped,
+    EndedEarly,
     Event,
     Note,
     Payload,
@@ -44,6 +47,8 @@ from trainforge.worker import collectives
 from trainforge.worker.autobatch import choose_batch, shrink_after_oom
 from trainforge.worker.build import WorkerRun, build, evaluate
 from trainforge.worker.hooks import Hooks, build_hooks
+from trainforge.worker.callbacks import CallbackFailed, Callbacks, step_metrics
+from trainforge.worker.early_stopping import EarlyStopping
 from trainforge.worker.logs import shipped_logs
 from trainforge.worker.metrics import IntervalHistory, Signals, Throughput, reduce_metrics
 from trainforge.worker.profiling import StepProfiler
@@ -106,6 +111,10 @@ def run_worker(
     except SaveFailedStop as err:
         return UserError.of(TrainingFailed(str(err)))
     except TrainforgeError as err:
+    except CallbackFailed as err:
+        if err.retry:  # after steps: a crash, which Ray Train restarts from the newest checkpoint
+            raise
+        return UserError.of(err.error)
         if session is None or not session.before_first_step:
             raise
         return UserError.of(err)
@@ -192,6 +201,14 @@ class Session:
         self.failed_message = ""
         self.events.extend(restore_events(self.restored, self.run))
 
+        # The user's callbacks and train.early_stopping (worker/callbacks.py, worker/early_stopping.py).
+        self.callbacks = cast(Callbacks | None, self.run.components.get(Callbacks.name))
+        self.early = cast(EarlyStopping | None, self.run.components.get(EarlyStopping.name))
+        self.ended = ended_by_state(self.callbacks, self.early)  # a run restored after its stop ends at once
+        self.committed: list[str] = []  # rank 0: checkpoints committed since the callbacks last heard
+        self.validated_step: int | None = None
+        if self.early is not None and self.early.cfg.restore_best and self.early.best_step is not None:
+            self.checkpointing.writer.keep = {checkpoint_name(self.early.best_step)}
     @property
     def before_first_step(self) -> bool:
         """A fresh run (nothing restored) that has not completed a step yet."""
@@ -199,11 +216,14 @@ class Session:
 
     def train(self) -> Report:
         run, progress = self.run, self.progress
-        stopped = False
         self.profiler.at_step(progress.global_step)
         while progress.global_step < run.total_steps and not stopped:
+        if self.callbacks is not None:
+            self.callbacks.fire("on_train_start")
+        stopped = self.agreed_stop()
             stopped = self.epoch()
-        return self.finish("stopped" if stopped else "finished")
+        # A stop a callback or early stopping asked for is the run's end, not an interruption.
+        return self.finish("stopped" if stopped and self.ended is None else "finished")
 
     def send_startup(self) -> None:
         assert self.startup is not None
@@ -217,7 +237,10 @@ class Session:
         run, cfg, progress, data = self.run, self.run.config, self.progress, self.run.data
         batches = data.batches()
         while progress.global_step < run.total_steps and not data.epoch_done:
+        step_hook = self.callbacks is not None and self.callbacks.defines("on_step_end")
             try:
+            before = dict(self.sums.values) if step_hook else {}
+            lr = run.runner.lr if step_hook else 0.0
                 times = run.runner.run(batches, data.accum, self.sums)
             except StepOutOfMemory:
                 # Raised on every rank at the same point: all retry the step, from the same
@@ -238,12 +261,17 @@ class Session:
             progress.samples_seen += self.per_step * run.data_world
             self.meter.step_done()
             for name in ("data_s", "compute_s", "optim_s"):
+            if step_hook and self.callbacks is not None:
+                metrics = step_metrics(run, before, self.sums.values, lr)  # a host sync: only for on_step_end
+                self.callbacks.fire("on_step_end", progress.global_step, metrics)
                 self.sums.add(name, getattr(times, name))
             if progress.global_step % cfg.train.log_every_n_steps == 0:
                 # A point for the curves; it is reduced with the others at the next report.
                 self.history.close(self.sums, progress.global_step, run.runner.lr)
             if cfg.train.eval_every_n_steps and progress.global_step % cfg.train.eval_every_n_steps == 0:
-                self.val_metrics = self.timed_evaluate()
+                self.val_metrics = self.validate()
+            if self.agreed_stop():
+                return True
             if progress.global_step >= run.total_steps:
                 break
             due = progress.global_step >= self.next_report or self.checkpointing.due(progress.global_step)
@@ -255,7 +283,9 @@ class Session:
             run.runner.scheduler.epoch_end()  # schedule.interval epoch: the LR of the next epoch
             more = progress.global_step < run.total_steps
             if more and run.val_set is not None and cfg.train.eval_every_n_steps is None:
-                self.val_metrics = self.timed_evaluate()
+                self.val_metrics = self.validate()
+                if self.agreed_stop():
+                    return True
             if more and cfg.checkpoint.at_epoch_end:
                 self.save(None)
         return False
@@ -274,6 +304,7 @@ class Session:
         now = time.perf_counter()
         signals = self.gather_control_signals(final=final)
         reduced = reduce_metrics(
+        self.announce_checkpoints()
             self.run, self.sums, self.history, now - self.last_report, self.progress, self.meter, signals
         )
         figures = reduced.report.figures
@@ -318,6 +349,7 @@ class Session:
                 else:
                     self.last_checkpoint = outcome.uri
             signals.stop = 1.0 if (not final and self.stop_requested()) else 0.0
+                    self.committed.extend([outcome.uri] if outcome.uri else [])
             signals.minutes_since_save = (time.perf_counter() - self.last_save) / 60
         self.save_failures += int(signals.save_failures)
         self.failed_message = failed_message
@@ -377,6 +409,56 @@ class Session:
     def finish(self, status: str) -> Report:
         """Final validation, final checkpoint (waited for), final report: what rank 0 returns."""
         run = self.run
+    def validate(self) -> dict[str, float]:
+        """A validation pass during training, then what follows one: the callbacks' hook, early
+        stopping's count and (``restore_best``) a checkpoint of a pass that improved."""
+        metrics = self.timed_evaluate()
+        if self.after_validation(metrics) and self.early is not None and self.early.cfg.restore_best:
+            # Every rank: the metrics are all-reduced, so all save here. Rotation keeps it.
+            step = self.progress.global_step
+            self.checkpointing.save({"step": step, **metrics})
+            self.last_save = time.perf_counter()
+            self.checkpointing.writer.keep = {checkpoint_name(step)}
+        return metrics
+
+    def after_validation(self, metrics: dict[str, float], *, during_training: bool = True) -> bool:
+        """The callbacks' ``on_validation_end`` and early stopping's count, once per step; whether
+        the pass improved on early stopping's best. Patience that runs out at the final pass
+        (``during_training`` False) ends nothing: the run is at its end."""
+        step = self.progress.global_step
+        if step == self.validated_step:
+            return False
+        self.validated_step = step
+        if self.callbacks is not None:
+            self.callbacks.fire("on_validation_end", dict(metrics))
+        improved = self.early.observe(step, metrics) if self.early is not None else None
+        if during_training and self.early is not None and self.early.exhausted and self.ended is None:
+            self.ended = EndedEarly(step, self.early.reason, "early_stopping")
+        return bool(improved)
+
+    def agreed_stop(self) -> bool:
+        """Whether the run ends after this step: a callback asked on some rank (the ranks agree in
+        one collective, only when there are callbacks) or early stopping ran out of patience (its
+        metrics are the same on every rank). A callback's failure is raised here, on every rank."""
+        if self.callbacks is not None and self.ended is None:
+            step = self.progress.global_step
+            fresh_start = self.restored.source is None and step <= self.first_step + 1
+            reason = self.callbacks.agree(self.run.device, step, retry=not fresh_start)
+            if reason is not None:
+                self.ended = EndedEarly(step, reason, "callback")
+        return self.ended is not None
+
+    def announce_checkpoints(self) -> None:
+        """``on_checkpoint`` on every rank for each checkpoint rank 0 saw committed (one broadcast,
+        only when there are callbacks)."""
+        if self.callbacks is None:
+            self.committed.clear()
+            return
+        committed = cast(list[str], collectives.broadcast_object(list(self.committed)))
+        self.committed.clear()
+        for uri in committed:
+            self.callbacks.fire("on_checkpoint", uri)
+
         self.profiler.finish()
         if status == "finished":
             run.finish(self.progress.global_step)  # local SGD: one model at the end, not one per worker
@@ -385,6 +467,12 @@ class Session:
         report, control = self.report(final=True)
         if control.failed:
             raise_save_failure(control.failed)
+            self.after_validation(self.val_metrics, during_training=False)
+        if self.ended is not None:
+            self.events.append(self.ended)
+        if self.early is not None:
+            stopped = self.ended is not None and self.ended.source == "early_stopping"
+            self.events.append(BestValidation(self.early.cfg.metric, self.early.best, self.early.best_step, stopped))
         if self.progress.global_step > self.first_step or self.last_checkpoint is None:
             self.save(report, final=True)
         final_error: SaveFailed | None = None
@@ -398,6 +486,12 @@ class Session:
         # Only rank 0 knows how its save went; every rank must take the same way out.
         failed_anywhere = collectives.all_reduce_sum([1.0 if final_error else 0.0], self.run.device).item() > 0
         if failed_anywhere and self.run.config.checkpoint.on_save_error == "fail":
+                self.committed.extend([outcome.uri] if outcome.uri else [])
+        self.announce_checkpoints()
+        if self.callbacks is not None:
+            self.callbacks.fire("on_train_end")
+            # A hook's failure ends the run here, on every rank; a stop asked now changes nothing.
+            self.callbacks.agree(self.run.device, self.progress.global_step, retry=not self.before_first_step)
             raise_save_failure(final_error.text if final_error else "the final checkpoint save failed")
         final = replace(
             report,
@@ -441,6 +535,15 @@ def next_report_step(cfg: Config, step: int, step_time_s: float) -> int:
 def restore_events(restored: Restored, run: WorkerRun) -> list[Event]:
     """What the run says about where it starts, from what restore did (worker/saving.Restored)."""
     events: list[Event] = []
+def ended_by_state(callbacks: Callbacks | None, early: EarlyStopping | None) -> EndedEarly | None:
+    """The stop a restored run had already agreed on (its final checkpoint holds it), if any."""
+    if callbacks is not None and callbacks.stop is not None:
+        return EndedEarly(callbacks.stop.step, callbacks.stop.reason, "callback")
+    if early is not None and early.exhausted and early.last_step is not None:
+        return EndedEarly(early.last_step, early.reason, "early_stopping")
+    return None
+
+
     if restored.source:
         layout = run.plan.layout_name if restored.resharded_from is not None else None
         events.append(Resumed(restored.progress.global_step, restored.source, restored.resharded_from, layout))

@@ -5,7 +5,8 @@ resharding go through ``Component``'s interface only. Adding a component is one 
 ``from_run``: its instance for a run, or None when the run's config leaves it out) and one line
 here. The model comes before the optimizer (the optimizer's state is keyed by the model's
 parameters), the optimizer before the schedule (which may put this run's hyperparameters on top),
-local SGD after both (it overwrites them with each rank's own), the RNG last (nothing may draw
+local SGD after both (it overwrites them with each rank's own), the user's callbacks (whose
+``load_state_dict`` is their code) before the RNG, the RNG last (nothing may draw
 after it is restored).
 """
 
@@ -14,11 +15,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from trainforge.checkpoint.schema import ComponentSchemas
+from trainforge.worker.callbacks import Callbacks
 from trainforge.worker.components.base import Component
 from trainforge.worker.components.data import DataSource
 from trainforge.worker.components.training import Progress, Rng, Scaler, Schedule
 from trainforge.worker.components.weights import ModelWeights, OptimizerState
 from trainforge.worker.compression import PowerSGDComponent
+from trainforge.worker.early_stopping import EarlyStopping
 from trainforge.worker.ema import Ema
 from trainforge.worker.sync import LocalSync
 
@@ -35,6 +38,8 @@ COMPONENTS: tuple[type[Component], ...] = (
     LocalSync,
     PowerSGDComponent,
     Ema,
+    EarlyStopping,
+    Callbacks,
     Rng,
 )
 
