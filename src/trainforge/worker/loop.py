@@ -46,9 +46,9 @@ from trainforge.redact import MASK, is_secret_key
 from trainforge.worker import collectives
 from trainforge.worker.autobatch import choose_batch, shrink_after_oom
 from trainforge.worker.build import WorkerRun, build, evaluate
-from trainforge.worker.hooks import Hooks, build_hooks
 from trainforge.worker.callbacks import CallbackFailed, Callbacks, step_metrics
 from trainforge.worker.early_stopping import EarlyStopping
+from trainforge.worker.hooks import Hooks, build_hooks
 from trainforge.worker.logs import shipped_logs
 from trainforge.worker.metrics import IntervalHistory, Signals, Throughput, reduce_metrics
 from trainforge.worker.profiling import StepProfiler
@@ -110,11 +110,11 @@ def run_worker(
         return session.train()
     except SaveFailedStop as err:
         return UserError.of(TrainingFailed(str(err)))
-    except TrainforgeError as err:
     except CallbackFailed as err:
         if err.retry:  # after steps: a crash, which Ray Train restarts from the newest checkpoint
             raise
         return UserError.of(err.error)
+    except TrainforgeError as err:
         if session is None or not session.before_first_step:
             raise
         return UserError.of(err)
@@ -200,7 +200,6 @@ class Session:
         self.stop_probe: Any = None  # the stop flag's pending read: asked at one report, read at a later one
         self.failed_message = ""
         self.events.extend(restore_events(self.restored, self.run))
-
         # The user's callbacks and train.early_stopping (worker/callbacks.py, worker/early_stopping.py).
         self.callbacks = cast(Callbacks | None, self.run.components.get(Callbacks.name))
         self.early = cast(EarlyStopping | None, self.run.components.get(EarlyStopping.name))
@@ -209,6 +208,7 @@ class Session:
         self.validated_step: int | None = None
         if self.early is not None and self.early.cfg.restore_best and self.early.best_step is not None:
             self.checkpointing.writer.keep = {checkpoint_name(self.early.best_step)}
+
     @property
     def before_first_step(self) -> bool:
         """A fresh run (nothing restored) that has not completed a step yet."""
@@ -217,10 +217,10 @@ class Session:
     def train(self) -> Report:
         run, progress = self.run, self.progress
         self.profiler.at_step(progress.global_step)
-        while progress.global_step < run.total_steps and not stopped:
         if self.callbacks is not None:
             self.callbacks.fire("on_train_start")
         stopped = self.agreed_stop()
+        while progress.global_step < run.total_steps and not stopped:
             stopped = self.epoch()
         # A stop a callback or early stopping asked for is the run's end, not an interruption.
         return self.finish("stopped" if stopped and self.ended is None else "finished")
@@ -236,11 +236,11 @@ class Session:
         """Steps to the end of the current epoch (or of training); True when asked to stop."""
         run, cfg, progress, data = self.run, self.run.config, self.progress, self.run.data
         batches = data.batches()
-        while progress.global_step < run.total_steps and not data.epoch_done:
         step_hook = self.callbacks is not None and self.callbacks.defines("on_step_end")
-            try:
+        while progress.global_step < run.total_steps and not data.epoch_done:
             before = dict(self.sums.values) if step_hook else {}
             lr = run.runner.lr if step_hook else 0.0
+            try:
                 times = run.runner.run(batches, data.accum, self.sums)
             except StepOutOfMemory:
                 # Raised on every rank at the same point: all retry the step, from the same
@@ -260,10 +260,10 @@ class Session:
             data.advance()
             progress.samples_seen += self.per_step * run.data_world
             self.meter.step_done()
-            for name in ("data_s", "compute_s", "optim_s"):
             if step_hook and self.callbacks is not None:
                 metrics = step_metrics(run, before, self.sums.values, lr)  # a host sync: only for on_step_end
                 self.callbacks.fire("on_step_end", progress.global_step, metrics)
+            for name in ("data_s", "compute_s", "optim_s"):
                 self.sums.add(name, getattr(times, name))
             if progress.global_step % cfg.train.log_every_n_steps == 0:
                 # A point for the curves; it is reduced with the others at the next report.
@@ -303,8 +303,8 @@ class Session:
         cfg = self.run.config
         now = time.perf_counter()
         signals = self.gather_control_signals(final=final)
-        reduced = reduce_metrics(
         self.announce_checkpoints()
+        reduced = reduce_metrics(
             self.run, self.sums, self.history, now - self.last_report, self.progress, self.meter, signals
         )
         figures = reduced.report.figures
@@ -348,8 +348,8 @@ class Session:
                     self.events.append(failure)
                 else:
                     self.last_checkpoint = outcome.uri
-            signals.stop = 1.0 if (not final and self.stop_requested()) else 0.0
                     self.committed.extend([outcome.uri] if outcome.uri else [])
+            signals.stop = 1.0 if (not final and self.stop_requested()) else 0.0
             signals.minutes_since_save = (time.perf_counter() - self.last_save) / 60
         self.save_failures += int(signals.save_failures)
         self.failed_message = failed_message
@@ -406,9 +406,6 @@ class Session:
         self.val_points.append({"step": self.progress.global_step, "time/unix": time.time(), **metrics})
         return metrics
 
-    def finish(self, status: str) -> Report:
-        """Final validation, final checkpoint (waited for), final report: what rank 0 returns."""
-        run = self.run
     def validate(self) -> dict[str, float]:
         """A validation pass during training, then what follows one: the callbacks' hook, early
         stopping's count and (``restore_best``) a checkpoint of a pass that improved."""
@@ -459,20 +456,23 @@ class Session:
         for uri in committed:
             self.callbacks.fire("on_checkpoint", uri)
 
+    def finish(self, status: str) -> Report:
+        """Final validation, final checkpoint (waited for), final report: what rank 0 returns."""
+        run = self.run
         self.profiler.finish()
         if status == "finished":
             run.finish(self.progress.global_step)  # local SGD: one model at the end, not one per worker
         if status == "finished" and run.val_set is not None:
             self.val_metrics = self.timed_evaluate()
-        report, control = self.report(final=True)
-        if control.failed:
-            raise_save_failure(control.failed)
             self.after_validation(self.val_metrics, during_training=False)
         if self.ended is not None:
             self.events.append(self.ended)
         if self.early is not None:
             stopped = self.ended is not None and self.ended.source == "early_stopping"
             self.events.append(BestValidation(self.early.cfg.metric, self.early.best, self.early.best_step, stopped))
+        report, control = self.report(final=True)
+        if control.failed:
+            raise_save_failure(control.failed)
         if self.progress.global_step > self.first_step or self.last_checkpoint is None:
             self.save(report, final=True)
         final_error: SaveFailed | None = None
@@ -483,15 +483,15 @@ class Session:
                 final_error = SaveFailed(outcome.step, outcome.error, final=True)
             else:
                 self.last_checkpoint = outcome.uri
-        # Only rank 0 knows how its save went; every rank must take the same way out.
-        failed_anywhere = collectives.all_reduce_sum([1.0 if final_error else 0.0], self.run.device).item() > 0
-        if failed_anywhere and self.run.config.checkpoint.on_save_error == "fail":
                 self.committed.extend([outcome.uri] if outcome.uri else [])
         self.announce_checkpoints()
         if self.callbacks is not None:
             self.callbacks.fire("on_train_end")
             # A hook's failure ends the run here, on every rank; a stop asked now changes nothing.
             self.callbacks.agree(self.run.device, self.progress.global_step, retry=not self.before_first_step)
+        # Only rank 0 knows how its save went; every rank must take the same way out.
+        failed_anywhere = collectives.all_reduce_sum([1.0 if final_error else 0.0], self.run.device).item() > 0
+        if failed_anywhere and self.run.config.checkpoint.on_save_error == "fail":
             raise_save_failure(final_error.text if final_error else "the final checkpoint save failed")
         final = replace(
             report,
@@ -532,9 +532,6 @@ def next_report_step(cfg: Config, step: int, step_time_s: float) -> int:
     return math.ceil((step + report_stride(cfg, step_time_s)) / every) * every
 
 
-def restore_events(restored: Restored, run: WorkerRun) -> list[Event]:
-    """What the run says about where it starts, from what restore did (worker/saving.Restored)."""
-    events: list[Event] = []
 def ended_by_state(callbacks: Callbacks | None, early: EarlyStopping | None) -> EndedEarly | None:
     """The stop a restored run had already agreed on (its final checkpoint holds it), if any."""
     if callbacks is not None and callbacks.stop is not None:
@@ -544,6 +541,9 @@ def ended_by_state(callbacks: Callbacks | None, early: EarlyStopping | None) -> 
     return None
 
 
+def restore_events(restored: Restored, run: WorkerRun) -> list[Event]:
+    """What the run says about where it starts, from what restore did (worker/saving.Restored)."""
+    events: list[Event] = []
     if restored.source:
         layout = run.plan.layout_name if restored.resharded_from is not None else None
         events.append(Resumed(restored.progress.global_step, restored.source, restored.resharded_from, layout))
