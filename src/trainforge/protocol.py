@@ -441,6 +441,14 @@ class StartupMarks:
 
 
 @dataclass(frozen=True)
+class ValidationStarted:
+    """Rank 0 begins a validation pass after ``step``: sent to the driver's mailbox as it starts
+    (its result comes with the next report), so that a long pass is not silence."""
+
+    step: int
+
+
+@dataclass(frozen=True)
 class LogLine:
     """One worker log line, tagged with rank and node (worker/logs.py); ``level`` is logging's."""
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -31,6 +32,7 @@ from tests.helpers.faults import events_of, kill_a_worker_after, paced_run, wait
 from tests.helpers.ranks import spawn_ranks
 from tests.helpers.sessions import assert_bit_identical, checkpoint_state, run_dir_of, sessions, train
 from tests.helpers.timing import scaled
+from trainforge.cli.run import STOPPED_EXIT
 
 ROOT = Path(__file__).resolve().parents[2]
 # checkpoint.encryption's key, read by the workers from their environment: set before this module's
@@ -178,12 +180,17 @@ def test_a_custom_step_worker_killed_mid_epoch_resumes_bit_identical(
     assert_bit_identical(checkpoint_state(reference.run_dir, 60), checkpoint_state(run_dir, 60))
 
 
+PHASES = ("torch and Ray imported", "Ray ready")  # the console's lines for two start-up phases
+
+
 @pytest.mark.slow
 @pytest.mark.usefixtures("ray_local")
 def test_driver_stopped_and_rerun_resumes_bit_identical(
     tmp_path: Path, straight: Callable[[str, dict], trainforge.RunResult]
 ) -> None:
-    """SIGTERM to `trainforge train` checkpoints and stops; the same command then finishes the run."""
+    """SIGTERM to `trainforge train` checkpoints and stops, exit code 3, its last line the command
+    that resumes it; that command then finishes the run. The console's first line comes before the
+    imports and Ray's start, then a line per start-up phase; validations are said as they start."""
     config = paced_config(tmp_path / "cli", **TWO_WORKERS)
     path = tmp_path / "cli.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -203,16 +210,29 @@ def test_driver_stopped_and_rerun_resumes_bit_identical(
     wait_until(saved_at_20, 180, "the checkpoint at step 20")
     first.send_signal(signal.SIGTERM)
     first.wait(timeout=scaled(180))
-    assert first.returncode == 0, log.read_text()
+    said = log.read_text().splitlines()
+    assert first.returncode == STOPPED_EXIT, said[-20:]
     stopped = json.loads((run_dir / "summary.json").read_text())
     assert stopped["status"] == "stopped"
     assert 20 <= stopped["global_step"] < 60
+    assert said[0].startswith("trainforge: training t on 2 worker(s)"), said[:5]
+    imported, ray_ready = (next(i for i, line in enumerate(said) if line.endswith(f"  {phase}")) for phase in PHASES)
+    assert 0 < imported < ray_ready, said[: ray_ready + 1]  # the first line before the imports ended
+    resume = f"trainforge train {path}"
+    assert said[-1] == f"stopped at step {stopped['global_step']}; to resume: {resume}", said[-5:]
 
     second = subprocess.run(
-        command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=scaled(300), check=False
+        [*command[:3], *shlex.split(resume)[1:]],  # the command it said, as `python -m trainforge`
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=scaled(300),
+        check=False,
     )
     assert second.returncode == 0, second.stderr
     assert "resumed from" in second.stderr
+    assert "validating at step 60…" in second.stderr and "validation at step 60: loss " in second.stderr
     finished = json.loads((run_dir / "summary.json").read_text())
     assert finished["status"] == "finished" and finished["global_step"] == 60
 

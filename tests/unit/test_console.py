@@ -10,7 +10,7 @@ from rich.console import Console
 
 from trainforge.driver.startup import Timeline
 from trainforge.observers.console import PLAIN_EVERY_S, ProgressDisplay, StartupLines, validation_metrics
-from trainforge.protocol import Note, Report, RunInfo
+from trainforge.protocol import Note, Report, RunInfo, ValidationStarted
 
 INFO = RunInfo("digits", 2, "a local Ray", "runs/digits")
 
@@ -88,7 +88,7 @@ def test_a_validation_line_names_each_of_the_tasks_metrics_once() -> None:
     out_console, out = console(terminal=False)
     display = ProgressDisplay(out_console)
     regression = {"step": 50, "val/loss": 0.0123, "val/mse": 0.0123, "val/mae": 0.0871, "val/r2": 0.874}
-    display.on_validation_start(50)
+    display.on_validation_start(ValidationStarted(50))
     display.on_report(report(60, 1000.0, history=[{"step": 50, "train/loss": 0.5}, regression]))
     display.on_report(report(70, 1001.0, history=[regression]))  # the same pass again: said once
     lines = out.getvalue().splitlines()

@@ -27,6 +27,7 @@ from trainforge.protocol import (
     Resumed,
     RunInfo,
     SaveFailed,
+    ValidationStarted,
     WorkerFailure,
 )
 
@@ -82,6 +83,9 @@ class Recorder:
     def on_log(self, lines: list[LogLine]) -> None:
         self.seen.append(("log", lines))
 
+    def on_validation_start(self, started: ValidationStarted) -> None:
+        self.seen.append(("validation_start", started))
+
     def on_end(self, summary: dict[str, Any]) -> None:
         self.seen.append(("end", summary))
 
@@ -93,13 +97,14 @@ def test_the_pump_hands_each_kind_of_mail_to_its_callback(monkeypatch: pytest.Mo
         Report(step=5, time=1_790_000_000.0, checkpoint="/c/checkpoint_000000005"),
         WorkerFailure({0: "killed"}, 1_790_000_001.0),
         LogBatch(lines),
+        ValidationStarted(10),
         resumed,
     ]
     monkeypatch.setattr(observe.ray, "get", lambda ref, timeout=None: ref)
     recorder, log = Recorder(), MetricsLog(tmp_path)
     pump = observe.Pump(SimpleNamespace(drain=SimpleNamespace(remote=lambda: list(mail))), Observers([recorder, log]))
     pump.drain()
-    assert [kind for kind, _ in recorder.seen] == ["report", "worker_error", "log", "report"]
+    assert [kind for kind, _ in recorder.seen] == ["report", "worker_error", "log", "validation_start", "report"]
     assert recorder.seen[2][1] == list(lines)
     assert pump.last_report is resumed and pump.last_checkpoint is None
     assert (pump.recovery.restarts, pump.recovery.recovery_s) == (1, [8.5])

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
+from rich.markup import escape
 
 from trainforge.cli.common import (
     ConfigArg,
@@ -55,7 +56,7 @@ def train(
     # Validate before importing torch and Ray, so a config error costs milliseconds. A job that
     # trainforge submit started gets its secrets from its environment, not from the file.
     resolved = load_config(submitted_source(resolve_config_path(config)), overrides)
-    err_console.print(first_line(resolved), highlight=False, soft_wrap=True)
+    err_console.print(escape(first_line(resolved)), highlight=False, soft_wrap=True)
     from trainforge.driver.rerun import check_rerun
 
     check_rerun(resolved, resume=resume is not None)  # refused before Ray starts; the driver asks again under the lock
@@ -76,7 +77,8 @@ def train(
     if code is not None:
         again = resume_command(config, set_, address, verbose, resolved)
         step = result.summary.get("global_step")
-        err_console.print(f"{result.status} at step {step}; to resume: {again}", highlight=False, soft_wrap=True)
+        said = f"{result.status} at step {step}; to resume: {again}"
+        err_console.print(escape(said), highlight=False, soft_wrap=True)
         raise typer.Exit(code)
 
 

@@ -2,7 +2,8 @@
 to the observers (observers/).
 
 What crosses is typed (``trainforge.protocol``): the workers' ``Report`` (with its events), the
-controller's ``WorkerFailure``, the workers' ``LogBatch``, the start-up phases' ``StartupMarks``.
+controller's ``WorkerFailure``, the workers' ``LogBatch``, the start-up phases' ``StartupMarks``,
+rank 0's ``ValidationStarted``.
 The observers' hooks and their firing order are ``observers/base.py``'s.
 """
 
@@ -25,13 +26,14 @@ from trainforge.protocol import (
     LogBatch,
     Report,
     StartupMarks,
+    ValidationStarted,
     WorkerFailure,
     merge_reports,
 )
 
 log = logging.getLogger("trainforge")
 
-Mail = Report | WorkerFailure | LogBatch | StartupMarks  # what the mailbox holds
+Mail = Report | WorkerFailure | LogBatch | StartupMarks | ValidationStarted  # what the mailbox holds
 
 
 def start_mailbox() -> Any:
@@ -143,6 +145,8 @@ class Pump:
                 self.observers.on_log(list(item.lines))
             elif isinstance(item, StartupMarks):
                 self.startup.add(dict(item.marks))
+            elif isinstance(item, ValidationStarted):
+                self.observers.on_validation_start(item)
 
     def _on_report(self, report: Report) -> None:
         if self.cost is not None:

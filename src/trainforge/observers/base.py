@@ -11,8 +11,9 @@ Firing order, for every observer, once per driver session (``driver/run.train``)
    node's ``system/...`` samples), in step order, the final one with ``status`` set; with a price
    set the report carries the driver's ``cost/...`` figures (driver/cost.py);
 3. ``on_worker_error(WorkerFailure)`` when a worker group fails (Ray restarts it; the next report
-   after the restore carries a ``Resumed`` event) and ``on_log(list[LogLine])`` (batches of worker
-   log lines), interleaved with 2. as they happen;
+   after the restore carries a ``Resumed`` event), ``on_log(list[LogLine])`` (batches of worker
+   log lines) and ``on_validation_start(ValidationStarted)`` (rank 0 begins a validation pass,
+   whose metrics come with a later report's history), interleaved with 2. as they happen;
 4. either ``on_end(summary)`` once, with summary.json's content, after it is written; or
    ``on_error(error)`` once, when the run raised instead (a user's error the workers found, a
    failed preflight, Ctrl-C before the workers started): nothing after that;
@@ -34,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from trainforge.protocol import LogLine, Report, RunInfo, WorkerFailure
+from trainforge.protocol import LogLine, Report, RunInfo, ValidationStarted, WorkerFailure
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -44,12 +45,13 @@ if TYPE_CHECKING:
 log = logging.getLogger("trainforge")
 
 # Hooks an observer may leave out; the fan-out looks each one up (see the firing order above).
-OPTIONAL_HOOKS = ("on_log", "on_error", "summary_entries", "check_complete")
+OPTIONAL_HOOKS = ("on_log", "on_validation_start", "on_error", "summary_entries", "check_complete")
 
 
 class Observer(Protocol):
     """One consumer of a run's reports. Subclass it and override what you need; the optional hooks
-    (``on_log``, ``on_error``, ``summary_entries``, ``check_complete``) are looked up by name."""
+    (``on_log``, ``on_validation_start``, ``on_error``, ``summary_entries``, ``check_complete``) are
+    looked up by name."""
 
     def on_start(self, info: RunInfo) -> None:
         return None
@@ -65,6 +67,7 @@ class Observer(Protocol):
 
     # optional:
     # def on_log(self, lines: list[LogLine]) -> None
+    # def on_validation_start(self, started: ValidationStarted) -> None
     # def on_error(self, error: BaseException) -> None
     # def summary_entries(self) -> dict[str, Any]
     # def check_complete(self) -> None
@@ -112,6 +115,9 @@ class Observers:
 
     def on_log(self, lines: list[LogLine]) -> None:
         self._each("on_log", lines)
+
+    def on_validation_start(self, started: ValidationStarted) -> None:
+        self._each("on_validation_start", started)
 
     def on_end(self, summary: dict[str, Any]) -> None:
         self._each("on_end", summary)

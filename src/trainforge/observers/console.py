@@ -18,7 +18,15 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from trainforge.protocol import PROJECTED_KEY, SO_FAR_KEY, LogLine, Report, RunInfo, WorkerFailure
+from trainforge.protocol import (
+    PROJECTED_KEY,
+    SO_FAR_KEY,
+    LogLine,
+    Report,
+    RunInfo,
+    ValidationStarted,
+    WorkerFailure,
+)
 from trainforge.redact import redact_text
 
 # An event's level -> its colour on the console
@@ -169,9 +177,8 @@ class ProgressDisplay:
             self.progress.start()
             self.task_id = self.progress.add_task("starting workers…", total=None, eta="?")
 
-    def on_validation_start(self, step: int) -> None:
-        """Rank 0 is about to run a validation pass after ``step``."""
-        self.say(f"validating at step {step}…")
+    def on_validation_start(self, started: ValidationStarted) -> None:
+        self.say(f"validating at step {started.step}…")
 
     def on_report(self, report: Report) -> None:
         for event in report.events:

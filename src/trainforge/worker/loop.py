@@ -40,6 +40,7 @@ from trainforge.protocol import (
     StartupMarks,
     Stopping,
     UserError,
+    ValidationStarted,
     merge_points,
 )
 from trainforge.redact import MASK, is_secret_key
@@ -399,6 +400,8 @@ class Session:
         self.last_save = time.perf_counter()
 
     def timed_evaluate(self) -> dict[str, float]:
+        if self.run.rank == 0 and self.control is not None:  # the console says so while the pass runs
+            self.control.put.remote(ValidationStarted(self.progress.global_step))  # fire and forget
         started = time.perf_counter()
         metrics = evaluate(self.run)
         self.meter.exclude(time.perf_counter() - started)
