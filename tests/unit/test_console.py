@@ -114,11 +114,14 @@ def test_a_terminal_gets_a_bar_with_step_total_and_eta() -> None:
 def test_the_end_line_says_stopped_runs_are_resumable_and_early_ends_their_best_step() -> None:
     out_console, out = console(terminal=False)
     ProgressDisplay(out_console).on_end(summary("stopped"))
-    early = summary("finished", stopped_early={"step": 120, "best_step": 80, "best": 0.2})
-    ProgressDisplay(out_console).on_end(early)
-    stopped, ended = out.getvalue().splitlines()
+    early = {"step": 120, "best_step": 80, "best": 0.2, "metric": "val/loss"}
+    ProgressDisplay(out_console).on_end(summary("finished", stopped_early=early))
+    asked = {"source": "callback", "reason": "loss below 0.1", "step": 120}
+    ProgressDisplay(out_console).on_end(summary("finished", stopped_by=asked))
+    stopped, ended, callback = out.getvalue().splitlines()
     assert stopped.startswith("stopped (resumable) at step 120 in 30.0 s · epoch 2  loss 0.1000  val_loss 0.2000")
-    assert ended.startswith("finished early (best at step 80) at step 120")
+    assert ended.startswith("finished early (best val/loss 0.2 at step 80) at step 120")
+    assert callback.startswith("finished early (loss below 0.1) at step 120")
 
 
 def test_start_up_phases_are_printed_as_they_are_marked_in_order() -> None:

@@ -16,6 +16,7 @@ from trainforge.config import load_config, to_yaml
 from trainforge.config.changes import UNSET, config_changes, counts, describe
 from trainforge.driver.rerun import CONFIG_CHANGED, check_rerun, record_changes
 from trainforge.errors import ConfigError
+from trainforge.report.data import load_run
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -123,6 +124,8 @@ def test_resume_continues_and_the_changes_are_recorded_in_metrics_jsonl(tmp_path
     assert record["event"] == CONFIG_CHANGED
     assert record["changes"] == {"optim.lr": {"old": 0.01, "new": 0.02}}
     assert "optim.lr 0.01 -> 0.02" in record["text"]
+    # The report's event list says it in words.
+    assert [row.text for row in load_run(run_dir).events] == [f"{CONFIG_CHANGED}: {record['text']}"]
 
 
 def test_secrets_compare_masked_as_config_yaml_holds_them(tmp_path: Path) -> None:

@@ -105,6 +105,20 @@ def hms(seconds: float | None) -> str:
     return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
 
 
+def ended_as(summary: Mapping[str, Any]) -> str:
+    """How the run ended, in a few words: ``finished``; ``finished early (...)`` when early stopping
+    or a callback ended it; ``stopped (resumable)``; ``failed``, ``aborted``."""
+    status = str(summary["status"])
+    early, ended = summary.get("stopped_early"), summary.get("stopped_by")
+    if status == "finished" and isinstance(early, Mapping) and early.get("best_step") is not None:
+        best = early.get("best")
+        value = f" {best:.4g}" if isinstance(best, (int, float)) else ""
+        return f"finished early (best {early.get('metric', 'metric')}{value} at step {early['best_step']})"
+    if status == "finished" and isinstance(ended, Mapping) and ended.get("source") == "callback":
+        return f"finished early ({ended.get('reason')})"
+    return "stopped (resumable)" if status == "stopped" else status
+
+
 class StartupLines:
     """A start-up watcher (driver/startup.Timeline.watch): a line per phase as it ends, with the
     seconds since the command (or the ``fit`` call) started."""
@@ -224,10 +238,7 @@ class ProgressDisplay:
             final.pop(PROJECTED_KEY, None)
         status = summary["status"]
         colour = {"finished": "green", "stopped": "yellow"}.get(status, "red")
-        said = {"stopped": "stopped (resumable)"}.get(status, status)
-        early = summary.get("stopped_early")
-        if status == "finished" and isinstance(early, Mapping) and early.get("best_step") is not None:
-            said = f"finished early (best at step {early['best_step']})"
+        said = escape(ended_as(summary))
         line = describe(final, epoch=summary["epoch"], currency=currency)
         self.say(
             f"[{colour}]{said}[/] at step {summary['global_step']} in {summary['wall_time_s']:.1f} s · "

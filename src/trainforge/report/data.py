@@ -192,7 +192,9 @@ def _read_metrics(metrics_path: Path, data: RunData) -> None:
                 data.events.append(EventRow(step, "worker failure", "failure"))
             continue
         if "event" in record:
-            data.events.append(EventRow(step, f"{record['event']}: {json.dumps(record)}"))
+            # A driver's record says itself in ``text`` where it has one (driver/rerun.py's config_changed).
+            said = record["text"] if isinstance(record.get("text"), str) else json.dumps(record)
+            data.events.append(EventRow(step, f"{record['event']}: {said}"))
             continue
         step = step_of(record, step)
         for event in events_of(record):
