@@ -4,6 +4,7 @@ local Ray: trial counts, the best trial, best.yaml, early stopping, PBT's exploi
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -98,6 +99,34 @@ def check_early_stopping(summary: dict[str, Any]) -> None:
     assert summary["compute"]["saved_fraction"] > 0
 
 
+UNEXPECTED_DEATH = "A worker died or was killed while executing a task by an unexpected system error"
+
+
+def check_no_death_noise(capfd: pytest.CaptureFixture[str]) -> None:
+    """Ray prints on the driver's console each worker that died unexpectedly (its error channel,
+    whatever log_to_driver says). The trials ASHA stopped, and their warm workers, ended as
+    intended: none of that. A worker that really crashes still is reported; its line comes on the
+    same channel after any of the search's, so once it is in, the search's would be too."""
+    import ray
+
+    @ray.remote(max_retries=0)
+    def crash() -> None:
+        os._exit(1)
+
+    printed = [capfd.readouterr()]  # the search's output so far
+    with pytest.raises(ray.exceptions.WorkerCrashedError):
+        ray.get(crash.remote())
+
+    def reported() -> bool:
+        printed.append(capfd.readouterr())
+        return UNEXPECTED_DEATH in "".join(p.out + p.err for p in printed[1:])
+
+    # Were the search's stops reported too, Ray's deduplication would hold this one back as a repeat.
+    wait_until(reported, 60, "Ray's line for a worker that crashed")
+    text = "".join(p.out + p.err for p in printed)
+    assert text.count(UNEXPECTED_DEATH) == 1, text  # the crash's; none of the search's
+
+
 def check_mlflow(uri: str, summary: dict[str, Any]) -> None:
     """One parent run for the search, a nested run per trial with its params, metric history,
     final status and stopped-early flag."""
@@ -122,9 +151,12 @@ def check_mlflow(uri: str, summary: dict[str, Any]) -> None:
         assert run.info.status == ("KILLED" if trial["stopped_early"] else "FINISHED")
 
 
-def test_optuna_search_with_asha_stops_trials_gives_their_resources_back_and_tracks_them(tmp_path: Path) -> None:
+def test_optuna_search_with_asha_stops_trials_gives_their_resources_back_and_tracks_them(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
     """Optuna proposes, ASHA stops: early-stopped trials give their CPUs back, and MLflow holds one
-    parent run with a child per trial. (Random search runs end to end in the PBT test below.)
+    parent run with a child per trial; the stops put no Ray worker-death lines on the console.
+    (Random search runs end to end in the PBT test below.)
 
     Tune decides on a report while the trial trains on (reports reach Tune at most once a second,
     train.report_min_interval_s): a trial of 60 steps on a warm worker group ends in under a second,
@@ -146,6 +178,7 @@ def test_optuna_search_with_asha_stops_trials_gives_their_resources_back_and_tra
     # Every trial's worker group, early-stopped ones included, gave its CPUs back.
     wait_all_resources_free(60)
     check_mlflow(f"sqlite:///{tmp_path / 'mlflow.db'}", summary)
+    check_no_death_noise(capfd)
 
 
 def test_grid_search_runs_every_grid_point_once(tmp_path: Path) -> None:

@@ -61,6 +61,7 @@ from trainforge.checkpoint.state import (
 )
 from trainforge.checkpoint.storage import CheckpointStore, checkpoint_name, fsync_path
 from trainforge.checkpoint.writer import CheckpointWriter, RotationPolicy, state_file
+from trainforge.consoles import make_console
 from trainforge.errors import TrainforgeError
 
 MB = 1_000_000
@@ -195,7 +196,7 @@ def run_checkpoint_bench(
     """Measure ``repeats`` times, print the tables, return (and optionally write) the report.
     ``hash_algorithm``: the manifest hash of the sync save (``blake3``, the default, or ``sha256``);
     ``encrypt``: every checkpoint encrypted as ``checkpoint.encryption`` does (a random key, here)."""
-    shown = console or Console()
+    shown = console or make_console()
     threads_before = torch.get_num_threads()
     torch.set_num_threads(worker_threads())
     try:

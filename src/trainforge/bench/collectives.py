@@ -37,6 +37,7 @@ from rich.table import Table
 
 from trainforge.bench.machine import cpu_model
 from trainforge.bench.ranks import spawn_ranks
+from trainforge.consoles import make_console
 from trainforge.errors import TrainforgeError
 
 SCHEMA = "trainforge.bench.collectives/1"
@@ -228,7 +229,7 @@ def run_collectives_bench(
     show_progress: bool = True,
 ) -> dict[str, Any]:
     """Time the four collectives at every size in ``workers`` local ranks; print the table and fits."""
-    shown = console or Console()
+    shown = console or make_console()
     backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= workers else "gloo"
     device = torch.cuda.get_device_name(0) if backend == "nccl" else cpu_model()
     shown.print(

@@ -48,6 +48,7 @@ from trainforge.bench.imageset import (
     s3_read,
     upload,
 )
+from trainforge.consoles import make_console
 from trainforge.errors import TrainforgeError
 
 TRAIN_SIZE = 32  # the stream resizes every image to this (data.image_size)
@@ -336,7 +337,7 @@ def run_data_bench(
     """Generate (or reuse) the data set, read it cold, stream one epoch of it; print and return the report.
 
     The files are deleted at the end unless ``keep`` (a reused data set is left as it was found)."""
-    shown = console or Console()
+    shown = console or make_console()
 
     def say(text: str) -> None:
         shown.print(text, highlight=False)

@@ -33,6 +33,7 @@ from rich.table import Table
 import trainforge
 from trainforge.bench.machine import cpu_model
 from trainforge.bench.workload import WARMUP_STEPS, Workload
+from trainforge.consoles import make_console
 from trainforge.errors import TrainforgeError
 
 PEERS: dict[str, str] = {
@@ -83,7 +84,7 @@ def run_peers(
     console: Console | None = None,
 ) -> dict[str, Any]:
     """Measure the ``peers`` at every worker count ``repeats`` times; print the table, return the report."""
-    shown = console or Console()
+    shown = console or make_console()
     peers = [peer for peer in PEERS if peer in peers]
     workload = Workload.sized_for(steps, batch_size, max(counts))
     shown.print(

@@ -41,11 +41,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from rich.console import Console
 from rich.table import Table
 
 from trainforge.bench.checkpoint import worker_threads
 from trainforge.bench.machine import cpu_model
+from trainforge.consoles import make_console
 
 MB = 1_000_000
 SWITCHES = ("activation_checkpointing", "compile", "channels_last")
@@ -260,9 +260,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
     if args.case:
         print(json.dumps(asdict(measure(Case(**json.loads(args.case))))))
         return None
-    console = Console(stderr=args.json)  # with --json, stdout holds the JSON object alone
-    if not console.is_terminal:
-        console.width = 120  # rich's 80 columns for a pipe would fold every row
+    console = make_console(stderr=args.json)  # with --json, stdout holds the JSON object alone
     order = cases(args)
     samples: dict[Case, list[Sample]] = {case: [] for case in order}
     for off, on in zip(order[::2], order[1::2], strict=True):

@@ -35,6 +35,7 @@ from rich.console import Console
 
 import trainforge
 from trainforge.bench.machine import cpu_model
+from trainforge.consoles import make_console
 from trainforge.tune.table import fmt_value
 
 CONFIGS = Path(trainforge.__file__).parent / "configs"
@@ -184,7 +185,7 @@ def run_tune_bench(
     output: Path | None = None,
     console: Console | None = None,
 ) -> dict[str, Any]:
-    shown = console or Console()
+    shown = console or make_console()
 
     def say(text: str) -> None:
         shown.print(text, highlight=False, soft_wrap=True)

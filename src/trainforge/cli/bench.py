@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 
 from trainforge.cli.common import (
     ConfigArg,
@@ -117,7 +116,7 @@ def bench_checkpoint(
 
     setup_logging(False)
     run_checkpoint_bench(
-        size_mb=size_mb, directory=dir_, repeats=repeats, output=output, console=Console(), encrypt=encrypt
+        size_mb=size_mb, directory=dir_, repeats=repeats, output=output, console=wide_console(), encrypt=encrypt
     )
 
 

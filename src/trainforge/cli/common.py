@@ -5,17 +5,17 @@ from __future__ import annotations
 import json
 import logging
 import math
-import sys
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 from rich.console import Console
 
+from trainforge.consoles import make_console
 from trainforge.errors import TrainforgeError
 from trainforge.redact import redacting
 
-err_console = Console(stderr=True)
+err_console = make_console(stderr=True)
 
 
 ConfigArg = Annotated[str, typer.Argument(help="A run config YAML, or the name of a bundled one (e.g. quickstart).")]
@@ -67,8 +67,8 @@ def _finite(value: Any) -> Any:
 
 
 def wide_console() -> Console:
-    """Rich's console, 200 columns wide when stdout is a file or pipe (instead of 80), so tables keep their rows."""
-    return Console() if sys.stdout.isatty() else Console(width=200)
+    """Rich's console on stdout; on a file or pipe as wide as its widest table (consoles.make_console)."""
+    return make_console()
 
 
 def setup_logging(verbose: bool) -> None:

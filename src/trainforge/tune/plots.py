@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Any
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from trainforge.report.data import ReportError, load_run
+from trainforge.report.plots import loss_label
 from trainforge.tune.space import Domain, SearchSpace
 
 if TYPE_CHECKING:
@@ -31,8 +33,21 @@ def write_plots(
     folder.mkdir(parents=True, exist_ok=True)
     return [
         metric_vs_hyperparameters(folder / "metric_vs_hyperparameters.png", scored, space, metric),
-        learning_curves(folder / "learning_curves.png", outcomes, metric, best),
+        learning_curves(folder / "learning_curves.png", outcomes, metric, best, metric_label(metric, scored)),
     ]
+
+
+def metric_label(metric: str, outcomes: list[TrialOutcome]) -> str:
+    """The metric's name; a loss also says which loss it is, by the trials' task, as the run report's
+    loss axis does (report/plots.loss_label, from a trial's run directory)."""
+    if not metric.endswith("loss"):
+        return metric
+    for outcome in outcomes:
+        try:
+            return f"{metric}: {loss_label(load_run(outcome.run_dir))}"
+        except ReportError:
+            continue
+    return metric
 
 
 def metric_vs_hyperparameters(path: Path, outcomes: list[TrialOutcome], space: SearchSpace, metric: str) -> Path:
@@ -74,8 +89,19 @@ def position(domain: Domain, value: Any) -> float:
     return float(value) if isinstance(value, (int, float)) else math.nan
 
 
-def learning_curves(path: Path, outcomes: list[TrialOutcome], metric: str, best: TrialOutcome | None) -> Path:
-    """The metric against the step for every trial; stopped trials dashed, the best one bold."""
+def learning_curves(
+    path: Path, outcomes: list[TrialOutcome], metric: str, best: TrialOutcome | None, label: str | None = None
+) -> Path:
+    learning_curves_figure(outcomes, metric, best, label).savefig(path)
+    return path
+
+
+def learning_curves_figure(
+    outcomes: list[TrialOutcome], metric: str, best: TrialOutcome | None, label: str | None = None
+) -> Figure:
+    """The metric against the step for every trial that reported it, one line each; stopped trials
+    dashed, the best one bold. A trial with one report (a scheduler stopped it at its first) is a
+    marker: a line through one point draws nothing. ``label``: the y axis's, the metric's name by default."""
     figure = Figure(figsize=(9.0, 4.2), dpi=DPI, layout="constrained")
     FigureCanvasAgg(figure)
     axes = figure.add_subplot()
@@ -88,16 +114,19 @@ def learning_curves(path: Path, outcomes: list[TrialOutcome], metric: str, best:
             steps,
             values,
             linestyle="--" if outcome.stopped_early else "-",
+            marker="o" if len(steps) == 1 else None,
+            markersize=5 if is_best else 4,
             linewidth=2.4 if is_best else 1.0,
             color=BEST_COLOR if is_best else STATUS_COLORS.get(outcome.status, "#7f7f7f"),
             alpha=1.0 if is_best else 0.7,
             label=f"{outcome.trial_id} (best)" if is_best else None,
+            gid=outcome.trial_id,  # the trial a line belongs to
         )
     axes.set_xlabel("step")
-    axes.set_ylabel(metric)
-    axes.set_title(f"{metric} per trial (dashed: stopped early)")
+    axes.set_ylabel(label or metric)
+    single = any(len(outcome.history) == 1 for outcome in outcomes)
+    axes.set_title(f"{metric} per trial (dashed: stopped early{'; a dot: one report' if single else ''})")
     axes.grid(alpha=0.3)
     if best is not None:
         axes.legend(loc="best", frameon=False)
-    figure.savefig(path)
-    return path
+    return figure

@@ -46,12 +46,14 @@ def outcome_of(
     still running then was cut by the budget, not stopped early."""
     trial_id = run_dir.name
     reports = RunLog.read(run_dir).reports
+    row = watch.rows.get(trial_id)
     history = [(r.step, v) for r in reports if (v := r.value(settings.metric)) is not None and math.isfinite(v)]
+    if not history and row is not None:
+        history = list(row.history)  # no metrics.jsonl here (a run directory on another node): what Tune saw
     values = [v for _, v in history]
-    steps = reports[-1].step if reports else 0
+    steps = reports[-1].step if reports else (history[-1][0] if history else 0)
     last_total = reports[-1].total_steps if reports else None
     total = last_total if last_total is not None else settings.budget_steps
-    row = watch.rows.get(trial_id)
     if row is not None and row.started_at and row.ended_at:
         wall = row.ended_at - row.started_at
     else:
@@ -246,8 +248,7 @@ def print_outcome(console: Console, summary: dict[str, Any], keys: list[str]) ->
             fmt_value(trial["best_metric"]),
             f"{trial['wall_time_s']:.0f}",
         )
-    # Wide enough for every column when the output is a file or pipe (rich assumes 80 there).
-    console.print(table, width=None if console.is_terminal else max(console.width, 160))
+    console.print(table)  # whole in a file or pipe too, on a consoles.make_console console
     compute = summary["compute"]
     console.print(
         f"steps run {compute['steps_run']:,} of {compute['steps_budget']:,} without early stopping "

@@ -26,6 +26,7 @@ from rich.console import Console
 from trainforge.checkpoint.format import write_json_atomic
 from trainforge.checkpoint.storage import join_uri
 from trainforge.config import Config
+from trainforge.consoles import make_console
 from trainforge.driver.run import preflight, ray_logs_to, ray_session, resolve_address
 from trainforge.driver.runlock import acquire, check_writable
 from trainforge.driver.warm import shutdown_pool, start_pool
@@ -151,7 +152,7 @@ def run_search(
     console: Console | None = None,
 ) -> dict[str, Any]:
     """Run (or continue) the search; write tune_summary.json, best.yaml and plots; the summary."""
-    shown = console or Console(stderr=True)
+    shown = console or make_console(stderr=True)
     settings = make_settings(config, space)
     address = resolve_address(config, address)
     preflight(config, local=address is None)
