@@ -23,7 +23,7 @@ from tests.helpers.runs import tiny_run
 from tests.helpers.sessions import Outcome, run_dir_of, train
 from tests.helpers.user_data import NumpyDigits
 from trainforge.cli import main
-from trainforge.config import load_config
+from trainforge.config import load_config, to_yaml
 from trainforge.data import build_datasets, build_test_set
 from trainforge.errors import DataError
 from trainforge.models import build_model
@@ -37,11 +37,20 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], O
     config = tiny_run(
         tmp,
         data={"name": "factory", "factory": "tests.helpers.user_data:digits_with_test"},
-        train={"max_steps": 20, "batch_size": 16, "eval_every_n_steps": 10, "ema": {"decay": 0.9}},
+        train={
+            "max_steps": 20,
+            "batch_size": 16,
+            "eval_every_n_steps": 10,
+            "ema": {"decay": 0.9},
+            "early_stopping": {"metric": "val_ema/accuracy", "mode": "max", "patience": 10},
+        },
         checkpoint={"every_n_steps": 10},
         scaling={"num_workers": 2},
     )
-    return config, train(config, 2)[0]
+    outcome = train(config, 2)[0]
+    # The resolved config beside the checkpoints, as the driver writes it.
+    (run_dir_of(config) / "config.yaml").write_text(to_yaml(load_config(config)))
+    return config, outcome
 
 
 def evaluate(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
@@ -92,10 +101,10 @@ def test_val_gives_the_metrics_the_run_reported_for_each_checkpoint(
     assert_same(earlier["metrics"], recorded, ("val/", "val_ema/"))
     assert earlier["metrics"]["val/loss"] != last["metrics"]["val/loss"]
 
-    # best: the lower val/loss of the two (no early stopping configured).
+    # best: by train.early_stopping's metric and mode, the earlier of equals.
     best = evaluated(capsys, tmp_path / "best.json", str(run_dir), "--checkpoint", "best")
-    lower = min((earlier, last), key=lambda found: found["metrics"]["val/loss"])
-    assert best["step"] == lower["step"] and best["metrics"] == lower["metrics"]
+    higher = max((earlier, last), key=lambda found: found["metrics"]["val_ema/accuracy"])
+    assert best["step"] == higher["step"] and best["metrics"] == higher["metrics"]
 
 
 @pytest.mark.slow

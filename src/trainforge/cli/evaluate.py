@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from trainforge.cli.ckpt import KeyEnvOpt, cipher_from
 from trainforge.cli.common import check_output_folder, json_text, wide_console
 from trainforge.cli.export import TRUST_HELP
 from trainforge.errors import TrainforgeError
@@ -32,6 +33,7 @@ def evaluate(
     ] = "val",
     output: Annotated[Path | None, typer.Option("--output", help="Also write the result as JSON to this file.")] = None,
     trust_run_config: Annotated[bool, typer.Option("--trust-run-config", help=TRUST_HELP)] = False,
+    key_env: KeyEnvOpt = None,
 ) -> None:
     """Evaluate a run's model: the task's metrics (loss, accuracy, mse...) of a checkpoint on a data split.
 
@@ -45,9 +47,10 @@ def evaluate(
     if not checkpoint.strip():
         raise TrainforgeError("--checkpoint: last, best or a checkpoint directory's path")
     check_output_folder(output)
+    cipher = cipher_from(key_env)
     from trainforge.worker.evaluation import evaluate_run  # torch and the worker code: after the checks
 
-    found = evaluate_run(run_dir, checkpoint, split, trust_run_config=trust_run_config)
+    found = evaluate_run(run_dir, checkpoint, split, trust_run_config=trust_run_config, cipher=cipher)
     show(found)
     if output is not None:
         output.write_text(json_text(found.to_json(), indent=2) + "\n")

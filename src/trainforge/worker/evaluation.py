@@ -17,6 +17,7 @@ import json
 import logging
 import math
 import tempfile
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
@@ -69,17 +70,24 @@ class Evaluation:
 
 
 def evaluate_run(
-    run_dir: Path, which: str = "last", split: str = "val", *, trust_run_config: bool = False
+    run_dir: Path,
+    which: str = "last",
+    split: str = "val",
+    *,
+    trust_run_config: bool = False,
+    cipher: FileCipher | None = None,
 ) -> Evaluation:
     """The metrics of the checkpoint ``which`` names (last, best or a path) on ``split`` (val or
     test) of the run at ``run_dir``. The run's config (the checkpoint's record of it, else
-    config.yaml) is data: one that names code to import needs ``trust_run_config``."""
+    config.yaml) is data: one that names code to import needs ``trust_run_config``. ``cipher``:
+    the key of encrypted checkpoints (default: the one config.yaml's checkpoint.encryption names)."""
     if split not in SPLITS:
         raise ConfigError(f"--split {split!r}: one of {', '.join(SPLITS)}")
     config_path = run_dir / CONFIG_FILE
     # Where the checkpoints are and their key; nothing it names is imported.
     listed = load_config(config_path) if config_path.is_file() else None
-    cipher = cipher_of(listed.checkpoint.encryption) if listed is not None else None
+    if cipher is None and listed is not None:
+        cipher = cipher_of(listed.checkpoint.encryption)
     store, name = choose_checkpoint(run_dir, listed, which, cipher)
     with (
         tempfile.TemporaryDirectory(prefix="trainforge-evaluate-") as scratch,
@@ -101,7 +109,9 @@ def evaluate_run(
         # The run's data-parallel ranks: their shares and micro-batches are what this process reads.
         ranks = max(saved.world // max(saved.tensor_parallel, 1), 1)
         run = build(local, ranks=(0, ranks))
-        load_into(run, directory)
+        with warnings.catch_warnings():  # DCP's note that it reads the shards in one process: it is meant to
+            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+            load_into(run, directory)
         dataset = run.val_set if split == "val" else build_test_set(local.data, local.seed)
         if dataset is None:
             raise DataError("this run has no validation set (data.val_fraction is 0): nothing to evaluate")
@@ -149,24 +159,30 @@ def choose_checkpoint(
     for entry in reversed(entries):  # newest first
         check = store.verify(entry.name, schemas=schemas)
         if not check.ok:
-            log.warning("skipping checkpoint %s: %s", entry.name, check.problems[0])
             refused.append((entry.name, check.problems[0], set(check.kinds)))
             continue
         if which == "last":
-            return store, entry.name
+            return store, skipping(entry.name, refused)
         value = ((check.manifest or {}).get("metrics") or {}).get(metric)
         if isinstance(value, (int, float)) and math.isfinite(value):
             scored.append((float(value), entry.name))
     if which == "best" and scored:
         sign = 1.0 if mode == "min" else -1.0
         # The earliest of equals: the step that first reached the best value.
-        return store, min(reversed(scored), key=lambda pair: sign * pair[0])[1]
+        return store, skipping(min(reversed(scored), key=lambda pair: sign * pair[0])[1], refused)
     if which == "best" and len(refused) < len(entries):
         raise CheckpointError(
             f"--checkpoint best: no valid checkpoint of {run_dir} recorded {metric}; use last or a path"
         )
     name, problem, kinds = refused[0]
     refuse(f"RUN_DIR {run_dir}: none of its {len(entries)} checkpoints is valid ({name}: {problem})", kinds)
+
+
+def skipping(chosen: str, refused: list[tuple[str, str, set[Any]]]) -> str:
+    """``chosen``, once each checkpoint passed over for not being valid is logged."""
+    for name, problem, _ in refused:
+        log.warning("skipping checkpoint %s: %s", name, problem)
+    return chosen
 
 
 def refuse(text: str, kinds: set[Any]) -> NoReturn:
