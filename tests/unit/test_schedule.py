@@ -325,3 +325,35 @@ def test_step_lr_per_epoch_and_plateau_resume_bit_identical(tmp_path: Any) -> No
         assert final_schedule(tmp_path / f"{name}-straight" / "t", step) == final_schedule(
             tmp_path / f"{name}-crashed" / "t", step
         )
+
+
+def test_a_search_space_is_checked_against_the_schedule() -> None:
+    from trainforge.tune.space import parse_space
+
+    base = load_config(
+        {
+            "model": {"name": "mlp"},
+            "train": {"max_steps": 10},
+            "optim": {"name": "sgd"},
+            "schedule": {"name": "OneCycleLR", "kwargs": {"max_lr": 0.1}},
+        },
+        env={},
+    )
+    with pytest.raises(ConfigError, match=re.escape("sets the LR from schedule.kwargs max_lr: search those")):
+        parse_space({"optim.lr": {"loguniform": [1e-4, 1e-1]}}, base)
+    with pytest.raises(ConfigError, match=re.escape("schedule.kwargs 'max_lrs' is not an argument")):
+        parse_space({"schedule.kwargs": {"choice": [{"max_lrs": 0.1}]}}, base)
+    assert parse_space({"schedule.kwargs.max_lr": {"uniform": [0.01, 0.1]}}, base)
+
+
+def test_a_resolved_schedule_config_validates_again() -> None:
+    """The driver sends the resolved config (every key, defaults included) to the workers, and
+    checkpoints and search trials hold it: it must pass the same checks again."""
+    from trainforge.config import Config
+
+    for cfg in (
+        {"name": "ReduceLROnPlateau", "monitor": "val/loss", "warmup_epochs": 0.5},
+        {"name": "StepLR", "kwargs": {"step_size": 2}, "interval": "epoch", "warmup_epochs": 1},
+    ):
+        config = load_config({"model": {"name": "mlp"}, "train": {"max_steps": 1}, "schedule": cfg}, env={})
+        assert Config.model_validate(config.to_dict()).schedule == config.schedule

@@ -294,7 +294,7 @@ class ScheduleConfig(Section):
 
     @model_validator(mode="after")
     def _one_warmup(self) -> ScheduleConfig:
-        if self.warmup_epochs is not None and "warmup_steps" in self.model_fields_set:
+        if self.warmup_epochs is not None and self.warmup_steps:
             raise ValueError("give one of schedule.warmup_steps or schedule.warmup_epochs")
         return self
 
@@ -313,7 +313,8 @@ class ScheduleConfig(Section):
                     f"{self.name} counts optimizer steps"
                 )
         else:
-            own = sorted(set(SCHEDULE_KEYS) & self.model_fields_set)
+            # Not left at their defaults (a resolved config holds every key, so being set says nothing).
+            own = [key for key in SCHEDULE_KEYS if getattr(self, key) != type(self).model_fields[key].default]
             if own:
                 raise ValueError(
                     f"schedule {own} are for constant/step/cosine/linear; {self.name}'s arguments go in schedule.kwargs"
@@ -321,7 +322,7 @@ class ScheduleConfig(Section):
         if self.name == PLATEAU:
             if self.monitor is None:
                 raise ValueError(f"schedule.name {PLATEAU} needs schedule.monitor (a validation metric: val/loss, ...)")
-            if "interval" in self.model_fields_set:
+            if self.interval != "step":
                 raise ValueError(
                     f"{PLATEAU} steps after each validation (schedule.monitor): leave schedule.interval out"
                 )
