@@ -159,6 +159,8 @@ def test_refusals_and_the_newest_valid_checkpoint(
         (["{run}", "--checkpoint", "{missing}"], "not a checkpoint directory"),
         (["{run}"], "no checkpoint to evaluate"),
         (["{run}", "--output", "{missing}/out.json"], "does not exist"),
+        (["{run}", "--key-env", "NO SUCH"], "--key-env 'NO SUCH': the name of an environment variable"),
+        (["{run}", "--key-env", "TRAINFORGE_TEST_UNSET_KEY"], "the environment variable is not set"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_code_2(
@@ -189,3 +191,11 @@ def test_test_splits_of_the_sources(tmp_path: Path) -> None:
         tiny_run(tmp_path, data={"name": "factory", "factory": "tests.helpers.user_data:digits_with_test"})
     )
     assert len(build_test_set(given.data, 0)) == 297
+
+
+def test_help_tells_evaluate_from_predict(capsys: pytest.CaptureFixture[str]) -> None:
+    """``evaluate`` measures a model on data; ``predict`` predicts a run's speed: the listing says which."""
+    main(["--help"])
+    listing = " ".join(capsys.readouterr().out.split())
+    assert "evaluate Evaluate a run's model" in listing
+    assert "predict Predict how fast" in listing
