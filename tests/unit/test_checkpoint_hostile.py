@@ -47,8 +47,8 @@ from trainforge.errors import CheckpointError
 from trainforge.worker.build import WorkerRun
 from trainforge.worker.components.data import DataSource
 from trainforge.worker.registry import build_components, state_schemas
-from trainforge.worker.schedule import build_scheduler
 from trainforge.worker.saving import restore
+from trainforge.worker.schedule import build_scheduler
 from trainforge.worker.step import StepRunner
 
 

@@ -54,9 +54,9 @@ from trainforge.worker.build import check_block_names, check_model_output, check
 from trainforge.worker.callbacks import check_callbacks
 from trainforge.worker.loop import train_loop_per_worker, worker_env
 from trainforge.worker.optim import check_optimizer
-from trainforge.worker.schedule import check_schedule
 from trainforge.worker.profiling import fetch_profiles
 from trainforge.worker.registry import state_schemas
+from trainforge.worker.schedule import check_schedule
 
 log = logging.getLogger("trainforge")
 install_on_logger()  # every driver-side line of the "trainforge" logger, on every handler, redacted
