@@ -130,6 +130,16 @@ class RecordingJobs:
         return "raysubmit_test"
 
 
+def test_submit_passes_resume_to_the_jobs_trainforge_train(tmp_path: Path) -> None:
+    """``submit --resume auto``: the job's ``trainforge train`` continues a changed config too."""
+    jobs = RecordingJobs()
+    submit_run(secret_config(), jobs, tmp_path, resume="auto")  # type: ignore[arg-type]
+    words = jobs.sent["entrypoint"].split()
+    assert words[:4] == ["trainforge", "train", "--resume", "auto"] and jobs.uploaded.name == words[-1]
+    submit_run(secret_config(), jobs, tmp_path)  # type: ignore[arg-type]
+    assert "--resume" not in jobs.sent["entrypoint"]
+
+
 def test_submit_uploads_no_secret_and_the_job_gets_them_through_its_environment(tmp_path: Path) -> None:
     config, jobs = secret_config(), RecordingJobs()
     submission = submit_run(config, jobs, tmp_path)  # type: ignore[arg-type]

@@ -137,6 +137,19 @@ def test_secrets_compare_masked_as_config_yaml_holds_them(tmp_path: Path) -> Non
     assert check_rerun(same, resume=False) == []
 
 
+def test_fit_refuses_a_changed_rerun_under_the_run_lock_before_ray(tmp_path: Path) -> None:
+    import ray
+
+    import trainforge
+
+    run_dir = trained(tmp_path)
+    changed = base(tmp_path, optim={"lr": 0.02}, tracking={"enabled": False}, metrics={"enabled": False})
+    with pytest.raises(ConfigError, match=r"optim\.lr 0\.01 -> 0\.02"):
+        trainforge.fit(changed)
+    assert not ray.is_initialized()
+    assert sorted(path.name for path in run_dir.iterdir()) == [".lock", "checkpoint_000000010", "config.yaml"]
+
+
 def test_the_cli_refuses_a_changed_rerun_before_ray_with_exit_2(tmp_path: Path) -> None:
     run_dir = trained(tmp_path)
     config = tmp_path / "cfg.yaml"

@@ -76,19 +76,27 @@ def submit(
     token_file: TokenFileOpt = None,
     wait_for_cluster: WaitOpt = "60",
     ca: CaOpt = None,
+    resume: Annotated[
+        str | None,
+        typer.Option(
+            help="As trainforge train --resume: auto, none or a checkpoint path (continues a changed config)."
+        ),
+    ] = None,
 ) -> None:
     """Run CONFIG on the cluster at --address as a Ray job and follow it; exit with its status.
 
     The working directory (your model and data factories) travels with the job; results land in
     run.output_dir and checkpoint.storage_path, which must be reachable from the cluster and from
     here (a shared directory or s3://). Exit 0 succeeded, 1 failed (2: a user error on the
-    cluster), 130 stopped. Ctrl-C stops following; the job runs on (trainforge jobs stop JOB).
+    cluster, 3: the run stopped before its end, e.g. preempted), 130 stopped. Ctrl-C stops
+    following; the job runs on (trainforge jobs stop JOB).
     """
     from trainforge.config import load_config
 
     # The flags and the config are checked before anything is sent: a mistake costs milliseconds and one line.
     wait_s = wait_seconds(wait_for_cluster)
-    resolved = load_config(resolve_config_path(config), set_ or [])
+    overrides = [*(set_ or []), *([f"checkpoint.resume={resume}"] if resume is not None else [])]
+    resolved = load_config(resolve_config_path(config), overrides)
     from trainforge.driver.jobs import is_loopback, submit_run
 
     tls = resolved.cluster.tls
@@ -96,7 +104,7 @@ def submit(
         jobs = _jobs(address, token_file, wait_s, tls.ca, "cluster.tls.ca")
     else:
         jobs = _jobs(address, token_file, wait_s, ca)
-    submitted = submit_run(resolved, jobs, Path.cwd())
+    submitted = submit_run(resolved, jobs, Path.cwd(), resume=resume)
     err_console.print(f"submitted job {submitted.job_id} to {_shown(jobs)}", highlight=False, soft_wrap=True)
     err_console.print(
         f"results: {submitted.run_dir} · checkpoints: {submitted.checkpoints} "

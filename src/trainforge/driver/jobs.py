@@ -252,8 +252,9 @@ class _Written:
             self.chars += len(text)
 
 
-def submit_run(config: Config, jobs: Jobs, working_dir: Path) -> Submission:
-    """Submit ``trainforge train`` of ``config`` with ``working_dir`` as the job's working directory.
+def submit_run(config: Config, jobs: Jobs, working_dir: Path, *, resume: str | None = None) -> Submission:
+    """Submit ``trainforge train`` of ``config`` with ``working_dir`` as the job's working directory;
+    ``resume`` is its ``--resume`` (a run directory trained with a different config continues).
 
     The resolved config is written into the working directory for the upload, with its secrets
     masked, and removed after it; the secrets travel in the job's environment (``job_secrets``).
@@ -276,9 +277,10 @@ def submit_run(config: Config, jobs: Jobs, working_dir: Path) -> Submission:
     # What submit prints and the job's metadata keep: masked, as every record of the run.
     run_dir = str(Path(shipped["run"]["output_dir"]) / config.run.name)
     checkpoints = join_uri(shipped["checkpoint"]["storage_path"] or shipped["run"]["output_dir"], config.run.name)
+    resume_flag = ["--resume", resume] if resume is not None else []
     try:
         job_id = jobs.submit(
-            entrypoint=f"trainforge train {shlex.quote(config_file.name)}",
+            entrypoint=shlex.join(["trainforge", "train", *resume_flag, config_file.name]),
             runtime_env={
                 "working_dir": str(working_dir),
                 "excludes": excludes(config, working_dir),
