@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 
 import trainforge
 from tests.helpers.runs import tiny_run
+from trainforge.cli import main
 from trainforge.config import load_config
 from trainforge.data import build_datasets
 from trainforge.models import build_model
@@ -84,6 +85,14 @@ def test_two_workers_train_digits_and_write_the_contract(tmp_path: Path) -> None
     with torch.no_grad():
         accuracy = (model(inputs).argmax(1) == targets).float().mean().item()
     assert accuracy == pytest.approx(summary["final_metrics"]["val_ema/accuracy"], abs=1e-6)
+    # trainforge evaluate in this process: the last checkpoint's figures as metrics.jsonl has them at its step.
+    evaluated = tmp_path / "evaluate.json"
+    main(["evaluate", str(result.run_dir), "--output", str(evaluated)])
+    found = json.loads(evaluated.read_text())
+    assert found["step"] == summary["global_step"] and found["samples"] == 359
+    for name in ("val/loss", "val/accuracy", "val_ema/loss", "val_ema/accuracy"):
+        assert found["metrics"][name] == pytest.approx(found["reported"][name], rel=1e-6)
+        assert found["reported"][name] == pytest.approx(summary["final_metrics"][name], rel=1e-9)
 
     reports = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r["step"] for r in reports if "step" in r]
