@@ -16,7 +16,8 @@ Firing order, for every observer, once per driver session (``driver/run.train``)
    whose metrics come with a later report's history), interleaved with 2. as they happen;
 4. either ``on_end(summary)`` once, with summary.json's content, after it is written; or
    ``on_error(error)`` once, when the run raised instead (a user's error the workers found, a
-   failed preflight, Ctrl-C before the workers started): nothing after that;
+   failed preflight, Ctrl-C before the workers started; then possibly without an ``on_start``
+   before it): nothing after that;
 5. after ``on_end``: ``summary_entries()``, what the observer added to summary.json (merged into
    the summary ``train`` returns), then ``check_complete()``, which raises a ``TrainforgeError``
    when the observer's record of the run is incomplete and its config requires it complete
