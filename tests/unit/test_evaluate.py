@@ -1,7 +1,8 @@
 """``trainforge evaluate``: a checkpoint's metrics on a split of the run's data, in this process.
 
 A 2-rank gloo run without Ray (the validation set of 300 split 150/150 over the ranks, in
-micro-batches of 16, all-reduced; ``train.ema`` adds ``val_ema/...``) is evaluated in one process:
+micro-batches of 16, all-reduced; ``train.ema`` adds ``val_ema/...``; early stopping names the
+best; a user's callback with state) is evaluated in one process:
 its final and its step-10 checkpoints give the figures the run reported for them, and its data
 factory's held-out ``test`` split the figures its model gives when computed directly. Then the
 refusals: one line and exit code 2 each.
@@ -21,6 +22,7 @@ from safetensors.torch import load_file
 
 from tests.helpers.runs import tiny_run
 from tests.helpers.sessions import Outcome, run_dir_of, train
+from tests.helpers.user_callbacks import records
 from tests.helpers.user_data import NumpyDigits
 from trainforge.cli import main
 from trainforge.config import load_config, to_yaml
@@ -46,6 +48,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], O
         },
         checkpoint={"every_n_steps": 10},
         scaling={"num_workers": 2},
+        callbacks=[{"path": "tests.helpers.user_callbacks:Recorder", "kwargs": {"log": str(tmp / "hooks")}}],
     )
     outcome = train(config, 2)[0]
     # The resolved config beside the checkpoints, as the driver writes it.
@@ -86,6 +89,7 @@ def test_val_gives_the_metrics_the_run_reported_for_each_checkpoint(
 ) -> None:
     config, outcome = trained
     run_dir = run_dir_of(config)
+    hooks = records(Path(config["callbacks"][0]["kwargs"]["log"]), 0)
     last = evaluated(capsys, tmp_path / "last.json", str(run_dir))
     assert last.keys() == {"run", "checkpoint", "step", "split", "samples", "metrics", "reported"}
     assert (last["step"], last["split"], last["samples"]) == (20, "val", 300)
@@ -105,6 +109,8 @@ def test_val_gives_the_metrics_the_run_reported_for_each_checkpoint(
     best = evaluated(capsys, tmp_path / "best.json", str(run_dir), "--checkpoint", "best")
     higher = max((earlier, last), key=lambda found: found["metrics"]["val_ema/accuracy"])
     assert best["step"] == higher["step"] and best["metrics"] == higher["metrics"]
+    # The run's callbacks are left out: none of their hooks runs in an evaluation.
+    assert records(Path(config["callbacks"][0]["kwargs"]["log"]), 0) == hooks
 
 
 @pytest.mark.slow

@@ -40,6 +40,8 @@ def hostile_config(marker: Path) -> dict[str, Any]:
             {"parallel": {"tensor_parallel": 2, "tp_plan": "builtins:exec"}, "scaling": {"num_workers": 2}},
             "parallel.tp_plan",
         ),
+        ({"optim": {"factory": "os:system"}}, "optim.factory"),
+        ({"callbacks": ["os:system"]}, "callbacks[0]"),
     ],
 )
 def test_a_run_config_that_names_code_is_refused_unless_trusted(section: dict[str, Any], key: str) -> None:

@@ -46,9 +46,12 @@ TRUST_FLAG = "--trust-run-config"
 
 def code_keys(config: Config) -> list[tuple[str, str]]:
     """Every key of ``config`` that names code to import and call (``"package.module:function"``),
-    with its value: ``model.factory``, ``data.factory``, ``parallel.tp_plan``."""
+    with its value: ``model.factory``, ``data.factory``, ``parallel.tp_plan``, ``optim.factory``,
+    ``callbacks[i]``."""
     named = [("model.factory", config.model.factory), ("parallel.tp_plan", config.parallel.tp_plan)]
     named.insert(1, ("data.factory", getattr(config.data, "factory", None)))
+    named.append(("optim.factory", config.optim.factory))
+    named += [(f"callbacks[{index}]", callback.path) for index, callback in enumerate(config.callbacks)]
     return [(key, str(value)) for key, value in named if value]
 
 

@@ -122,12 +122,14 @@ def evaluate_run(
 
 def in_this_process(config: Config) -> Config:
     """The run's config as one CPU process evaluates it: no GPU, no tensor parallelism (its
-    checkpoint's shards are read whole), no compiled blocks, no loader processes."""
+    checkpoint's shards are read whole), no compiled blocks, no loader processes, and no
+    callbacks (no hook of theirs fires in an evaluation)."""
     scaling = config.scaling.model_copy(update={"use_gpu": False})
     parallel = config.parallel.model_copy(update={"tensor_parallel": 1, "compile": False})
     data = config.data.model_copy(update={"num_workers": 0})
     train = config.train.model_copy(update={"sync_batchnorm": False})
-    return config.model_copy(update={"scaling": scaling, "parallel": parallel, "data": data, "train": train})
+    changed = {"scaling": scaling, "parallel": parallel, "data": data, "train": train, "callbacks": []}
+    return config.model_copy(update=changed)
 
 
 def choose_checkpoint(
