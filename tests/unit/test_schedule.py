@@ -357,3 +357,14 @@ def test_a_resolved_schedule_config_validates_again() -> None:
     ):
         config = load_config({"model": {"name": "mlp"}, "train": {"max_steps": 1}, "schedule": cfg}, env={})
         assert Config.model_validate(config.to_dict()).schedule == config.schedule
+
+
+def test_an_exploited_checkpoint_keeps_this_runs_class_arguments() -> None:
+    """A PBT exploit of a trial with another schedule.kwargs: the donor's position, this run's gamma."""
+    donor = schedule(name="StepLR", kwargs={"step_size": 1, "gamma": 0.5}, interval="epoch")
+    lrs(donor, 10)
+    mine = schedule(name="StepLR", kwargs={"step_size": 1, "gamma": 0.9}, interval="epoch")
+    mine.load_state_dict(through_checkpoint(donor.state_dict()), 10, keep_arguments=True)
+    assert mine.lr == pytest.approx(0.25) and mine.scheduler.last_epoch == 2
+    mine.epoch_end()
+    assert mine.lr == pytest.approx(0.225)
