@@ -180,7 +180,7 @@ class ProgressDisplay:
         )
         if self.live:
             self.progress = Progress(
-                TextColumn("step {task.completed}/{task.total}"),
+                TextColumn("step {task.fields[steps]}"),
                 BarColumn(),
                 TextColumn("{task.description}"),
                 TimeElapsedColumn(),
@@ -189,7 +189,7 @@ class ProgressDisplay:
                 transient=False,
             )
             self.progress.start()
-            self.task_id = self.progress.add_task("starting workers…", total=None, eta="?")
+            self.task_id = self.progress.add_task("starting workers…", total=None, steps="-", eta="?")
 
     def on_validation_start(self, started: ValidationStarted) -> None:
         self.say(f"validating at step {started.step}…")
@@ -208,7 +208,8 @@ class ProgressDisplay:
         step, total = report.step, report.total_steps
         line = describe(report.figures, epoch=report.epoch, currency=report.currency)
         if self.progress is not None:
-            self.progress.update(self.task_id, completed=step, total=total, description=line, eta=hms(self.pace.eta_s))
+            steps, eta = f"{step}/{total}", hms(self.pace.eta_s)
+            self.progress.update(self.task_id, completed=step, total=total, description=line, steps=steps, eta=eta)
             return
         now = self.clock()
         due = self.last_line_at is None or now - self.last_line_at >= PLAIN_EVERY_S
