@@ -103,7 +103,10 @@ def check_schedule(cfg: ScheduleConfig, optim: OptimConfig | None = None) -> typ
     if needed:
         raise ConfigError(f"schedule.kwargs needs {', '.join(needed)} for torch.optim.lr_scheduler.{found.__name__}")
     if optim is not None and optim.factory is None:
-        probe = build_optimizer(optim.model_copy(update={"param_groups": []}), nn.Linear(2, 2), optim.lr)
+        try:
+            probe = build_optimizer(optim.model_copy(update={"param_groups": []}), nn.Linear(2, 2), optim.lr)
+        except Exception:  # the optimizer's own problem, said where it is built
+            return found
         arguments = {**filled, **cfg.kwargs}
         try:
             found(probe, **arguments)
@@ -159,6 +162,7 @@ def build_scheduler(
     if found is None:  # trainforge's own: the warm-up is in the multiplier, stepped per optimizer step
         own = cfg.model_copy(update={"warmup_steps": warmup, "warmup_epochs": None})
         return LRSchedule(LambdaLR(optimizer, lr_multiplier(own, total_steps)), optimizer)
+    check_schedule(cfg)  # as build_optimizer checks optim.name: one line, not a TypeError, wherever it runs
     filled = filled_arguments(found.__name__, cfg.kwargs, intervals_after_warmup(cfg, total_steps, steps_per_epoch))
     scheduler = found(optimizer, **{**filled, **cfg.kwargs})
     return LRSchedule(scheduler, optimizer, warmup_steps=warmup, interval=cfg.interval, monitor=cfg.monitor)
