@@ -157,6 +157,24 @@ def test_refusals_and_the_newest_valid_checkpoint(
     assert found["step"] == 10
 
 
+@pytest.mark.slow
+def test_best_and_reported_come_from_the_passes_at_each_checkpoints_step(
+    trained: tuple[dict[str, Any], Outcome], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A driver's run has metrics.jsonl: a checkpoint is scored by the pass at its own step (its
+    manifest may hold an earlier pass), and that pass is shown beside the computed figures."""
+    config, _ = trained
+    run_dir = tmp_path / "copy"
+    shutil.copytree(run_dir_of(config), run_dir)
+    points = [{"step": 10, "val_ema/accuracy": 0.99, "val/loss": 0.5}, {"step": 15, "train/loss": 1.0}]
+    lines = [{"step": 15, "history": points}, {"step": 20, "history": [{"step": 20, "train/loss": 0.9}]}, "junk"]
+    (run_dir / "metrics.jsonl").write_text("\n".join(json.dumps(line) for line in lines) + "\n{not json\n")
+    best = evaluated(capsys, tmp_path / "best.json", str(run_dir), "--checkpoint", "best")
+    assert best["step"] == 10  # step 20 has no pass at its step in this file
+    assert best["reported"] == {"val_ema/accuracy": 0.99, "val/loss": 0.5}
+    assert evaluated(capsys, tmp_path / "last.json", str(run_dir))["reported"] == {}
+
+
 @pytest.mark.parametrize(
     ("args", "expected"),
     [

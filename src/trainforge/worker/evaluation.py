@@ -116,7 +116,7 @@ def evaluate_run(
         if dataset is None:
             raise DataError("this run has no validation set (data.val_fraction is 0): nothing to evaluate")
         metrics = evaluate(run, split, lambda: [run.data.shard_batches(dataset, rank) for rank in range(ranks)])
-    reported = reported_at(run_dir, saved.step) if split == "val" else {}
+    reported = validations(run_dir).get(saved.step, {}) if split == "val" else {}
     return Evaluation(run_dir, store.uri(name), saved.step, split, len(dataset), metrics, reported)
 
 
@@ -156,6 +156,10 @@ def choose_checkpoint(
             f"RUN_DIR {run_dir}: no checkpoint to evaluate (the run saved none, or they were removed)"
         )
     metric, mode = best_by(listed)
+    # A checkpoint's manifest holds the last validation before it was saved, which may have been
+    # of earlier weights: where metrics.jsonl says which passes ran at a checkpoint's own step,
+    # only those count.
+    passes = validations(run_dir)
     scored: list[tuple[float, str]] = []
     refused: list[tuple[str, str, set[Any]]] = []
     for entry in reversed(entries):  # newest first
@@ -165,7 +169,8 @@ def choose_checkpoint(
             continue
         if which == "last":
             return store, skipping(entry.name, refused)
-        value = ((check.manifest or {}).get("metrics") or {}).get(metric)
+        recorded = passes.get(entry.step, {}) if passes else (check.manifest or {}).get("metrics") or {}
+        value = recorded.get(metric)
         if isinstance(value, (int, float)) and math.isfinite(value):
             scored.append((float(value), entry.name))
     if which == "best" and scored:
@@ -212,11 +217,12 @@ def best_by(config: Config | None) -> tuple[str, str]:
     return stopping.metric, stopping.mode
 
 
-def reported_at(run_dir: Path, step: int) -> dict[str, float]:
-    """The validation figures the run reported for ``step`` (a point of a report's history in
-    metrics.jsonl); empty when it has none. The file is not trusted: nothing here raises."""
+def validations(run_dir: Path) -> dict[int, dict[str, float]]:
+    """The validation figures the run reported, by the step each pass ran at (the points of the
+    reports' histories in metrics.jsonl); empty without the file. It is not trusted: nothing here
+    raises, and what is not a number is left out."""
     path = run_dir / METRICS_FILE
-    found: dict[str, float] = {}
+    found: dict[int, dict[str, float]] = {}
     try:
         lines = path.read_text().splitlines() if path.is_file() else []
     except (OSError, UnicodeDecodeError):
@@ -228,9 +234,10 @@ def reported_at(run_dir: Path, step: int) -> dict[str, float]:
             continue
         history = report.get("history") if isinstance(report, dict) else None
         for point in history if isinstance(history, list) else []:
-            if not isinstance(point, dict) or point.get("step") != step:
+            step = point.get("step") if isinstance(point, dict) else None
+            if not isinstance(step, int):
                 continue
             for key, value in point.items():
                 if key.startswith("val") and "/" in key and isinstance(value, (int, float)):
-                    found[key] = float(value)
+                    found.setdefault(step, {})[key] = float(value)
     return found
