@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from trainforge.checkpoint.crypto import FileCipher, cipher_of
-from trainforge.checkpoint.problems import KEY, OUTDATED, KeyProblem, OutdatedCheckpoint
+from trainforge.checkpoint.problems import KEY, OUTDATED, KeyProblem, OutdatedCheckpoint, ProblemKind
 from trainforge.checkpoint.saved import read_saved
 from trainforge.checkpoint.schema import MANIFEST
 from trainforge.checkpoint.storage import CheckpointStore, join_uri
@@ -161,7 +161,7 @@ def choose_checkpoint(
     # only those count.
     passes = validations(run_dir)
     scored: list[tuple[float, str]] = []
-    refused: list[tuple[str, str, set[Any]]] = []
+    refused: list[tuple[str, str, set[ProblemKind]]] = []
     for entry in reversed(entries):  # newest first
         check = store.verify(entry.name, schemas=schemas)
         if not check.ok:
@@ -179,20 +179,21 @@ def choose_checkpoint(
         return store, skipping(min(reversed(scored), key=lambda pair: sign * pair[0])[1], refused)
     if which == "best" and len(refused) < len(entries):
         raise CheckpointError(
-            f"--checkpoint best: no valid checkpoint of {run_dir} recorded {metric}; use last or a path"
+            f"--checkpoint best: no valid checkpoint of {run_dir} has a validation ({metric}) of its step; "
+            "use last or a path"
         )
     name, problem, kinds = refused[0]
     refuse(f"RUN_DIR {run_dir}: none of its {len(entries)} checkpoints is valid ({name}: {problem})", kinds)
 
 
-def skipping(chosen: str, refused: list[tuple[str, str, set[Any]]]) -> str:
+def skipping(chosen: str, refused: list[tuple[str, str, set[ProblemKind]]]) -> str:
     """``chosen``, once each checkpoint passed over for not being valid is logged."""
     for name, problem, _ in refused:
         log.warning("skipping checkpoint %s: %s", name, problem)
     return chosen
 
 
-def refuse(text: str, kinds: set[Any]) -> NoReturn:
+def refuse(text: str, kinds: set[ProblemKind]) -> NoReturn:
     """Raise the CheckpointError of the problem's kind: a missing key or an earlier format says so."""
     if KEY in kinds:
         raise KeyProblem(text)
