@@ -263,7 +263,7 @@ def final_schedule(run_dir: Any, step: int) -> dict[str, Any]:
     return dict(state["components"]["schedule"])
 
 
-@pytest.mark.slow  # two runs straight, crashed and resumed, in one pair of gloo ranks (about 40 s)
+@pytest.mark.slow  # two runs straight, crashed and resumed, in one pair of gloo ranks (12-20 s)
 def test_step_lr_per_epoch_and_plateau_resume_bit_identical(tmp_path: Any) -> None:
     """StepLR(step_size=1, gamma=0.7) stepped at epoch ends reports lr0 x 0.7**epoch; it and a
     ReduceLROnPlateau on val/loss resume from a mid-run checkpoint to the same weights, moments
