@@ -171,3 +171,6 @@ def test_an_optimizer_factory_builds_over_the_parameter_groups() -> None:
         build_optimizer(wrong, tiny_model(), 0.1)
     with pytest.raises(ConfigError, match=r"give one of optim.name \(a torch.optim class\) or optim.factory"):
         load_config({"model": {"name": "mlp"}, "train": {"max_steps": 1}, "optim": {"name": "sgd", "factory": "a:b"}})
+    # The resolved config (config.yaml, the workers' payload) carries the default name beside the factory.
+    resolved = load_config({"model": {"name": "mlp"}, "train": {"max_steps": 1}, "optim": {"factory": "a:b"}})
+    assert load_config(resolved.to_dict()).optim.factory == "a:b"

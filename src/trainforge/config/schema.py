@@ -247,7 +247,9 @@ class OptimConfig(Section):
 
     @model_validator(mode="after")
     def _name_or_factory(self) -> OptimConfig:
-        if self.factory is not None and "name" in self.model_fields_set:
+        # Not "name was given": a resolved config (config.yaml, a worker's payload) carries the
+        # default name beside the factory and must validate again.
+        if self.factory is not None and self.name != OptimConfig.model_fields["name"].default:
             raise ValueError("give one of optim.name (a torch.optim class) or optim.factory ('pkg.module:function')")
         return self
 
