@@ -10,8 +10,8 @@ import typer
 from trainforge.errors import TrainforgeError
 
 TRUST_HELP = (
-    "Import the code the run's config names (model.factory, data.factory, parallel.tp_plan); "
-    "without it such a run directory is refused: its config is data, written by whoever trained it."
+    "Import the code the run's config names (model.factory, data.factory, parallel.tp_plan, optim.factory, "
+    "callbacks); without it such a run directory is refused: its config is data, written by whoever trained it."
 )
 
 
