@@ -91,10 +91,15 @@ def early_config(tmp: Path, **early: Any) -> dict[str, Any]:
     )
 
 
-@pytest.mark.slow  # one rank, two runs, ~8 s
-def test_early_stopping_ends_where_the_metric_stalls_and_restore_best_exports_the_best(tmp_path: Path) -> None:
+@pytest.mark.slow  # two runs, ~8 s a layout
+@pytest.mark.parametrize(("strategy", "workers"), [("ddp", 1), ("fsdp", 2)])
+def test_early_stopping_ends_where_the_metric_stalls_and_restore_best_exports_the_best(
+    tmp_path: Path, strategy: str, workers: int
+) -> None:
     config = early_config(tmp_path, restore_best=True)
-    (rank0,) = train(config, 1)
+    config["parallel"] = {"strategy": strategy}
+    config["scaling"] = {"num_workers": workers}
+    rank0 = train(config, workers)[0]
     # passes at 3 (best), 6 (1 without improvement), 9 (2: patience runs out)
     assert rank0.final["step"] == 9 and rank0.final["status"] == "finished"
     run_dir = tmp_path / "t"
@@ -110,7 +115,7 @@ def test_early_stopping_ends_where_the_metric_stalls_and_restore_best_exports_th
     assert any(not (exported[k] == last[k]).all() for k in exported)
 
     # A re-run of the directory trains no further: the stop is in the checkpoint's state.
-    (again,) = train(config, 1)
+    again = train(config, workers)[0]
     assert again.final["step"] == 9 and checkpoints(run_dir) == [3, 9]
 
 
@@ -229,6 +234,7 @@ def test_bad_callbacks_and_early_stopping_are_one_line_naming_the_key(change: di
         ),
         ("tests.helpers.nowhere:C", "callbacks[0] 'tests.helpers.nowhere:C': cannot import module"),
         (f"{HELPERS}:NOT_A_CLASS", "is not callable"),
+        (f"{HELPERS}:NoHooks", "defines none of the hooks on_train_start, on_step_end"),
     ],
 )
 def test_a_callback_that_does_not_import_is_one_line_before_ray(path: str, expected: str) -> None:
@@ -236,3 +242,15 @@ def test_a_callback_that_does_not_import_is_one_line_before_ray(path: str, expec
     with pytest.raises(ConfigError) as err:
         check_callbacks(cfg)
     assert expected in str(err.value) and "\n" not in str(err.value)
+
+
+def test_fit_refuses_a_callback_that_does_not_import_before_ray_starts(tmp_path: Path) -> None:
+    import ray
+
+    import trainforge
+
+    config = tiny_run(tmp_path, callbacks=[f"{HELPERS}:Missing"])
+    with pytest.raises(ConfigError, match=r"callbacks\[0\] 'tests.helpers.user_callbacks:Missing'"):
+        trainforge.fit(config)
+    assert not ray.is_initialized()
+    assert not (tmp_path / "t" / "summary.json").exists()

@@ -207,7 +207,7 @@ def best_checkpoint(record: RunRecord, store: CheckpointStore) -> str | None:
         return None
     name = checkpoint_name(best.best_step)
     try:
-        present = any(entry.name == name for entry in store.entries())
+        present = any(entry.name == name for entry in store.entries()) and bool(store.exports(name))
     except OSError as err:
         log.warning("train.early_stopping.restore_best: cannot list the run's checkpoints: %s", err)
         present = False

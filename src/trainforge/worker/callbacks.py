@@ -234,6 +234,11 @@ def check_callbacks(config: Config) -> None:
                 f"callbacks[{index}] {entry.path!r} is a {type(target).__name__}, not a class; "
                 "point it at a class whose instances define the hooks"
             )
+        if not any(callable(getattr(target, hook, None)) for hook in HOOKS):
+            raise ConfigError(
+                f"callbacks[{index}] {entry.path!r} defines none of the hooks {', '.join(HOOKS)}; "
+                "give it at least one (each takes the context first)"
+            )
 
 
 def json_state(key: str, state: Any) -> Any:

@@ -414,9 +414,11 @@ class Session:
         stopping's count and (``restore_best``) a checkpoint of a pass that improved."""
         metrics = self.timed_evaluate()
         if self.after_validation(metrics) and self.early is not None and self.early.cfg.restore_best:
-            # Every rank: the metrics are all-reduced, so all save here. Rotation keeps it.
+            # Every rank: the metrics are all-reduced, so all save here; rotation keeps it. As a
+            # final save does, it holds the full weights under a sharded plan: the driver may
+            # write model.safetensors from it.
             step = self.progress.global_step
-            self.checkpointing.save({"step": step, **metrics})
+            self.checkpointing.save({"step": step, **metrics}, final=True)
             self.last_save = time.perf_counter()
             self.checkpointing.writer.keep = {checkpoint_name(step)}
         return metrics
