@@ -146,8 +146,8 @@ def test_callback_state_and_early_stopping_resume_bit_identical(tmp_path: Path) 
     assert ends[-1] == straight_end[-1]  # the same steps and the same sum of losses, to the bit
 
 
-def first_step_failure(rank: int, world: int, config: dict[str, Any]) -> tuple[str, str]:
-    """One rank's Session as run_worker runs it: what it returns."""
+def run_worker_returns(rank: int, world: int, config: dict[str, Any]) -> tuple[str, str]:
+    """One rank's run as a Ray Train worker runs it (run_worker): the type and message it returns."""
     from trainforge.protocol import Payload
     from trainforge.worker.loop import run_worker
 
@@ -167,7 +167,7 @@ class _Quiet:
 @pytest.mark.slow  # two ranks, ~6 s
 def test_a_callback_that_raises_at_the_first_step_ends_every_rank_without_a_retry(tmp_path: Path) -> None:
     config = tiny_run(tmp_path, scaling={"num_workers": 2}, callbacks=[callback("RaisesAt", step=1, rank=1)])
-    returned = spawn_ranks(first_step_failure, 2, config)
+    returned = spawn_ranks(run_worker_returns, 2, config)
     for kind, message in returned:
         assert kind == "UserError"
         assert "callback tests.helpers.user_callbacks:RaisesAt.on_step_end raised ValueError" in message
@@ -254,3 +254,13 @@ def test_fit_refuses_a_callback_that_does_not_import_before_ray_starts(tmp_path:
         trainforge.fit(config)
     assert not ray.is_initialized()
     assert not (tmp_path / "t" / "summary.json").exists()
+
+
+@pytest.mark.slow  # one rank, ~4 s
+def test_an_early_stopping_metric_the_task_does_not_give_ends_the_run_at_the_first_pass(tmp_path: Path) -> None:
+    config = tiny_run(tmp_path, train={"eval_every_n_steps": 2, "early_stopping": {"metric": "val/f1"}})
+    ((kind, message),) = spawn_ranks(run_worker_returns, 1, config)
+    assert kind == "UserError"
+    assert message == (
+        "train.early_stopping.metric 'val/f1' is not one of this run's validation metrics (val/accuracy, val/loss)"
+    )

@@ -36,6 +36,11 @@ if TYPE_CHECKING:
 Step = Annotated[int, Field(ge=0, le=MAX_STEP)]
 
 
+class MetricMissing(ConfigError):
+    """``train.early_stopping.metric`` is not among the validation metrics: raised on every rank at
+    the same pass (the metrics are all-reduced), so the run ends with it rather than retrying."""
+
+
 class EarlyStoppingState(StateSchema):
     metric: Annotated[str, Field(max_length=200)]
     mode: Annotated[str, Field(pattern=r"^(min|max)$")]
@@ -89,7 +94,7 @@ class EarlyStopping(Component):
         metric = self.cfg.metric
         if metric not in metrics:
             known = ", ".join(sorted(metrics)) or "none"
-            raise ConfigError(
+            raise MetricMissing(
                 f"train.early_stopping.metric {metric!r} is not one of this run's validation metrics ({known})"
             )
         self.last_step = step

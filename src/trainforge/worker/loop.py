@@ -48,7 +48,7 @@ from trainforge.worker import collectives
 from trainforge.worker.autobatch import choose_batch, shrink_after_oom
 from trainforge.worker.build import WorkerRun, build, evaluate
 from trainforge.worker.callbacks import CallbackFailed, Callbacks, step_metrics
-from trainforge.worker.early_stopping import EarlyStopping
+from trainforge.worker.early_stopping import EarlyStopping, MetricMissing
 from trainforge.worker.hooks import Hooks, build_hooks
 from trainforge.worker.logs import shipped_logs
 from trainforge.worker.metrics import IntervalHistory, Signals, Throughput, reduce_metrics
@@ -115,6 +115,8 @@ def run_worker(
         if err.retry:  # after steps: a crash, which Ray Train restarts from the newest checkpoint
             raise
         return UserError.of(err.error)
+    except MetricMissing as err:  # every rank at the same pass: a retry would stop there again
+        return UserError.of(err)
     except TrainforgeError as err:
         if session is None or not session.before_first_step:
             raise
