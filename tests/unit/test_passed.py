@@ -92,6 +92,13 @@ def test_a_model_too_large_to_ship_says_to_use_a_factory() -> None:
         passed.pack(nn.Linear(4, 4, device="meta"))
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_model_on_a_gpu_is_asked_for_on_the_cpu() -> None:
+    with pytest.raises(ModelError, match=r"^model=Net has tensors on cuda:0; pass it on the CPU \(model.cpu\(\)\)"):
+        passed.pack(Net().cuda())
+
+
 def test_every_copy_starts_from_the_instances_own_weights(objects_gone: None) -> None:
     net = Net()
     with torch.no_grad():
@@ -178,6 +185,10 @@ def test_the_config_names_the_objects_in_place_of_the_sources(tmp_path: Path, ca
     caplog.clear()
     assert passed.config_naming(path, model=False, data=True)["data"] == {"name": "factory", "factory": PASSED_DATA}  # type: ignore[index]
     assert "data= takes the place of the config's data source: data.path not read" in caplog.text
+    caplog.clear()  # a run directory's config.yaml, given with its objects again: nothing to say
+    recorded = load_config(named).to_dict()
+    assert passed.config_naming(recorded, model=True, data=True)["model"]["factory"] == PASSED_MODEL  # type: ignore[index]
+    assert "takes the place" not in caplog.text
 
 
 def test_fit_checks_an_instance_before_ray_starts(tmp_path: Path) -> None:

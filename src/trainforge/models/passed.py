@@ -75,6 +75,13 @@ def check_model(obj: Any, limit: int) -> str:
             raise ModelError(too_large(f"model={name}", size, limit, "of parameters and buffers", FACTORY_HINT))
         if any(t.is_meta for t in tensors):
             raise ModelError(f"model={name} has parameters on the meta device (no weights to train); {FACTORY_HINT}")
+        placed = sorted({str(t.device) for t in tensors if t.device.type != "cpu"})
+        if placed:
+            # Unpickled, such tensors would land on that device of every process (the driver's too).
+            raise ModelError(
+                f"model={name} has tensors on {', '.join(placed)}; pass it on the CPU (model.cpu()): "
+                "each worker moves its own copy to its device"
+            )
         return name
     if callable(obj):
         return f"{getattr(obj, '__name__', type(obj).__name__)}()"
@@ -195,14 +202,19 @@ def config_naming(
         raw = read_yaml(Path(source))
     if model:
         section = dict(raw.get("model") or {})
-        replaced = [f"model.{key}" for key in ("name", "factory") if section.pop(key, None) is not None]
+        given = {key: section.pop(key, None) for key in ("name", "factory")}
+        replaced = [f"model.{key}" for key, value in given.items() if value not in (None, PASSED_MODEL)]
         if replaced:
             log.warning("model= takes the place of the config's %s", ", ".join(replaced))
         raw["model"] = {**section, "factory": PASSED_MODEL}
     if data:
         section = dict(raw.get("data") or {})
-        unread = sorted(f"data.{key}" for key in section if key not in (*DATA_KEYS_KEPT, "name", "factory"))
-        if unread:
+        unread = sorted(
+            f"data.{key}" for key in section if key not in DATA_KEYS_KEPT and key not in ("name", "factory")
+        )
+        if section.get("factory") not in (None, PASSED_DATA):
+            unread.insert(0, "data.factory")
+        if unread and section.get("factory") != PASSED_DATA:  # not a section written for data= before
             log.warning("data= takes the place of the config's data source: %s not read", ", ".join(unread))
         kept = {key: value for key, value in section.items() if key in DATA_KEYS_KEPT}
         raw["data"] = {**kept, "name": FACTORY_SOURCE, "factory": PASSED_DATA}
