@@ -4,10 +4,14 @@ terminal and on a pipe, validation lines with the task's metrics, elapsed and ET
 from __future__ import annotations
 
 import io
+import shlex
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 
+from trainforge.cli.run import resume_command
+from trainforge.config import load_config
 from trainforge.driver.startup import Timeline
 from trainforge.observers.console import PLAIN_EVERY_S, ProgressDisplay, StartupLines, validation_metrics
 from trainforge.protocol import Note, Report, RunInfo, ValidationStarted
@@ -139,3 +143,18 @@ def test_start_up_phases_are_printed_as_they_are_marked_in_order() -> None:
         "   18.2 s  model built",
         "   21.0 s  first step done",
     ]
+
+
+def test_the_resume_command_is_the_run_s_own_with_secrets_masked(tmp_path: Path) -> None:
+    sets = ["optim.lr=0.1", "tracking.uri=http://alice:S3CR3T@host:5000", "model.kwargs.api_token=abc"]
+    config = {"model": {"name": "mlp"}, "train": {"max_steps": 5}, "run": {"output_dir": str(tmp_path)}}
+    started_fresh = load_config({**config, "checkpoint": {"resume": "none"}}, env={})
+    said = resume_command("my run.yaml", sets, "head:6379", True, started_fresh)
+    assert shlex.split(said) == [
+        "trainforge",
+        "train",
+        "my run.yaml",
+        *("--set", "optim.lr=0.1", "--set", "tracking.uri=http://alice:***@host:5000"),
+        *("--set", "model.kwargs.api_token=***", "--address", "head:6379", "--resume", "auto", "--verbose"),
+    ]
+    assert resume_command("c.yaml", None, None, False, load_config(config, env={})) == "trainforge train c.yaml"

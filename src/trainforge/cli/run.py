@@ -92,12 +92,16 @@ def first_line(config: Config) -> str:
 
 def resume_command(config: str, set_: list[str] | None, address: str | None, verbose: bool, resolved: Config) -> str:
     """The command that continues a stopped run: this one, with ``--resume auto`` where the config
-    does not resume by itself (``--resume none`` or a path started the run)."""
+    does not resume by itself (``--resume none`` or a path started the run). Secrets are masked, as
+    everywhere the run prints: a ``--set`` of a secret-named key, credentials in a URI."""
+    from trainforge.redact import MASK, is_secret_key, redact_text
+
     words = ["trainforge", "train", config]
     for item in set_ or []:
-        words += ["--set", item]
+        key, _, value = item.partition("=")
+        words += ["--set", f"{key}={MASK if is_secret_key(key.rsplit('.', 1)[-1]) else redact_text(value)}"]
     if address is not None:
-        words += ["--address", address]
+        words += ["--address", redact_text(address)]
     if resolved.checkpoint.resume != "auto":
         words += ["--resume", "auto"]
     if verbose:
