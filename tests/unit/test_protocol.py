@@ -14,7 +14,9 @@ import pytest
 from trainforge.config.safeyaml import YamlRefused
 from trainforge.errors import ERROR_KINDS, CheckpointError, ConfigError, TrainforgeError, TrainingFailed
 from trainforge.protocol import (
+    BestValidation,
     CheckpointSkipped,
+    EndedEarly,
     LogBatch,
     LogLine,
     Note,
@@ -50,6 +52,13 @@ EVENTS = [
     (SaveFailed(60, "disk full", final=True), "final checkpoint save at step 60 failed: disk full", "error"),
     (Stopping("the driver asked for a stop"), "stopping: the driver asked for a stop", "warning"),
     (Note("optimizer state not restored: the checkpoint used sgd, this run adamw"), None, "info"),
+    (EndedEarly(7, "rank 1 asked at step 7", "callback"), "ended at step 7: rank 1 asked at step 7", "info"),
+    (
+        BestValidation("val/loss", 0.25, 40, stopped=True),
+        "early stopping: best val/loss 0.25 at step 40",
+        "info",
+    ),
+    (BestValidation("val/loss", None, None, stopped=False), "early stopping: no finite val/loss yet", "info"),
 ]
 
 
@@ -75,6 +84,7 @@ def test_events_say_todays_words_and_come_back_from_json_as_they_went(event: Any
         ({"kind": "note", "text": "n", "level": "catastrophic"}, Note("n")),
         ({"kind": "resumed", "step": 1, "path": "/p"}, Resumed(1, "/p")),
         ({"kind": "resumed"}, None),
+        ({"kind": "ended_early", "step": 3, "reason": "r", "source": "elsewhere", "text": "t"}, Note("t")),
         ({"text": 5}, None),
         (7, None),
         (None, None),
