@@ -93,10 +93,11 @@ def test_a_validation_line_names_each_of_the_tasks_metrics_once() -> None:
     display = ProgressDisplay(out_console)
     regression = {"step": 50, "val/loss": 0.0123, "val/mse": 0.0123, "val/mae": 0.0871, "val/r2": 0.874}
     display.on_validation_start(ValidationStarted(50))
+    display.on_validation_start(ValidationStarted(50))  # the last step's pass and the final one: said once
     display.on_report(report(60, 1000.0, history=[{"step": 50, "train/loss": 0.5}, regression]))
     display.on_report(report(70, 1001.0, history=[regression]))  # the same pass again: said once
     lines = out.getvalue().splitlines()
-    assert lines[0] == "validating at step 50…"
+    assert lines[0] == "validating at step 50…" and lines.count(lines[0]) == 1
     said = [line for line in lines if line.startswith("validation at")]
     assert said == ["validation at step 50: loss 0.0123  mse 0.0123  mae 0.0871  r2 0.8740"]
     assert validation_metrics({"val/accuracy": 0.91234, "val_ema/loss": 0.5}) == "accuracy 0.9123  val_ema/loss 0.5"

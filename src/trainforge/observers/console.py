@@ -168,6 +168,7 @@ class ProgressDisplay:
         self.task_id: Any = None
         self.pace = Pace()
         self.last_line_at: float | None = None  # when the last plain progress line was printed
+        self.announced: set[int] = set()  # steps whose validation start was printed
         self.validated: set[int] = set()  # steps whose validation result was printed
 
     def say(self, text: str) -> None:
@@ -192,7 +193,9 @@ class ProgressDisplay:
             self.task_id = self.progress.add_task("starting workers…", total=None, steps="-", eta="?")
 
     def on_validation_start(self, started: ValidationStarted) -> None:
-        self.say(f"validating at step {started.step}…")
+        if started.step not in self.announced:  # the last step's pass and the final one: said once
+            self.announced.add(started.step)
+            self.say(f"validating at step {started.step}…")
 
     def on_report(self, report: Report) -> None:
         for event in report.events:
