@@ -230,7 +230,7 @@ def test_train_command_runs_and_prints_the_summary_path(tmp_path: Path) -> None:
     summary = json.loads(summary_path.read_text())
     assert summary["status"] == "finished" and summary["num_workers"] == 2
     assert "Traceback" not in result.stderr
-    assert "step 20/20" in result.stderr  # one progress line per report when not on a terminal
+    assert "step 20/20" in result.stderr  # the last report's progress line, when not on a terminal
     assert (summary_path.parent / "ray.log").exists()
     # The start, phase by phase, from the process's start: the CLI's, the driver's, the
     # controller's (its callback) and rank 0's marks all arrived, and add up.

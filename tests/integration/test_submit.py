@@ -245,7 +245,7 @@ def test_submit_runs_the_config_with_the_users_model_and_streams_progress(submit
     assert result.returncode == 0, result.stdout + result.stderr
     run_dir = project / "results" / "submitted"
     assert f"results: {run_dir}" in result.stderr
-    # The remote run's progress display, a line per report, passed through as it arrives.
+    # The remote run's progress display (a line every 10 s and the last report's), passed through as it arrives.
     assert "step 20/20" in result.stderr, result.stderr
     assert re.search(r"finished at step 20 ", result.stderr), result.stderr
     assert result.stdout.strip().splitlines()[-1] == f"{run_dir}/summary.json"
