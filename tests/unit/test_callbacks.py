@@ -264,3 +264,23 @@ def test_an_early_stopping_metric_the_task_does_not_give_ends_the_run_at_the_fir
     assert message == (
         "train.early_stopping.metric 'val/f1' is not one of this run's validation metrics (val/accuracy, val/loss)"
     )
+
+
+def test_another_runs_stop_does_not_end_this_run_but_its_callback_states_load(tmp_path: Path) -> None:
+    from torch import nn
+
+    from tests.helpers.user_callbacks import Recorder
+    from trainforge.checkpoint.state import State
+    from trainforge.worker.callbacks import CallbackContext, Callbacks
+    from trainforge.worker.components.base import Restore
+
+    cfg = load_config(tiny_run(tmp_path, callbacks=[f"{HELPERS}:Recorder"]), env={})
+    recorder = Recorder(str(tmp_path / "calls"))
+    callbacks = Callbacks([(f"0:{HELPERS}:Recorder", recorder)], CallbackContext(0, 1, nn.Linear(1, 1), cfg))
+    saved = State(
+        {"states": {f"0:{HELPERS}:Recorder": {"steps": 5, "loss_total": 1.5}}, "stop": {"reason": "r", "step": 5}}
+    )
+    callbacks.load_state_dict(saved, Restore(5, 1, "ddp", {"run": {"name": "another"}}, True))
+    assert callbacks.stop is None and (recorder.steps, recorder.loss_total) == (5, 1.5)
+    callbacks.load_state_dict(saved, Restore(5, 1, "ddp", {"run": {"name": cfg.run.name}}, True))
+    assert callbacks.stop is not None and (callbacks.stop.reason, callbacks.stop.step) == ("r", 5)

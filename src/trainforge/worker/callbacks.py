@@ -198,7 +198,9 @@ class Callbacks(Component):
                 callback.load_state_dict(saved.states[key])
             else:
                 restore.notes.append(f"callbacks: the checkpoint holds no state of {key}; it starts afresh")
-        self.stop = saved.stop
+        theirs = restore.config.get("run", {}).get("name") if restore.config else None
+        # Another run's stop (a checkpoint named by checkpoint.resume) does not end this one.
+        self.stop = saved.stop if theirs == self.context.config.run.name else None
 
 
 def key_of(index: int, entry: CallbackConfig) -> str:
