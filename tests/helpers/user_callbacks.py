@@ -19,6 +19,17 @@ class StopAt:
             ctx.request_stop(f"rank {ctx.rank} asked at step {step}")
 
 
+class StopAtValidation:
+    """Asks for a stop in ``on_validation_end`` at ``step`` (every rank)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_validation_end(self, ctx: Any, metrics: dict[str, float]) -> None:
+        if ctx.step == self.step:
+            ctx.request_stop(f"validated at step {ctx.step}")
+
+
 class Recorder:
     """Writes every hook it sees to ``<log>-<rank>.jsonl`` and keeps a state: the steps it saw and
     the sum of their losses (checkpointed through state_dict/load_state_dict)."""

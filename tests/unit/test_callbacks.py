@@ -119,6 +119,23 @@ def test_early_stopping_ends_where_the_metric_stalls_and_restore_best_exports_th
     assert again.final["step"] == 9 and checkpoints(run_dir) == [3, 9]
 
 
+@pytest.mark.slow  # one rank, two runs, ~6 s
+def test_a_stop_at_a_best_pass_is_in_the_checkpoint_of_that_step(tmp_path: Path) -> None:
+    """restore_best checkpoints a pass that improves; a callback's stop asked at that pass must be in
+    that step's checkpoint too (a checkpoint is never written twice), or a re-run would train on."""
+    config = early_config(tmp_path, mode="min", restore_best=True)  # every pass improves
+    config["callbacks"] = [callback("StopAtValidation", step=6)]
+    (rank0,) = train(config, 1)
+    assert rank0.final["step"] == 6
+    run_dir = tmp_path / "t"
+    assert checkpoints(run_dir) == [6]  # the best pass's and the last: keep_last 1
+    state = json.loads((run_dir / "checkpoint_000000006" / "trainer_state.json").read_text())
+    assert state["components"]["callbacks"]["stop"] == {"reason": "validated at step 6", "step": 6}
+    assert summary_of(rank0.report, config, run_dir)["model_weights_step"] == 6
+    (again,) = train(config, 1)
+    assert again.final["step"] == 6 and checkpoints(run_dir) == [6]
+
+
 @pytest.mark.slow  # one rank, three runs, ~12 s
 def test_callback_state_and_early_stopping_resume_bit_identical(tmp_path: Path) -> None:
     def config(tmp: Path) -> dict[str, Any]:

@@ -2,7 +2,8 @@
 
 Each entry of ``callbacks`` (``"pkg.mod:Class"``, or ``{path: "pkg.mod:Class", kwargs: {...}}``)
 is instantiated on every worker (``Class(**kwargs)``) and may define any of these hooks, each
-called with a :class:`CallbackContext` first. The firing order, per rank:
+called with a :class:`CallbackContext` first (``rank``, ``world_size``, ``step``, ``model``,
+``config``, ``request_stop``). The firing order, per rank:
 
 1. ``on_train_start(ctx)``: once, after the restore, before the first step of this attempt.
 2. After each optimizer step ``N`` (``N`` counted from 1 over the whole run):
@@ -81,6 +82,7 @@ class CallbackContext:
         self.world_size = world_size
         self.model = model  # the module the model's factory built (under DDP, the one inside the wrapper)
         self.config = config
+        self.step = 0  # optimizer steps the run has taken (over all its attempts)
         self.stop_reason: str | None = None  # this rank's first request since the ranks last agreed
 
     def request_stop(self, reason: str = "a callback asked to stop") -> None:
@@ -139,9 +141,11 @@ class Callbacks(Component):
     def defines(self, hook: str) -> bool:
         return any(callable(getattr(callback, hook, None)) for _, callback in self.entries)
 
-    def fire(self, hook: str, *args: Any) -> None:
-        """``hook`` of every callback that defines it, in config order. An exception of the user's
-        is kept (the first) for the ranks' next agreement; the other callbacks still run."""
+    def fire(self, hook: str, step: int, *args: Any) -> None:
+        """``hook`` of every callback that defines it, in config order, at ``step`` (``ctx.step``).
+        An exception of the user's is kept (the first) for the ranks' next agreement; the other
+        callbacks still run."""
+        self.context.step = step
         for key, callback in self.entries:
             method = getattr(callback, hook, None)
             if not callable(method):

@@ -209,6 +209,7 @@ class Session:
         self.ended = ended_by_state(self.callbacks, self.early)  # a run restored after its stop ends at once
         self.committed: list[str] = []  # rank 0: checkpoints committed since the callbacks last heard
         self.validated_step: int | None = None
+        self.best_due: dict[str, float] | None = None  # restore_best: the metrics of a pass to checkpoint
         if self.early is not None and self.early.cfg.restore_best and self.early.best_step is not None:
             self.checkpointing.writer.keep = {checkpoint_name(self.early.best_step)}
 
@@ -221,7 +222,7 @@ class Session:
         run, progress = self.run, self.progress
         self.profiler.at_step(progress.global_step)
         if self.callbacks is not None:
-            self.callbacks.fire("on_train_start")
+            self.callbacks.fire("on_train_start", progress.global_step)
         stopped = self.agreed_stop()
         while progress.global_step < run.total_steps and not stopped:
             stopped = self.epoch()
@@ -265,7 +266,7 @@ class Session:
             self.meter.step_done()
             if step_hook and self.callbacks is not None:
                 metrics = step_metrics(run, before, self.sums.values, lr)  # a host sync: only for on_step_end
-                self.callbacks.fire("on_step_end", progress.global_step, metrics)
+                self.callbacks.fire("on_step_end", progress.global_step, progress.global_step, metrics)
             for name in ("data_s", "compute_s", "optim_s"):
                 self.sums.add(name, getattr(times, name))
             if progress.global_step % cfg.train.log_every_n_steps == 0:
@@ -273,7 +274,7 @@ class Session:
                 self.history.close(self.sums, progress.global_step, run.runner.lr)
             if cfg.train.eval_every_n_steps and progress.global_step % cfg.train.eval_every_n_steps == 0:
                 self.val_metrics = self.validate()
-            if self.agreed_stop():
+            if self.step_ends():
                 return True
             if progress.global_step >= run.total_steps:
                 break
@@ -287,7 +288,7 @@ class Session:
             more = progress.global_step < run.total_steps
             if more and run.val_set is not None and cfg.train.eval_every_n_steps is None:
                 self.val_metrics = self.validate()
-                if self.agreed_stop():
+                if self.step_ends():
                     return True
             if more and cfg.checkpoint.at_epoch_end:
                 self.save(None)
@@ -413,17 +414,26 @@ class Session:
 
     def validate(self) -> dict[str, float]:
         """A validation pass during training, then what follows one: the callbacks' hook, early
-        stopping's count and (``restore_best``) a checkpoint of a pass that improved."""
+        stopping's count and (``restore_best``) a checkpoint of a pass that improved, due at the
+        end of the step (``step_ends``), which rotation keeps."""
         metrics = self.timed_evaluate()
         if self.after_validation(metrics) and self.early is not None and self.early.cfg.restore_best:
-            # Every rank: the metrics are all-reduced, so all save here; rotation keeps it. As a
-            # final save does, it holds the full weights under a sharded plan: the driver may
-            # write model.safetensors from it.
-            step = self.progress.global_step
-            self.checkpointing.save({"step": step, **metrics}, final=True)
-            self.last_save = time.perf_counter()
-            self.checkpointing.writer.keep = {checkpoint_name(step)}
+            self.best_due = {"step": self.progress.global_step, **metrics}
+            self.checkpointing.writer.keep = {checkpoint_name(self.progress.global_step)}
         return metrics
+
+    def step_ends(self) -> bool:
+        """After a step's hooks and validation: True when the run ends here (its final save then
+        holds the best pass's weights too); else the best pass's checkpoint, if one is due."""
+        if self.agreed_stop():
+            return True
+        if self.best_due is not None:
+            # Every rank: the metrics are all-reduced, so all save here. As a final save does, it
+            # holds the full weights under a sharded plan: the driver may export them.
+            self.checkpointing.save(self.best_due, final=True)
+            self.last_save = time.perf_counter()
+            self.best_due = None
+        return False
 
     def after_validation(self, metrics: dict[str, float], *, during_training: bool = True) -> bool:
         """The callbacks' ``on_validation_end`` and early stopping's count, once per step; whether
@@ -434,7 +444,7 @@ class Session:
             return False
         self.validated_step = step
         if self.callbacks is not None:
-            self.callbacks.fire("on_validation_end", dict(metrics))
+            self.callbacks.fire("on_validation_end", step, dict(metrics))
         improved = self.early.observe(step, metrics) if self.early is not None else None
         if during_training and self.early is not None and self.early.exhausted and self.ended is None:
             self.ended = EndedEarly(step, self.early.reason, "early_stopping")
@@ -461,7 +471,7 @@ class Session:
         committed = cast(list[str], collectives.broadcast_object(list(self.committed)))
         self.committed.clear()
         for uri in committed:
-            self.callbacks.fire("on_checkpoint", uri)
+            self.callbacks.fire("on_checkpoint", self.progress.global_step, uri)
 
     def finish(self, status: str) -> Report:
         """Final validation, final checkpoint (waited for), final report: what rank 0 returns."""
@@ -493,7 +503,7 @@ class Session:
                 self.committed.extend([outcome.uri] if outcome.uri else [])
         self.announce_checkpoints()
         if self.callbacks is not None:
-            self.callbacks.fire("on_train_end")
+            self.callbacks.fire("on_train_end", self.progress.global_step)
             # A hook's failure ends the run here, on every rank; a stop asked now changes nothing.
             self.callbacks.agree(self.run.device, self.progress.global_step, retry=not self.before_first_step)
         # Only rank 0 knows how its save went; every rank must take the same way out.
