@@ -139,8 +139,8 @@ def run_env(config: Config) -> dict[str, str]:
 
 
 def make_payload(config: Config, mailbox: Any, stream: StreamShape | None, *, local_ray: bool) -> Payload:
-    """What every worker receives; on a ``local_ray`` (one this process started) relative data paths
-    are made absolute for the workers."""
+    """What every worker receives, with the objects ``api.fit`` was given; on a ``local_ray`` (one
+    this process started) relative data paths are made absolute for the workers."""
     absolute = Config.model_validate(with_absolute_data_paths(config.to_dict())) if local_ray else config
     return Payload(config=absolute, mailbox=mailbox, stream=stream, passed=passed.current())
 
