@@ -301,3 +301,38 @@ def test_another_runs_stop_does_not_end_this_run_but_its_callback_states_load(tm
     assert callbacks.stop is None and (recorder.steps, recorder.loss_total) == (5, 1.5)
     callbacks.load_state_dict(saved, Restore(5, 1, "ddp", {"run": {"name": cfg.run.name}}, True))
     assert callbacks.stop is not None and (callbacks.stop.reason, callbacks.stop.step) == ("r", 5)
+
+
+def test_a_run_that_ends_on_a_validation_step_validates_that_step_once(tmp_path: Path, monkeypatch: Any) -> None:
+    """The loop's pass at the last step stands as the final one (no weights moved since); without
+    it, or when local SGD's last sync moves the weights, finish() validates."""
+    from tests.helpers.sessions import ListChannel
+    from trainforge.config import Config
+    from trainforge.worker import loop
+    from trainforge.worker.build import build
+    from trainforge.worker.saving import Checkpointing, restore
+
+    passes: list[int] = []
+    real = loop.evaluate
+
+    def counted(run: Any) -> dict[str, float]:
+        passes.append(session.progress.global_step)
+        return real(run)
+
+    monkeypatch.setattr(loop, "evaluate", counted)
+    for every, expected in ((4, [4, 8]), (3, [3, 6, 8])):
+        passes.clear()
+        cfg_dict = tiny_run(
+            tmp_path / str(every),
+            train={"max_steps": 8, "batch_size": 8, "log_every_n_steps": 4, "eval_every_n_steps": every},
+        )
+        cfg = Config.model_validate(cfg_dict)
+        run = build(cfg, ranks=(0, 1))
+        checkpointing = Checkpointing(run, CheckpointStore.for_run(cfg.storage_path, cfg.run.name))
+        try:
+            session = loop.Session(run, checkpointing, restore(run, checkpointing.store), channel=ListChannel())
+            final = session.train()
+        finally:
+            checkpointing.close()
+        assert passes == expected
+        assert "val/loss" in final.figures  # the final report carries the last pass's metrics

@@ -88,10 +88,11 @@ class WorkerRun:
         for component in self.components.values():
             component.after_step(step)
 
-    def finish(self, step: int) -> None:
-        """Every component's part at the end of a finished run (local SGD's last sync)."""
-        for component in self.components.values():
-            component.finish(step)
+    def finish(self, step: int) -> bool:
+        """Every component's part at the end of a finished run (local SGD's last sync); whether
+        any changed the weights."""
+        changed = [component.finish(step) for component in self.components.values()]
+        return any(changed)
 
 
 def build(

@@ -180,6 +180,7 @@ class Session:
     events: list[Event] = field(default_factory=list)  # rank 0's, for its next report
     val_metrics: dict[str, float] = field(default_factory=dict)
     val_points: list[dict[str, float]] = field(default_factory=list)  # every pass since the last report
+    last_pass: tuple[int, dict[str, float]] | None = None  # the newest validation: its step and metrics
     save_failures: int = 0
     oom_retries: int = 0  # steps retried with smaller micro-batches after running out of memory
     last_checkpoint: str | None = None
@@ -410,6 +411,7 @@ class Session:
         self.meter.exclude(time.perf_counter() - started)
         self.run.runner.scheduler.validated(metrics)  # ReduceLROnPlateau: all-reduced, the same on every rank
         self.val_points.append({"step": self.progress.global_step, "time/unix": time.time(), **metrics})
+        self.last_pass = (self.progress.global_step, metrics)
         return metrics
 
     def validate(self) -> dict[str, float]:
@@ -477,10 +479,14 @@ class Session:
         """Final validation, final checkpoint (waited for), final report: what rank 0 returns."""
         run = self.run
         self.profiler.finish()
-        if status == "finished":
-            run.finish(self.progress.global_step)  # local SGD: one model at the end, not one per worker
+        step = self.progress.global_step
+        # local SGD: one model at the end, not one per worker
+        changed = run.finish(step) if status == "finished" else False
         if status == "finished" and run.val_set is not None:
-            self.val_metrics = self.timed_evaluate()
+            if self.last_pass is not None and self.last_pass[0] == step and not changed:
+                self.val_metrics = dict(self.last_pass[1])  # this step's pass: the weights have not moved since
+            else:
+                self.val_metrics = self.timed_evaluate()
             self.after_validation(self.val_metrics, during_training=False)
         if self.ended is not None:
             self.events.append(self.ended)

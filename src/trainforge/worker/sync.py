@@ -80,10 +80,12 @@ class LocalSync(Component):
         if step % self.cfg.every_n_steps == 0:
             self.sync(step)
 
-    def finish(self, step: int) -> None:
+    def finish(self, step: int) -> bool:
         """At the end of a finished run: one last sync if steps were taken since the last one."""
-        if step != self.last_sync:
-            self.sync(step)
+        if step == self.last_sync:
+            return False
+        self.sync(step)
+        return True
 
     @torch.no_grad()
     def sync(self, step: int) -> None:

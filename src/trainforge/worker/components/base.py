@@ -91,8 +91,10 @@ class Component:
     def after_step(self, step: int) -> None:
         """After each optimizer step (every rank, ``step`` already counted)."""
 
-    def finish(self, step: int) -> None:
-        """At the end of a finished run, before the final evaluation and checkpoint."""
+    def finish(self, step: int) -> bool:
+        """At the end of a finished run, before the final evaluation and checkpoint; whether it
+        changed the weights (else a validation at this step stands as the final one)."""
+        return False
 
     def evaluations(self) -> Iterator[tuple[str, contextlib.AbstractContextManager[object]]]:
         """Extra evaluation passes: (name, context to evaluate in), reported as ``<split>_<name>/...``;
