@@ -205,6 +205,13 @@ def write_config(tmp_path: Path, **sections: Any) -> str:
     return str(path)
 
 
+@pytest.fixture(autouse=True)
+def _no_columns(monkeypatch: pytest.MonkeyPatch) -> None:
+    """pytest-xdist's workers set COLUMNS=80, which the CLI's consoles respect as a user's would
+    (trainforge/consoles.py); the tables here are read as a pipe gets them, at their natural width."""
+    monkeypatch.delenv("COLUMNS", raising=False)
+
+
 def run(capsys: pytest.CaptureFixture[str], *args: str) -> subprocess.CompletedProcess[str]:
     from trainforge.cli import main
 
