@@ -1,6 +1,14 @@
-"""Errors a user can cause. The CLI prints them in one line and exits with code 2."""
+"""Errors a user can cause. The CLI prints them in one line and exits with code 2.
+
+Names read from files (a tensor's name in a safetensors header, a manifest's entry, a corpus file,
+a data column) are untrusted text: a message quotes them with :func:`shown`, and the CLI passes
+every message through :func:`printable`, so no control character, terminal escape or
+bidirectional override reaches the console or a log, and an error stays one line.
+"""
 
 from __future__ import annotations
+
+MAX_SHOWN = 200  # characters of one name in a message: a name read from a file may be megabytes long
 
 
 class TrainforgeError(Exception):
@@ -75,3 +83,30 @@ def kind_of(err: TrainforgeError) -> str:
 def error_for(kind: str, message: str) -> TrainforgeError:
     """The error a worker named by kind, to raise on the driver."""
     return ERROR_KINDS.get(kind, TrainforgeError)(message)
+
+
+def printable(text: str) -> str:
+    """``text`` on one line with nothing a terminal acts on: every character that is not printable
+    (C0 and C1 controls such as newline, CR and ESC, DEL, line separators, format characters such
+    as the bidirectional override U+202E, surrogates of undecodable bytes) escaped as Python's
+    ``repr`` writes it (``\\n``, ``\\x1b``, ``\\u202e``); everything else as it is."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else _escaped(c) for c in text)
+
+
+_SHORT = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def _escaped(char: str) -> str:
+    if char in _SHORT:
+        return _SHORT[char]
+    code = ord(char)
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
+
+
+def shown(name: object, limit: int = MAX_SHOWN) -> str:
+    """A name read from a file, quoted for a message or a log line: ``'encoder.weight'``, with
+    :func:`printable`'s escapes and cut to ``limit`` characters (``...`` says it was cut)."""
+    text = printable(str(name))
+    return f"'{text[:limit]}...'" if len(text) > limit else f"'{text}'"

@@ -7,7 +7,7 @@ record of the run (config.yaml, summary.json, trainer_state.json, MLflow params,
 lines and the console) goes through this module first. docs/security.md lists where it applies.
 
 Worker code imports this module too (trainer_state.json is written on a worker): it depends on
-nothing but the standard library.
+nothing but the standard library and ``errors`` (a leaf).
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ import logging
 import re
 from collections.abc import Mapping
 from typing import Any
+
+from trainforge.errors import printable
 
 MASK = "***"
 
@@ -142,14 +144,22 @@ class RedactFilter(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
-        clean = redact_text(message)
+        clean = _escaped_lines(redact_text(message), one_line=record.name.partition(".")[0] == "trainforge")
         if clean != message:
             record.msg, record.args = clean, None
         if record.exc_info and not record.exc_text:
             record.exc_text = logging.Formatter().formatException(record.exc_info)
         if record.exc_text:
-            record.exc_text = redact_text(record.exc_text)
+            record.exc_text = _escaped_lines(redact_text(record.exc_text), one_line=False)
         return True
+
+
+def _escaped_lines(text: str, one_line: bool) -> str:
+    """No terminal escape or other control character reaches a log (errors.printable): trainforge's
+    own lines stay one line; another library's message and a traceback keep their line breaks."""
+    if one_line:
+        return printable(text)
+    return "\n".join(printable(line) for line in text.split("\n"))
 
 
 def redacting(handler: logging.Handler) -> logging.Handler:

@@ -36,6 +36,7 @@ from pydantic import (
     model_validator,
 )
 
+from trainforge import errors
 from trainforge.checkpoint.problems import KeyProblem, OutdatedCheckpoint
 from trainforge.errors import CheckpointError
 
@@ -397,9 +398,9 @@ def _first_line(err: BaseException) -> str:
 
 
 def printable(name: str) -> str:
-    """A name safe to print on one line: undecodable bytes and control characters escaped."""
-    text = name.encode("utf-8", "backslashreplace").decode("utf-8")
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)[:200]
+    """A name safe to print on one line: undecodable bytes and control characters escaped
+    (``errors.printable``), at most ``errors.MAX_SHOWN`` characters."""
+    return errors.printable(name)[: errors.MAX_SHOWN]
 
 
 def open_regular(path: str | os.PathLike[str], name: str) -> BinaryIO:

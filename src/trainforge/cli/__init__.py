@@ -16,7 +16,7 @@ from rich.markup import escape
 
 from trainforge.cli import bench, certs, ckpt, data, evaluate, export, jobs, plan, report, run
 from trainforge.cli.common import err_console
-from trainforge.errors import TrainforgeError
+from trainforge.errors import TrainforgeError, printable
 from trainforge.redact import redact_text
 
 app = typer.Typer(
@@ -92,8 +92,9 @@ def main(argv: list[str] | None = None) -> None:
         if isinstance(code, int) and code:
             sys.exit(code)
     except TrainforgeError as err:
-        # escape: messages quote values such as [lo, hi], which rich would take for markup.
-        err_console.print(f"[red]error:[/] {escape(redact_text(str(err)))}", highlight=False, soft_wrap=True)
+        # escape: messages quote values such as [lo, hi], which rich would take for markup;
+        # printable: a name read from a file brings no newline or terminal escape (errors.printable).
+        err_console.print(f"[red]error:[/] {escape(printable(redact_text(str(err))))}", highlight=False, soft_wrap=True)
         sys.exit(err.exit_code)
     except typer.Exit as exit_:
         sys.exit(exit_.exit_code)
