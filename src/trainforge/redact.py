@@ -25,66 +25,121 @@ MASK = "***"
 # unencoded '/', '?', '#' or whitespace, so the match never runs past the authority.
 _USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.\-]*://)(?P<userinfo>[^/\s?#'\"<>]*)@")
 
-# A config key or a query parameter is secret when its name, split into lower-case words at
-# separators and camelCase boundaries (``hf_token`` -> hf token, ``secretKey`` -> secret key,
-# ``X-Amz-Security-Token`` -> x amz security token), ends with a secret word or phrase. A name that
-# only says where a secret is (``token_file``, ``private_key_path``, ``key_env``) ends with another
-# word: its value is a path or a variable's name, kept. A false positive hides a harmless value from
-# the records, a false negative writes a credential into them: when in doubt, a word is secret.
+# A config key, a query parameter, an environment variable or a key quoted in a message is secret
+# when its name says so. The name is split into lower-case words at every separator and camelCase
+# boundary (``hf_token`` -> hf token, ``secretKey`` -> secret key, ``X-Api-Key`` -> x api key);
+# trailing digits are dropped (``password2``). Then, in this order:
+# 1. a name that ends by saying where a secret is or what it is about (``token_file``,
+#    ``private_key_path``, ``key_env``, ``secret_name``, ``password_length``, ``kms_key_id``) is
+#    not secret: its value is a path, a variable's name, an identifier or a number; but
+#    ``session_id`` is (a session's id is its credential);
+# 2. words that say how a value is written (``value``, ``pem``, ``b64``, ``header``, ...) are
+#    dropped from the end: ``private_key_pem`` and ``client_secret_value`` are judged as
+#    ``private key`` and ``client secret``; a name of nothing else but ``pem``/``der`` is secret;
+# 3. the name is secret when its last word is a secret word (``_SECRET_WORDS``), is ``key(s)``
+#    after a word that is not a data field's (``api_key``, ``hmac_key``; not ``sort_key``, bare
+#    ``key``), is ``token`` after anything but a vocabulary word (``hf_token``; not ``eos_token``),
+#    is ``tokens`` after a credential's word (``auth_tokens``; not ``max_tokens``), or ends run
+#    together with a secret word (``dbpassword``, ``APIKEY``, ``oauth``, ``sessionid``);
+# 4. or when any of its words is an unambiguous secret word (``password_hash``, ``cookie_jar``).
+# A false positive hides a harmless value from the records; a false negative writes a credential
+# into them: when in doubt, a name is secret. docs/security.md lists the rule.
 _SECRET_WORDS = frozenset(
-    {"token", "password", "passwd", "pass", "pwd", "passphrase", "secret", "credential", "auth", "signature"}
-    | {"passwords", "passphrases", "secrets", "credentials", "signatures"}
+    {"token", "password", "passwd", "pass", "pwd", "passphrase", "secret", "credential", "creds", "auth"}
+    | {"passwords", "passphrases", "secrets", "credentials", "signature", "signatures", "authorization"}
+    | {"authentication", "bearer", "cookie", "cookies", "session", "otp", "totp", "jwt", "dsn", "salt"}
+    | {"apikey", "apikeys", "privkey", "private", "pem", "der", "pin", "hmac", "sig"}
 )
-# "<q> key" is a secret (secret_key, privateKey, API-KEY); "key" alone is not (a dict key, a path).
-_KEY_QUALIFIERS = frozenset({"secret", "private", "api", "access", "encryption", "signing", "master", "subscription"})
+# Secret wherever they stand in a name (unless its last word is a descriptor, rule 1).
+_ANYWHERE = frozenset(
+    {"password", "passwd", "passphrase", "secret", "secrets", "credential", "credentials", "creds"}
+    | {"authorization", "bearer", "cookie", "cookies", "apikey", "privkey", "jwt"}
+)
+# Rule 1: the name's last word says where the secret is, what it is called or how it is shaped.
+_DESCRIPTORS = frozenset(
+    {"file", "files", "path", "paths", "dir", "dirs", "directory", "folder", "env", "var", "vars", "variable"}
+    | {"name", "names", "id", "ids", "url", "uri", "endpoint", "host", "kind", "type", "length", "len", "size"}
+    | {"bits", "count", "mode", "format", "enabled", "required", "provider", "source", "version", "ttl", "timeout"}
+    | {"expiry", "expires", "lifetime", "algorithm", "alg", "scheme", "prefix", "field", "column", "location"}
+)
+# Rule 2: how a value is written, not what it is.
+_ENCODINGS = frozenset(
+    {"value", "values", "str", "string", "text", "raw", "data", "bytes", "b64", "base64", "hex", "pem", "der"}
+    | {"encoded", "content", "contents", "json", "header", "headers", "material", "blob", "literal", "plain"}
+)
+# "<w> key" is a secret (api_key, hmac_key, privateKey) unless <w> names what a data key indexes.
+_FIELD_WORDS = frozenset(
+    {"sort", "primary", "foreign", "partition", "cache", "dict", "lookup", "group", "column", "text", "label"}
+    | {"input", "inputs", "output", "target", "image", "metric", "hash", "shard", "row", "index", "map", "join"}
+    | {"order", "unique", "composite", "range", "feature", "batch", "state", "config", "param", "public"}
+    | {"dataset", "split", "field", "name", "keep", "top", "sample", "id", "media", "audio", "video", "prompt"}
+)
 # "<v> token" names a word of a tokenizer's vocabulary (eos_token: "</s>"), not a credential.
 _VOCABULARY = frozenset(
     {"bos", "eos", "sos", "eot", "pad", "padding", "unk", "unknown", "cls", "sep", "mask", "start", "end", "stop"}
-    | {"begin", "special"}
+    | {"begin", "special", "image", "audio", "video"}
 )
 # "tokens" is mostly a count or a list of vocabulary words (max_tokens); "<q> tokens" is credentials.
-_TOKENS_QUALIFIERS = frozenset({"access", "auth", "api", "refresh", "session", "bearer", "id"})
+_TOKENS_QUALIFIERS = frozenset({"access", "auth", "api", "refresh", "session", "bearer", "id", "oauth", "github"})
 # Run-together names (``dbpassword``, ``APIKEY`` of an environment variable) that cannot be split:
 # a last word ending in one of these. Only suffixes no harmless word ends with.
 _SECRET_SUFFIXES = (
     "password",
+    "passwords",
     "passwd",
     "passphrase",
     "secret",
+    "secrets",
     "credential",
     "credentials",
-    *(f"{q}key" for q in _KEY_QUALIFIERS),
-    *(f"{q}keys" for q in _KEY_QUALIFIERS),
-    *(f"{q}token" for q in _TOKENS_QUALIFIERS),
+    "cookie",
+    "auth",
+    "bearer",
+    "sessionid",
+    "apikey",
+    "apikeys",
+    "privkey",
+    *(f"{q}key" for q in ("secret", "private", "access", "encryption", "signing", "master", "hmac", "session")),
+    *(f"{q}token" for q in _TOKENS_QUALIFIERS | {"hf", "bot", "app", "user", "personal"}),
 )
 # Query parameters only: Azure's SAS signature (sig=) and Google's API keys (key=), whole names.
 _SECRET_PARAMETERS = frozenset({"sig", "key"})
 
-_WORD = re.compile(r"[A-Z]+(?=[A-Z][a-z])|[A-Z]?[a-z]+|[A-Z]+|[0-9]+")
+_WORD = re.compile(r"[A-Z]+(?=[A-Z][a-z])|[A-Z]?[a-z]+[0-9]*|[A-Z]+[0-9]*|[0-9]+")
 _QUERY_PARAM = re.compile(r"(?P<name>[?&;#](?P<key>[\w.\-]+))=(?P<value>[^&;#\s'\"<>]*)")
 
 
 def _name_words(name: str) -> list[str]:
     """``name`` as lower-case words: split at every character that is not a letter or a digit and at
-    camelCase boundaries (``APIKey`` -> api key); numbers at the end dropped (``password2``)."""
+    camelCase boundaries (``APIKey`` -> api key); a word's trailing digits dropped (``password2``,
+    ``secret2_value``), but for an encoding's name (``b64``)."""
     words = [word.lower() for word in _WORD.findall(name)]
-    while words and words[-1].isdigit():
-        words.pop()
-    return words
+    words = [word if word in _ENCODINGS else word.rstrip("0123456789") for word in words]
+    return [word for word in words if word]
 
 
 def is_secret_key(name: str) -> bool:
-    """Whether a value under the config key (or query parameter) ``name`` is a secret, whatever it looks like."""
+    """Whether a value under the name ``name`` (a config key, a query parameter, an environment
+    variable, a keyword argument) is a secret, whatever it looks like: the rule above."""
     words = _name_words(name)
-    if not words:
+    if words[-2:] == ["session", "id"]:
+        return True  # the session's own id is its credential (a cookie's value)
+    if not words or words[-1] in _DESCRIPTORS:
         return False
-    last, before = words[-1], words[-2] if len(words) > 1 else ""
+    if any(word in _ANYWHERE for word in words):
+        return True
+    kept = list(words)
+    while kept and kept[-1] in _ENCODINGS:
+        kept.pop()
+    if not kept:
+        return words[-1] in ("pem", "der")
+    last, before = kept[-1], kept[-2] if len(kept) > 1 else ""
     if last == "token":
         return before not in _VOCABULARY
     if last == "tokens":
         return before in _TOKENS_QUALIFIERS
     if last in ("key", "keys"):
-        return before in _KEY_QUALIFIERS
+        return bool(before) and before not in _FIELD_WORDS
     return last in _SECRET_WORDS or last.endswith(_SECRET_SUFFIXES)
 
 
@@ -99,18 +154,165 @@ def _mask_userinfo(match: re.Match[str]) -> str:
     return f"{match.group('scheme')}{masked}@"
 
 
+# Values that are credentials by their look, whatever names them. Each is a published format with a
+# fixed prefix; a bare hex or base64 string (a SHA-256 of a checkpoint, a run id) is not one of them.
+_TOKEN_FORMATS = re.compile(
+    "|".join(
+        [
+            r"\bhf_[A-Za-z0-9]{30,}",  # Hugging Face
+            r"\bgh[pousr]_[A-Za-z0-9]{30,}",  # GitHub classic and app tokens
+            r"\bgithub_pat_[A-Za-z0-9_]{22,}",  # GitHub fine-grained
+            r"\bglpat-[A-Za-z0-9_\-]{20,}",  # GitLab
+            r"\bsk-(?:[A-Za-z0-9]+-)*[A-Za-z0-9_\-]{20,}",  # OpenAI, Anthropic (sk-ant-...)
+            r"\b[rsp]k_(?:live|test)_[A-Za-z0-9]{16,}",  # Stripe
+            r"\bxox[abposr]-[A-Za-z0-9\-]{10,}",  # Slack
+            r"\b(?:AKIA|ASIA|AGPA|AIDA|AROA|ANPA|ANVA|AIPA)[0-9A-Z]{16}\b",  # AWS access key ids
+            r"\bAIza[0-9A-Za-z_\-]{35}",  # Google API keys
+            r"\bnpm_[A-Za-z0-9]{36}",  # npm
+            r"\bpypi-[A-Za-z0-9_\-]{50,}",  # PyPI
+            r"\bdop_v1_[a-f0-9]{64}",  # DigitalOcean
+            r"\beyJ[A-Za-z0-9_\-]{5,}\.[A-Za-z0-9_\-]{5,}\.[A-Za-z0-9_\-]*",  # JWT (header.payload.signature)
+        ]
+    )
+)
+# A PEM private key (RSA, EC, OPENSSH, ENCRYPTED, ...) to its end line, or to the end of the text
+# when it was cut; also with its newlines escaped (a repr).
+_PRIVATE_KEY = re.compile(
+    r"-----BEGIN (?P<kind>[A-Z0-9 ]*)PRIVATE KEY-----.*?(?:-----END [A-Z0-9 ]*PRIVATE KEY-----|\Z)", re.DOTALL
+)
+# ``Authorization: Bearer <token>``, ``Basic <base64>``: the scheme's word is kept.
+_AUTH_SCHEME = re.compile(r"\b(?P<scheme>[Bb]earer|BEARER|[Bb]asic|BASIC)\s+(?P<token>[A-Za-z0-9._~+/\-]{8,}=*)")
+# ``name=value``, ``name: value``, ``'name': value``, ``"name"=value`` in any text (a dict's or a
+# call's repr, JSON, YAML, an environment line); whether the value is masked is the name's rule.
+_NAMED = re.compile(r"""(?P<q>['"]?)(?P<name>(?<![\w.\-/\\])-{0,2}[A-Za-z_][\w.\-]*)(?P=q)(?P<sep>[ \t]*[:=][ \t]*)""")
+_BARE_VALUE = re.compile(
+    r"""(?:(?:[Bb]earer|[Bb]asic|[Tt]oken)[ \t]+)?[^\s,;&#'"`<>(){}\[\]=][^\s,;&#'"`<>(){}\[\]]*"""
+)
+_CLOSING = {"{": "}", "[": "]", "(": ")"}
+
+
+def _mask_token_format(match: re.Match[str]) -> str:
+    return MASK
+
+
+def _mask_private_key(match: re.Match[str]) -> str:
+    return f"-----BEGIN {match.group('kind')}PRIVATE KEY-----{MASK}"
+
+
+def _mask_auth_scheme(match: re.Match[str]) -> str:
+    token = match.group("token").rstrip(".")
+    # "Bearer" and "Basic" are also English words: a credential has a digit or a symbol, or is long.
+    if _looks_like_credential(token):
+        return f"{match.group('scheme')} {MASK}"
+    return match.group(0)
+
+
+def _looks_like_credential(value: str) -> bool:
+    return any(not c.isalpha() for c in value) or len(value) >= 16
+
+
+def _value_end(text: str, start: int) -> int:
+    """Where the value that begins at ``start`` ends: a quoted string with its quotes, a bracketed
+    structure with what it nests (quotes inside respected), else a run of non-delimiters."""
+    if start >= len(text):
+        return start
+    if text[start] in "bBrRuUfF" and text[start + 1 : start + 2] in ("'", '"'):
+        start += 1  # b'...', r"...": a prefixed string literal
+    first = text[start]
+    if first in "'\"":
+        i = start + 1
+        while i < len(text) and text[i] != first:
+            i += 2 if text[i] == "\\" else 1
+        return min(i + 1, len(text))
+    if first in _CLOSING:
+        stack, i = [_CLOSING[first]], start + 1
+        while i < len(text) and stack:
+            c = text[i]
+            if c in "'\"":
+                i = _value_end(text, i)
+                continue
+            if c in _CLOSING:
+                stack.append(_CLOSING[c])
+            elif c == stack[-1]:
+                stack.pop()
+            i += 1
+        return i
+    bare = _BARE_VALUE.match(text, start)
+    return bare.end() if bare else start
+
+
+def _mask_named_values(text: str) -> str:
+    """Every value that follows a secret name (``is_secret_key``) and ``=`` or ``:`` masked: a
+    quoted string keeps its quotes, a nested structure becomes ``***`` whole."""
+    out, done = [], 0
+    for match in _NAMED.finditer(text):
+        if match.start() < done or not is_secret_key(match.group("name")):
+            continue
+        start = match.end()
+        end = _value_end(text, start)
+        value = text[start:end]
+        if end == start or value.strip("'\"") in (MASK, ""):
+            continue
+        name = match.group("name")
+        prose = (name.isalpha() and name.islower()) or "." in name
+        if not match.group("q") and ":" in match.group("sep") and prose and not _looks_like_credential(value):
+            # "the token: check it", "node.key: the key is ..." are prose (or a file's name);
+            # "password: hunter2", "model.kwargs.hf_token: <long value>" are not.
+            continue
+        quote = value[-1] if value[-1] in "'\"" and len(value) > 1 else ""
+        out.append(text[done:start] + (f"{quote}{MASK}{quote}" if quote else MASK))
+        done = end
+    return "".join(out) + text[done:] if out else text
+
+
 def redact_text(text: str) -> str:
-    """``text`` with the userinfo of every URI in it and every secret-named query parameter masked."""
-    if "@" not in text and "=" not in text:
+    """``text`` with every credential masked: values in a known token format (``_TOKEN_FORMATS``,
+    private keys, ``Bearer <token>``), the userinfo of every URI, values after a secret name
+    (``name=value``, ``'name': value``, however nested), and the secret values the process was
+    given (``remember_secrets``)."""
+    if _REMEMBERED:
+        for secret in sorted(_REMEMBERED, key=len, reverse=True):
+            if secret in text:
+                text = text.replace(secret, MASK)
+    text = _TOKEN_FORMATS.sub(_mask_token_format, text)
+    if "PRIVATE KEY-----" in text:
+        text = _PRIVATE_KEY.sub(_mask_private_key, text)
+    text = _AUTH_SCHEME.sub(_mask_auth_scheme, text)
+    if "@" not in text and "=" not in text and ":" not in text:
         return text
     text = _USERINFO.sub(_mask_userinfo, text)
-    return _QUERY_PARAM.sub(_mask_parameter, text)
+    text = _QUERY_PARAM.sub(_mask_parameter, text)
+    return _mask_named_values(text)
 
 
 def _mask_parameter(match: re.Match[str]) -> str:
     if match.group("value") and _is_secret_parameter(match.group("key")):
         return f"{match.group('name')}={MASK}"
     return match.group(0)
+
+
+# The values under secret names of the configs this process resolved: masked wherever they appear,
+# whatever names them (a factory's message that quotes its token, a library's repr). Strings only,
+# of a length no word of an ordinary message has by chance.
+_REMEMBERED: set[str] = set()
+_MIN_REMEMBERED = 8
+_MAX_REMEMBERED = 1000
+
+
+def remember_secrets(tree: Any) -> None:
+    """Note every string value under a secret-named key of ``tree`` (a config, any JSON-like
+    tree), however deep: ``redact_text`` masks it from now on, in this process."""
+    for value in _secret_values(tree, False):
+        if len(value) >= _MIN_REMEMBERED and len(_REMEMBERED) < _MAX_REMEMBERED and value != MASK:
+            _REMEMBERED.add(value)
+
+
+def _secret_values(tree: Any, secret: bool) -> list[str]:
+    if isinstance(tree, Mapping):
+        return [v for key, value in tree.items() for v in _secret_values(value, secret or is_secret_key(str(key)))]
+    if isinstance(tree, (list, tuple)):
+        return [v for item in tree for v in _secret_values(item, secret)]
+    return [tree] if secret and isinstance(tree, str) else []
 
 
 def redact_config(tree: Any) -> Any:

@@ -124,7 +124,7 @@ SECRET_PHRASES = [
 PREFIX_WORDS = ["hf", "github", "db", "model", "client", "aws", "my", "user", "service", "mlflow", "remote", "x"]
 # Words of no secret: any name made of them keeps its value, and so does a secret phrase followed
 # by one of the last words (the name says where a secret is, or something about it).
-HARMLESS_WORDS = ["max", "num", "tokens", "tokenizer", "vocab", "size", "key", "keys", "env", "file", "path"]
+HARMLESS_WORDS = ["max", "num", "tokens", "tokenizer", "vocab", "size", "env", "file", "path"]
 HARMLESS_WORDS += ["passes", "bypass", "keep", "last", "learning", "rate", "batch", "name", "model", "kwargs"]
 HARMLESS_WORDS += ["hidden", "dim", "seed", "monkey", "author", "compass", "keyboard", "signal", "secretary"]
 LOCATION_WORDS = ["file", "path", "env", "dir", "name", "id", "url", "length", "kind"]

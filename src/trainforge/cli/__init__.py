@@ -9,6 +9,7 @@ mistake costs milliseconds.
 from __future__ import annotations
 
 import sys
+import traceback
 from typing import Annotated
 
 import typer
@@ -106,8 +107,12 @@ def main(argv: list[str] | None = None) -> None:
         if callable(show):
             show()
         else:
-            err_console.print(f"error: {escape(err.format_message())}", highlight=False, soft_wrap=True)
+            err_console.print(f"error: {escape(redact_text(err.format_message()))}", highlight=False, soft_wrap=True)
         sys.exit(getattr(err, "exit_code", 2))
+    except Exception:
+        # A bug, not a user's error: the traceback is for its report, with credentials masked.
+        sys.stderr.write(redact_text(traceback.format_exc()))
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -13,11 +13,12 @@ import os
 import sys
 import sysconfig
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from trainforge.errors import ModelError, TrainforgeError
+from trainforge.redact import redact_config, redact_text
 
 PASSED_MODEL = "trainforge.models.passed:model"  # model.factory of a model given to trainforge.fit(model=...)
 PASSED_DATA = "trainforge.models.passed:data"  # data.factory of data given to trainforge.fit(data=...)
@@ -76,7 +77,14 @@ def one_line(text: str) -> str:
 
 
 def describe(err: BaseException) -> str:
-    return f"{type(err).__name__}: {one_line(str(err))}"
+    """``Type: message`` on one line, credentials masked (``trainforge.redact``)."""
+    return f"{type(err).__name__}: {redact_text(one_line(str(err)))}"
+
+
+def shown_kwargs(kwargs: Mapping[str, Any]) -> str:
+    """A factory's keyword arguments as a message quotes them: every value under a secret-named
+    key masked, however deep (``{'hf_token': '***', 'hidden': 64}``)."""
+    return str(redact_config(dict(kwargs)))
 
 
 def load_factory(

@@ -18,7 +18,7 @@ from trainforge.config.factories import PASSED_DATA, PASSED_MODEL, import_from_w
 from trainforge.config.safeyaml import MAX_DEPTH, MAX_TEXT_CHARS, YamlRefused, load_yaml, read_yaml_file
 from trainforge.config.schema import ENV_PREFIX, Config
 from trainforge.errors import ConfigError
-from trainforge.redact import redact_config
+from trainforge.redact import redact_config, remember_secrets
 
 
 def load_config(
@@ -138,6 +138,7 @@ def set_dotted(raw: dict[str, Any], key: str, value: Any, origin: str) -> None:
 
 
 def validate(raw: Mapping[str, Any]) -> Config:
+    remember_secrets(raw)  # masked in every message of this process, whatever quotes them (redact.py)
     try:
         return Config.model_validate(raw)
     except ValidationError as err:

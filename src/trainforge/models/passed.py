@@ -31,7 +31,7 @@ from torch.utils.data import IterableDataset
 
 from trainforge.config import Config, FactoryData, read_yaml
 from trainforge.config.data import FACTORY_SOURCE
-from trainforge.config.factories import PASSED_DATA, PASSED_MODEL, describe, library, passed_again
+from trainforge.config.factories import PASSED_DATA, PASSED_MODEL, describe, library, passed_again, shown_kwargs
 from trainforge.data.factory import UserData, is_ray_dataset, type_name
 from trainforge.errors import DataError, ModelError, TrainforgeError
 from trainforge.protocol import PassedObjects
@@ -276,7 +276,7 @@ def call(build: Callable[..., Any], what: str, kwargs: Mapping[str, Any]) -> nn.
     except TrainforgeError:
         raise
     except Exception as err:
-        raise ModelError(f"{what} raised {describe(err)} when called with model.kwargs {dict(kwargs)}") from err
+        raise ModelError(f"{what} raised {describe(err)} when called with model.kwargs {shown_kwargs(kwargs)}") from err
     if not isinstance(built, nn.Module):
         raise ModelError(f"{what} returned {type_name(built)}, expected a torch.nn.Module")
     return built

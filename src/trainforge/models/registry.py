@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from trainforge.config import ModelConfig
-from trainforge.config.factories import describe, load_factory, one_line, raised_at
+from trainforge.config.factories import describe, load_factory, one_line, raised_at, shown_kwargs
 from trainforge.data.spec import DataSpec
 from trainforge.errors import ModelError, TrainforgeError
 
@@ -87,7 +87,7 @@ def build_builtin(
         raise
     except Exception as err:
         raise ModelError(
-            f"built-in {name!r} failed to build with model.kwargs {dict(kwargs)}: {describe(err)}"
+            f"built-in {name!r} failed to build with model.kwargs {shown_kwargs(kwargs)}: {describe(err)}"
         ) from err
 
 
@@ -110,7 +110,7 @@ def build_from_factory(path: str, kwargs: Mapping[str, Any]) -> nn.Module:
     except Exception as err:
         raise ModelError(
             f"model.factory {path!r} raised {type(err).__name__}{raised_at(err)} when called with model.kwargs "
-            f"{dict(kwargs)}: {one_line(str(err))}"
+            f"{shown_kwargs(kwargs)}: {one_line(str(err))}"
         ) from err
     if not isinstance(model, nn.Module):
         raise ModelError(

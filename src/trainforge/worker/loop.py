@@ -43,7 +43,7 @@ from trainforge.protocol import (
     ValidationStarted,
     merge_points,
 )
-from trainforge.redact import MASK, is_secret_key
+from trainforge.redact import MASK, is_secret_key, remember_secrets
 from trainforge.worker import collectives
 from trainforge.worker.autobatch import choose_batch, shrink_after_oom
 from trainforge.worker.build import WorkerRun, build, evaluate
@@ -80,6 +80,7 @@ def run_worker(
     """One worker's run. Under Ray Train by default; a warm worker group (worker/warm.py) passes
     its own ``ranks`` (rank, world) and report ``channel``, and the store comes from the config."""
     config = payload.config
+    remember_secrets(config.to_dict())  # masked in this worker's errors and logs too (redact.py)
     passed.install(payload.passed)  # fit's model/data objects, which the config's factories read
     try:
         stream = payload.stream.to_dict() if payload.stream is not None else None
