@@ -23,15 +23,19 @@ from typing import Any
 import pytest
 import yaml
 from cryptography import x509
-from cryptography.x509.oid import ExtendedKeyUsageOID
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from tests.helpers.console import without_startup
 from tests.helpers.runs import tiny_run
 from trainforge.cli import main
 from trainforge.config import load_config
 from trainforge.config.schema import TlsConfig
 from trainforge.driver.certs import CertFiles, create_certs, default_hosts
 from trainforge.driver.jobs import job_config
-from trainforge.driver.tls import check_tls, dashboard_verify, ray_tls_env
+from trainforge.driver.tls import check_tls, dashboard_verify, ray_tls_env, use_tls
+from trainforge.driver.tls_files import TlsFiles, check_tls_files
 from trainforge.errors import ClusterError, ConfigError
 
 VERSION = {"version": "4", "ray_version": "2.60.0", "ray_commit": "0"}
@@ -213,6 +217,7 @@ def test_ca_from_signs_a_node_certificate_with_an_existing_ca_and_copies_only_it
     mixed.mkdir()
     (mixed / "ca.crt").write_bytes(certs.ca.read_bytes())
     (mixed / "ca.key").write_bytes(foreign.ca_key.read_bytes())
+    (mixed / "ca.key").chmod(0o600)
     err = one_error_line(capsys, ["certs", "create", str(tmp_path / "b"), "--ca-from", str(mixed)])
     assert "ca.key is not the key of the CA in ca.crt" in err
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
@@ -469,3 +474,308 @@ def test_check_tls_without_tls_refuses_a_tls_cluster_and_passes_a_plain_one(
     check_tls(f"127.0.0.1:{port}")
     plain.join(timeout=10)
     check_tls("auto")  # nothing to dial
+
+
+# the files' contents, checked before Ray starts (driver/tls_files.py)
+
+DAY = datetime.timedelta(days=1)
+
+
+def signed(
+    folder: Path,
+    name: str,
+    issuer: CertFiles,
+    *,
+    key: Path | None = None,
+    start: datetime.timedelta = -DAY,
+    end: datetime.timedelta = DAY,
+    ca: bool = False,
+    hosts: tuple[str, ...] = ("localhost", "127.0.0.1"),
+    signer: Path | None = None,
+) -> Path:
+    """A certificate for ``key`` (the issuer's node key by default) in the name of ``issuer``'s CA,
+    signed with ``signer`` (the CA's key by default), valid from now+start to now+end."""
+    ca_cert = x509.load_pem_x509_certificate(issuer.ca.read_bytes())
+    ca_key = serialization.load_pem_private_key((signer or issuer.ca_key).read_bytes(), None)
+    subject_key = serialization.load_pem_private_key((key or issuer.key).read_bytes(), None)
+    assert isinstance(ca_key, ec.EllipticCurvePrivateKey) and isinstance(subject_key, ec.EllipticCurvePrivateKey)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    sans: list[x509.GeneralName] = []
+    for host in hosts:
+        try:
+            sans.append(x509.IPAddress(ipaddress.ip_address(host)))
+        except ValueError:
+            sans.append(x509.DNSName(host))
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+        .issuer_name(ca_cert.subject)
+        .public_key(subject_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now + start)
+        .not_valid_after(now + end)
+        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+    )
+    if hosts:
+        builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
+    path = folder / f"{name}.crt"
+    path.write_bytes(builder.sign(ca_key, hashes.SHA256()).public_bytes(serialization.Encoding.PEM))
+    return path
+
+
+def material_cases(certs: CertFiles, foreign: CertFiles, folder: Path) -> dict[str, tuple[Path, Path, Path, str]]:
+    """(ca, cert, key, what the one line says) for each kind of bad TLS material."""
+    garbage = folder / "garbage.pem"
+    garbage.write_bytes(b"\x00\x01 not PEM at all \xff" * 10)
+    garbage.chmod(0o600)
+    both = folder / "both.pem"
+    both.write_bytes(certs.cert.read_bytes() + certs.key.read_bytes())
+    both.chmod(0o600)  # the config's mode rule passes it: the contents are refused
+    encrypted = folder / "encrypted.key"
+    node_key = serialization.load_pem_private_key(certs.key.read_bytes(), None)
+    encrypted.write_bytes(
+        node_key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.BestAvailableEncryption(b"secret"),
+        )
+    )
+    encrypted.chmod(0o600)
+    cert_as_key = folder / "cert-as.key"
+    cert_as_key.write_bytes(certs.cert.read_bytes())
+    cert_as_key.chmod(0o600)
+    ca_file = folder / "ca-with-key.pem"
+    ca_file.write_bytes(certs.ca_key.read_bytes())
+    year = r"\d{4}-\d\d-\d\d \d\d:\d\d UTC"
+    return {
+        "expired": (
+            certs.ca,
+            signed(folder, "expired", certs, start=-10 * DAY, end=-DAY),
+            certs.key,
+            rf"cluster.tls.cert \S+/expired.crt: 'CN=expired' expired on {year} \(now {year}\)",
+        ),
+        "not yet valid": (
+            certs.ca,
+            signed(folder, "future", certs, start=DAY, end=10 * DAY),
+            certs.key,
+            rf"cluster.tls.cert \S+/future.crt: 'CN=future' is not valid before {year}",
+        ),
+        "another CA's certificate": (
+            certs.ca,
+            foreign.cert,
+            foreign.key,
+            r"cluster.tls.cert \S+/other/node.crt: not signed by the CA in cluster.tls.ca \S+/certs/ca.crt",
+        ),
+        "the CA's name, another key's signature": (
+            certs.ca,
+            signed(folder, "forged", certs, signer=foreign.ca_key),
+            certs.key,
+            r"cluster.tls.cert \S+/forged.crt: not signed by the CA in cluster.tls.ca",
+        ),
+        "a key as the certificate": (
+            certs.ca,
+            certs.key,
+            certs.key,
+            r"cluster.tls.cert \S+/node.key: holds a private key \(a key, not a certificate\)",
+        ),
+        "a certificate and its key in one file": (
+            certs.ca,
+            both,
+            certs.key,
+            r"cluster.tls.cert \S+/both.pem: holds a private key \(beside its certificate\)",
+        ),
+        "a certificate as the key": (
+            certs.ca,
+            certs.cert,
+            cert_as_key,
+            r"cluster.tls.key \S+/cert-as.key: a certificate, not a private key",
+        ),
+        "another certificate's key": (
+            certs.ca,
+            certs.cert,
+            foreign.key,
+            r"cluster.tls.key \S+/other/node.key: not the key of the certificate in cluster.tls.cert",
+        ),
+        "an encrypted key": (certs.ca, certs.cert, encrypted, r"cluster.tls.key \S+: the key is encrypted"),
+        "a node certificate as the CA": (
+            certs.cert,
+            certs.cert,
+            certs.key,
+            r"cluster.tls.ca \S+/node.crt: 'CN=localhost' is not a CA certificate",
+        ),
+        "the CA's key as the CA": (
+            ca_file,
+            certs.cert,
+            certs.key,
+            r"cluster.tls.ca \S+/ca-with-key.pem: holds a private key",
+        ),
+        "an expired CA": (
+            signed(folder, "old-ca", certs, start=-10 * DAY, end=-DAY, ca=True),
+            certs.cert,
+            certs.key,
+            r"cluster.tls.ca \S+/old-ca.crt: 'CN=old-ca' expired on",
+        ),
+        "garbage as the certificate": (
+            certs.ca,
+            garbage,
+            certs.key,
+            r"cluster.tls.cert \S+/garbage.pem: not a PEM certificate",
+        ),
+        "garbage as the key": (
+            certs.ca,
+            certs.cert,
+            garbage,
+            r"cluster.tls.key \S+/garbage.pem: not a PEM private key",
+        ),
+    }
+
+
+CASES = [
+    "expired",
+    "not yet valid",
+    "another CA's certificate",
+    "the CA's name, another key's signature",
+    "a key as the certificate",
+    "a certificate and its key in one file",
+    "a certificate as the key",
+    "another certificate's key",
+    "an encrypted key",
+    "a node certificate as the CA",
+    "the CA's key as the CA",
+    "an expired CA",
+    "garbage as the certificate",
+    "garbage as the key",
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bad_tls_material_is_one_line_naming_the_key_before_ray(
+    certs: CertFiles, foreign: CertFiles, tmp_path: Path, tls_environment: pytest.MonkeyPatch, case: str
+) -> None:
+    ca, cert, key, said = material_cases(certs, foreign, tmp_path)[case]
+    tls = TlsConfig(ca=str(ca), cert=str(cert), key=str(key))
+    with pytest.raises(ConfigError, match=said) as raised:
+        use_tls(tls)
+    assert "\n" not in str(raised.value)
+    assert "RAY_USE_TLS" not in os.environ  # refused before Ray's variables are set (and so before Ray)
+
+
+def test_good_tls_material_passes_with_a_chain_and_a_bundle(
+    certs: CertFiles, foreign: CertFiles, tmp_path: Path
+) -> None:
+    check_tls_files(TlsFiles.of_config(tls_of(certs)))
+    # the node certificate followed by an intermediate CA the cluster's CA signed; a CA file of two CAs
+    inter_key = tmp_path / "inter.key"
+    inter_key.write_bytes(foreign.ca_key.read_bytes())
+    intermediate = signed(tmp_path, "intermediate", certs, key=inter_key, ca=True)
+    as_issuer = CertFiles(ca=intermediate, ca_key=inter_key, cert=certs.cert, key=certs.key)
+    leaf = signed(tmp_path, "leaf", as_issuer)
+    chain = tmp_path / "chain.crt"
+    chain.write_bytes(leaf.read_bytes() + intermediate.read_bytes())
+    bundle = tmp_path / "bundle.crt"
+    bundle.write_bytes(foreign.ca.read_bytes() + certs.ca.read_bytes())
+    check_tls_files(TlsFiles(str(bundle), str(chain), str(certs.key), ("ca", "cert", "key")))
+    with pytest.raises(ConfigError, match=r"cert .*/leaf.crt: not signed by the CA"):
+        check_tls_files(TlsFiles(str(certs.ca), str(leaf), str(certs.key), ("ca", "cert", "key")))
+
+
+def test_a_file_gone_or_unreadable_at_the_check_is_one_line(
+    certs: CertFiles, tmp_path: Path, tls_environment: pytest.MonkeyPatch
+) -> None:
+    key = tmp_path / "node.key"
+    key.write_bytes(certs.key.read_bytes())
+    key.chmod(0o600)
+    tls = TlsConfig(ca=str(certs.ca), cert=str(certs.cert), key=str(key))
+    if os.geteuid() != 0:  # root reads a file of mode 0000
+        key.chmod(0)
+        with pytest.raises(ConfigError, match=rf"^cluster.tls.key {key}: Permission denied$"):
+            use_tls(tls)
+    key.unlink()  # the config was loaded; the file went before Ray would read it
+    with pytest.raises(ConfigError, match=rf"^cluster.tls.key {key}: No such file or directory$"):
+        use_tls(tls)
+
+
+def test_ray_tls_variables_set_outside_the_config_are_checked_and_named(
+    certs: CertFiles, foreign: CertFiles, tmp_path: Path, tls_environment: pytest.MonkeyPatch
+) -> None:
+    for name, value in {**ray_tls_env(tls_of(certs)), "RAY_TLS_SERVER_KEY": str(foreign.key)}.items():
+        tls_environment.setenv(name, value)
+    with pytest.raises(ConfigError, match=r"^RAY_TLS_SERVER_KEY \S+/other/node.key: not the key of the certificate"):
+        use_tls(None)
+    open_key = tmp_path / "open.key"
+    open_key.write_bytes(certs.key.read_bytes())
+    open_key.chmod(0o644)
+    tls_environment.setenv("RAY_TLS_SERVER_KEY", str(open_key))
+    with pytest.raises(ConfigError, match=r"^RAY_TLS_SERVER_KEY \S+: the private key is readable by every user"):
+        use_tls(None)
+    tls_environment.delenv("RAY_TLS_CA_CERT")
+    with pytest.raises(ConfigError, match="RAY_USE_TLS is set but RAY_TLS_CA_CERT not"):
+        use_tls(None)
+    tls_environment.setenv("RAY_USE_TLS", "0")
+    use_tls(None)  # TLS off: nothing to check
+
+
+def test_train_with_an_expired_certificate_exits_2_in_one_line_and_starts_no_ray(
+    certs: CertFiles, tmp_path: Path, capsys: pytest.CaptureFixture[str], tls_environment: pytest.MonkeyPatch
+) -> None:
+    import ray
+
+    from trainforge.driver import ray_session
+
+    expired = signed(tmp_path, "expired", certs, start=-10 * DAY, end=-DAY)
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(tiny_run(tmp_path / "runs")))
+    argv = ["train", str(tmp_path / "run.yaml"), "--set", tls_set(certs.ca, expired, certs.key)]
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    lines = without_startup(capsys.readouterr().err)
+    assert len(lines) == 1 and lines[0].startswith(f"error: cluster.tls.cert {expired}: 'CN=expired' expired on")
+    assert not ray.is_initialized() and "ray" not in ray_session._early
+    assert not (tmp_path / "runs").exists()  # nothing written
+
+
+def test_a_local_ray_needs_a_certificate_naming_its_node_address(
+    certs: CertFiles, tmp_path: Path, tls_environment: pytest.MonkeyPatch
+) -> None:
+    from trainforge.driver.ray_session import check_local_tls
+
+    elsewhere = signed(tmp_path, "elsewhere", certs, hosts=("localhost", "10.1.2.3"))  # a name is not an address
+    config = load_config(tiny_run(tmp_path), [tls_set(certs.ca, elsewhere, certs.key)])
+    with pytest.raises(
+        ConfigError,
+        match=rf"^cluster.tls.cert {elsewhere}: does not name this node's address 127.0.0.1 "
+        r"\(its IP addresses: 10.1.2.3\)",
+    ):
+        check_local_tls(config)  # before start_early or start_local starts Ray
+    check_local_tls(load_config(tiny_run(tmp_path), [tls_set(certs.ca, certs.cert, certs.key)]))
+    check_local_tls(load_config(tiny_run(tmp_path)))  # no TLS: nothing to check
+
+
+def test_ca_from_refuses_a_ca_key_others_may_read_or_an_expired_ca(
+    certs: CertFiles, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (shared / "ca.crt").write_bytes(certs.ca.read_bytes())
+    (shared / "ca.key").write_bytes(certs.ca_key.read_bytes())
+    (shared / "ca.key").chmod(0o644)
+    err = one_error_line(capsys, ["certs", "create", str(tmp_path / "a"), "--ca-from", str(shared)])
+    assert f"--ca-from {shared}: ca.key: the private key is readable by every user (mode 0644); chmod 600 it" in err
+    (shared / "ca.key").chmod(0o602)
+    err = one_error_line(capsys, ["certs", "create", str(tmp_path / "a"), "--ca-from", str(shared)])
+    assert "ca.key: writable by every user (mode 0602)" in err
+    (shared / "ca.key").chmod(0o600)
+    old = CertFiles(ca=signed(tmp_path, "old-ca", certs, start=-10 * DAY, end=-DAY, ca=True), ca_key=certs.ca_key,
+                    cert=certs.cert, key=certs.key)  # fmt: skip
+    (shared / "ca.crt").write_bytes(old.ca.read_bytes())
+    err = one_error_line(capsys, ["certs", "create", str(tmp_path / "a"), "--ca-from", str(shared)])
+    assert f"--ca-from {shared}: the CA in ca.crt expired on" in err
+    assert not (tmp_path / "a").exists()
+
+
+def test_a_tls_file_every_user_may_replace_is_refused(certs: CertFiles, tmp_path: Path) -> None:
+    open_ca = tmp_path / "ca.crt"
+    open_ca.write_bytes(certs.ca.read_bytes())
+    open_ca.chmod(0o666)
+    with pytest.raises(ConfigError, match=rf"cluster.tls.ca {open_ca}: writable by every user \(mode 0666\)"):
+        load_config(tiny_run(tmp_path), [tls_set(open_ca, certs.cert, certs.key)])

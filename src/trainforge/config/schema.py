@@ -498,10 +498,23 @@ class FailureConfig(Section):
     collective_timeout_s: Annotated[float, Field(ge=1.0, le=MAX_SECONDS)] = 300.0  # whole seconds reach gloo/NCCL: >= 1
 
 
+def unsafe_mode(mode: int, *, private: bool) -> str | None:
+    """What is wrong with a TLS file's permission bits, or None: the one rule for every key and
+    certificate trainforge reads (``cluster.tls``, ``RAY_TLS_*``, ``certs create --ca-from``'s
+    ca.key). A private key only its owner and group may read (a Kubernetes Secret mounted 0440 for
+    the pod's fsGroup is fine); no file that every user may replace (a CA they chose, a key of theirs)."""
+    shown = f"mode {stat.S_IMODE(mode):04o}"
+    if private and mode & stat.S_IROTH:
+        return f"the private key is readable by every user ({shown}); chmod 600 it"
+    if mode & stat.S_IWOTH:
+        return f"writable by every user ({shown}): anyone could replace it; chmod o-w it"
+    return None
+
+
 def _tls_file(value: str, key: str, *, private: bool = False) -> str:
     """A file Ray reads at start-up, as an absolute path (Ray's processes run elsewhere): a regular
-    file (a link to one, as a Kubernetes Secret mounts it, is fine), and a private key that only
-    its owner (and group) may read."""
+    file (a link to one, as a Kubernetes Secret mounts it, is fine) whose mode ``unsafe_mode`` passes.
+    What is inside is checked before Ray starts (driver/tls_files.py)."""
     path = Path(value).expanduser().absolute()
     try:
         info = path.stat()
@@ -509,11 +522,9 @@ def _tls_file(value: str, key: str, *, private: bool = False) -> str:
         raise ValueError(f"cluster.tls.{key} {value}: {err.strerror or err}") from None
     if not stat.S_ISREG(info.st_mode):
         raise ValueError(f"cluster.tls.{key} {value}: not a regular file")
-    if private and info.st_mode & stat.S_IROTH:
-        raise ValueError(
-            f"cluster.tls.{key} {value}: the private key is readable by every user "
-            f"(mode {stat.S_IMODE(info.st_mode):04o}); chmod 600 it"
-        )
+    problem = unsafe_mode(info.st_mode, private=private)
+    if problem is not None:
+        raise ValueError(f"cluster.tls.{key} {value}: {problem}")
     return str(path)
 
 

@@ -26,6 +26,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from trainforge.config.schema import unsafe_mode
 from trainforge.errors import ConfigError
 
 CA_DAYS = 3650  # the CA outlives a few rounds of node certificates
@@ -137,17 +138,27 @@ def _new_ca() -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
 
 
 def _load_ca(folder: Path) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
-    """The CA ``certs create`` wrote into ``folder`` (ca.crt, ca.key), checked to be one."""
+    """The CA ``certs create`` wrote into ``folder`` (ca.crt, ca.key), checked to be one: its key
+    held as ``cluster.tls.key`` must be (config/schema.py's unsafe_mode), its certificate in its period."""
     try:
+        problem = unsafe_mode((folder / "ca.key").stat().st_mode, private=True)
+        if problem is not None:
+            raise ConfigError(f"--ca-from {folder}: ca.key: {problem}")
         cert = x509.load_pem_x509_certificate((folder / "ca.crt").read_bytes())
         key = serialization.load_pem_private_key((folder / "ca.key").read_bytes(), password=None)
     except OSError as err:
         raise ConfigError(f"--ca-from {folder}: {err.strerror or err} ({getattr(err, 'filename', '')})") from None
     except (ValueError, TypeError) as err:
         raise ConfigError(f"--ca-from {folder}: ca.crt and ca.key are not a PEM certificate and key ({err})") from None
-    constraints = cert.extensions.get_extension_for_class(x509.BasicConstraints).value
-    if not isinstance(key, ec.EllipticCurvePrivateKey) or not constraints.ca or key.public_key() != cert.public_key():
+    try:
+        is_ca = cert.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
+    except x509.ExtensionNotFound:
+        is_ca = False
+    if not isinstance(key, ec.EllipticCurvePrivateKey) or not is_ca or key.public_key() != cert.public_key():
         raise ConfigError(f"--ca-from {folder}: ca.key is not the key of the CA in ca.crt (certs create writes both)")
+    if datetime.datetime.now(datetime.timezone.utc) > cert.not_valid_after_utc:
+        expired = cert.not_valid_after_utc.strftime("%Y-%m-%d %H:%M UTC")
+        raise ConfigError(f"--ca-from {folder}: the CA in ca.crt expired on {expired}; make a new CA (certs create)")
     return cert, key
 
 

@@ -22,7 +22,7 @@ from urllib.parse import urlparse
 import ray
 
 from trainforge.config import Config
-from trainforge.driver.tls import check_tls, use_tls
+from trainforge.driver.tls import check_node_tls, check_tls, tls_in_environment, use_tls
 from trainforge.errors import ClusterError
 from trainforge.metrics.driver.session import check_cluster_options, local_ray_options, publish_local_targets
 from trainforge.redact import redacting
@@ -169,11 +169,27 @@ def local_init_options(config: Config, *, verbose: bool) -> dict[str, object]:
     }
 
 
+def local_node_address(bind_address: str) -> str:
+    """The node address a local Ray started now takes: where its servers listen and its processes dial."""
+    from ray._private import services
+
+    with bound_to(bind_address):
+        return str(services.get_node_ip_address())
+
+
+def check_local_tls(config: Config) -> None:
+    """With TLS: the node certificate names the local Ray's node address (gRPC checks the address
+    it dials against it, and Ray would retry the refused handshakes for minutes)."""
+    if config.cluster.tls is not None or tls_in_environment():
+        check_node_tls(config.cluster.tls, local_node_address(config.cluster.bind_address))
+
+
 def start_local(config: Config, *, verbose: bool) -> str:
     """Start the run's local Ray (or take the one ``start_early`` started for it); says what it is."""
     options = local_init_options(config, verbose=verbose)
     early = _early.get("ray")
     if early is None or not early.take(options):
+        check_local_tls(config)
         with bound_to(config.cluster.bind_address):
             ray.init(**options)  # type: ignore[arg-type]
     return f"a local Ray ({options['num_cpus']} logical CPUs, listening on {config.cluster.bind_address})"
@@ -270,6 +286,7 @@ def start_early(config: Config, address: str | None, *, verbose: bool) -> None:
     use_tls(config.cluster.tls)
     if resolve_address(config, address) is not None or ray.is_initialized() or "ray" in _early:
         return
+    check_local_tls(config)
     _early["ray"] = EarlyRay(local_init_options(config, verbose=verbose), config.cluster.bind_address)
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from trainforge.config.schema import TlsConfig
+from trainforge.driver.tls_files import TlsFiles, check_node_address, check_tls_files, env_files
 from trainforge.errors import ClusterError, ConfigError
 
 USE_TLS = "RAY_USE_TLS"
@@ -47,10 +48,15 @@ def use_tls(tls: TlsConfig | None) -> None:
 
     Called by ``trainforge train``/``tune`` before they import Ray, and again where the run's Ray
     starts or connects (``ray_session``), where Ray is imported: there it only checks that the
-    environment already says what the config says.
+    environment already says what the config says. Each time, the files themselves are checked
+    (driver/tls_files.py), those of ``cluster.tls`` or, without it, those of ``RAY_TLS_*``: what
+    Ray would otherwise retry for minutes is one line, exit 2, before Ray starts.
     """
     if tls is None:
+        if tls_in_environment():
+            check_tls_files(env_files(os.environ))
         return
+    check_tls_files(TlsFiles.of_config(tls))
     wanted = ray_tls_env(tls)
     if all(os.environ.get(name) == value for name, value in wanted.items()):
         return
@@ -61,6 +67,15 @@ def use_tls(tls: TlsConfig | None) -> None:
             "starting Python (docs/security.md, TLS)"
         )
     os.environ.update(wanted)
+
+
+def check_node_tls(tls: TlsConfig | None, node_address: str) -> None:
+    """With Ray's TLS on: the certificate names ``node_address``, where this node's Ray listens
+    and its peers dial it (nothing with TLS off)."""
+    if tls is not None:
+        check_node_address(TlsFiles.of_config(tls), node_address)
+    elif tls_in_environment():
+        check_node_address(env_files(os.environ), node_address)
 
 
 def dashboard_verify(address: str, ca: str | None, source: str = "--ca") -> str | bool:

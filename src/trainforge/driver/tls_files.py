@@ -1,0 +1,219 @@
+"""What Ray's TLS files must be, checked with ``cryptography`` before Ray starts.
+
+Ray (its C++ core and gRPC) reads ``RAY_TLS_CA_CERT``, ``RAY_TLS_SERVER_CERT`` and
+``RAY_TLS_SERVER_KEY`` without judging them: an expired certificate, one of another CA, a key that
+is not the certificate's or a certificate that does not name the node's address all let Ray start
+its processes, whose handshakes then fail and are retried for minutes. So each is checked here,
+where the files are named by the key that gave them (``cluster.tls.cert``, or the variable), and
+a problem is one line before Ray is imported.
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import os
+import re
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.types import PrivateKeyTypes
+
+from trainforge.config.schema import TlsConfig, unsafe_mode
+from trainforge.errors import ConfigError
+
+MAX_BYTES = 1 << 20  # a CA bundle with a few hundred certificates; read no further
+_PEM_LABEL = re.compile(rb"-----BEGIN ([A-Z0-9 ]+)-----")
+_KEY_LABEL = re.compile(r"PRIVATE KEY$")
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """The three files and the names they were given by (what an error says)."""
+
+    ca: str
+    cert: str
+    key: str
+    names: tuple[str, str, str]  # of ca, cert, key
+
+    @classmethod
+    def of_config(cls, tls: TlsConfig) -> TlsFiles:
+        return cls(tls.ca, tls.cert, tls.key, ("cluster.tls.ca", "cluster.tls.cert", "cluster.tls.key"))
+
+
+def check_tls_files(files: TlsFiles, now: datetime.datetime | None = None) -> None:
+    """Each file readable and of its kind; the certificate in its validity period, signed by the
+    CA (itself a CA, in its period), and the key's; a ConfigError naming the key otherwise."""
+    now = now or datetime.datetime.now(datetime.timezone.utc)
+    ca_name, cert_name, key_name = files.names
+    cas = _certificates(files.ca, ca_name)
+    for ca in cas:
+        _check_period(ca, files.ca, ca_name, now)
+        if not _is_ca(ca):
+            raise ConfigError(
+                f"{ca_name} {files.ca}: {_subject(ca)} is not a CA certificate (no basicConstraints CA:TRUE); "
+                "give the CA's certificate (certs create's ca.crt)"
+            )
+    chain = _certificates(files.cert, cert_name)
+    for cert in chain:
+        _check_period(cert, files.cert, cert_name, now)
+    _check_signed(chain, cas, files, now)
+    key = _private_key(files.key, key_name)
+    if _public_der(key.public_key()) != _public_der(chain[0].public_key()):
+        raise ConfigError(
+            f"{key_name} {files.key}: not the key of the certificate in {cert_name} {files.cert} "
+            "(certs create writes them as a pair: node.crt and node.key)"
+        )
+
+
+def check_node_address(files: TlsFiles, address: str) -> None:
+    """The certificate names ``address`` (an IP address) in its subjectAltName, as gRPC requires
+    of a peer dialled by IP: Ray's processes dial each other at the node's address."""
+    cert = _certificates(files.cert, files.names[1])[0]
+    try:
+        names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        ips = names.get_values_for_type(x509.IPAddress)
+    except x509.ExtensionNotFound:
+        ips = []
+    if ipaddress.ip_address(address) not in ips:
+        shown = ", ".join(str(ip) for ip in ips) or "none"
+        raise ConfigError(
+            f"{files.names[1]} {files.cert}: does not name this node's address {address} (its IP addresses: "
+            f"{shown}), and Ray's processes dial each other there; trainforge certs create --hosts {address},..."
+        )
+
+
+def _read(path: str, name: str, *, private: bool) -> bytes:
+    try:
+        with open(path, "rb") as file:
+            info = os.fstat(file.fileno())
+            if not stat.S_ISREG(info.st_mode):
+                raise ConfigError(f"{name} {path}: not a regular file")
+            problem = unsafe_mode(info.st_mode, private=private)
+            if problem is not None:
+                raise ConfigError(f"{name} {path}: {problem}")
+            data = file.read(MAX_BYTES + 1)
+    except OSError as err:
+        raise ConfigError(f"{name} {path}: {err.strerror or err}") from None
+    if len(data) > MAX_BYTES:
+        raise ConfigError(f"{name} {path}: larger than {MAX_BYTES >> 20} MiB, not a PEM certificate or key")
+    return data
+
+
+def _labels(data: bytes) -> list[str]:
+    return [label.decode() for label in _PEM_LABEL.findall(data)]
+
+
+def _certificates(path: str, name: str) -> list[x509.Certificate]:
+    data = _read(path, name, private=False)
+    labels = _labels(data)
+    if any(_KEY_LABEL.search(label) for label in labels):
+        said = "beside its certificate" if "CERTIFICATE" in labels else "a key, not a certificate"
+        raise ConfigError(
+            f"{name} {path}: holds a private key ({said}); certificates are readable by every user: "
+            "keep the key in its own file (cluster.tls.key, mode 0600)"
+        )
+    if "CERTIFICATE" not in labels:
+        raise ConfigError(f"{name} {path}: not a PEM certificate (no BEGIN CERTIFICATE block)")
+    try:
+        return x509.load_pem_x509_certificates(data)
+    except ValueError as err:
+        raise ConfigError(f"{name} {path}: not a readable PEM certificate ({_first_line(err)})") from None
+
+
+def _private_key(path: str, name: str) -> PrivateKeyTypes:
+    data = _read(path, name, private=True)
+    labels = _labels(data)
+    if not any(_KEY_LABEL.search(label) for label in labels):
+        said = "a certificate, not a private key" if "CERTIFICATE" in labels else "not a PEM private key"
+        raise ConfigError(f"{name} {path}: {said}; give the node's key (certs create's node.key)")
+    try:
+        return serialization.load_pem_private_key(data, password=None)
+    except TypeError:
+        raise ConfigError(f"{name} {path}: the key is encrypted, and Ray reads keys without a password") from None
+    except (ValueError, UnsupportedAlgorithm) as err:
+        raise ConfigError(f"{name} {path}: not a readable PEM private key ({_first_line(err)})") from None
+
+
+def _check_period(cert: x509.Certificate, path: str, name: str, now: datetime.datetime) -> None:
+    if now > cert.not_valid_after_utc:
+        raise ConfigError(
+            f"{name} {path}: {_subject(cert)} expired on {_date(cert.not_valid_after_utc)} (now {_date(now)}); "
+            "make a new one (trainforge certs create)"
+        )
+    if now < cert.not_valid_before_utc:
+        raise ConfigError(
+            f"{name} {path}: {_subject(cert)} is not valid before {_date(cert.not_valid_before_utc)} "
+            f"(now {_date(now)}: is this machine's clock right?)"
+        )
+
+
+def _check_signed(
+    chain: list[x509.Certificate], cas: list[x509.Certificate], files: TlsFiles, now: datetime.datetime
+) -> None:
+    """The certificate leads to one of the CAs: directly, or through the intermediates that follow
+    it in its file (each checked for its issuer's name and signature)."""
+    current, intermediates = chain[0], chain[1:]
+    for _ in range(len(chain)):
+        if any(_issued_by(current, ca) for ca in cas):
+            return
+        parent = next((cert for cert in intermediates if _is_ca(cert) and _issued_by(current, cert)), None)
+        if parent is None:
+            break
+        current = parent
+    raise ConfigError(
+        f"{files.names[1]} {files.cert}: not signed by the CA in {files.names[0]} {files.ca} (issuer: "
+        f"{current.issuer.rfc4514_string() or 'none'}; the CA: {', '.join(_subject(ca) for ca in cas)}); "
+        "Ray's peers refuse it: sign it with the cluster's CA (trainforge certs create --ca-from)"
+    )
+
+
+def _issued_by(cert: x509.Certificate, issuer: x509.Certificate) -> bool:
+    try:
+        cert.verify_directly_issued_by(issuer)  # the issuer's name, then the signature with its key
+    except (ValueError, TypeError, InvalidSignature, UnsupportedAlgorithm):
+        return False
+    return True
+
+
+def _is_ca(cert: x509.Certificate) -> bool:
+    try:
+        return cert.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
+    except x509.ExtensionNotFound:
+        return False
+
+
+def _public_der(key: object) -> bytes:
+    public_bytes = getattr(key, "public_bytes", None)
+    if public_bytes is None:
+        return b""
+    data: bytes = public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    return data
+
+
+def _subject(cert: x509.Certificate) -> str:
+    return repr(cert.subject.rfc4514_string() or "(no subject)")
+
+
+def _date(when: datetime.datetime) -> str:
+    return when.astimezone(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def _first_line(err: Exception) -> str:
+    return (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+
+
+def env_files(environ: dict[str, str] | os._Environ[str]) -> TlsFiles:
+    """The files Ray's TLS variables name (set in the environment, not by ``cluster.tls``)."""
+    names = ("RAY_TLS_CA_CERT", "RAY_TLS_SERVER_CERT", "RAY_TLS_SERVER_KEY")
+    missing = [name for name in names if not environ.get(name)]
+    if missing:
+        raise ConfigError(
+            f"RAY_USE_TLS is set but {', '.join(missing)} not: Ray's TLS needs the CA, certificate and key"
+        )
+    ca, cert, key = (str(Path(environ[name]).expanduser()) for name in names)
+    return TlsFiles(ca, cert, key, names)
