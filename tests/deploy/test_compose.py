@@ -437,7 +437,7 @@ def test_a_submit_without_the_token_or_with_a_wrong_one_is_refused(cluster: Clus
     home.mkdir()
     none = cluster.submit("no-token", "--wait-for-cluster", "0", env={**user_env(), "HOME": str(home)})
     out, _ = none.communicate(timeout=scaled(60))
-    assert none.returncode == 2 and "requires a token and none was found" in out, out
+    assert none.returncode == 2 and "requires a token (HTTP 401) and none was sent" in out, out
     wrong = tmp_path / "wrong"
     wrong.write_text(secrets.token_hex(32))
     refused = cluster.submit("wrong-token", "--token-file", str(wrong), "--wait-for-cluster", "0")

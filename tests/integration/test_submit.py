@@ -327,7 +327,10 @@ def test_jobs_list_status_logs_and_stop_on_the_finished_job(submitted: Submitted
 
 @pytest.mark.parametrize(
     ("token", "expected"),
-    [("not-the-token", "refused the token from RAY_AUTH_TOKEN"), (None, "requires a token and none was found")],
+    [
+        ("not-the-token", "refused the token from RAY_AUTH_TOKEN"),
+        (None, "requires a token (HTTP 401) and none was sent"),
+    ],
 )
 def test_a_wrong_or_missing_token_is_one_line_and_exit_2(
     head: Head, project: Path, tmp_path: Path, token: str | None, expected: str

@@ -41,9 +41,13 @@ class Dashboard:
     submit: list[tuple[int, str]] = field(default_factory=lambda: [(200, "")])
     requests: list[str] = field(default_factory=list)
     jobs: dict[str, dict[str, str]] = field(default_factory=dict)
+    refuse: int | None = None  # the status every request but /api/version gets (a token checked per route)
+    tokens: list[str | None] = field(default_factory=list)  # the Authorization header of each request
 
     def answer(self, method: str, path: str, body: bytes) -> tuple[int, str]:
         self.requests.append(f"{method} {path}")
+        if self.refuse is not None and path != "/api/version":
+            return self.refuse, "Unauthorized" if self.refuse == 401 else "Forbidden"
         if path == "/api/version":
             return self.version.pop(0) if len(self.version) > 1 else self.version[0]
         if method == "POST" and path == "/api/jobs/":
@@ -77,6 +81,7 @@ def dashboard() -> Iterator[Dashboard]:
     class Handler(BaseHTTPRequestHandler):
         def _reply(self) -> None:
             body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            state.tokens.append(self.headers.get("Authorization"))
             status, text = state.answer(self.command, self.path, body)
             payload = text.encode()
             self.send_response(status)
@@ -124,8 +129,8 @@ def test_a_head_without_its_job_agent_yet_is_asked_again_until_it_answers(dashbo
 @pytest.mark.parametrize(
     ("answer", "expected"),
     [
-        ((401, "Unauthorized"), "requires a token and none was found"),
-        ((403, "Forbidden"), "refused the token from the request"),
+        ((401, "Unauthorized"), r"requires a token \(HTTP 401\) and none was sent"),
+        ((403, "Forbidden"), r"requires a token \(HTTP 403\) and none was sent"),
         ((404, "Not Found"), "answered HTTP 404 to /api/version, not as Ray does"),
         ((200, "<html>a web server</html>"), "answered HTTP 200 to /api/version, not as Ray does"),
     ],
@@ -212,3 +217,48 @@ def test_a_bad_wait_is_one_line_naming_the_flag(value: str, capsys: pytest.Captu
     assert capsys.readouterr().err.splitlines() == [
         f"error: --wait-for-cluster {value!r}: seconds from 0 (try once) to 3600"
     ]
+
+
+REFUSED_TOKEN = "TokenTheClusterRefuses0x4D"
+
+
+@pytest.mark.parametrize("status", [401, 403])
+@pytest.mark.parametrize("where", ["/api/version", "the Jobs API"])
+def test_every_jobs_verb_tells_a_refused_token_from_a_missing_one(
+    dashboard: Dashboard,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    status: int,
+    where: str,
+) -> None:
+    """A 401 to a request that carried the token says the token was refused (it said "none was
+    found"); the first check (/api/version) and Ray's SDK (every later request) say it alike."""
+    if where == "/api/version":
+        dashboard.version = [(status, "Unauthorized")]
+    else:
+        dashboard.refuse = status
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(tiny_run(tmp_path / "runs")))
+    (tmp_path / "token").write_text(REFUSED_TOKEN)
+    verbs = [["jobs", "list"], *(["jobs", verb, "raysubmit_x"] for verb in ("status", "logs", "stop"))]
+    verbs.append(["submit", "run.yaml", "--no-wait"])
+    for verb in verbs:
+        for token in (["--token-file", "token"], []):
+            dashboard.tokens.clear()
+            with pytest.raises(SystemExit) as exited:
+                main([*verb, "--address", dashboard.url, "--wait-for-cluster", "0", *token])
+            assert exited.value.code == 2, verb
+            err = capsys.readouterr().err
+            assert dashboard.tokens and set(dashboard.tokens) == {f"Bearer {REFUSED_TOKEN}" if token else None}
+            if token:
+                expected = (
+                    f"error: the Ray cluster at {dashboard.url} refused the token from --token-file token "
+                    f"(HTTP {status}): "
+                )
+            else:
+                expected = (
+                    f"error: the Ray cluster at {dashboard.url} requires a token (HTTP {status}) and none was sent: "
+                )
+            assert err.startswith(expected) and len(err.splitlines()) == 1, (verb, err)
+            assert REFUSED_TOKEN not in err

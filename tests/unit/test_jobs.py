@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import zipfile
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -16,8 +17,17 @@ from tests.helpers.runs import tiny_run
 from trainforge.cli import main
 from trainforge.config import Config, load_config
 from trainforge.driver.dashboard import Token, dashboard_address, find_token
+from trainforge.driver.job_package import package_contents
 from trainforge.driver.job_secrets import SECRETS_ENV, submitted_source, with_secrets
-from trainforge.driver.jobs import EXCLUDES, excludes, exit_code, job_config, job_fields, submit_run
+from trainforge.driver.jobs import (
+    EXCLUDES,
+    excludes,
+    exit_code,
+    job_config,
+    job_fields,
+    submission_contents,
+    submit_run,
+)
 from trainforge.errors import ConfigError
 
 CLEAN = ("RAY_ADDRESS", "RAY_JOBS_ADDRESS", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
@@ -124,31 +134,32 @@ class RecordingJobs:
     address = "http://127.0.0.1:8265"
 
     def submit(self, entrypoint: str, runtime_env: dict[str, Any], metadata: dict[str, str]) -> str:
-        uploaded = Path(runtime_env["working_dir"]) / entrypoint.split()[-1]
+        self.package = Path(runtime_env["working_dir"])  # the zip job_package wrote, removed after the upload
         self.sent = {"entrypoint": entrypoint, "runtime_env": runtime_env, "metadata": metadata}
-        self.uploaded, self.uploaded_text = uploaded, uploaded.read_text()
+        with zipfile.ZipFile(self.package) as archive:
+            self.uploaded_text = archive.read(entrypoint.split()[-1]).decode()
         return "raysubmit_test"
 
 
 def test_submit_passes_resume_to_the_jobs_trainforge_train(tmp_path: Path) -> None:
     """``submit --resume auto``: the job's ``trainforge train`` continues a changed config too."""
     jobs = RecordingJobs()
-    submit_run(secret_config(), jobs, tmp_path, resume="auto")  # type: ignore[arg-type]
+    submit_run(secret_config(), jobs, package_contents(tmp_path, config={}, ignore=[]), resume="auto")  # type: ignore[arg-type]
     words = jobs.sent["entrypoint"].split()
-    assert words[:4] == ["trainforge", "train", "--resume", "auto"] and jobs.uploaded.name == words[-1]
-    submit_run(secret_config(), jobs, tmp_path)  # type: ignore[arg-type]
+    assert words[:4] == ["trainforge", "train", "--resume", "auto"] and words[-1].startswith("trainforge-submit-r-")
+    submit_run(secret_config(), jobs, package_contents(tmp_path, config={}, ignore=[]))  # type: ignore[arg-type]
     assert "--resume" not in jobs.sent["entrypoint"]
 
 
 def test_submit_uploads_no_secret_and_the_job_gets_them_through_its_environment(tmp_path: Path) -> None:
     config, jobs = secret_config(), RecordingJobs()
-    submission = submit_run(config, jobs, tmp_path)  # type: ignore[arg-type]
+    submission = submit_run(config, jobs, submission_contents(config, tmp_path))  # type: ignore[arg-type]
     env = jobs.sent["runtime_env"]["env_vars"]
     # The uploaded file, the entrypoint, the job's metadata and what submit prints hold no secret ...
     shown = [jobs.uploaded_text, jobs.sent["entrypoint"], json.dumps(jobs.sent["metadata"]), repr(submission)]
     shown.append(json.dumps({k: v for k, v in jobs.sent["runtime_env"].items() if k != "env_vars"}))
     assert not [text for text in shown if SECRET in text], shown
-    assert not jobs.uploaded.exists()
+    assert not jobs.package.exists() and not list(tmp_path.iterdir())  # nothing written into the working directory
     uploaded = yaml.safe_load(jobs.uploaded_text)
     assert uploaded["model"]["kwargs"] == {
         "hidden": 8,

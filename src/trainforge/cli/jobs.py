@@ -82,14 +82,28 @@ def submit(
             help="As trainforge train --resume: auto, none or a checkpoint path (continues a changed config)."
         ),
     ] = None,
+    include: Annotated[
+        list[Path] | None,
+        typer.Option(
+            "--include",
+            metavar="PATH",
+            help="Send PATH (a file or folder in the working directory) although it looks like a secret "
+            "(key material, credentials, a secret-named file); repeatable.",
+        ),
+    ] = None,
+    dry_run: Annotated[
+        bool,
+        typer.Option("--dry-run", help="List what would be sent and what is left out and why; contact no cluster."),
+    ] = False,
 ) -> None:
     """Run CONFIG on the cluster at --address as a Ray job and follow it; exit with its status.
 
     The working directory (your model and data factories) travels with the job; results land in
     run.output_dir and checkpoint.storage_path, which must be reachable from the cluster and from
-    here (a shared directory or s3://). Exit 0 succeeded, 1 failed (2: a user error on the
-    cluster, 3: the run stopped before its end, e.g. preempted), 130 stopped. Ctrl-C stops
-    following; the job runs on (trainforge jobs stop JOB).
+    here (a shared directory or s3://). Key and certificate files, credential files, the token and
+    whatever holds or names a secret stay here (--dry-run lists them). Exit 0 succeeded, 1 failed
+    (2: a user error on the cluster, 3: the run stopped before its end, e.g. preempted), 130
+    stopped. Ctrl-C stops following; the job runs on (trainforge jobs stop JOB).
     """
     from trainforge.config import load_config
 
@@ -97,15 +111,24 @@ def submit(
     wait_s = wait_seconds(wait_for_cluster)
     overrides = [*(set_ or []), *([f"checkpoint.resume={resume}"] if resume is not None else [])]
     resolved = load_config(resolve_config_path(config), overrides)
-    from trainforge.driver.jobs import is_loopback, submit_run
+    from trainforge.driver.job_package import dry_run_lines, summary_line
+    from trainforge.driver.jobs import CONFIG_PREFIX, is_loopback, submission_contents, submit_run
 
+    contents = submission_contents(resolved, Path.cwd(), token_file=token_file, includes=include)
+    if dry_run:
+        shipped = f"{CONFIG_PREFIX}{resolved.run.name}-<id>.yaml"
+        typer.echo("\n".join(dry_run_lines(contents, [shipped])))
+        return
     tls = resolved.cluster.tls
     if ca is None and tls is not None:  # a TLS cluster's Jobs API is reached over https, checked with its CA
         jobs = _jobs(address, token_file, wait_s, tls.ca, "cluster.tls.ca")
     else:
         jobs = _jobs(address, token_file, wait_s, ca)
-    submitted = submit_run(resolved, jobs, Path.cwd(), resume=resume)
+    submitted = submit_run(resolved, jobs, contents, resume=resume)
     err_console.print(f"submitted job {submitted.job_id} to {_shown(jobs)}", highlight=False, soft_wrap=True)
+    left_out = summary_line(contents)
+    if left_out is not None:
+        err_console.print(left_out, highlight=False, soft_wrap=True, markup=False)
     err_console.print(
         f"results: {submitted.run_dir} · checkpoints: {submitted.checkpoints} "
         f"(trainforge ckpt list {submitted.checkpoints})",

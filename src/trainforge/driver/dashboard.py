@@ -204,22 +204,28 @@ def check_dashboard(address: str, token: Token | None, verify: str | bool = True
         raise ClusterError(f"cannot reach the Ray dashboard at {address} ({type(err).__name__})") from None
     if answer.status_code >= 500:
         raise NotReady(answer_reason(answer.status_code, answer.text))
-    if answer.status_code == 401:
-        raise ClusterError(
-            f"the Ray cluster at {address} requires a token and none was found: set RAY_AUTH_TOKEN or "
-            "RAY_AUTH_TOKEN_PATH, or give --token-file (`ray get-auth-token` on the head prints it)"
-        )
-    if answer.status_code == 403:
-        source = token.source if token else "the request"
-        raise ClusterError(
-            f"the Ray cluster at {address} refused the token from {source}: it is not this cluster's "
-            "token (`ray get-auth-token` on the head prints it)"
-        )
+    if answer.status_code in (401, 403):
+        raise refused(address, token, answer.status_code)
     if answer.status_code != 200 or not _is_ray_version(answer):
         raise ClusterError(
             f"{address} answered HTTP {answer.status_code} to /api/version, not as Ray does: "
             "is it a Ray dashboard (port 8265)?"
         )
+
+
+def refused(address: str, token: Token | None, status: int | None) -> ClusterError:
+    """The one error for a dashboard that refuses a request (HTTP 401 or 403, or Ray's SDK saying
+    so): whether a token was sent decides what it says, never the status alone."""
+    answered = f" (HTTP {status})" if status else ""
+    if token is None:
+        return ClusterError(
+            f"the Ray cluster at {address} requires a token{answered} and none was sent: set RAY_AUTH_TOKEN or "
+            "RAY_AUTH_TOKEN_PATH, or give --token-file (`ray get-auth-token` on the head prints it)"
+        )
+    return ClusterError(
+        f"the Ray cluster at {address} refused the token from {token.source}{answered}: it is not this "
+        "cluster's token (`ray get-auth-token` on the head prints it)"
+    )
 
 
 def _is_ray_version(answer: requests.Response) -> bool:

@@ -2,7 +2,8 @@
 
 A submitted run is ``trainforge train`` executed by the cluster (Ray's Jobs API on the head's
 dashboard, port 8265): the user's working directory travels as the job's ``working_dir`` (their
-model and data factories with it), together with the config resolved and validated here: the
+model and data factories with it; what holds or names a secret stays here: ``job_package``),
+together with the config resolved and validated here: the
 cluster runs what ``config show`` prints on this machine, with only the cluster's own
 ``TRAINFORGE_*`` variables applied on top. The job's driver connects to its own cluster (Ray sets
 ``RAY_ADDRESS`` for every job), so ``cluster.address`` is dropped from it.
@@ -43,10 +44,12 @@ from trainforge.driver.dashboard import (
     connection_reason,
     dashboard_address,
     find_token,
+    refused,
 )
-from trainforge.driver.job_secrets import secrets_env, split_secrets
+from trainforge.driver.job_package import Contents, package_contents, written_package
+from trainforge.driver.job_secrets import Secret, secrets_env, split_secrets
 from trainforge.driver.tls import dashboard_verify
-from trainforge.errors import ClusterError, ConfigError
+from trainforge.errors import ClusterError
 from trainforge.redact import redact_text
 
 if TYPE_CHECKING:
@@ -59,6 +62,7 @@ STOP_GRACE_S = 120
 POLL_S = 1.0
 # Never worth uploading: environments, caches, version control, MLflow's default local store. The
 # run's own output and checkpoint folders are added when they lie inside the working directory.
+# What holds or names a secret is left out by another rule (job_package.withheld_reason).
 EXCLUDES = [
     ".git",
     ".venv",
@@ -109,7 +113,7 @@ class Jobs:
     ) -> None:
         self.address = dashboard_address(address)
         verify = dashboard_verify(self.address, ca, ca_source)  # the CA of a TLS proxy, else the system's
-        token = find_token(token_file)
+        self.token = token = find_token(token_file)
         self.wait = DashboardWait(self.address, wait_s, progress)
         self.wait.run(lambda: check_dashboard(self.address, token, verify))
         # Imported only now: Ray takes seconds to import, and a wrong address or token is told sooner.
@@ -143,12 +147,16 @@ class Jobs:
 
         try:
             yield
-        except AuthenticationError:
-            raise ClusterError(f"the Ray cluster at {self.address} refused the token") from None
+        except AuthenticationError as err:
+            said = str(err)
+            status = 401 if said.startswith("Authentication required") else 403 if "failed" in said[:40] else None
+            raise refused(self.address, self.token, status) from None
         except requests.exceptions.SSLError as err:
             raise ClusterError(f"TLS with the Ray dashboard at {self.address} failed ({type(err).__name__})") from None
         except requests.HTTPError as err:  # the SDK's version check
             status = err.response.status_code if err.response is not None else 0
+            if status in (401, 403):
+                raise refused(self.address, self.token, status) from None
             if status >= 500:
                 raise NotReady(answer_reason(status, err.response.text if err.response is not None else "")) from None
             raise ClusterError(f"the Ray cluster at {self.address}: HTTP {status} to /api/version") from None
@@ -161,6 +169,9 @@ class Jobs:
             if answered:
                 raise NotReady(answer_reason(int(answered.group(1)), answered.group(2))) from None
             text = " ".join(str(err).split())
+            status_refused = re.match(r"Request failed with status code (40[13])\b", text)
+            if status_refused:
+                raise refused(self.address, self.token, int(status_refused.group(1))) from None
             if job_id is not None and "status code 404" in text:
                 raise ClusterError(
                     f"no job {job_id} on the Ray cluster at {self.address} (trainforge jobs list lists them)"
@@ -252,14 +263,42 @@ class _Written:
             self.chars += len(text)
 
 
-def submit_run(config: Config, jobs: Jobs, working_dir: Path, *, resume: str | None = None) -> Submission:
-    """Submit ``trainforge train`` of ``config`` with ``working_dir`` as the job's working directory;
-    ``resume`` is its ``--resume`` (a run directory trained with a different config continues).
+def submission_contents(
+    config: Config,
+    working_dir: Path,
+    *,
+    token_file: Path | None = None,
+    includes: list[Path] | None = None,
+) -> Contents:
+    """What a submission of ``config`` sends from ``working_dir`` (``job_package``): the ignore
+    rules, and the secret rule told the token file, the token itself and the config's paths."""
+    token = find_token(token_file)
+    return package_contents(
+        working_dir,
+        config=config.to_dict(),
+        ignore=excludes(config, working_dir),
+        token_file=token_file,
+        token_values=[token.value] if token else [],
+        includes=includes or [],
+    )
 
-    The resolved config is written into the working directory for the upload, with its secrets
-    masked, and removed after it; the secrets travel in the job's environment (``job_secrets``).
-    Before anything is uploaded, the checks ``trainforge train`` makes before Ray starts on a
-    cluster run here (unknown data source or model name, cluster-only metrics options).
+
+def shipped_config(config: Config) -> tuple[str, dict[str, Any], list[Secret]]:
+    """The name and content of the config file the package carries (secrets masked), and the
+    secrets that travel in the job's environment instead (``job_secrets``)."""
+    shipped, secrets = split_secrets(job_config(config))
+    return f"{CONFIG_PREFIX}{config.run.name}-{uuid.uuid4().hex[:8]}.yaml", shipped, secrets
+
+
+def submit_run(config: Config, jobs: Jobs, contents: Contents, *, resume: str | None = None) -> Submission:
+    """Submit ``trainforge train`` of ``config`` with ``contents`` (``submission_contents``) as the
+    job's working directory; ``resume`` is its ``--resume`` (a run directory trained with a
+    different config continues).
+
+    The package is a zip of ``contents.sent`` and the resolved config, with its secrets masked;
+    the secrets travel in the job's environment (``job_secrets``). Before anything is uploaded,
+    the checks ``trainforge train`` makes before Ray starts on a cluster run here (unknown data
+    source or model name, cluster-only metrics options).
     """
     # Imported here: launch brings torch and Ray Train, which only a submission needs.
     from trainforge.checkpoint.storage import join_uri
@@ -268,28 +307,20 @@ def submit_run(config: Config, jobs: Jobs, working_dir: Path, *, resume: str | N
 
     preflight(config, local=False)
     check_cluster_options(config.metrics)
-    shipped, secrets = split_secrets(job_config(config))
-    config_file = working_dir / f"{CONFIG_PREFIX}{config.run.name}-{uuid.uuid4().hex[:8]}.yaml"
-    try:
-        config_file.write_text(yaml.safe_dump(shipped, sort_keys=False))
-    except OSError as err:
-        raise ConfigError(f"cannot write the submitted config into {working_dir}: {err.strerror or err}") from None
+    config_name, shipped, secrets = shipped_config(config)
     # What submit prints and the job's metadata keep: masked, as every record of the run.
     run_dir = str(Path(shipped["run"]["output_dir"]) / config.run.name)
     checkpoints = join_uri(shipped["checkpoint"]["storage_path"] or shipped["run"]["output_dir"], config.run.name)
     resume_flag = ["--resume", resume] if resume is not None else []
-    try:
+    with written_package(contents, {config_name: yaml.safe_dump(shipped, sort_keys=False)}) as package:
         job_id = jobs.submit(
-            entrypoint=shlex.join(["trainforge", "train", *resume_flag, config_file.name]),
+            entrypoint=shlex.join(["trainforge", "train", *resume_flag, config_name]),
             runtime_env={
-                "working_dir": str(working_dir),
-                "excludes": excludes(config, working_dir),
+                "working_dir": str(package),
                 "env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": str(STOP_GRACE_S), **secrets_env(secrets)},
             },
             metadata={"trainforge_run": config.run.name, "run_dir": run_dir, "checkpoints": checkpoints},
         )
-    finally:
-        config_file.unlink(missing_ok=True)
     return Submission(job_id=job_id, address=jobs.address, run_dir=run_dir, checkpoints=checkpoints)
 
 
