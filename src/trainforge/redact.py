@@ -328,6 +328,16 @@ def redact_config(tree: Any) -> Any:
     return tree
 
 
+def redact_strings(tree: Any) -> Any:
+    """A copy of a JSON-like record (a report, an event) whose every string went through
+    ``redact_text``; its keys (metric names) and numbers as they are."""
+    if isinstance(tree, Mapping):
+        return {key: redact_strings(value) for key, value in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return [redact_strings(item) for item in tree]
+    return redact_text(tree) if isinstance(tree, str) else tree
+
+
 def _masked(tree: Any) -> Any:
     """``tree`` with its structure kept and every value in it masked."""
     if isinstance(tree, Mapping):

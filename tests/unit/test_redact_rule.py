@@ -234,3 +234,26 @@ def test_config_show_masks_every_secret(leaky_factory: Path, capsys: pytest.Capt
         "extra": {"session_id": MASK, "Authorization": MASK},
         "note": MASK,
     }
+
+
+def test_the_runs_logs_and_records_of_worker_errors_are_masked(tmp_path: Path) -> None:
+    """workers.log (also what a worker print()ed) and metrics.jsonl's worker errors, which MLflow
+    uploads as artifacts, go through the rule on the driver too."""
+    from trainforge.observers.metrics_log import MetricsLog
+    from trainforge.observers.worker_log import WorkerLog
+    from trainforge.protocol import LogLine, WorkerFailure
+
+    token = token_formats()[1]
+    said = f"ValueError: login failed for {{'api_key': '{SECRET}'}} with {token}"
+    WorkerLog(tmp_path).on_log([LogLine(level=20, text=f"[rank 0] {said}")])
+    MetricsLog(tmp_path).on_worker_error(WorkerFailure(errors={0: said}, time=1.0))
+    for name in ("workers.log", "metrics.jsonl"):
+        text = (tmp_path / name).read_text()
+        assert "login failed" in text and SECRET not in text and token not in text, name
+
+
+def test_ckpt_inspect_masks_a_config_recorded_under_an_older_rule() -> None:
+    from trainforge.checkpoint.inspect import _config_sections
+
+    recorded = {"model": {"kwargs": {"authorization": SECRET, "hidden": 8}}, "seed": 0, "profile": None}
+    assert _config_sections(recorded) == {"model": {"kwargs": {"authorization": MASK, "hidden": 8}}, "seed": 0}

@@ -38,6 +38,7 @@ from trainforge.checkpoint.storage import CheckpointStore
 from trainforge.checkpoint.uris import first_line
 from trainforge.checkpoint.verify import Verification, list_tree, open_file, read_capped
 from trainforge.errors import CheckpointError
+from trainforge.redact import redact_config
 
 # Rendering lives in render.py; the CLI imports it from here, with the tools.
 __all__ = ["STATE_FILE", "human_bytes", "human_time", "inspection_view", "list_table"]
@@ -365,8 +366,9 @@ def _components(
 
 
 def _config_sections(config: dict[str, Any]) -> dict[str, Any]:
-    """The recorded config's sections and top-level values, as recorded (already redacted)."""
-    return {k: v for k, v in config.items() if v is not None and v != {}}
+    """The recorded config's sections and top-level values, redacted again: a checkpoint another
+    trainforge wrote may hold what today's rule masks (trainforge.redact)."""
+    return {k: v for k, v in redact_config(config).items() if v is not None and v != {}}
 
 
 def _weights_summary(

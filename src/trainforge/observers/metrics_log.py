@@ -9,6 +9,7 @@ from typing import Any
 
 from trainforge.observers.base import Observer, SinkSetup
 from trainforge.protocol import Report, RunInfo, WorkerFailure
+from trainforge.redact import redact_strings
 
 METRICS_FILE = "metrics.jsonl"
 DRIVER_START = "driver_start"  # metrics.jsonl's ``event`` when a driver session starts the run (again)
@@ -34,7 +35,7 @@ class MetricsLog(Observer):
 
     def _append(self, record: dict[str, Any]) -> None:
         with self.path.open("a") as handle:
-            handle.write(json.dumps(record) + "\n")
+            handle.write(json.dumps(redact_strings(record)) + "\n")  # a worker's error may quote a secret
 
 
 def sink(setup: SinkSetup) -> MetricsLog:

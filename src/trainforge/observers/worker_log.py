@@ -6,6 +6,7 @@ from pathlib import Path
 
 from trainforge.observers.base import Observer, SinkSetup
 from trainforge.protocol import LogLine, RunInfo
+from trainforge.redact import redact_text
 
 WORKERS_LOG = "workers.log"
 
@@ -21,7 +22,7 @@ class WorkerLog(Observer):
 
     def on_log(self, lines: list[LogLine]) -> None:
         with self.path.open("a") as handle:
-            handle.writelines(line.text + "\n" for line in lines)
+            handle.writelines(redact_text(line.text) + "\n" for line in lines)  # also what print() wrote
 
 
 def sink(setup: SinkSetup) -> WorkerLog:
