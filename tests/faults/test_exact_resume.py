@@ -87,11 +87,13 @@ def state_at(run_dir: Path, step: int, key_env: str | None) -> dict[str, torch.T
     from trainforge.checkpoint.storage import CheckpointStore
 
     store = CheckpointStore.from_uri(str(run_dir), FileCipher.from_env(key_env))
+    opened = run_dir.parent / "opened"
     with store.opened(run_dir / f"checkpoint_{step:09d}") as plain:
-        opened = run_dir.parent / "opened"
-        opened.mkdir()
-        (opened / plain.name).symlink_to(plain, target_is_directory=True)
-        return checkpoint_state(opened, step)
+        for rel in plain.listing():  # the test's own plaintext copy, to read as a directory
+            (opened / plain.name / rel).parent.mkdir(parents=True, exist_ok=True)
+            with plain.open(rel) as source:
+                (opened / plain.name / rel).write_bytes(source.read())
+    return checkpoint_state(opened, step)
 
 
 @pytest.mark.slow

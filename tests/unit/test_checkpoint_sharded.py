@@ -251,7 +251,7 @@ def test_an_encrypted_sharded_checkpoint_verifies_and_loads_through_its_key(tmp_
         state = zeros_like(full_state())
         load_sharded(plain, state)
     assert torch.equal(state["model"]["w"], full_state()["model"]["w"])
-    assert not plain.exists()  # the plaintext copy is gone once loaded
+    assert plain.closed  # the decrypted files are gone once loaded
 
 
 def test_sharded_saves_are_recorded_and_rotated_like_full_ones(tmp_path: Path, group: None) -> None:

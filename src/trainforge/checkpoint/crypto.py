@@ -14,23 +14,18 @@ that tells a wrong key from a tampered file without decrypting anything.
 The key is 32 random bytes, given base64 (or hex) in the environment variable the config names;
 it is read from there by each process that needs it and never written to any file or record.
 Files are encrypted while written (:class:`Sealer`, driven by ``hashing.HashingWriter``) and
-decrypted whole before use: into memory (``trainer_state.json``) or into a private folder
-(:func:`decrypted_copy`, in RAM where ``/dev/shm`` exists) that is removed once loaded.
+decrypted whole before use: into memory (``trainer_state.json``) or into anonymous files that no
+directory names (``checkpoint/opened.py``), so no plaintext outlives the process that reads it.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
-import contextlib
 import hashlib
 import os
 import re
-import shutil
-import tempfile
-from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import IO, Any
 
 from cryptography.exceptions import InvalidTag
@@ -184,29 +179,6 @@ def is_sealed(data: bytes) -> bool:
     return data.startswith(MAGIC)
 
 
-@contextlib.contextmanager
-def decrypted_copy(directory: Path, files: Iterable[str], cipher: FileCipher) -> Iterator[Path]:
-    """A private folder (0700, in RAM where ``/dev/shm`` exists) holding the plaintext of
-    ``files`` of the encrypted checkpoint at ``directory``, each authenticated; removed on exit."""
-    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-    scratch = Path(tempfile.mkdtemp(prefix="trainforge-plain-", dir=base))
-    try:
-        copy = scratch / directory.name
-        copy.mkdir(mode=0o700)
-        for rel in files:
-            target = copy / rel
-            target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-            source_path = directory / rel
-            with (
-                open(source_path, "rb") as source,
-                open(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as out,
-            ):
-                cipher.open_stream(rel, source, source_path.stat().st_size, out)
-        yield copy
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-
-
 __all__ = [
     "ENCRYPTED_HINT",
     "KEY_BYTES",
@@ -215,7 +187,6 @@ __all__ = [
     "FileCipher",
     "Sealer",
     "cipher_of",
-    "decrypted_copy",
     "is_sealed",
     "key_id",
     "parse_key",

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from trainforge.checkpoint.opened import CheckpointFiles, as_files
 from trainforge.checkpoint.schema import (
     FULL,
     MANIFEST,
@@ -22,7 +23,6 @@ from trainforge.checkpoint.schema import (
     ComponentSchemas,
     StateFile,
     check_components,
-    open_regular,
     parse_trainer_state,
 )
 from trainforge.errors import CheckpointError
@@ -50,16 +50,20 @@ class Saved:
 
 
 def read_saved(
-    directory: Path, schemas: Mapping[str, ComponentSchemas] | None = None, layout: str | None = None
+    directory: Path | CheckpointFiles,
+    schemas: Mapping[str, ComponentSchemas] | None = None,
+    layout: str | None = None,
 ) -> Saved:
-    """``trainer_state.json`` of a local checkpoint directory, bounded and schema-checked (each
-    component's state too, when ``schemas`` are given); CheckpointError when it does not load.
-    ``layout``: the manifest's (found from the directory when not given)."""
-    with open_regular(directory / STATE_FILE, STATE_FILE) as handle:
+    """``trainer_state.json`` of a local checkpoint directory (or a checkpoint's files, decrypted),
+    bounded and schema-checked (each component's state too, when ``schemas`` are given);
+    CheckpointError when it does not load. ``layout``: the manifest's (found from the files when
+    not given)."""
+    checkpoint = as_files(directory)
+    with checkpoint.open(STATE_FILE) as handle:
         raw = handle.read(MAX_STATE_BYTES + 1)
+    files = checkpoint.listing() - {MANIFEST}
     if layout is None:
-        layout = SHARDED if (directory / SHARDED_DIR).is_dir() else FULL
-    files = {p.relative_to(directory).as_posix() for p in directory.rglob("*") if p.is_file()} - {MANIFEST}
+        layout = SHARDED if any(rel.startswith(f"{SHARDED_DIR}/") for rel in files) else FULL
     return saved_from(raw, layout, files, schemas)
 
 

@@ -19,7 +19,7 @@ import os
 import threading
 from collections.abc import Generator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -32,18 +32,16 @@ from torch.distributed.checkpoint.planner import ReadItem
 from trainforge.checkpoint.crypto import FileCipher
 from trainforge.checkpoint.dcp_metadata import MAX_METADATA_BYTES, read_metadata
 from trainforge.checkpoint.hashing import DEFAULT_HASH, FileRecord, HashingWriter
-from trainforge.checkpoint.schema import (
-    SHARDED_DIR,
-    SHARDED_METADATA,
-    open_regular,
-)
+from trainforge.checkpoint.opened import CheckpointFiles, as_files
+from trainforge.checkpoint.schema import SHARDED_DIR, SHARDED_METADATA
 from trainforge.checkpoint.storage import fsync_path
 
 
-def load_sharded(directory: Path, state: dict[str, Any]) -> None:
-    """Load a verified sharded checkpoint into ``state`` in place (DCP reshards to this world size).
-    Metadata is unpickled with an allow-list and non-tensor values load ``weights_only``."""
-    dcp.load(state, storage_reader=_SafeReader(directory / SHARDED_DIR), planner=_SafeLoadPlanner())
+def load_sharded(directory: Path | CheckpointFiles, state: dict[str, Any]) -> None:
+    """Load a verified sharded checkpoint (its directory, or its files decrypted) into ``state`` in
+    place (DCP reshards to this world size). Metadata is unpickled with an allow-list and non-tensor
+    values load ``weights_only``."""
+    dcp.load(state, storage_reader=_SafeReader(as_files(directory)), planner=_SafeLoadPlanner())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -128,9 +126,28 @@ class ShardWriter(FileSystemWriter):
 # Reading without unpickling arbitrary objects
 
 
+class _CheckpointStreams(FileSystem):
+    """DCP's reads, from a checkpoint's files by their names inside it (each a regular file)."""
+
+    def __init__(self, files: CheckpointFiles) -> None:
+        self.files = files
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Generator[io.IOBase, None, None]:
+        if mode != "rb":
+            raise ValueError(f"a checkpoint's shards are only read (mode {mode!r})")
+        with self.files.open(Path(path).as_posix()) as stream:
+            yield cast(io.IOBase, stream)
+
+
 class _SafeReader(FileSystemReader):
+    def __init__(self, files: CheckpointFiles) -> None:
+        super().__init__(SHARDED_DIR)  # a name inside the checkpoint: the streams resolve it
+        self.fs = _CheckpointStreams(files)
+        self.files = files
+
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        with open_regular(Path(self.path) / ".metadata", SHARDED_METADATA) as handle:
+        with self.files.open(SHARDED_METADATA) as handle:
             metadata = read_metadata(handle.read(MAX_METADATA_BYTES + 1))
         storage_meta = getattr(metadata, "storage_meta", None) or StorageMeta()
         storage_meta.load_id = self.load_id
@@ -148,7 +165,7 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = loaded
 
 
-def read_sharded_whole(directory: Path, key: str) -> dict[str, Any]:
+def read_sharded_whole(directory: Path | CheckpointFiles, key: str) -> dict[str, Any]:
     """Component ``key``'s tensors in a verified sharded checkpoint, whole: every rank's shards
     read in this process, with no template and no process group (an export, a warm start). It
     holds the whole component in memory; a run's last save also has its full weights in a safetensors file."""
@@ -159,7 +176,7 @@ def read_sharded_whole(directory: Path, key: str) -> dict[str, Any]:
         load_bytes = _SafeLoadPlanner.load_bytes
 
     state: dict[str, Any] = {}
-    reader = _SafeReader(directory / SHARDED_DIR)
+    reader = _SafeReader(as_files(directory))
     _load_state_dict(state, storage_reader=reader, planner=_SafeWholePlanner(keys={key}), no_dist=True)
     found = state.get(key)
     return dict(found) if isinstance(found, dict) else {}

@@ -182,9 +182,12 @@ def write_tensors(path: Path, tree: Any, algorithm: str = DEFAULT_HASH, sealer: 
     return write_torch(path, tree, algorithm, sealer)
 
 
-def read_tensors(path: Path) -> Any:
-    """What :func:`write_tensors` wrote; nothing is unpickled but tensors and plain containers."""
-    if path.suffix == ".safetensors":
+def read_tensors(path: Path | IO[bytes], *, safetensors: bool | None = None) -> Any:
+    """What :func:`write_tensors` wrote (safetensors by the file's suffix unless ``safetensors``
+    says; a stream is read by ``torch.load``); nothing is unpickled but tensors and plain containers."""
+    if safetensors is None:
+        safetensors = isinstance(path, Path) and path.suffix == ".safetensors"
+    if safetensors:
         return load_file(str(path))
     # weights_only=True: tensors and plain containers only, never arbitrary pickled objects.
     return torch.load(path, map_location="cpu", weights_only=True)

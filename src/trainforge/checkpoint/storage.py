@@ -16,12 +16,12 @@ import shutil
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import pyarrow.fs as pafs
 
 from trainforge.checkpoint import verify as verify_module
-from trainforge.checkpoint.crypto import ENCRYPTED_HINT, OVERHEAD, FileCipher, decrypted_copy
+from trainforge.checkpoint.crypto import ENCRYPTED_HINT, OVERHEAD, FileCipher
 from trainforge.checkpoint.names import (
     RETIRED_PREFIX,
     TEMP_PREFIX,
@@ -30,6 +30,7 @@ from trainforge.checkpoint.names import (
     retired_name,
     staging_name,
 )
+from trainforge.checkpoint.opened import CheckpointFiles, DirectoryFiles, decrypted, write_whole
 from trainforge.checkpoint.saved import saved_from
 from trainforge.checkpoint.schema import FULL, MANIFEST, MAX_STATE_BYTES, STATE_FILE, ComponentSchemas
 from trainforge.checkpoint.sse import EncryptingWriter, ServerSide
@@ -182,15 +183,20 @@ class CheckpointStore:
         encrypted = bool(manifest and manifest.get("encryption"))
         if encrypted and self.cipher is None:
             raise CheckpointError(f"{name} is encrypted: {ENCRYPTED_HINT}")
+        if encrypted:  # plaintext that has a name only once it is whole (opened.write_whole)
+            cipher = self.cipher
+            assert cipher is not None and manifest is not None
+            size = int(manifest["files"][rel]["size"])
+
+            def decrypt(out: IO[bytes]) -> None:
+                with self.fs.open_input_file(f"{self.path(name)}/{rel}") as source:
+                    cipher.open_stream(rel, source, size, out)
+
+            write_whole(target, decrypt)
+            return
         partial = target.with_name(f".{target.name}.partial")
         try:
-            if not encrypted:
-                pafs.copy_files(f"{self.path(name)}/{rel}", str(partial), self.fs, pafs.LocalFileSystem())
-            else:
-                assert self.cipher is not None
-                size = int(manifest["files"][rel]["size"]) if manifest else 0
-                with self.fs.open_input_file(f"{self.path(name)}/{rel}") as source, open(partial, "wb") as out:
-                    self.cipher.open_stream(rel, source, size, out)
+            pafs.copy_files(f"{self.path(name)}/{rel}", str(partial), self.fs, pafs.LocalFileSystem())
             partial.replace(target)
         finally:
             partial.unlink(missing_ok=True)
@@ -219,19 +225,19 @@ class CheckpointStore:
         )
 
     @contextlib.contextmanager
-    def opened(self, directory: Path) -> Iterator[Path]:
-        """A fetched, verified checkpoint directory as plaintext: itself, or (encrypted) a private
-        decrypted copy, removed on exit."""
+    def opened(self, directory: Path) -> Iterator[CheckpointFiles]:
+        """A fetched, verified checkpoint directory's files as plaintext: its own, or (encrypted)
+        decrypted into anonymous files that vanish on exit, and with the process however it ends."""
         encryption = verify_module.local_encryption(directory)
         if encryption is None:
-            yield directory
+            yield DirectoryFiles(directory)
             return
         if self.cipher is None:
             raise CheckpointError(f"{directory.name} is encrypted: {ENCRYPTED_HINT}")
         self.cipher.check_key(encryption, directory.name)
         files = sorted(str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file())
-        with decrypted_copy(directory, [rel for rel in files if rel != MANIFEST], self.cipher) as copy:
-            yield copy
+        with decrypted(directory, [rel for rel in files if rel != MANIFEST], self.cipher) as plain:
+            yield plain
 
     def staging_dir(self, name: str, local_scratch: Path) -> Path:
         """Where a new checkpoint is written before ``commit``: beside its final place on a local

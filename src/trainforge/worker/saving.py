@@ -27,6 +27,7 @@ from safetensors import SafetensorError
 
 from trainforge.checkpoint.crypto import cipher_of
 from trainforge.checkpoint.names import name_of_uri
+from trainforge.checkpoint.opened import CheckpointFiles
 from trainforge.checkpoint.problems import KEY, OUTDATED
 from trainforge.checkpoint.reader import load_shards, load_state
 from trainforge.checkpoint.saved import Saved, read_saved
@@ -315,8 +316,11 @@ def one_line(err: BaseException) -> str:
     return text if len(text) <= 300 else text[:297] + "..."
 
 
-def load_into(run: WorkerRun, directory: Path, schemas: dict[str, ComponentSchemas] | None = None) -> Loaded:
-    """Every component's state from a verified checkpoint directory, in registry order: each
+def load_into(
+    run: WorkerRun, directory: Path | CheckpointFiles, schemas: dict[str, ComponentSchemas] | None = None
+) -> Loaded:
+    """Every component's state from a verified checkpoint (its directory, or its files as
+    ``CheckpointStore.opened`` gives them: decrypted when encrypted), in registry order: each
     component's JSON checked against its schema before anything is applied, the sharded tensors
     loaded in one (collective) pass, each rank's own state only when the same ranks wrote it.
 
