@@ -208,7 +208,13 @@ def _mask_auth_scheme(match: re.Match[str]) -> str:
 
 
 def _looks_like_credential(value: str) -> bool:
-    return any(not c.isalpha() for c in value) or len(value) >= 16
+    """Long, or not a word nor a small number (``2 restarts`` is prose, ``hunter2`` is not)."""
+    return len(value) >= 16 or (len(value) >= 6 and any(not c.isalpha() for c in value))
+
+
+def _in_prose_a_credential(value: str) -> bool:
+    """After ``word:`` in a sentence: a credential's look, and not a path's (``/x``, ``./x``, ``a/b``)."""
+    return _looks_like_credential(value) and not value.startswith(("/", "~", ".")) and "/" not in value
 
 
 def _value_end(text: str, start: int) -> int:
@@ -255,9 +261,9 @@ def _mask_named_values(text: str) -> str:
             continue
         name = match.group("name")
         prose = (name.isalpha() and name.islower()) or "." in name
-        if not match.group("q") and ":" in match.group("sep") and prose and not _looks_like_credential(value):
-            # "the token: check it", "node.key: the key is ..." are prose (or a file's name);
-            # "password: hunter2", "model.kwargs.hf_token: <long value>" are not.
+        if not match.group("q") and ":" in match.group("sep") and prose and not _in_prose_a_credential(value):
+            # "the token: check it", "node.key: the key is ...", "secrets: certs/ca.key" are prose (or
+            # a file's name); "password: hunter2", "model.kwargs.hf_token: <long value>" are not.
             continue
         quote = value[-1] if value[-1] in "'\"" and len(value) > 1 else ""
         out.append(text[done:start] + (f"{quote}{MASK}{quote}" if quote else MASK))

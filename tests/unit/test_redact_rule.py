@@ -164,6 +164,8 @@ def test_auth_schemes_and_userinfo_are_masked(text: str, expected: str) -> None:
         "keep_last: 3, num_workers: 2, key_env: TF_KEY, sort_keys=True",
         "cluster.tls.key /etc/certs/node.key: the private key is readable by every user (mode 0644)",
         "model.factory 'mod:build' returned a dict",
+        "left out of the package as secrets: certs/ca.key, ./node.key, .env (trainforge submit --dry-run says why)",
+        "--ca-from /x/ca: ca.key: /x/ca/ca.key is readable by every user; driver session: 2 restarts",
     ],
 )
 def test_text_without_credentials_is_kept(text: str) -> None:
