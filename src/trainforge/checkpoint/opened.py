@@ -127,14 +127,31 @@ def decrypted(directory: Path, files: Iterable[str], cipher: FileCipher) -> Iter
     """The plaintext of ``files`` of the encrypted checkpoint at ``directory``, each file
     authenticated before it is read, in anonymous files that close (and vanish) on exit."""
     plain = DecryptedFiles(directory.name)
+    names = list(files)
+    _allow_descriptors(len(names))
     try:
-        for rel in files:
+        for rel in names:
             source_path = directory / rel
             with open(source_path, "rb") as source, plain.add(rel) as out:
                 cipher.open_stream(rel, source, source_path.stat().st_size, out)
         yield plain
     finally:
         plain.close()
+
+
+def _allow_descriptors(count: int) -> None:
+    """Raise this process's soft limit on open files (up to its hard limit) so that ``count``
+    more fit: each decrypted file holds one (a checkpoint of many ranks has many files)."""
+    try:
+        import resource
+    except ImportError:  # not a Unix
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = len(os.listdir(_FD_DIR)) + count + 64 if os.path.isdir(_FD_DIR) else count + 1024
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        resource.setrlimit(
+            resource.RLIMIT_NOFILE, (wanted if hard == resource.RLIM_INFINITY else min(wanted, hard), hard)
+        )
 
 
 def write_whole(target: Path, fill: Callable[[BinaryIO], None]) -> None:
