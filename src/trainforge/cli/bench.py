@@ -19,6 +19,7 @@ from trainforge.cli.common import (
     wide_console,
 )
 from trainforge.errors import TrainforgeError
+from trainforge.files import check_output_path
 
 app = typer.Typer(help="Benchmarks that print figures.", no_args_is_help=True)
 
@@ -109,8 +110,10 @@ def bench_checkpoint(
         raise TrainforgeError(f"--size-mb {size_mb}: must be > 0")
     if repeats < 1:
         raise TrainforgeError(f"--repeats {repeats}: must be >= 1")
-    if dir_ is not None and not dir_.is_dir():
-        raise TrainforgeError(f"--dir {dir_}: folder does not exist")
+    if dir_ is not None:
+        check_output_path(dir_, "--dir", "folder")
+        if not dir_.is_dir():
+            raise TrainforgeError(f"--dir {dir_}: folder does not exist")
     check_output_folder(output)
     from trainforge.bench.checkpoint import run_checkpoint_bench
 
@@ -306,8 +309,8 @@ def bench_scaling(
     if not 1 <= workers_per_node <= 1024:
         raise TrainforgeError(f"--workers-per-node {workers_per_node}: from 1 to 1024")
     check_output_folder(output)
-    if dir_ is not None and dir_.exists() and not dir_.is_dir():
-        raise TrainforgeError(f"--dir {dir_}: exists and is not a folder")
+    if dir_ is not None:
+        check_output_path(dir_, "--dir", "folder")
     from trainforge.predict.links import resolve_link
 
     chosen = resolve_link(link, None) if link is not None else None

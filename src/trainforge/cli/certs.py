@@ -36,6 +36,10 @@ def certs_create(
     Every node and every driver gets ca.crt, node.crt and node.key (cluster.tls, or Ray's
     RAY_TLS_* variables); ca.key stays with you. Existing files are never overwritten.
     """
+    from trainforge.errors import ConfigError
+    from trainforge.files import check_output_path
+
+    check_output_path(folder, "FOLDER", "folder", ConfigError)
     from trainforge.driver.certs import create_certs, default_hosts
 
     names = [part.strip() for given in hosts or [] for part in given.split(",") if part.strip()]

@@ -13,6 +13,7 @@ from rich.console import Console
 
 from trainforge.consoles import make_console
 from trainforge.errors import TrainforgeError
+from trainforge.files import check_output_path
 from trainforge.redact import redacting
 
 err_console = make_console(stderr=True)
@@ -34,10 +35,19 @@ def resolve_config_path(name: str) -> str:
     return str(bundled) if bundled.is_file() else name
 
 
-def check_output_folder(output: Path | None) -> None:
-    """``--output FILE``: its folder must exist (checked before any work starts)."""
-    if output is not None and not output.parent.is_dir():
-        raise TrainforgeError(f"--output {output}: folder {output.parent} does not exist")
+def check_output_folder(output: Path | None, flag: str = "--output") -> None:
+    """``--output FILE``: a file that may be written there, in a folder that exists, and no link
+    (``files.check_output_path``); checked before any work starts."""
+    if output is not None:
+        check_output_path(output, flag, "file")
+
+
+def write_output(output: Path, text: str, flag: str = "--output") -> None:
+    """``text`` into the ``--output`` file: a failure to write (the disk full, the folder gone) is one line."""
+    try:
+        output.write_text(text)
+    except OSError as err:
+        raise TrainforgeError(f"{flag} {output}: cannot be written ({err.strerror or err})") from None
 
 
 def parse_counts(flag: str, text: str, most: int, example: str) -> list[int]:

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from trainforge.cli.ckpt import KeyEnvOpt, cipher_from
-from trainforge.cli.common import check_output_folder, json_text, wide_console
+from trainforge.cli.common import check_output_folder, json_text, wide_console, write_output
 from trainforge.cli.export import TRUST_HELP
 from trainforge.errors import TrainforgeError
 
@@ -53,7 +53,7 @@ def evaluate(
     found = evaluate_run(run_dir, checkpoint, split, trust_run_config=trust_run_config, cipher=cipher)
     show(found)
     if output is not None:
-        output.write_text(json_text(found.to_json(), indent=2) + "\n")
+        write_output(output, json_text(found.to_json(), indent=2) + "\n")
 
 
 def show(found: Evaluation) -> None:

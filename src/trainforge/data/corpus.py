@@ -58,6 +58,7 @@ from trainforge.data.tokenizer import (
     train_bpe,
 )
 from trainforge.errors import DataError
+from trainforge.files import check_output_path
 
 DEFAULT_SHARD_TOKENS = 1 << 27  # 256 MiB of uint16 per shard
 GROUP_BYTES = 8 << 20  # input tokenized in one batch (and sent to one process)
@@ -271,10 +272,12 @@ def prepare_corpus(options: PrepareOptions, *, show_progress: bool = False) -> P
 
 
 def check_output(output: Path, options: PrepareOptions) -> None:
-    """``output`` may be new, an empty folder, or (with ``force``) a corpus prepared before."""
-    if not output.exists() and not output.is_symlink():
-        return
+    """``output`` may be new, an empty folder, or (with ``force``) a corpus prepared before; never
+    a link (``files.check_output_path``)."""
     flag = options.names.output
+    check_output_path(output, flag, "folder", DataError)
+    if not output.exists():
+        return
     if not output.is_dir() or output.is_symlink():
         raise DataError(f"{flag} {output} exists and is not a directory: give a new folder")
     try:

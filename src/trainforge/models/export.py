@@ -33,6 +33,7 @@ from trainforge.config import Config, load_config, load_run_config, to_yaml
 from trainforge.data import build_datasets
 from trainforge.data.spec import DataSpec
 from trainforge.errors import CheckpointError, ModelError
+from trainforge.files import check_output_path
 from trainforge.models.hub import corpus_hf_tokenizer, require_transformers_model, write_hf
 from trainforge.models.lora import ADAPTER_MARK, apply_lora, lora_target, merge
 from trainforge.models.pretrained import MODEL_FILE, Source, checkpoint_source, load_pretrained, load_weights
@@ -135,7 +136,8 @@ def export_run(
 
 
 def check_output(output: Path) -> None:
-    """``--output DIR``: new, or an empty folder; never one with files in it."""
+    """``--output DIR``: new, or an empty folder; never one with files in it, nor a link."""
+    check_output_path(output, "--output", "folder", ModelError)
     if output.exists() and (not output.is_dir() or any(output.iterdir())):
         raise ModelError(f"--output {output}: exists and is not an empty folder (nothing is overwritten)")
     if output.parent.exists() and not output.parent.is_dir():

@@ -20,7 +20,8 @@ from torch import nn
 from trainforge.config import load_run_config
 from trainforge.data.spec import DataSpec
 from trainforge.data.tokenizer import Tokenizer
-from trainforge.errors import CheckpointError, ModelError
+from trainforge.errors import CheckpointError, ModelError, printable
+from trainforge.files import safetensors_header
 from trainforge.models import build_model
 from trainforge.models.export import final_model
 from trainforge.models.hub import run_tokenizer, token_data
@@ -64,13 +65,14 @@ def load_run_model(run_dir: Path, *, trust_run_config: bool = False) -> RunModel
     seq_len = token_data(config).seq_len
     spec = DataSpec(kind="tokens", input_shape=(seq_len,), vocab_size=manifest.vocab_size, seq_len=seq_len)
     model = build_model(config.model, spec)
+    safetensors_header(weights, f"RUN_DIR {run_dir}: {WEIGHTS_FILE}", ModelError)  # bounded before it is parsed
     try:
         if config.model.lora is not None:  # the file holds the adapters: the base and them, merged
             model = final_model(config, weights)
         else:
             load_model(model, str(weights), strict=True)
     except Exception as err:  # safetensors' header errors, missing or unexpected keys, shape mismatches
-        first = " ".join(str(err).split())[:300]
+        first = printable(" ".join(str(err).split()))[:300]
         raise ModelError(
             f"{weights} does not load into {config.model.name or config.model.factory} with the corpus's "
             f"vocabulary of {manifest.vocab_size} ({type(err).__name__}: {first}); was data.path prepared again since?"

@@ -16,6 +16,12 @@ more: a Hugging Face directory loads into a built-in, and a built-in's weights i
 returns the bare transformers model. Each rank reads only what it keeps: a parameter that FSDP or
 tensor parallelism sharded is read as its local rows or columns, straight out of the
 memory-mapped file.
+
+Every file is untrusted input: a header is refused by its length before it is parsed
+(``files.safetensors_header``), a name read from it is printed escaped (``errors.printable``), a
+symbolic link in a model directory is followed only to a file inside it (or, in a Hugging Face
+cache snapshot, into that cache's ``blobs/``), and a floating-point tensor that is not finite in the
+model's dtype (NaN, an infinity, or a value beyond the dtype's range) is refused by name as it is read.
 """
 
 from __future__ import annotations
@@ -40,7 +46,8 @@ from trainforge.checkpoint.reader import read_whole, weights_file
 from trainforge.checkpoint.saved import read_saved
 from trainforge.checkpoint.schema import MANIFEST
 from trainforge.checkpoint.storage import CheckpointStore
-from trainforge.errors import ModelError
+from trainforge.errors import ModelError, printable, shown
+from trainforge.files import safetensors_header
 
 log = logging.getLogger("trainforge.pretrained")
 
@@ -82,7 +89,7 @@ def resolve(given: str) -> Source:
                 f"{key}: a file must be .safetensors (trainforge loads no pickles); "
                 "or give a Hugging Face model directory or a trainforge run or checkpoint directory"
             )
-        return Source(f"safetensors file {path}", (path,))
+        return Source(f"safetensors file {path}", (path,))  # the file the config names, links and all
     if (path / MANIFEST).is_file():
         return checkpoint_source(path, key)
     if (path / HF_CONFIG).is_file():
@@ -91,7 +98,8 @@ def resolve(given: str) -> Source:
     if checkpoints:
         return run_source(path, checkpoints, key)
     if (path / MODEL_FILE).is_file():
-        return Source(f"run directory {path} ({MODEL_FILE}, no checkpoint to verify)", (path / MODEL_FILE,))
+        found = own_file(path, MODEL_FILE, key)
+        return Source(f"run directory {path} ({MODEL_FILE}, no checkpoint to verify)", (found,))
     raise ModelError(
         f"{key}: a directory with neither {HF_CONFIG} (Hugging Face), {MANIFEST} (a checkpoint) nor "
         f"checkpoints or {MODEL_FILE} (a trainforge run)"
@@ -101,7 +109,7 @@ def resolve(given: str) -> Source:
 def hf_source(path: Path, key: str) -> Source:
     index = path / HF_INDEX
     if index.is_file():
-        with index.open("rb") as handle:
+        with own_file(path, HF_INDEX, key).open("rb") as handle:
             raw = handle.read(MAX_INDEX_BYTES + 1)
         try:
             weight_map = json.loads(raw)["weight_map"] if len(raw) <= MAX_INDEX_BYTES else None
@@ -112,13 +120,32 @@ def hf_source(path: Path, key: str) -> Source:
         names = sorted({str(v) for v in weight_map.values()})
         bad = [n for n in names if "/" in n or n.startswith(".") or not (path / n).is_file()]
         if bad:
-            raise ModelError(f"{key}: {HF_INDEX} names {bad[0]!r}, which is not a file of the directory")
-        return Source(f"Hugging Face directory {path} ({len(names)} shards)", tuple(path / n for n in names))
+            raise ModelError(f"{key}: {HF_INDEX} names {shown(bad[0])}, which is not a file of the directory")
+        shards = tuple(own_file(path, n, key) for n in names)
+        return Source(f"Hugging Face directory {path} ({len(names)} shards)", shards)
     if (path / MODEL_FILE).is_file():
-        return Source(f"Hugging Face directory {path}", (path / MODEL_FILE,))
+        return Source(f"Hugging Face directory {path}", (own_file(path, MODEL_FILE, key),))
     raise ModelError(
         f"{key}: a Hugging Face directory without {MODEL_FILE} or {HF_INDEX} "
         "(pytorch_model.bin is a pickle and is not read: convert it to safetensors)"
+    )
+
+
+def own_file(folder: Path, name: str, key: str) -> Path:
+    """``folder/name``, a file of the model directory: a symbolic link is followed only to a file
+    inside ``folder``, or from a Hugging Face cache snapshot (``.../snapshots/<revision>/``) into
+    that cache's ``blobs/``, where the hub keeps the files its snapshots link to; any other target
+    (``/etc/...``, a home directory's key) is refused, as a checkpoint refuses every link."""
+    path = folder / name
+    if not path.is_symlink():
+        return path
+    base, target = folder.resolve(), path.resolve()
+    cache_blobs = base.parent.parent / "blobs" if base.parent.name == "snapshots" else None
+    if target.is_relative_to(base) or (cache_blobs is not None and target.is_relative_to(cache_blobs)):
+        return path
+    raise ModelError(
+        f"{key}: {shown(name)} is a symbolic link to {shown(target)}, outside the model directory: "
+        "copy the file into the directory"
     )
 
 
@@ -164,12 +191,14 @@ class Weights:
             self.whole = read_whole(source.sharded_checkpoint, MODEL_COMPONENT)
         self.spans: dict[str, tuple[Path, int, str]] = {}  # name -> (file, first data byte, dtype)
         for file in source.files:
+            data_start, header = safetensors_header(file, f"model.pretrained: {file}", ModelError)  # bounded
             try:
                 handle = safe_open(str(file), framework="pt")  # validates the header and the offsets
                 names = list(handle.keys())
             except Exception as err:  # safetensors' header errors
-                raise ModelError(f"model.pretrained: {file} is not a readable safetensors file ({err})") from None
-            data_start, header = read_header(file)
+                raise ModelError(
+                    f"model.pretrained: {file} is not a readable safetensors file ({printable(str(err))[:300]})"
+                ) from None
             for name in names:
                 self.where[name] = handle
                 entry = header[name]
@@ -228,14 +257,6 @@ SAFETENSORS_DTYPES = {
 }
 
 
-def read_header(file: Path) -> tuple[int, dict[str, Any]]:
-    """A safetensors file's header (already validated by safetensors) and where its data starts."""
-    with file.open("rb") as handle:
-        size = int.from_bytes(handle.read(8), "little")
-        header = json.loads(handle.read(size))
-    return 8 + size, header
-
-
 def rows_of(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[int, int] | None:
     """``(first, stop)`` when ``index`` takes whole rows of a tensor of ``shape`` (every dimension
     but the first in full), else None."""
@@ -272,8 +293,9 @@ class Matching:
             ("of another shape", self.mismatched),
         ):
             if names:
-                shown = ", ".join(names[:SHOWN]) + (f", ... ({len(names) - SHOWN} more)" if len(names) > SHOWN else "")
-                parts.append(f"{len(names)} {what} ({shown})")
+                listed = ", ".join(printable(n)[:200] for n in names[:SHOWN])  # a file's names are untrusted
+                listed += f", ... ({len(names) - SHOWN} more)" if len(names) > SHOWN else ""
+                parts.append(f"{len(names)} {what} ({listed})")
         return "; ".join(parts)
 
 
@@ -447,9 +469,22 @@ def load_weights(
     for target, name in found.pairs.items():
         index, local = local_index(targets[target])
         read += weights.read_into(name, index, local)
+        refuse_not_finite(local, name, key)
         total += targets[target].numel() * local.element_size()
     elapsed = time.perf_counter() - started
     return Loaded(len(found.pairs), read, total, elapsed, "" if strict else found.describe(), source.description)
+
+
+def refuse_not_finite(local: torch.Tensor, name: str, key: str) -> None:
+    """One line naming tensor ``name`` when a floating-point value read into ``local`` is NaN or
+    an infinity, whether the file held it or it lay beyond the range of the model's dtype (an F32
+    1e10 read into float16). One pass over memory just read: cheap beside the read itself."""
+    if (local.is_floating_point() or local.is_complex()) and not bool(torch.isfinite(local).all()):
+        dtype = str(local.dtype).removeprefix("torch.")
+        raise ModelError(
+            f"{key}: tensor {shown(name)} holds values that are not finite as {dtype} "
+            "(NaN, an infinity, or beyond the dtype's range): refused, the model would train on them"
+        )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -12,6 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from trainforge.errors import shown
+from trainforge.files import check_output_path
 from trainforge.report.data import REPORT_DIR, ReportError, RunData, load_run
 
 __all__ = ["REPORT_DIR", "ReportError", "RunData", "load_run", "write_report"]
@@ -25,10 +27,15 @@ def write_report(run_dir: str | Path, summary: dict[str, Any] | None = None) -> 
 
     data = load_run(run_dir, summary)
     out = data.run_dir / REPORT_DIR
+    # The run directory is data: a link there (the folder, a page or a plot in it) is not written through.
+    check_output_path(out, "the report's folder", "folder", ReportError)
     try:
         out.mkdir(exist_ok=True)
+        links = sorted(item.name for item in out.iterdir() if item.is_symlink())
     except OSError as err:
         raise ReportError(f"cannot write the report into {out}: {err.strerror or err}") from None
+    if links:
+        raise ReportError(f"{out} holds a symbolic link ({shown(links[0])}): the report is not written through links")
     plots = render_plots(data, out)
     page = out / "report.html"
     page.write_text(render_page(data, plots), encoding="utf-8")
