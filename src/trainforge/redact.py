@@ -172,6 +172,8 @@ _TOKEN_FORMATS = re.compile(
             r"\bpypi-[A-Za-z0-9_\-]{50,}",  # PyPI
             r"\bdop_v1_[a-f0-9]{64}",  # DigitalOcean
             r"\beyJ[A-Za-z0-9_\-]{5,}\.[A-Za-z0-9_\-]{5,}\.[A-Za-z0-9_\-]*",  # JWT (header.payload.signature)
+            r"(?<=hooks\.slack\.com/services/)[A-Za-z0-9/]{20,}",  # a Slack webhook's path is its secret
+            r"(?<=/api/webhooks/)[0-9]+/[A-Za-z0-9_\-]{20,}",  # Discord's
         ]
     )
 )
@@ -298,10 +300,10 @@ def _mask_parameter(match: re.Match[str]) -> str:
 
 
 # The values under secret names of the configs this process resolved: masked wherever they appear,
-# whatever names them (a factory's message that quotes its token, a library's repr). Strings only,
-# of a length no word of an ordinary message has by chance.
+# whatever names them (a factory's message that quotes its token, a library's repr). Strings with a
+# credential's look only (``_looks_like_credential``): no word of an ordinary message is one, so a
+# config (a run directory's is not trusted) cannot hide words of the output by naming them secrets.
 _REMEMBERED: set[str] = set()
-_MIN_REMEMBERED = 8
 _MAX_REMEMBERED = 1000
 
 
@@ -309,7 +311,7 @@ def remember_secrets(tree: Any) -> None:
     """Note every string value under a secret-named key of ``tree`` (a config, any JSON-like
     tree), however deep: ``redact_text`` masks it from now on, in this process."""
     for value in _secret_values(tree, False):
-        if len(value) >= _MIN_REMEMBERED and len(_REMEMBERED) < _MAX_REMEMBERED and value != MASK:
+        if _looks_like_credential(value) and len(_REMEMBERED) < _MAX_REMEMBERED and MASK not in value:
             _REMEMBERED.add(value)
 
 
