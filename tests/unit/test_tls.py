@@ -492,6 +492,7 @@ def signed(
     ca: bool = False,
     hosts: tuple[str, ...] = ("localhost", "127.0.0.1"),
     signer: Path | None = None,
+    usages: tuple[x509.ObjectIdentifier, ...] = (),
 ) -> Path:
     """A certificate for ``key`` (the issuer's node key by default) in the name of ``issuer``'s CA,
     signed with ``signer`` (the CA's key by default), valid from now+start to now+end."""
@@ -518,6 +519,8 @@ def signed(
     )
     if hosts:
         builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
+    if usages:
+        builder = builder.add_extension(x509.ExtendedKeyUsage(list(usages)), critical=False)
     path = folder / f"{name}.crt"
     path.write_bytes(builder.sign(ca_key, hashes.SHA256()).public_bytes(serialization.Encoding.PEM))
     return path
@@ -748,6 +751,16 @@ def test_a_local_ray_needs_a_certificate_naming_its_node_address(
     ):
         check_local_tls(config)  # before start_early or start_local starts Ray
     check_local_tls(load_config(tiny_run(tmp_path), [tls_set(certs.ca, certs.cert, certs.key)]))
+    # What the file checks do not judge, a real handshake of the files with themselves does:
+    # a certificate for servers only is refused when it acts as a client, as Ray's processes all do.
+    server_only = signed(tmp_path, "server-only", certs, usages=(ExtendedKeyUsageOID.SERVER_AUTH,))
+    config = load_config(tiny_run(tmp_path), [tls_set(certs.ca, server_only, certs.key)])
+    with pytest.raises(
+        ConfigError,
+        match=rf"^cluster.tls.cert {server_only}: in a TLS handshake of these files with themselves at 127.0.0.1, "
+        r"as Ray's processes make it, the server refuses the client's certificate \(unsuitable certificate purpose\)$",
+    ):
+        check_local_tls(config)
     check_local_tls(load_config(tiny_run(tmp_path)))  # no TLS: nothing to check
 
 
@@ -765,9 +778,8 @@ def test_ca_from_refuses_a_ca_key_others_may_read_or_an_expired_ca(
     err = one_error_line(capsys, ["certs", "create", str(tmp_path / "a"), "--ca-from", str(shared)])
     assert "ca.key: writable by every user (mode 0602)" in err
     (shared / "ca.key").chmod(0o600)
-    old = CertFiles(ca=signed(tmp_path, "old-ca", certs, start=-10 * DAY, end=-DAY, ca=True), ca_key=certs.ca_key,
-                    cert=certs.cert, key=certs.key)  # fmt: skip
-    (shared / "ca.crt").write_bytes(old.ca.read_bytes())
+    old_ca = signed(tmp_path, "old-ca", certs, key=certs.ca_key, start=-10 * DAY, end=-DAY, ca=True)
+    (shared / "ca.crt").write_bytes(old_ca.read_bytes())
     err = one_error_line(capsys, ["certs", "create", str(tmp_path / "a"), "--ca-from", str(shared)])
     assert f"--ca-from {shared}: the CA in ca.crt expired on" in err
     assert not (tmp_path / "a").exists()

@@ -24,7 +24,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from trainforge.config.schema import TlsConfig
-from trainforge.driver.tls_files import TlsFiles, check_node_address, check_tls_files, env_files
+from trainforge.driver.tls_files import TlsFiles, check_handshake, check_node_address, check_tls_files, env_files
 from trainforge.errors import ClusterError, ConfigError
 
 USE_TLS = "RAY_USE_TLS"
@@ -71,11 +71,13 @@ def use_tls(tls: TlsConfig | None) -> None:
 
 def check_node_tls(tls: TlsConfig | None, node_address: str) -> None:
     """With Ray's TLS on: the certificate names ``node_address``, where this node's Ray listens
-    and its peers dial it (nothing with TLS off)."""
-    if tls is not None:
-        check_node_address(TlsFiles.of_config(tls), node_address)
-    elif tls_in_environment():
-        check_node_address(env_files(os.environ), node_address)
+    and its peers dial it, and a handshake of the files with themselves there succeeds (nothing
+    with TLS off)."""
+    if tls is None and not tls_in_environment():
+        return
+    files = TlsFiles.of_config(tls) if tls is not None else env_files(os.environ)
+    check_node_address(files, node_address)
+    check_handshake(files, node_address)
 
 
 def dashboard_verify(address: str, ca: str | None, source: str = "--ca") -> str | bool:
