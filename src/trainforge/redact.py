@@ -12,6 +12,7 @@ nothing but the standard library and ``errors`` (a leaf).
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 from collections.abc import Mapping
@@ -118,6 +119,7 @@ def _name_words(name: str) -> list[str]:
     return [word for word in words if word]
 
 
+@functools.lru_cache(maxsize=4096)
 def is_secret_key(name: str) -> bool:
     """Whether a value under the name ``name`` (a config key, a query parameter, an environment
     variable, a keyword argument) is a secret, whatever it looks like: the rule above."""
@@ -177,6 +179,13 @@ _TOKEN_FORMATS = re.compile(
         ]
     )
 )
+# What each format above begins with, to look for the formats only in a text that holds one.
+_TOKEN_PREFIXES = (
+    *("hf_", "ghp_", "gho_", "ghu_", "ghs_", "ghr_", "github_pat_", "glpat-", "sk-", "k_live_", "k_test_"),
+    *("xox", "AKIA", "ASIA", "AGPA"),
+    *("AIDA", "AROA", "ANPA", "ANVA", "AIPA", "AIza", "npm_", "pypi-", "dop_v1_", "eyJ", "hooks.slack.com/"),
+    "/api/webhooks/",
+)
 # A PEM private key (RSA, EC, OPENSSH, ENCRYPTED, ...) to its end line, or to the end of the text
 # when it was cut; also with its newlines escaped (a repr).
 _PRIVATE_KEY = re.compile(
@@ -191,6 +200,12 @@ _BARE_VALUE = re.compile(
     r"""(?:(?:[Bb]earer|[Bb]asic|[Tt]oken)[ \t]+)?[^\s,;&#'"`<>(){}\[\]=][^\s,;&#'"`<>(){}\[\]]*"""
 )
 _CLOSING = {"{": "}", "[": "]", "(": ")"}
+_LONGEST = 10_000  # characters of one masked value: past them, the rest of a value stays masked by its look
+_LABEL_WORD = re.compile(r"([A-Za-z]+)[ ]$")
+# ``('name', 'value')``: a pair in a list of headers or items.
+_PAIR = re.compile(
+    r"""\(\s*(?P<q>['"])(?P<name>[^'"\n]{1,100})(?P=q)\s*,\s*(?P<value>'(?:[^'\\\n]|\\.)*'|"(?:[^"\\\n]|\\.)*")\s*\)"""
+)
 
 
 def _mask_token_format(match: re.Match[str]) -> str:
@@ -228,13 +243,14 @@ def _value_end(text: str, start: int) -> int:
         start += 1  # b'...', r"...": a prefixed string literal
     first = text[start]
     if first in "'\"":
-        i = start + 1
-        while i < len(text) and text[i] != first:
+        i, stop = start + 1, min(len(text), start + _LONGEST)
+        while i < stop and text[i] != first:
             i += 2 if text[i] == "\\" else 1
         return min(i + 1, len(text))
     if first in _CLOSING:
-        stack, i = [_CLOSING[first]], start + 1
-        while i < len(text) and stack:
+        # A structure never closed (a cut text) is masked to its end, or to _LONGEST: bounded work.
+        stack, i, stop = [_CLOSING[first]], start + 1, min(len(text), start + _LONGEST)
+        while i < stop and stack:
             c = text[i]
             if c in "'\"":
                 i = _value_end(text, i)
@@ -249,12 +265,32 @@ def _value_end(text: str, start: int) -> int:
     return bare.end() if bare else start
 
 
+def _names_a_secret(text: str, match: re.Match[str]) -> bool:
+    """``is_secret_key`` of the name; a label's last word ``Key`` is judged with the word before it
+    (``API Key: ...``, ``Private key = ...``)."""
+    name = match.group("name")
+    if is_secret_key(name):
+        return True
+    if match.group("q") or name.lower() not in ("key", "keys"):
+        return False
+    before = _LABEL_WORD.search(text, 0, match.start())
+    return before is not None and is_secret_key(f"{before.group(1)}_{name}")
+
+
+def _mask_pair(match: re.Match[str]) -> str:
+    """``('Authorization', 'Bearer x')``, a header list's item: the value masked when the name is secret."""
+    if not is_secret_key(match.group("name")):
+        return match.group(0)
+    value = match.group("value")
+    return match.group(0).replace(value, f"{value[0]}{MASK}{value[0]}")
+
+
 def _mask_named_values(text: str) -> str:
     """Every value that follows a secret name (``is_secret_key``) and ``=`` or ``:`` masked: a
     quoted string keeps its quotes, a nested structure becomes ``***`` whole."""
     out, done = [], 0
     for match in _NAMED.finditer(text):
-        if match.start() < done or not is_secret_key(match.group("name")):
+        if match.start() < done or not _names_a_secret(text, match):
             continue
         start = match.end()
         end = _value_end(text, start)
@@ -278,14 +314,17 @@ def redact_text(text: str) -> str:
     private keys, ``Bearer <token>``), the userinfo of every URI, values after a secret name
     (``name=value``, ``'name': value``, however nested), and the secret values the process was
     given (``remember_secrets``)."""
-    if _REMEMBERED:
-        for secret in sorted(_REMEMBERED, key=len, reverse=True):
-            if secret in text:
-                text = text.replace(secret, MASK)
-    text = _TOKEN_FORMATS.sub(_mask_token_format, text)
+    found = [secret for secret in _REMEMBERED if secret in text]
+    for secret in sorted(found, key=len, reverse=True):  # a longer secret before one it holds
+        text = text.replace(secret, MASK)
+    if any(prefix in text for prefix in _TOKEN_PREFIXES):  # a substring search is much faster than the regex
+        text = _TOKEN_FORMATS.sub(_mask_token_format, text)
     if "PRIVATE KEY-----" in text:
         text = _PRIVATE_KEY.sub(_mask_private_key, text)
-    text = _AUTH_SCHEME.sub(_mask_auth_scheme, text)
+    if any(word in text for word in ("earer", "EARER", "asic", "ASIC")):
+        text = _AUTH_SCHEME.sub(_mask_auth_scheme, text)
+    if "(" in text:
+        text = _PAIR.sub(_mask_pair, text)
     if "@" not in text and "=" not in text and ":" not in text:
         return text
     text = _USERINFO.sub(_mask_userinfo, text)

@@ -153,6 +153,11 @@ def test_a_private_key_block_is_masked(text: str) -> None:
         ("header basic dXNlcjpwYXNzd29yZA==", "header basic ***"),
         ("postgresql://app:pw0rd@db:5432/x", "postgresql://app:***@db:5432/x"),
         ("redis://:pw0rd@cache:6379/0", "redis://***@cache:6379/0"),
+        (
+            "headers [('Authorization', 'Bearer x'), ('Accept', 'json')]",
+            "headers [('Authorization', '***'), ('Accept', 'json')]",
+        ),
+        ("API Key: abc123def, Client Secret = xyz", "API Key: ***, Client Secret = ***"),
     ],
 )
 def test_auth_schemes_and_userinfo_are_masked(text: str, expected: str) -> None:
@@ -169,6 +174,7 @@ def test_auth_schemes_and_userinfo_are_masked(text: str, expected: str) -> None:
         "keep_last: 3, num_workers: 2, key_env: TF_KEY, sort_keys=True",
         "cluster.tls.key /etc/certs/node.key: the private key is readable by every user (mode 0644)",
         "model.factory 'mod:build' returned a dict",
+        "model.kwargs ['hf_token', 'hidden'] do not fit built-in 'mlp'; sort key: abc123def",
         "left out of the package as secrets: certs/ca.key, ./node.key, .env (trainforge submit --dry-run says why)",
         "--ca-from /x/ca: ca.key: /x/ca/ca.key is readable by every user; driver session: 2 restarts",
     ],
