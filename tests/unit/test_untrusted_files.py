@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import save_file
 
 from trainforge.cli import main
-from trainforge.errors import ModelError, printable, shown
+from trainforge.errors import CheckpointError, ModelError, printable, shown
 from trainforge.files import SAFETENSORS_MAX_HEADER, SAFETENSORS_MAX_TENSORS, human_size
 from trainforge.models.pretrained import check_pretrained, load_pretrained, resolve
 from trainforge.redact import redacting
@@ -214,3 +214,14 @@ def test_other_verbs_refuse_an_output_link(tmp_path: Path, capsys: pytest.Captur
     (run_dir / "metrics.jsonl").write_text("")
     err = refused(capsys, "report", str(run_dir))
     assert "symbolic link" in err and not any((tmp_path / "empty").iterdir())
+
+
+def test_a_checkpoint_weights_file_with_a_huge_header_is_refused_unparsed(tmp_path: Path) -> None:
+    """Verification's last check (that what verifies loads) and the reader: bounded the same way."""
+    from trainforge.checkpoint.state import check_loadable, read_tensors
+
+    big_header(tmp_path / "model.safetensors", SAFETENSORS_MAX_HEADER + 8, 10)
+    problem = check_loadable(tmp_path, ["model.safetensors"])
+    assert problem is not None and f"more than the {human_size(SAFETENSORS_MAX_HEADER)} trainforge reads" in problem
+    with pytest.raises(CheckpointError, match="SAFETENSORS_MAX_HEADER"):
+        read_tensors(tmp_path / "model.safetensors")

@@ -29,6 +29,8 @@ from torch.distributed.tensor import DTensor
 
 from trainforge.checkpoint.hashing import DEFAULT_HASH, FileRecord, Sealing, open_hashing
 from trainforge.checkpoint.schema import STATE_FILE
+from trainforge.errors import CheckpointError, TrainforgeError
+from trainforge.files import safetensors_header
 
 __all__ = ["STATE_FILE", "Record", "Snapshot", "State"]
 _SAFETENSORS_DTYPES = {dtype: name for name, dtype in _TYPES.items()}
@@ -188,6 +190,7 @@ def read_tensors(path: Path | IO[bytes], *, safetensors: bool | None = None) -> 
     if safetensors is None:
         safetensors = isinstance(path, Path) and path.suffix == ".safetensors"
     if safetensors:
+        safetensors_header(str(path), Path(str(path)).name, CheckpointError)  # its length bounded before parsing
         return load_file(str(path))
     # weights_only=True: tensors and plain containers only, never arbitrary pickled objects.
     return torch.load(path, map_location="cpu", weights_only=True)
@@ -268,10 +271,13 @@ def check_loadable(directory: Path, files: Iterable[str]) -> str | None:
         for name in names:
             path = directory / name
             if name.endswith(".safetensors") and path.exists():
+                safetensors_header(path, name, CheckpointError)  # its length bounded before it is parsed
                 with safe_open(str(path), framework="pt") as handle:
                     handle.keys()
             elif name.endswith(".pt") and path.exists():
                 torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except TrainforgeError as err:
+        return f"refused to load: {err}"
     except pickle.UnpicklingError:
         return (
             f"refused to load: {name} holds pickled objects other than tensors and plain "
