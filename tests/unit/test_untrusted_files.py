@@ -225,3 +225,18 @@ def test_a_checkpoint_weights_file_with_a_huge_header_is_refused_unparsed(tmp_pa
     assert problem is not None and f"more than the {human_size(SAFETENSORS_MAX_HEADER)} trainforge reads" in problem
     with pytest.raises(CheckpointError, match="SAFETENSORS_MAX_HEADER"):
         read_tensors(tmp_path / "model.safetensors")
+
+
+def test_data_verify_prints_what_a_manifest_names_as_data(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "a.txt").write_text("hello world\n" * 50)
+    (tmp_path / "b.txt").write_text("another document\n" * 50)
+    corpus = tmp_path / "corpus"
+    main(["data", "prepare", str(tmp_path / "a.txt"), str(tmp_path / "b.txt"), "--output", str(corpus)])
+    manifest = json.loads((corpus / "manifest.json").read_text())
+    manifest["tokenizer"]["spec"] = "bytes\n\x1b[2Jvalid: forged\u202e"
+    (corpus / "manifest.json").write_text(json.dumps(manifest))
+    capsys.readouterr()
+    main(["data", "verify", str(corpus), "--quick"])
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and "\x1b" not in out and "\u202e" not in out, repr(out)
+    assert "bytes\\n\\x1b[2Jvalid: forged\\u202e" in out

@@ -11,7 +11,7 @@ import typer
 from trainforge.cli.common import (
     setup_logging,
 )
-from trainforge.errors import TrainforgeError
+from trainforge.errors import TrainforgeError, printable
 
 app = typer.Typer(help="Prepare and verify token corpora for language models.", no_args_is_help=True)
 
@@ -66,7 +66,8 @@ def data_prepare(
     )
     prepared = prepare_corpus(options, show_progress=sys.stderr.isatty())
     skipped = f"; {prepared.skipped} files skipped (binary or not UTF-8)" if prepared.skipped else ""
-    typer.echo(f"prepared {prepared.path} in {prepared.seconds:.1f} s: {describe(prepared.manifest)}{skipped}")
+    line = f"prepared {prepared.path} in {prepared.seconds:.1f} s: {describe(prepared.manifest)}{skipped}"
+    typer.echo(printable(line))
 
 
 @app.command("verify")
@@ -81,4 +82,6 @@ def data_verify(
     manifest = verify_corpus(path, full=not quick, origin="corpus")
     size = sum(entry.size for entry in manifest.files.values())
     checked = "sizes checked" if quick else "SHA-256 checked"
-    typer.echo(f"valid: {path} ({len(manifest.files)} files, {size:,} bytes, {checked}): {describe(manifest)}")
+    # The manifest is read back from the disk: what it names is printed as data (errors.printable).
+    line = f"valid: {path} ({len(manifest.files)} files, {size:,} bytes, {checked}): {describe(manifest)}"
+    typer.echo(printable(line))
