@@ -15,6 +15,7 @@ from typing import Any
 from rich.console import Console
 
 from trainforge.config import Config, load_config
+from trainforge.consoles import DataConsole
 from trainforge.driver.run import train
 from trainforge.driver.startup import Timeline
 from trainforge.models import passed
@@ -84,7 +85,7 @@ def fit(
     source = passed.config_naming(config, model=model is not None, data=data is not None)
     resolved = load_config(source, [*overrides, *resume_override])
     startup.mark("cli")
-    console = console or Console(stderr=True)  # one console for the start-up lines and the progress
+    console = console or DataConsole(stderr=True)  # one console for the start-up lines and the progress
     startup.watch(StartupLines(console))
     with passed.installed(objects):
         summary = train(

@@ -10,9 +10,12 @@ its own width, and so does a user's ``COLUMNS``.
 from __future__ import annotations
 
 import os
-from typing import IO
+from typing import IO, Any
 
 from rich.console import Console
+from rich.text import Text
+
+from trainforge.errors import printable_lines
 
 PIPE_WIDTH = 10_000  # columns of a console that writes to a file or pipe: more than any table needs
 
@@ -25,7 +28,17 @@ def wide_when_piped(console: Console) -> Console:
     return console
 
 
+class DataConsole(Console):
+    """A console that prints text as data: every string it renders (a line, a table's cell or
+    header) has its control characters other than line breaks escaped (``errors.printable``), so a
+    name read from a checkpoint, a manifest or a run directory cannot move the cursor, recolour or
+    clear the terminal, or reverse what follows it. Rich's own styling is added after, untouched."""
+
+    def render_str(self, text: str, **options: Any) -> Text:
+        return super().render_str(printable_lines(text), **options)
+
+
 def make_console(*, stderr: bool = False, file: IO[str] | None = None) -> Console:
     """A rich console on stdout (``stderr``: on stderr; ``file``: on that file) whose tables keep
-    their natural width when it writes to a file or pipe."""
-    return wide_when_piped(Console(stderr=stderr, file=file))
+    their natural width when it writes to a file or pipe, and which prints text as data."""
+    return wide_when_piped(DataConsole(stderr=stderr, file=file))

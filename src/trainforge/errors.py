@@ -8,13 +8,35 @@ bidirectional override reaches the console or a log, and an error stays one line
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 MAX_SHOWN = 200  # characters of one name in a message: a name read from a file may be megabytes long
 
 
+def _unmasked(text: str) -> str:
+    return text
+
+
+# How a message is masked as the error is made: trainforge.redact installs its redact_text here
+# when it is imported (it imports this module, so this module cannot import it).
+_mask_message: Callable[[str], str] = _unmasked
+
+
+def mask_messages_with(mask: Callable[[str], str]) -> None:
+    """Every TrainforgeError made from now on has its message (each string argument) passed
+    through ``mask``: an exception's text holds no secret, in the CLI or in ``trainforge.fit``."""
+    global _mask_message
+    _mask_message = mask
+
+
 class TrainforgeError(Exception):
-    """Base class for user-facing errors: the message says what is wrong and what to do."""
+    """Base class for user-facing errors: the message says what is wrong and what to do. Its text is
+    masked as it is made (``mask_messages_with``): credentials never reach ``str(err)``."""
 
     exit_code = 2
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*(_mask_message(arg) if isinstance(arg, str) else arg for arg in args))
 
 
 class ConfigError(TrainforgeError):
@@ -103,6 +125,11 @@ def _escaped(char: str) -> str:
         return _SHORT[char]
     code = ord(char)
     return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
+
+
+def printable_lines(text: str) -> str:
+    """:func:`printable` line by line: a table or a page printed on purpose keeps its line breaks."""
+    return "\n".join(printable(line) for line in text.split("\n"))
 
 
 def shown(name: object, limit: int = MAX_SHOWN) -> str:

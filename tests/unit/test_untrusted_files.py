@@ -240,3 +240,23 @@ def test_data_verify_prints_what_a_manifest_names_as_data(tmp_path: Path, capsys
     out = capsys.readouterr().out
     assert out.count("\n") == 1 and "\x1b" not in out and "\u202e" not in out, repr(out)
     assert "bytes\\n\\x1b[2Jvalid: forged\\u202e" in out
+
+
+def test_every_console_prints_text_as_data() -> None:
+    """Tables and lines of every console (``ckpt inspect``'s view of a checkpoint's record, ``evaluate``,
+    the run's progress): no control character but a line break reaches the terminal."""
+    from rich.table import Table
+
+    from trainforge.consoles import make_console
+
+    stream = io.StringIO()
+    console = make_console(file=stream)
+    table = Table()
+    table.add_column("metric\x1b[2J")
+    table.add_row("val/\u202eloss")
+    console.print(table)
+    console.print("plan: ddp\x1b]0;owned\x07 x\rforged", "second\nline")
+    out = stream.getvalue()
+    assert not any(c in out for c in "\x1b\x07\r\u202e"), repr(out)
+    assert "metric\\x1b[2J" in out and "val/\\u202eloss" in out and "ddp\\x1b]0;owned\\x07 x\\rforged" in out
+    assert "second\nline" in out

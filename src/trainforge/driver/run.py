@@ -29,6 +29,7 @@ from trainforge.checkpoint.storage import CheckpointStore
 from trainforge.checkpoint.uris import check_scheme, first_line
 from trainforge.config import Config, FactoryData, to_yaml
 from trainforge.config.factories import import_from_working_directory
+from trainforge.consoles import DataConsole
 from trainforge.data.augment import augment_of, check_augment
 from trainforge.data.factory import check_data_factory
 from trainforge.data.registry import check_local_paths, open_stream, source_of
@@ -287,7 +288,7 @@ def train(
     as observers/base.py says. ``api.fit`` and a search's trials (tune/trial.py) run through here.
     """
     run_dir = config.run_dir
-    setup = SinkSetup(config, run_dir, console or Console(stderr=True))
+    setup = SinkSetup(config, run_dir, console or DataConsole(stderr=True))
     fanout = Observers(build_observers(setup, observers))
     try:
         summary = run_training(
