@@ -339,6 +339,15 @@ def test_dashboard_verify(certs: CertFiles, tmp_path: Path) -> None:
         dashboard_verify("http://head:8265", str(certs.ca))
     with pytest.raises(ConfigError, match="not a regular file"):
         dashboard_verify("https://head:8443", str(tmp_path))
+    # what is inside: certificates, not a key or garbage, none expired (#36)
+    with pytest.raises(ConfigError, match=rf"^--ca {certs.key}: holds a private key \(a key, not a certificate\)"):
+        dashboard_verify("https://head:8443", str(certs.key))
+    old = signed(tmp_path, "old-ca", certs, key=certs.ca_key, start=-10 * DAY, end=-DAY, ca=True)
+    with pytest.raises(ConfigError, match=rf"^cluster.tls.ca {old}: 'CN=old-ca' expired on"):
+        dashboard_verify("https://head:8443", str(old), "cluster.tls.ca")
+    (tmp_path / "garbage.crt").write_bytes(b"not PEM")
+    with pytest.raises(ConfigError, match=r"garbage.crt: not a PEM certificate"):
+        dashboard_verify("https://head:8443", str(tmp_path / "garbage.crt"))
 
 
 @pytest.fixture
@@ -680,6 +689,16 @@ def test_good_tls_material_passes_with_a_chain_and_a_bundle(
     check_tls_files(TlsFiles(str(bundle), str(chain), str(certs.key), ("ca", "cert", "key")))
     with pytest.raises(ConfigError, match=r"cert .*/leaf.crt: not signed by the CA"):
         check_tls_files(TlsFiles(str(certs.ca), str(leaf), str(certs.key), ("ca", "cert", "key")))
+    # an expired CA beside the one in use is let be, as TLS lets it be; the one that signed must be valid
+    old_key = tmp_path / "old.key"
+    old_key.write_bytes(foreign.key.read_bytes())
+    old = signed(tmp_path, "old-ca", certs, key=old_key, start=-10 * DAY, end=-DAY, ca=True)
+    mixed = tmp_path / "mixed.crt"
+    mixed.write_bytes(old.read_bytes() + certs.ca.read_bytes())
+    check_tls_files(TlsFiles(str(mixed), str(certs.cert), str(certs.key), ("ca", "cert", "key")))
+    by_old = signed(tmp_path, "by-old", CertFiles(ca=old, ca_key=old_key, cert=certs.cert, key=certs.key))
+    with pytest.raises(ConfigError, match=r"^ca \S+/mixed.crt: 'CN=old-ca' expired on"):
+        check_tls_files(TlsFiles(str(mixed), str(by_old), str(certs.key), ("ca", "cert", "key")))
 
 
 def test_a_file_gone_or_unreadable_at_the_check_is_one_line(

@@ -24,7 +24,14 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from trainforge.config.schema import TlsConfig
-from trainforge.driver.tls_files import TlsFiles, check_handshake, check_node_address, check_tls_files, env_files
+from trainforge.driver.tls_files import (
+    TlsFiles,
+    check_handshake,
+    check_node_address,
+    check_tls_files,
+    check_trust_file,
+    env_files,
+)
 from trainforge.errors import ClusterError, ConfigError
 
 USE_TLS = "RAY_USE_TLS"
@@ -98,6 +105,7 @@ def dashboard_verify(address: str, ca: str | None, source: str = "--ca") -> str 
         raise ConfigError(f"{source} {ca}: {err.strerror or err}") from None
     if not regular:
         raise ConfigError(f"{source} {ca}: not a regular file")
+    check_trust_file(str(path), source)
     return str(path)
 
 

@@ -47,28 +47,59 @@ class TlsFiles:
 
 
 def check_tls_files(files: TlsFiles, now: datetime.datetime | None = None) -> None:
-    """Each file readable and of its kind; the certificate in its validity period, signed by the
-    CA (itself a CA, in its period), and the key's; a ConfigError naming the key otherwise."""
+    """Each file readable and of its kind; the certificate in its validity period, signed by a CA
+    of the CA file (a CA, in its period), and the key's; a ConfigError naming the key otherwise."""
     now = now or datetime.datetime.now(datetime.timezone.utc)
     ca_name, cert_name, key_name = files.names
     cas = _certificates(files.ca, ca_name)
-    for ca in cas:
-        _check_period(ca, files.ca, ca_name, now)
-        if not _is_ca(ca):
-            raise ConfigError(
-                f"{ca_name} {files.ca}: {_subject(ca)} is not a CA certificate (no basicConstraints CA:TRUE); "
-                "give the CA's certificate (certs create's ca.crt)"
-            )
+    usable = _usable(cas, files.ca, ca_name, now, anchors_only=True)
     chain = _certificates(files.cert, cert_name)
     for cert in chain:
         _check_period(cert, files.cert, cert_name, now)
-    _check_signed(chain, cas, files, now)
+    signer = _signer(chain, cas, files)
+    if signer not in usable:
+        raise ConfigError(f"{ca_name} {files.ca}: {_problem(signer, now, anchors_only=True)}")
     key = _private_key(files.key, key_name)
     if _public_der(key.public_key()) != _public_der(chain[0].public_key()):
         raise ConfigError(
             f"{key_name} {files.key}: not the key of the certificate in {cert_name} {files.cert} "
             "(certs create writes them as a pair: node.crt and node.key)"
         )
+
+
+def check_trust_file(path: str, name: str, now: datetime.datetime | None = None) -> None:
+    """A CA file that ``submit`` and ``jobs`` check a dashboard's certificate with: PEM
+    certificates, no private key, at least one in its validity period (a proxy's own self-signed
+    certificate, no CA, is a trust anchor too: not refused for that)."""
+    now = now or datetime.datetime.now(datetime.timezone.utc)
+    _usable(_certificates(path, name), path, name, now, anchors_only=False)
+
+
+def _usable(
+    cas: list[x509.Certificate], path: str, name: str, now: datetime.datetime, *, anchors_only: bool
+) -> list[x509.Certificate]:
+    """The certificates of a CA file that can vouch for a peer; a ConfigError when none can (a
+    bundle may hold an expired one beside the one in use, as TLS libraries allow)."""
+    usable = [ca for ca in cas if _problem(ca, now, anchors_only=anchors_only) is None]
+    if not usable:
+        raise ConfigError(f"{name} {path}: {_problem(cas[0], now, anchors_only=anchors_only)}")
+    return usable
+
+
+def _problem(cert: x509.Certificate, now: datetime.datetime, *, anchors_only: bool) -> str | None:
+    if now > cert.not_valid_after_utc:
+        return f"{_subject(cert)} expired on {_date(cert.not_valid_after_utc)} (now {_date(now)}); make a new one"
+    if now < cert.not_valid_before_utc:
+        return (
+            f"{_subject(cert)} is not valid before {_date(cert.not_valid_before_utc)} "
+            f"(now {_date(now)}: is this machine's clock right?)"
+        )
+    if anchors_only and not _is_ca(cert):
+        return (
+            f"{_subject(cert)} is not a CA certificate (no basicConstraints CA:TRUE); "
+            "give the CA's certificate (certs create's ca.crt)"
+        )
+    return None
 
 
 def check_node_address(files: TlsFiles, address: str) -> None:
@@ -183,27 +214,19 @@ def _private_key(path: str, name: str) -> PrivateKeyTypes:
 
 
 def _check_period(cert: x509.Certificate, path: str, name: str, now: datetime.datetime) -> None:
-    if now > cert.not_valid_after_utc:
-        raise ConfigError(
-            f"{name} {path}: {_subject(cert)} expired on {_date(cert.not_valid_after_utc)} (now {_date(now)}); "
-            "make a new one (trainforge certs create)"
-        )
-    if now < cert.not_valid_before_utc:
-        raise ConfigError(
-            f"{name} {path}: {_subject(cert)} is not valid before {_date(cert.not_valid_before_utc)} "
-            f"(now {_date(now)}: is this machine's clock right?)"
-        )
+    problem = _problem(cert, now, anchors_only=False)
+    if problem is not None:
+        raise ConfigError(f"{name} {path}: {problem}")
 
 
-def _check_signed(
-    chain: list[x509.Certificate], cas: list[x509.Certificate], files: TlsFiles, now: datetime.datetime
-) -> None:
-    """The certificate leads to one of the CAs: directly, or through the intermediates that follow
-    it in its file (each checked for its issuer's name and signature)."""
+def _signer(chain: list[x509.Certificate], cas: list[x509.Certificate], files: TlsFiles) -> x509.Certificate:
+    """The certificate of the CA file that the certificate leads to: directly, or through the
+    intermediates that follow it in its file (each checked for its issuer's name and signature)."""
     current, intermediates = chain[0], chain[1:]
     for _ in range(len(chain)):
-        if any(_issued_by(current, ca) for ca in cas):
-            return
+        signer = next((ca for ca in cas if _issued_by(current, ca)), None)
+        if signer is not None:
+            return signer
         parent = next((cert for cert in intermediates if _is_ca(cert) and _issued_by(current, cert)), None)
         if parent is None:
             break
