@@ -11,7 +11,7 @@ from trainforge.cli.common import (
     json_text,
     wide_console,
 )
-from trainforge.errors import TrainforgeError
+from trainforge.errors import TrainforgeError, printable
 
 if TYPE_CHECKING:
     from trainforge.checkpoint.crypto import FileCipher
@@ -75,11 +75,13 @@ def ckpt_verify(path: CkptPathArg, key_env: KeyEnvOpt = None) -> None:
         if encryption:
             opened = "contents checked with its key" if cipher else "contents not checked: --key-env to read them"
             sealed = f", encrypted with key {encryption['key_id']}: {opened}"
-        typer.echo(f"valid: {path} ({len(files)} files, {human_bytes(size)}, {label} checked{sharding}{sealed})")
+        # The manifest is read back from storage: what it says is printed as data (errors.printable).
+        line = f"valid: {path} ({len(files)} files, {human_bytes(size)}, {label} checked{sharding}{sealed})"
+        typer.echo(printable(line))
         return
-    typer.echo(f"invalid: {path}")
+    typer.echo(printable(f"invalid: {path}"))
     for problem in check.problems:
-        typer.echo(f"  {problem}")
+        typer.echo(f"  {printable(problem)}")
     raise typer.Exit(1)
 
 
