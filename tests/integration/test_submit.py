@@ -292,6 +292,15 @@ def test_the_credential_reaches_the_model_through_the_jobs_environment_and_no_re
     details = info.json()
     assert HF_TOKEN not in json.dumps([details["metadata"], details["entrypoint"]]), details
     assert HF_TOKEN in json.dumps(details["runtime_env"]["env_vars"])  # the trade-off, as documented
+    # The package as the head unpacked it: the user's module, and no file holding the token (the
+    # project's run.yaml holds it in clear: left out, the job ran the masked copy) (#36).
+    unpacked = head.log.parent / "session_latest" / "runtime_resources" / "working_dir_files"
+    packages = [module.parent for module in unpacked.glob("*/mymodels.py")]
+    assert packages, sorted(str(p) for p in unpacked.rglob("*"))
+    held = [
+        p for package in packages for p in package.rglob("*") if p.is_file() and HF_TOKEN.encode() in p.read_bytes()
+    ]
+    assert not held and not [package for package in packages if (package / "run.yaml").exists()]
 
 
 def test_ckpt_list_reads_the_submitted_runs_checkpoints(submitted: Submitted, project: Path) -> None:
