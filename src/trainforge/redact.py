@@ -18,7 +18,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from trainforge.errors import printable
+from trainforge.errors import mask_messages_with, printable
 
 MASK = "***"
 
@@ -201,7 +201,7 @@ _BARE_VALUE = re.compile(
 )
 _CLOSING = {"{": "}", "[": "]", "(": ")"}
 _LONGEST = 10_000  # characters of one masked value: past them, the rest of a value stays masked by its look
-_LABEL_WORD = re.compile(r"([A-Za-z]+)[ ]$")
+_LABEL_WORD = re.compile(r"([A-Z][A-Za-z]*)[ ]$")  # a label's word is capitalised: "API Key", not "expected key"
 # ``('name', 'value')``: a pair in a list of headers or items.
 _PAIR = re.compile(
     r"""\(\s*(?P<q>['"])(?P<name>[^'"\n]{1,100})(?P=q)\s*,\s*(?P<value>'(?:[^'\\\n]|\\.)*'|"(?:[^"\\\n]|\\.)*")\s*\)"""
@@ -434,3 +434,6 @@ def install_on_logger(name: str = "trainforge") -> None:
     logger = logging.getLogger(name)
     if not any(isinstance(f, RedactFilter) for f in logger.filters):
         logger.addFilter(RedactFilter())
+
+
+mask_messages_with(redact_text)  # every TrainforgeError's text, as it is made (errors.TrainforgeError)

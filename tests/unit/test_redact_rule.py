@@ -175,6 +175,7 @@ def test_auth_schemes_and_userinfo_are_masked(text: str, expected: str) -> None:
         "cluster.tls.key /etc/certs/node.key: the private key is readable by every user (mode 0644)",
         "model.factory 'mod:build' returned a dict",
         "model.kwargs ['hf_token', 'hidden'] do not fit built-in 'mlp'; sort key: abc123def",
+        "--set 'train.batch_size': expected key=value with a dotted key, e.g. train.batch_size=64",
         "left out of the package as secrets: certs/ca.key, ./node.key, .env (trainforge submit --dry-run says why)",
         "--ca-from /x/ca: ca.key: /x/ca/ca.key is readable by every user; driver session: 2 restarts",
     ],
@@ -273,3 +274,18 @@ def test_ckpt_inspect_masks_a_config_recorded_under_an_older_rule() -> None:
 
     recorded = {"model": {"kwargs": {"authorization": SECRET, "hidden": 8}}, "seed": 0, "profile": None}
     assert _config_sections(recorded) == {"model": {"kwargs": {"authorization": MASK, "hidden": 8}}, "seed": 0}
+
+
+def test_an_errors_own_text_holds_no_secret_for_an_api_caller(leaky_factory: Path) -> None:
+    """``trainforge.fit`` raises the error itself: its ``str`` and ``repr`` are masked as it is made."""
+    from trainforge.config import load_config
+    from trainforge.errors import ModelError
+    from trainforge.models.registry import build_from_factory
+
+    config = load_config(leaky_factory)  # the config's secret values are known from here on
+    with pytest.raises(ModelError) as raised:
+        build_from_factory(config.model.factory or "", config.model.kwargs)
+    assert "raised ValueError" in str(raised.value)
+    for text in (str(raised.value), repr(raised.value), repr(raised.value.args)):
+        assert SECRET not in text and token_formats()[0] not in text
+    assert SECRET not in str(ModelError(f"refused {{'client_secret': '{SECRET}'}}"))
