@@ -5,6 +5,8 @@ placement group back. (A warm worker killed mid-run: tests/faults/test_exact_res
 
 from __future__ import annotations
 
+import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -109,3 +111,83 @@ def test_a_group_whose_run_is_gone_is_killed_and_the_pool_gives_everything_back(
     finally:
         shutdown_pool(pool)
     wait_until(lambda: not live_groups() and all_cpus_free(), 30, "every CPU and placement group given back")
+
+
+def probed(tmp_path: Path, name: str, helper: Path, *callbacks: dict[str, Any]) -> Any:
+    """A run of one worker with the callbacks of tests/helpers/warm_probe.py."""
+    config = tiny_run(
+        tmp_path,
+        run={"name": name, "output_dir": str(tmp_path)},
+        train={"max_steps": 8, "batch_size": 16, "log_every_n_steps": 4, "report_min_interval_s": 0},
+        callbacks=list(callbacks),
+        seed=3,
+    )
+    return validate(config)
+
+
+def dirty(helper: Path, **kwargs: Any) -> dict[str, Any]:
+    return {"path": "tests.helpers.warm_probe:LeaveEverythingBehind", "kwargs": {"helper_dir": str(helper), **kwargs}}
+
+
+def record(path: Path, helper: Path) -> dict[str, Any]:
+    return {
+        "path": "tests.helpers.warm_probe:RecordWhatTheRunSees",
+        "kwargs": {"path": str(path), "helper_dir": str(helper)},
+    }
+
+
+def test_a_run_on_a_reused_worker_sees_what_it_would_on_a_new_one(tmp_path: Path) -> None:
+    """Run A leaves behind a secret and other environment changes, another working directory,
+    torch's settings, seeded RNGs, and an imported user module whose file is then edited; run B on
+    A's worker trains bit for bit what B trains on a new worker, and sees what a new worker sees."""
+    helper = tmp_path / "helper"
+    helper.mkdir()
+    (helper / "warm_helper.py").write_text("VALUE = 'v1'\n")
+    quiet = Console(quiet=True)
+    pool = start_pool()
+    try:
+        train(probed(tmp_path, "a", helper, dirty(helper)), console=quiet, pool=pool)
+        (helper / "warm_helper.py").write_text("VALUE = 'v2, edited after run A'\n")
+        reused = train(
+            probed(tmp_path, "b-reused", helper, record(tmp_path / "reused.json", helper)), console=quiet, pool=pool
+        )
+        assert ray.get(pool.counts.remote())["started"] == 1  # B ran on A's group
+    finally:
+        shutdown_pool(pool)
+    pool = start_pool()
+    try:
+        fresh = train(
+            probed(tmp_path, "b-fresh", helper, record(tmp_path / "fresh.json", helper)), console=quiet, pool=pool
+        )
+    finally:
+        shutdown_pool(pool)
+
+    assert reused["status"] == fresh["status"] == "finished"
+    seen, new = (json.loads((tmp_path / f"{name}.json").read_text()) for name in ("reused", "fresh"))
+    assert seen == new
+    assert seen["secret"] is None and seen["env"]["OMP_NUM_THREADS"] == "1" and seen["env"]["RANK"] == "0"
+    assert seen["helper"] == "v2, edited after run A"
+    assert seen["torch"]["matmul_precision"] == "highest" and seen["torch"]["default_dtype"] == "torch.float32"
+    assert_bit_identical(weights(tmp_path, "b-fresh"), weights(tmp_path, "b-reused"))
+
+
+def test_a_worker_whose_state_cannot_be_put_back_is_not_reused_and_the_run_says_why(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """torch cannot change its inter-op thread count back: the next run gets new workers, with one line."""
+    helper = tmp_path / "helper"
+    helper.mkdir()
+    (helper / "warm_helper.py").write_text("VALUE = 1\n")
+    quiet = Console(quiet=True)
+    pool = start_pool()
+    try:
+        train(probed(tmp_path, "a", helper, dirty(helper, interop_threads=3)), console=quiet, pool=pool)
+        with caplog.at_level(logging.WARNING, logger="trainforge"):
+            after = train(probed(tmp_path, "b", helper), console=quiet, pool=pool)
+        assert ray.get(pool.counts.remote()) == {"idle": 1, "leased": 0, "started": 2}
+    finally:
+        shutdown_pool(pool)
+    assert after["status"] == "finished"
+    said = [r.getMessage() for r in caplog.records if "not reused" in r.getMessage()]
+    assert len(said) == 1 and "\n" not in said[0], said
+    assert "inter-op threads to 3" in said[0], said

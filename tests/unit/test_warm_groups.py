@@ -3,17 +3,24 @@ warm worker resets between runs (driver/warm.py, worker/warm.py), without Ray.""
 
 from __future__ import annotations
 
+import importlib
 import os
+import random
+import shutil
+import sys
+import sysconfig
+import warnings
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
 from tests.helpers.runs import tiny_run
 from trainforge.config import validate
 from trainforge.driver.warm import Shape, why_not
-from trainforge.worker.warm import reset
+from trainforge.worker.fresh import TORCH_SETTINGS, Baseline
 
 
 def config_of(tmp_path: Path, **sections: Any) -> Any:
@@ -67,13 +74,92 @@ def test_groups_are_shared_only_by_runs_of_the_same_shape_and_code(
     assert key() != base
 
 
-def test_a_warm_worker_resets_torchs_global_switches_between_runs() -> None:
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    torch.backends.cudnn.benchmark = True
+def process_state() -> dict[str, Any]:
+    """What a run may change in its process, as comparable values."""
+    hooks = torch.nn.modules.module._global_forward_hooks
+    return {
+        "env": dict(os.environ),
+        "cwd": os.getcwd(),
+        "path": list(sys.path),
+        "warnings": list(warnings.filters),
+        "torch": {name: read() for name, (read, _) in TORCH_SETTINGS.items()},
+        "hooks": list(hooks),
+        "rng": (random.getstate(), np.random.get_state()[1].tolist(), torch.get_rng_state().tolist()),
+    }
+
+
+def test_a_used_process_is_put_back_as_it_was_before_its_first_run(tmp_path: Path) -> None:
+    """Everything a run changed goes back; a user module it imported is imported again, as its file
+    is now."""
+    (tmp_path / "user_helper.py").write_text("VALUE = 1\n")
+    os.environ["TRAINFORGE_PROBE_KEPT"] = "as it was"
+    baseline = Baseline.capture()
+    before = process_state()
     try:
-        reset()
-        assert not torch.are_deterministic_algorithms_enabled()
-        assert torch.backends.cudnn.benchmark is False
+        os.environ["TRAINFORGE_PROBE_SECRET"] = "s3cret"
+        os.environ["TRAINFORGE_PROBE_KEPT"] = "changed"
+        del os.environ["TRAINFORGE_PROBE_KEPT"]
+        os.chdir(tmp_path)
+        sys.path.insert(0, str(tmp_path))
+        warnings.simplefilter("ignore")
+        torch.set_float32_matmul_precision("medium")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cudnn.benchmark = torch.backends.cudnn.deterministic = True
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = not torch.backends.cudnn.allow_tf32
+        torch.set_default_dtype(torch.float64)
+        torch.set_num_threads(torch.get_num_threads() + 1)
+        torch.set_grad_enabled(False)
+        torch.set_anomaly_enabled(True, True)
+        torch.set_autocast_enabled("cpu", True)
+        torch.set_autocast_dtype("cpu", torch.float16)
+        torch.nn.modules.module.register_module_forward_hook(lambda *args: None)
+        random.seed(1), np.random.seed(1), torch.manual_seed(1)
+        import user_helper  # type: ignore[import-not-found]
+
+        assert user_helper.VALUE == 1
+        assert process_state() != before
+        baseline.restore()
+        assert baseline.problem() is None
+        assert process_state() == before
+        assert "user_helper" not in sys.modules
+
+        (tmp_path / "user_helper.py").write_text("VALUE = 'edited'\n")
+        sys.path.insert(0, str(tmp_path))
+        assert importlib.import_module("user_helper").VALUE == "edited"
     finally:
-        torch.use_deterministic_algorithms(False)
-        torch.backends.cudnn.benchmark = False
+        baseline.restore()
+        os.environ.pop("TRAINFORGE_PROBE_KEPT", None)
+    assert process_state()["torch"] == before["torch"]
+
+
+def test_what_cannot_be_put_back_makes_the_process_unfit(tmp_path: Path) -> None:
+    """A user's C extension, inference mode left on, a module the process keeps whose file
+    changed: each is one line saying why the process must not run again."""
+    (tmp_path / "kept_before.py").write_text("VALUE = 1\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        importlib.import_module("kept_before")  # in the process before its first run: kept
+        baseline = Baseline.capture()
+        assert baseline.problem() is None
+        with open(tmp_path / "kept_before.py", "a") as module:
+            module.write("VALUE = 2\n")
+        assert "module kept_before changed on disk" in (baseline.problem() or "")
+
+        extension = next(Path(sysconfig.get_paths()["stdlib"], "lib-dynload").glob("xxlimited_35.*"))
+        shutil.copy(extension, tmp_path / extension.name)
+        baseline = Baseline.capture()
+        importlib.import_module("xxlimited_35")
+        baseline.restore()
+        assert "C extension xxlimited_35" in (baseline.problem() or "")
+
+        baseline = Baseline.capture()
+        guard = torch.inference_mode()
+        guard.__enter__()
+        try:
+            baseline.restore()
+        finally:
+            guard.__exit__(None, None, None)
+        assert baseline.problem() == "a run left torch's inference mode on"
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("kept_before", None)

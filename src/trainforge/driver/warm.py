@@ -98,8 +98,9 @@ class Shape:
 
 def code_stamp(config: Config) -> str:
     """The working directory and, for each module the config names (``model.factory``,
-    ``data.factory``, ``parallel.tp_plan``), its file's size and modification time: a worker keeps
-    a module it imported, so a group that imported an older version is not handed out again."""
+    ``data.factory``, ``parallel.tp_plan``), its file's size and modification time. A worker
+    forgets every user module after a run (worker/fresh.py), whichever the config names; this
+    keeps runs of other code on groups of their own."""
     names = [getattr(config.model, "factory", None), getattr(config.data, "factory", None), config.parallel.tp_plan]
     stamp: list[Any] = [os.getcwd()]
     for name in filter(None, names):
@@ -279,7 +280,7 @@ class WarmTrainer:
 
     def fit(self) -> WarmTrainer:
         try:
-            group_id, workers, joined, runs = ray.get(self.pool.lease.remote(self.shape, self.mailbox))
+            group_id, workers, joined, runs = self.lease()
         except RayError as err:  # the pool itself is gone
             raise WarmGroupFailed(f"no warm worker pool: {type(err).__name__}: {err}".splitlines()[0][:500]) from None
         healthy = False
@@ -304,6 +305,24 @@ class WarmTrainer:
         finally:
             self.pool.give_back.remote(group_id, healthy)
         return self
+
+    def lease(self) -> tuple[str, list[Any], bool, int]:
+        """A group whose every worker is as a new one would be (worker/fresh.py); a used group
+        that cannot say so is killed, with one line saying why, and the lease taken again."""
+        while True:
+            group_id, workers, joined, runs = ray.get(self.pool.lease.remote(self.shape, self.mailbox))
+            if not runs:
+                return group_id, workers, joined, runs
+            try:
+                problems = ray.get([w.problem.remote() for w in workers])
+            except RayError as err:
+                problems = [f"{type(err).__name__}: {err}".splitlines()[0][:300]]
+            said = [(rank, problem) for rank, problem in enumerate(problems) if problem]
+            if not said:
+                return group_id, workers, joined, runs
+            ray.get(self.pool.give_back.remote(group_id, False))
+            rank, problem = said[0]
+            log.warning("warm worker group %s not reused (rank %d: %s); starting new workers", group_id, rank, problem)
 
 
 def wait_all(refs: list[Any]) -> list[Any]:

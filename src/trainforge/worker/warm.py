@@ -5,9 +5,10 @@ The driver side (driver/warm.py) starts the actors, forms their gloo group once,
 run's ``Payload`` to ``run``; the run itself is the same ``run_worker`` Ray Train's workers call,
 with the group's ranks and a report channel that gathers every rank's report to rank 0, which
 puts the merged report in the run's mailbox (what Ray Train's controller does through
-``ForwardingCallback``). Between runs a worker resets what a run may leave behind in the process
-(``reset``); anything it cannot vouch for (an error, a run that did not end on every rank) makes
-the driver discard the whole group instead of handing it out again.
+``ForwardingCallback``). After each run a worker puts its process back as it was before its first
+run (worker/fresh.py), so the next run observes what it would on a new worker; anything it cannot
+vouch for (an error, a run that did not end on every rank, state it cannot put back) makes the
+driver discard the whole group instead of handing it out again.
 """
 
 from __future__ import annotations
@@ -22,16 +23,23 @@ import time
 from typing import Any
 
 import ray
+import ray.tune.trainable.trainable_fn_utils  # see below
 import torch
 import torch.distributed as dist
 from ray.exceptions import ActorDiedError, RayError
 
 from trainforge.protocol import Payload, Report, UserError, merge_reports
 from trainforge.worker import collectives
+from trainforge.worker.fresh import Baseline
 from trainforge.worker.logs import shipped_logs
 from trainforge.worker.loop import run_worker
 
 log = logging.getLogger("trainforge.worker")
+
+# Imported above as a Ray Train worker has it before its run: ``ray.train.get_context()`` imports
+# Ray Tune the first time it is called, and Ray Tune imports rich, which draws from Python's RNG as
+# it loads; on a warm worker that first call is inside the first run, after its seeds are set, and
+# that run alone would draw a shifted Python stream.
 
 
 class GatheringChannel:
@@ -60,6 +68,7 @@ class WarmWorker:
         self.rank: int | None = None
         self.world = 0
         self.runs = 0
+        self.baseline: Baseline | None = None  # the process before its first run
 
     def address(self) -> tuple[str, int]:
         """This node's address and a free port: rank 0's, where the group's store listens."""
@@ -88,11 +97,13 @@ class WarmWorker:
             LOCAL_RANK=str(local.index(rank)),
             LOCAL_WORLD_SIZE=str(len(local)),
         )
+        # What every run starts from: this process as a new worker's is before its first run.
+        self.baseline = Baseline.capture()
         return rank
 
     def run(self, payload: Payload) -> Report | UserError:
         """One run on this rank; rank 0's return value is the run's (a final Report or a user's error)."""
-        assert self.rank is not None, "join the group first"
+        assert self.rank is not None and self.baseline is not None, "join the group first"
         marks = {"train_fn": time.time()} if self.rank == 0 else None
         self.runs += 1
         ended = threading.Event()
@@ -103,7 +114,11 @@ class WarmWorker:
                 return run_worker(payload, marks, ranks=(self.rank, self.world), channel=channel)
         finally:
             ended.set()
-            reset()
+            reset(self.baseline)
+
+    def problem(self) -> str | None:
+        """Why this worker must not run another run (None: it is as a new worker would be)."""
+        return self.baseline.problem() if self.baseline is not None else None
 
     def ping(self) -> int:
         return self.runs
@@ -139,14 +154,13 @@ def end_this_actor(grace_s: float = 10.0) -> None:
     os._exit(1)
 
 
-def reset() -> None:
-    """What one run leaves in the process that the next must not inherit. The seeds (Python,
-    NumPy, torch, per rank) are set by every run's build; thread counts by its config; the process
-    group is the group's and stays. Determinism switches go back to torch's defaults, the run's
-    objects are collected, and CUDA's cached blocks are given back."""
-    torch.use_deterministic_algorithms(False)
-    torch.backends.cudnn.benchmark = False
+def reset(baseline: Baseline) -> None:
+    """What one run leaves in the process that the next must not inherit: the process-wide state
+    goes back to ``baseline`` (worker/fresh.py: environment, working directory, torch's settings,
+    RNGs, the user's modules), the run's objects are collected, and CUDA's cached blocks are given
+    back. The process group is the group's and stays."""
+    baseline.restore()
     gc.collect()
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
