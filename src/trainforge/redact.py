@@ -141,7 +141,8 @@ def is_secret_key(name: str) -> bool:
     if last == "tokens":
         return before in _TOKENS_QUALIFIERS
     if last in ("key", "keys"):
-        return bool(before) and before not in _FIELD_WORDS
+        # A key written out (key_pem, keyB64) is a key's material, even without a qualifier.
+        return before not in _FIELD_WORDS if before else len(kept) < len(words)
     return last in _SECRET_WORDS or last.endswith(_SECRET_SUFFIXES)
 
 
@@ -330,6 +331,15 @@ def redact_text(text: str) -> str:
     text = _USERINFO.sub(_mask_userinfo, text)
     text = _QUERY_PARAM.sub(_mask_parameter, text)
     return _mask_named_values(text)
+
+
+def holds_token_format(text: str) -> str | None:
+    """The first value in ``text`` that is a credential by its look (``_TOKEN_FORMATS``, a private
+    key), or None: what ``redact_text`` masks whatever names it (``submit`` leaves such files home)."""
+    found = _TOKEN_FORMATS.search(text) if any(prefix in text for prefix in _TOKEN_PREFIXES) else None
+    if found is None and "PRIVATE KEY-----" in text:
+        found = _PRIVATE_KEY.search(text)
+    return found.group(0) if found else None
 
 
 def _mask_parameter(match: re.Match[str]) -> str:

@@ -32,7 +32,7 @@ SECRET_NAMES = [
     "basicAuth", "auth_header", "proxy-authorization", "jwt", "otp", "sentry_dsn", "salt", "pem", "id_token",
     "bot_token", "AWS_SECRET_ACCESS_KEY", "aws_session_token", "GOOGLE_APPLICATION_CREDENTIALS", "api_key_b64",
     "signing_key_hex", "cookie_jar", "secrets", "passphrase", "MLFLOW_TRACKING_PASSWORD", "deployKey",
-    "Private-Key", "privkey", "encryption_key_material", "client_secret2",
+    "Private-Key", "privkey", "encryption_key_material", "client_secret2", "key_pem", "keyB64",
 ]  # fmt: skip
 # Names that are not secrets: the config's own keys, counts, paths and names of where a secret is.
 HARMLESS_NAMES = [
