@@ -72,6 +72,8 @@ WITHHELD = {
     "notes.txt": f"my key, for later:\n{PRIVATE_PEM}",
     "backup.bin": OPENSSH,
     "memo.md": f"the cluster token is {TOKEN}\n",
+    "todo.txt": "ask for access; CredentialMarker ghp_abcdefghijklmnopqrstuvwxyz0123456789AB\n",
+    "scripts/fetch.sh": "curl -H 'x: CredentialMarker' -u AKIAIOSFODNN7EXAMPLE https://x\n",
     "configs/prod.yaml": yaml.safe_dump({"model": {"kwargs": {"hf_token": HF_TOKEN}}}),
     "storage.json": '{"checkpoint": {"storage_path": "s3://KEY:CredentialMarker@bucket/ck"}}',
     # named by the config (below), innocuous names and harmless-looking content
@@ -170,6 +172,9 @@ def test_every_reason_is_recorded_and_nothing_is_both_sent_and_left_out(project:
     assert reasons["tok"] == "the token file (--token-file)"
     assert reasons["memo.md"] == "holds the cluster's token"
     assert reasons["notes.txt"] == reasons["backup.bin"] == "holds a private key"
+    assert (
+        reasons["todo.txt"] == reasons["scripts/fetch.sh"] == "holds a token in a known format (as the records mask it)"
+    )
     assert reasons["conf/client_material"] == "named by the config's model.kwargs.ssl_cert_file"
     assert reasons["tlsfiles/two"] == "named by the config's cluster.tls.cert"
     assert reasons["configs/prod.yaml"] == "holds a secret (model.kwargs.hf_token)"

@@ -10,9 +10,10 @@ list ``submit --dry-run`` prints. A path is
 - *withheld* when it holds or names a secret (``withheld_reason``, the one rule, docs/deploy.md):
   key and certificate material and credential files by name (``SECRET_NAMES``), a file or folder
   whose name is secret-named (``redact.is_secret_key``: ``api_token``, ``secrets/``), content that
-  is a private key or the cluster's token, a YAML or JSON file holding what every record of a run
-  masks (the run's own config among them: the job runs the resolved copy with its secrets masked),
-  the token file, and every path the config names under a secret, key, certificate or TLS key.
+  is a private key, the cluster's token or a token in a known format (``redact.holds_token_format``),
+  a YAML or JSON file holding what every record of a run masks (the run's own config among them:
+  the job runs the resolved copy with its secrets masked), the token file, and every path the
+  config names under a secret, key, certificate or TLS key.
 
 ``--include PATH`` sends PATH, and everything under it, whatever the rules say.
 """
@@ -36,7 +37,7 @@ from typing import Any
 
 from trainforge.config.safeyaml import MAX_FILE_BYTES, load_yaml
 from trainforge.errors import TrainforgeError, printable
-from trainforge.redact import is_secret_key, redact_config
+from trainforge.redact import holds_token_format, is_secret_key, redact_config
 
 KEY_MATERIAL = "key or certificate material"
 CREDENTIALS = "a credentials file"
@@ -235,6 +236,8 @@ def _by_content(path: Path, values: tuple[bytes, ...]) -> str | None:
         return "holds a private key"
     if any(value in head for value in values):
         return "holds the cluster's token"
+    if holds_token_format(head.decode("utf-8", errors="replace")):
+        return "holds a token in a known format (as the records mask it)"
     if path.suffix.lower() in STRUCTURED and len(head) < SNIFF_BYTES:
         keys = _secret_keys(head, json_text=path.suffix.lower() == ".json")
         if keys:
