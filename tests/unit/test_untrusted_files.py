@@ -260,3 +260,15 @@ def test_every_console_prints_text_as_data() -> None:
     assert not any(c in out for c in "\x1b\x07\r\u202e"), repr(out)
     assert "metric\\x1b[2J" in out and "val/\\u202eloss" in out and "ddp\\x1b]0;owned\\x07 x\\rforged" in out
     assert "second\nline" in out
+
+
+def test_ckpt_inspect_reads_a_weights_header_within_the_same_limit(tmp_path: Path) -> None:
+    from tests.helpers.checkpoints import MODEL_FILE, write_checkpoint
+    from trainforge.checkpoint.inspect import inspect_checkpoint
+
+    directory = tmp_path / "run" / "checkpoint_000000007"
+    model = torch.nn.Linear(2, 2)
+    write_checkpoint(directory, model, torch.optim.SGD(model.parameters(), lr=0.1), 7)
+    big_header(directory / MODEL_FILE, SAFETENSORS_MAX_HEADER + 8, 10)
+    problems = inspect_checkpoint(str(directory))["problems"]
+    assert any(f"more than the {human_size(SAFETENSORS_MAX_HEADER)} trainforge reads" in p for p in problems), problems

@@ -37,14 +37,14 @@ from trainforge.checkpoint.schema import (
 from trainforge.checkpoint.storage import CheckpointStore
 from trainforge.checkpoint.uris import first_line
 from trainforge.checkpoint.verify import Verification, list_tree, open_file, read_capped
-from trainforge.errors import CheckpointError
+from trainforge.errors import CheckpointError, shown
+from trainforge.files import SAFETENSORS_MAX_HEADER, SAFETENSORS_MAX_TENSORS, human_size
 from trainforge.redact import redact_config
 
 # Rendering lives in render.py; the CLI imports it from here, with the tools.
 __all__ = ["STATE_FILE", "human_bytes", "human_time", "inspection_view", "list_table"]
 INCOMPLETE = "incomplete save"  # a .tmp- staging dir of a save that never committed
 RETIRED = "retired invalid"  # restore skipped it as invalid; a later save of its step set it aside
-_MAX_HEADER_BYTES = 100 << 20  # safetensors refuses headers above 100 MB too
 Schemas = Mapping[str, ComponentSchemas] | None  # the components' own (worker/registry.state_schemas)
 
 
@@ -401,11 +401,16 @@ def read_safetensors_header(stream: Any) -> dict[str, Any]:
     if len(head) < 8:
         raise ValueError("shorter than the 8-byte header length")
     (length,) = struct.unpack("<Q", head)
-    if length > _MAX_HEADER_BYTES:
-        raise ValueError(f"header length {length} is implausible")
+    if length > SAFETENSORS_MAX_HEADER:  # the limit every reader of a safetensors file keeps (files.py)
+        raise ValueError(
+            f"header of {length} bytes, more than the {human_size(SAFETENSORS_MAX_HEADER)} trainforge reads "
+            "(SAFETENSORS_MAX_HEADER)"
+        )
     raw = stream.read(length)
     if len(raw) < length:
         raise ValueError(f"header is cut short ({len(raw)} of {length} bytes)")
+    if raw.count(b'"data_offsets"') > SAFETENSORS_MAX_TENSORS:
+        raise ValueError(f"header lists more than {SAFETENSORS_MAX_TENSORS} tensors (SAFETENSORS_MAX_TENSORS)")
     try:
         header = json.loads(raw)
     except (ValueError, RecursionError) as err:  # not UTF-8, not JSON, nested too deeply
@@ -422,7 +427,7 @@ def safetensors_summary(header: dict[str, Any]) -> dict[str, Any]:
     tensors = {k: v for k, v in header.items() if k != "__metadata__"}
     for key, info in tensors.items():
         if not isinstance(info, dict) or not isinstance(info.get("shape"), list):
-            raise ValueError(f"header entry {key} has no shape")
+            raise ValueError(f"header entry {shown(key)} has no shape")
         count = math.prod(int(n) for n in info["shape"])
         start, end = info.get("data_offsets", (0, 0))
         parameters += count
