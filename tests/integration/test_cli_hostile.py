@@ -272,13 +272,14 @@ def _reads(path: Path) -> bool:
 
 @pytest.mark.parametrize(
     ("output", "expected"),
-    [("/proc/sys/vm/corpus", "cannot create a folder there (No such file or directory)"),
-     ("{text}/corpus", "cannot create a folder there (File exists)")],
+    [("/proc/sys/vm/corpus", "folder /proc/sys/vm is not writable"),
+     ("{text}/corpus", "{text} is a file, not a folder")],
 )  # fmt: skip
 def test_data_prepare_to_a_folder_that_cannot_be_made_is_one_line(
     text_file: Path, output: str, expected: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     given = output.format(text=text_file)
+    expected = expected.format(text=text_file)
     one_line(in_process("data", "prepare", str(text_file), "-o", given, capsys=capsys), f"--output {given}: {expected}")
     assert text_file.read_text() == "some text to tokenize\n"
 
