@@ -109,7 +109,7 @@ def test_config_show_prints_the_resolved_config(tmp_path: Path, capsys: pytest.C
         ),
         (
             ["--set", "checkpoint.encryption.key_env=TF_UNSET_CHECKPOINT_KEY"],
-            "checkpoint.encryption.key_env TF_UNSET_CHECKPOINT_KEY: the environment variable is not set",
+            "checkpoint.encryption.key_env (TF_UNSET_CHECKPOINT_KEY): the environment variable is not set",
         ),
         (["--set", "checkpoint.encryption.key_env=no-dashes"], "checkpoint.encryption.key_env = 'no-dashes'"),
     ],

@@ -49,7 +49,7 @@ def test_keys_parse_from_base64_or_hex_and_refuse_anything_else() -> None:
         with pytest.raises(CheckpointError) as caught:
             parse_key(bad, "checkpoint.encryption.key_env K")
         assert str(caught.value).startswith("checkpoint.encryption.key_env K: not a key of 32 bytes")
-    with pytest.raises(CheckpointError, match="TF_MISSING: the environment variable is not set"):
+    with pytest.raises(CheckpointError, match=r"\(TF_MISSING\): the environment variable is not set"):
         FileCipher.from_env("TF_MISSING", {})
     assert "0001" not in repr(cipher()) and key_id(bytes(range(32))) in repr(cipher())
 
@@ -85,7 +85,7 @@ def test_verify_checks_the_ciphertext_without_the_key_and_the_contents_with_it(t
     [problem] = check.problems
     assert problem == (
         f"the checkpoint is encrypted with key {key_id(bytes(range(32)))}; checkpoint.encryption.key_env "
-        f"TF_TEST_KEY holds key {key_id(bytes(range(1, 33)))} (the wrong key)"
+        f"(TF_TEST_KEY) holds key {key_id(bytes(range(1, 33)))} (the wrong key)"
     )
     flip_byte(tmp_path / "run" / checkpoint_name(5))  # a ciphertext byte: the hash tells, no key needed
     check = keyless.verify(checkpoint_name(5), contents=False)
@@ -167,4 +167,4 @@ def test_ckpt_verify_without_the_key_and_inspect_with_it(
     code, out, _ = cli(capsys, "ckpt", "verify", path, "--key-env", "TF_CLI_KEY")
     assert code == 1 and "(the wrong key)" in out, out
     code, _, err = cli(capsys, "ckpt", "verify", path, "--key-env", "UNSET_KEY_VARIABLE")
-    assert code == 2 and "UNSET_KEY_VARIABLE: the environment variable is not set" in err, err
+    assert code == 2 and "(UNSET_KEY_VARIABLE): the environment variable is not set" in err, err

@@ -75,7 +75,7 @@ class FileCipher:
     """The key of a run's checkpoints: seals files as they are written and opens them to be read."""
 
     key: bytes
-    origin: str  # where the key came from, for errors: "checkpoint.encryption.key_env NAME"
+    origin: str  # where the key came from, for errors: "checkpoint.encryption.key_env (NAME)"
 
     def __repr__(self) -> str:  # never the key
         return f"FileCipher(key_id={self.key_id}, origin={self.origin!r})"
@@ -83,7 +83,7 @@ class FileCipher:
     @classmethod
     def from_env(cls, name: str, env: Any = None) -> FileCipher:
         """The key in environment variable ``name``; one line when it is unset or not a key."""
-        origin = f"checkpoint.encryption.key_env {name}"
+        origin = f"checkpoint.encryption.key_env ({name})"  # not "NAME:", which reads as a secret's label
         value = (os.environ if env is None else env).get(name)
         if not value:
             raise CheckpointError(f"{origin}: the environment variable is not set on this machine")
