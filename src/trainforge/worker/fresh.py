@@ -294,8 +294,9 @@ class Baseline:
         sys.setrecursionlimit(self.recursion_limit)
         if "torch._dynamo" in sys.modules:  # compiled graphs hold the code they traced
             torch._dynamo.reset()
-        for name, (_, write) in TORCH_SETTINGS.items():
-            write(self.torch_settings[name])
+        for name, (read, write) in TORCH_SETTINGS.items():
+            if read() != self.torch_settings[name]:  # a setter may import (deterministic: inductor)
+                write(self.torch_settings[name])
         torch.set_flush_denormal(False)  # no getter; a new process starts with it off
         for name, hooks in self.hooks.items():
             getattr(module_hooks, name).clear()
