@@ -3,6 +3,7 @@ warm worker resets between runs (driver/warm.py, worker/warm.py), without Ray.""
 
 from __future__ import annotations
 
+import ctypes
 import importlib
 import os
 import random
@@ -133,8 +134,8 @@ def test_a_used_process_is_put_back_as_it_was_before_its_first_run(tmp_path: Pat
 
 
 def test_what_cannot_be_put_back_makes_the_process_unfit(tmp_path: Path) -> None:
-    """A user's C extension, inference mode left on, a module the process keeps whose file
-    changed: each is one line saying why the process must not run again."""
+    """A user's C extension or shared library, inference mode left on, a module the process keeps
+    whose file changed: each is one line saying why the process must not run again."""
     (tmp_path / "kept_before.py").write_text("VALUE = 1\n")
     sys.path.insert(0, str(tmp_path))
     try:
@@ -151,6 +152,12 @@ def test_what_cannot_be_put_back_makes_the_process_unfit(tmp_path: Path) -> None
         importlib.import_module("xxlimited_35")
         baseline.restore()
         assert "C extension xxlimited_35" in (baseline.problem() or "")
+
+        baseline = Baseline.capture()
+        shutil.copy(extension, tmp_path / "libuser_kernels.so")
+        ctypes.CDLL(str(tmp_path / "libuser_kernels.so"))  # as torch.ops.load_library does
+        baseline.restore()
+        assert f"shared library {tmp_path / 'libuser_kernels.so'}" in (baseline.problem() or "")
 
         baseline = Baseline.capture()
         guard = torch.inference_mode()

@@ -204,6 +204,19 @@ def stamp(path: str) -> tuple[int, int] | None:
     return info.st_size, info.st_mtime_ns
 
 
+SYSTEM_LIBRARIES = ("/lib/", "/lib64/", "/usr/lib/", "/usr/lib64/", "/usr/local/lib/", "/opt/", "/nix/store/")
+
+
+def mapped_shared_objects() -> frozenset[str]:
+    """The shared objects this process has loaded (Linux: /proc/self/maps; empty elsewhere)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split(maxsplit=5)[-1].strip() for line in maps if ".so" in line}
+    except OSError:
+        return frozenset()
+    return frozenset(path for path in paths if path.startswith("/") and ".so" in os.path.basename(path))
+
+
 def current_umask() -> int:
     mask = os.umask(0o022)
     os.umask(mask)
@@ -227,6 +240,7 @@ class Baseline:
     rng: tuple[Any, Any, torch.Tensor, list[torch.Tensor] | None]
     modules: frozenset[str]
     roots: tuple[str, ...]
+    shared_objects: frozenset[str]
     files: dict[str, tuple[str, tuple[int, int] | None]] = field(default_factory=dict)  # kept modules' files
     unfit: str | None = None  # why this process must not run again
 
@@ -247,17 +261,21 @@ class Baseline:
             rng=(random.getstate(), np.random.get_state(), torch.get_rng_state(), cuda),
             modules=frozenset(sys.modules),
             roots=library_roots(),
+            shared_objects=mapped_shared_objects(),
         )
         baseline.files = baseline.module_files(sys.modules)
         return baseline
 
-    def is_library(self, module: Any) -> bool:
+    def is_library(self, name: str, module: Any) -> bool:
         origin = origin_of(module)
         if is_built_in(module):
             return True
-        if origin is None:  # made in memory, or a namespace package, which lists its folders
+        if origin is None:  # a namespace package lists its folders; one made in memory is its parent's
             locations = list(getattr(getattr(module, "__spec__", None), "submodule_search_locations", None) or [])
-            return bool(locations) and all(os.path.realpath(p).startswith(self.roots) for p in locations)
+            if locations:
+                return all(os.path.realpath(p).startswith(self.roots) for p in locations)
+            parent = name.rpartition(".")[0]
+            return bool(parent) and parent in sys.modules and self.is_library(parent, sys.modules[parent])
         return os.path.realpath(origin).startswith(self.roots)
 
     def module_files(self, modules: dict[str, Any]) -> dict[str, tuple[str, tuple[int, int] | None]]:
@@ -318,6 +336,10 @@ class Baseline:
             )
         if torch.is_inference_mode_enabled():
             reason = reason or "a run left torch's inference mode on"
+        loaded = sorted(mapped_shared_objects() - self.shared_objects)
+        users = [p for p in loaded if not p.startswith(self.roots + SYSTEM_LIBRARIES) and "/torchinductor_" not in p]
+        if users:  # ctypes.CDLL, torch.ops.load_library: code no reset unloads (inductor's kernels: unused after reset)
+            reason = reason or f"a run loaded the shared library {users[0]}, which stays in the process"
         return reason or self.changed_file()
 
     def _drop_user_modules(self) -> str | None:
@@ -326,7 +348,7 @@ class Baseline:
         extension = None
         for name in [n for n in list(sys.modules) if n not in self.modules]:
             module = sys.modules.get(name)
-            if module is None or self.is_library(module):
+            if module is None or self.is_library(name, module):
                 origin = origin_of(module)
                 if origin is not None and name not in self.files:
                     self.files[name] = (origin, stamp(origin))
