@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib
+import logging
 import os
 import random
 import shutil
@@ -85,6 +86,11 @@ def process_state() -> dict[str, Any]:
         "warnings": list(warnings.filters),
         "torch": {name: read() for name, (read, _) in TORCH_SETTINGS.items()},
         "hooks": list(hooks),
+        "logging": [
+            (logger.level, list(logger.handlers), logger.propagate)
+            for logger in (logging.root, logging.getLogger("trainforge.probe"))
+        ]
+        + [logging.root.manager.disable],
         "rng": (random.getstate(), np.random.get_state()[1].tolist(), torch.get_rng_state().tolist()),
     }
 
@@ -94,6 +100,7 @@ def test_a_used_process_is_put_back_as_it_was_before_its_first_run(tmp_path: Pat
     is now."""
     (tmp_path / "user_helper.py").write_text("VALUE = 1\n")
     os.environ["TRAINFORGE_PROBE_KEPT"] = "as it was"
+    logging.getLogger("trainforge.probe")  # a logger the process has before its first run
     baseline = Baseline.capture()
     before = process_state()
     try:
@@ -103,6 +110,10 @@ def test_a_used_process_is_put_back_as_it_was_before_its_first_run(tmp_path: Pat
         os.chdir(tmp_path)
         sys.path.insert(0, str(tmp_path))
         warnings.simplefilter("ignore")
+        logging.getLogger("trainforge.probe").setLevel(logging.DEBUG)
+        logging.getLogger("trainforge.probe").addHandler(logging.NullHandler())
+        logging.root.addHandler(logging.NullHandler())
+        logging.disable(logging.WARNING)
         torch.set_float32_matmul_precision("medium")
         torch.use_deterministic_algorithms(True, warn_only=True)
         torch.backends.cudnn.benchmark = torch.backends.cudnn.deterministic = True

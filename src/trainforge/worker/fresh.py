@@ -3,7 +3,8 @@
 the process observes exactly what it would on a new worker (docs/tune.md, "What a reused worker
 resets").
 
-Put back: the environment, the working directory, ``sys.path``, the umask, warning filters,
+Put back: the environment, the working directory, ``sys.path``, the umask, warning filters, the
+levels and handlers of the loggers the process had,
 torch's global settings (``TORCH_SETTINGS``), ``torch.nn.Module``'s global hooks, the RNGs
 (Python, NumPy, torch CPU and CUDA) and compiled graphs; modules a run imported from outside the
 libraries (stdlib, site-packages, trainforge) are dropped from ``sys.modules`` so the next run
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.machinery
+import logging
 import os
 import random
 import site
@@ -217,6 +219,18 @@ def mapped_shared_objects() -> frozenset[str]:
     return frozenset(path for path in paths if path.startswith("/") and ".so" in os.path.basename(path))
 
 
+def logger_settings() -> dict[str, tuple[logging.Logger, int, list[logging.Handler], bool, bool]]:
+    """Every logger's level, handlers and switches (the root's included)."""
+    loggers = [
+        logging.root,
+        *(v for v in list(logging.root.manager.loggerDict.values()) if isinstance(v, logging.Logger)),
+    ]
+    return {
+        logger.name: (logger, logger.level, list(logger.handlers), logger.propagate, logger.disabled)
+        for logger in loggers
+    }
+
+
 def current_umask() -> int:
     mask = os.umask(0o022)
     os.umask(mask)
@@ -241,6 +255,8 @@ class Baseline:
     modules: frozenset[str]
     roots: tuple[str, ...]
     shared_objects: frozenset[str]
+    loggers: dict[str, tuple[logging.Logger, int, list[logging.Handler], bool, bool]]
+    logging_disabled: int
     files: dict[str, tuple[str, tuple[int, int] | None]] = field(default_factory=dict)  # kept modules' files
     unfit: str | None = None  # why this process must not run again
 
@@ -262,6 +278,8 @@ class Baseline:
             modules=frozenset(sys.modules),
             roots=library_roots(),
             shared_objects=mapped_shared_objects(),
+            loggers=logger_settings(),
+            logging_disabled=logging.root.manager.disable,
         )
         baseline.files = baseline.module_files(sys.modules)
         return baseline
@@ -309,6 +327,11 @@ class Baseline:
         cast(list, warnings.filters)[:] = self.warning_filters
         getattr(warnings, "_filters_mutated", lambda: None)()  # the filters' cache, keyed by a version
         socket.setdefaulttimeout(self.socket_timeout)
+        for logger, level, handlers, propagate, disabled in self.loggers.values():
+            logger.setLevel(level)
+            logger.handlers[:] = handlers
+            logger.propagate, logger.disabled = propagate, disabled
+        logging.disable(self.logging_disabled)
         sys.setrecursionlimit(self.recursion_limit)
         if "torch._dynamo" in sys.modules:  # compiled graphs hold the code they traced
             torch._dynamo.reset()
