@@ -187,7 +187,7 @@ def test_two_workers_make_one_run_and_a_resume_continues_it_through_a_server_out
     longer = paced_run(tmp_path, train={"max_steps": 70}, **two)
     hold.touch()
     with caplog.at_level(logging.INFO, logger="trainforge"), Fault(resumed_and_training, kill_and_restart) as fault:
-        resumed = trainforge.fit(longer)
+        resumed = trainforge.fit(longer, resume="auto")  # more steps: a changed config, continued
         killed_at = fault.join()["at"]
     assert resumed.status == "finished" and resumed.summary["global_step"] == 70
     assert any(r.get("time/unix", 0) > killed_at for r in reports(run_dir)), "training stopped with the server"
