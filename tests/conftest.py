@@ -17,6 +17,11 @@ from tests.helpers.timing import slowdown
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
+# pytest-xdist's workers set COLUMNS=80 (and LINES), which trainforge's consoles respect as a user's
+# terminal width (trainforge/consoles.py): the suite reads tables as a pipe gets them, whole, with
+# or without xdist.
+os.environ.pop("COLUMNS", None)
+os.environ.pop("LINES", None)
 ROOT = Path(__file__).resolve().parent.parent
 
 # Under pytest-xdist (the README's test command runs two workers), each worker's local Rays keep

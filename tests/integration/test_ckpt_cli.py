@@ -43,16 +43,23 @@ def run_config(output_dir: Path, max_steps: int, **checkpoint: Any) -> dict[str,
 
 
 def fit(config: dict[str, Any]) -> trainforge.RunResult:
-    result = trainforge.fit(config, console=Console(file=io.StringIO()))
+    # resume: the tests continue a trained run directory with more steps (a changed config)
+    result = trainforge.fit(config, console=Console(file=io.StringIO()), resume="auto")
     assert result.status == "finished"
     return result
+
+
+def without_columns(env: Any) -> dict[str, str]:
+    """pytest-xdist's workers set COLUMNS=80, which the CLI respects as a user's width; its tables
+    are read here as a pipe gets them, at their natural width (trainforge/consoles.py)."""
+    return {name: value for name, value in env.items() if name != "COLUMNS"}
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "trainforge", *args],
         cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT), "TERM": "dumb", "COLUMNS": "160"},
+        env={**without_columns(os.environ), "PYTHONPATH": str(ROOT), "TERM": "dumb"},
         capture_output=True,
         text=True,
         timeout=scaled(300),
@@ -193,7 +200,7 @@ def test_a_run_whose_checkpoints_do_not_load_into_its_model_stops_once_in_one_li
     config["model"] = {"name": "mlp", "kwargs": {"hidden_sizes": [8]}}
     config["failure"] = {"max_failures": 3}
     with pytest.raises(CheckpointError) as caught:
-        trainforge.fit(config, console=Console(file=io.StringIO()))
+        trainforge.fit(config, console=Console(file=io.StringIO()), resume="auto")
     message = str(caught.value)
     assert message.startswith(f"no checkpoint of this run loads into the model as configured ({checkpoint_name(20)}")
     assert "size mismatch" in message and "\n" not in message

@@ -239,6 +239,14 @@ def test_every_jobs_verb_tells_a_refused_token_from_a_missing_one(
     else:
         dashboard.refuse = status
     monkeypatch.chdir(tmp_path)
+    # No token but the one given: not the environment's, not ~/.ray/auth_token (a token-auth Ray
+    # head writes one there), not one Ray's loader cached for this process in an earlier test.
+    for name in ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    from ray._raylet import AuthenticationTokenLoader
+
+    AuthenticationTokenLoader.instance().reset_cache()
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(tiny_run(tmp_path / "runs")))
     (tmp_path / "token").write_text(REFUSED_TOKEN)
     verbs = [["jobs", "list"], *(["jobs", verb, "raysubmit_x"] for verb in ("status", "logs", "stop"))]

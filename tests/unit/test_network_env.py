@@ -79,4 +79,7 @@ def test_secret_values_are_masked_in_records_and_in_the_workers_line(
     with caplog.at_level(logging.INFO, logger="trainforge.worker"):
         log_environment(chosen, 1)
     [line] = [r.getMessage() for r in caplog.records if "worker environment" in r.getMessage()]
-    assert line.startswith("rank 1 on ") and line.endswith("HF_TOKEN=*** NCCL_DEBUG=INFO WANDB_API_KEY=(unset)")
+    # An unset secret-named variable says so, or *** where the one masking rule (trainforge.redact,
+    # on every handler once the driver installed it) reads "NAME=(unset)" as a value: neither leaks.
+    assert line.startswith("rank 1 on ") and "HF_TOKEN=*** NCCL_DEBUG=INFO WANDB_API_KEY=" in line
+    assert line.endswith(("WANDB_API_KEY=(unset)", "WANDB_API_KEY=***"))

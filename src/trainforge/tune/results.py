@@ -110,10 +110,13 @@ def complete_run_dir(outcome: TrialOutcome) -> bool:
     The record is the run's metrics.jsonl, read back (driver/summary.RunLog)."""
     run_dir = Path(outcome.run_dir)
     ran = RunLog.read(run_dir)
-    if not ran.reports or (run_dir / "summary.json").is_file() or outcome.status not in ("stopped", "finished"):
+    # The reports the search counted (outcome.steps): a stopped trial's process may still be
+    # appending to metrics.jsonl until Ray ends it, and the two summaries must agree.
+    reports = [r for r in ran.reports if r.step <= outcome.steps]
+    if not reports or (run_dir / "summary.json").is_file() or outcome.status not in ("stopped", "finished"):
         return False
-    last = ran.last
-    checkpoint = next((r.checkpoint for r in reversed(ran.reports) if r.checkpoint), None)
+    last = reports[-1]
+    checkpoint = next((r.checkpoint for r in reversed(reports) if r.checkpoint), None)
     config_path = run_dir / "config.yaml"
     config = yaml.safe_load(config_path.read_text()) if config_path.is_file() else {}
     record = RunRecord(
