@@ -54,7 +54,12 @@ def check_search(result: trainforge.TuneResult, trials: int, *, train_best: bool
     for trial in summary["trials"]:
         run = json.loads((Path(trial["run_dir"]) / "summary.json").read_text())
         assert run["status"] in ("finished", "stopped")
-        assert run["global_step"] == trial["steps"]
+        if trial["status"] == "stopped":
+            # A trial the scheduler stopped trains on until Ray ends its process (docs/tune.md): its
+            # run may record steps past the last report the search counted, never fewer.
+            assert trial["steps"] <= run["global_step"] <= trial["budget_steps"]
+        else:
+            assert run["global_step"] == trial["steps"]
 
     assert result.best_config == result.search_dir / "best.yaml"
     best = load_config(result.best_config).to_dict()  # a complete config, valid as it is
