@@ -105,6 +105,16 @@ def pytest_report_header(config: pytest.Config) -> str:
     return f"timeouts x{slowdown():.2f} (tests/helpers/timing.py; {timing.ENV} sets it)"
 
 
+@pytest.fixture(autouse=True)
+def forget_remembered_secrets() -> Iterator[None]:
+    """trainforge.redact masks the secret values of every config this process loaded, for the
+    process' life (a driver's); each test is a life of its own, so one's values mask nothing in the next."""
+    yield
+    from trainforge import redact
+
+    redact._REMEMBERED.clear()
+
+
 @pytest.fixture(scope="module")
 def ray_local() -> Iterator[None]:
     """A 4-logical-CPU Ray for the whole module; workers import tests.* from the repo root."""
