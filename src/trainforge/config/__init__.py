@@ -35,6 +35,7 @@ from trainforge.config.data import (
 )
 from trainforge.config.loading import (
     TRUST_FLAG,
+    checkpoint_run_config,
     code_keys,
     describe_validation_error,
     env_overrides,
@@ -165,6 +166,7 @@ __all__ = [
     "TrainConfig",
     "TuneConfig",
     "Workers",
+    "checkpoint_run_config",
     "code_keys",
     "describe_validation_error",
     "env_overrides",

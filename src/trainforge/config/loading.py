@@ -17,7 +17,7 @@ from trainforge.config.data import DataConfig, foreign_key_message, unknown_sour
 from trainforge.config.factories import PASSED_DATA, PASSED_MODEL, import_from_working_directory, passed_again
 from trainforge.config.safeyaml import MAX_DEPTH, MAX_TEXT_CHARS, YamlRefused, load_yaml, read_yaml_file
 from trainforge.config.schema import ENV_PREFIX, Config
-from trainforge.errors import ConfigError
+from trainforge.errors import CheckpointError, ConfigError
 from trainforge.redact import redact_config, remember_secrets
 
 
@@ -53,6 +53,19 @@ def code_keys(config: Config) -> list[tuple[str, str]]:
     named.append(("optim.factory", config.optim.factory))
     named += [(f"callbacks[{index}]", callback.path) for index, callback in enumerate(config.callbacks)]
     return [(key, str(value)) for key, value in named if value]
+
+
+def checkpoint_run_config(
+    recorded: Mapping[str, Any] | None, checkpoint: str, run_dir: Path, config_path: Path | None, *, trust: bool
+) -> Config:
+    """The config a checkpoint was trained with (``export``, ``evaluate``): the checkpoint's own
+    record (verified with it), else the run directory's ``config_path``; a CheckpointError when
+    neither is there. ``checkpoint`` names it in errors."""
+    if recorded:
+        return load_run_config(recorded, f"checkpoint {checkpoint}", trust=trust)
+    if config_path is not None:
+        return load_run_config(config_path, f"RUN_DIR {run_dir}: {config_path.name}", trust=trust)
+    raise CheckpointError(f"RUN_DIR {run_dir}: neither config.yaml nor a config in {Path(checkpoint).name}")
 
 
 def load_run_config(source: str | os.PathLike[str] | Mapping[str, Any], origin: str, *, trust: bool) -> Config:

@@ -29,7 +29,7 @@ from torch import nn
 from trainforge.checkpoint.hashing import SHA256, hash_file
 from trainforge.checkpoint.saved import read_saved
 from trainforge.checkpoint.schema import MANIFEST
-from trainforge.config import Config, load_config, load_run_config, to_yaml
+from trainforge.config import Config, checkpoint_run_config, load_config, to_yaml
 from trainforge.data import build_datasets
 from trainforge.data.spec import DataSpec
 from trainforge.errors import CheckpointError, ModelError
@@ -80,12 +80,8 @@ def export_run(
     source = checkpoint_source(checkpoint, f"--checkpoint {which}")
     saved = read_saved(checkpoint)
     # The checkpoint's own record of the resolved config (verified with it); config.yaml where it has none.
-    if saved.config:
-        config = load_run_config(saved.config, f"checkpoint {checkpoint}", trust=trust_run_config)
-    elif run_config is not None:
-        config = load_run_config(config_path, f"RUN_DIR {run_dir}: {CONFIG_FILE}", trust=trust_run_config)
-    else:
-        raise CheckpointError(f"RUN_DIR {run_dir}: neither {CONFIG_FILE} nor a config in {checkpoint.name}")
+    known = config_path if run_config is not None else None
+    config = checkpoint_run_config(saved.config, str(checkpoint), run_dir, known, trust=trust_run_config)
     lora = config.model.lora
     if merge_lora and lora is None:
         raise ModelError("--merge-lora: this run trained no LoRA adapters (model.lora is not set in its config)")

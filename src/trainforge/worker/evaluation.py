@@ -27,7 +27,7 @@ from trainforge.checkpoint.problems import KEY, OUTDATED, KeyProblem, OutdatedCh
 from trainforge.checkpoint.saved import read_saved
 from trainforge.checkpoint.schema import MANIFEST
 from trainforge.checkpoint.storage import CheckpointStore, join_uri
-from trainforge.config import Config, load_config, load_run_config
+from trainforge.config import Config, checkpoint_run_config, load_config
 from trainforge.data import build_test_set, source_of
 from trainforge.errors import CheckpointError, ConfigError, DataError
 from trainforge.worker.build import build, evaluate
@@ -94,12 +94,8 @@ def evaluate_run(
         store.opened(store.fetch(name, Path(scratch))) as directory,  # decrypted when encrypted
     ):
         saved = read_saved(directory, state_schemas())
-        if saved.config:
-            config = load_run_config(saved.config, f"checkpoint {store.uri(name)}", trust=trust_run_config)
-        elif listed is not None:
-            config = load_run_config(config_path, f"RUN_DIR {run_dir}: {CONFIG_FILE}", trust=trust_run_config)
-        else:
-            raise CheckpointError(f"RUN_DIR {run_dir}: neither {CONFIG_FILE} nor a config in {name}")
+        known = config_path if listed is not None else None
+        config = checkpoint_run_config(saved.config, store.uri(name), run_dir, known, trust=trust_run_config)
         local = in_this_process(config)
         if source_of(local.data).streamed:
             raise DataError(
