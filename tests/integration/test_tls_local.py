@@ -6,17 +6,25 @@ tests/cluster/test_tls.py."""
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import yaml
+from cryptography import x509
 
+from tests.helpers.certs import replace_cert
+from tests.helpers.cli import trainforge_command
+from tests.helpers.faults import paced_run, reports, signal_a_worker, wait_until
 from tests.helpers.runs import tiny_run
-from trainforge.driver.certs import create_certs, default_hosts
+from tests.helpers.timing import rescaled, scaled
+from trainforge.driver.certs import CertFiles, create_certs, default_hosts
 
 pytestmark = pytest.mark.slow
 
@@ -72,3 +80,91 @@ def test_the_default_certificate_serves_a_local_ray_on_every_interface(tmp_path:
     tls = {"ca": str(files.ca), "cert": str(files.cert), "key": str(files.key)}
     found = session(tmp_path / "tls", tls, bind="0.0.0.0")
     assert found == {"tls": {"gcs": True, "raylet": True, "object manager": True}, "ran": 42}
+
+
+def tls_run(tmp_path: Path, files: CertFiles, margin_s: float) -> Path:
+    """A run of 2 paced workers on a local Ray with ``cluster.tls`` that would train for hours."""
+    tls = {"ca": str(files.ca), "cert": str(files.cert), "key": str(files.key), "stop_before_expiry_s": margin_s}
+    config = paced_run(
+        tmp_path,
+        cluster={"num_cpus": 4, "bind_address": "127.0.0.1", "tls": tls},
+        train={"max_steps": 1_000_000, "log_every_n_steps": 5},
+        scaling={"num_workers": 2},
+        failure={"max_failures": 3},
+    )
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def start_train(config: Path) -> subprocess.Popen[bytes]:
+    """``trainforge train`` in a fresh interpreter (Ray reads its TLS variables when imported), its
+    output to files beside the config (a pipe left unread would fill and stop it)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_TLS", "RAY_USE_TLS", "RAY_ADDRESS"))}
+    argv = [*trainforge_command(), "train", str(config)]
+    with open(config.with_suffix(".out"), "wb") as out, open(config.with_suffix(".err"), "wb") as err:
+        return subprocess.Popen(argv, stdout=out, stderr=err, env=env)
+
+
+def ended(process: subprocess.Popen[bytes], config: Path, timeout_s: float) -> str:
+    """The command's stderr once it has exited (killed after ``timeout_s``, rescaled)."""
+    try:
+        process.wait(timeout=rescaled(timeout_s))
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    return config.with_suffix(".err").read_text()
+
+
+def utc_now() -> datetime.datetime:
+    return datetime.datetime.now(datetime.timezone.utc)
+
+
+def test_a_worker_lost_after_the_certificate_expired_ends_the_run_in_one_line_instead_of_waiting(
+    tmp_path: Path,
+) -> None:
+    """Issue 36: a certificate that expired while the run trained left the restarted worker group
+    waiting for ever (its new processes' handshakes fail and are retried). Now the driver sees the
+    failure, finds the files no longer pass, and ends the run at once."""
+    files = create_certs(tmp_path / "certs", ["localhost", "127.0.0.1"])
+    config = tls_run(tmp_path, files, margin_s=0)
+    process = start_train(config)
+    try:
+        wait_until(lambda: [r for r in reports(tmp_path / "t") if "step" in r], 240, "the run's first report")
+    except TimeoutError:
+        process.kill()
+        raise
+    # The node certificate expires (replaced by one that did): the processes running keep their
+    # connections; a process started now cannot make one.
+    replace_cert(files, utc_now() - datetime.timedelta(hours=1), utc_now() - datetime.timedelta(minutes=1))
+    killed = signal_a_worker(signal.SIGKILL)
+    stderr = ended(process, config, 120)
+    ended_after_s = time.time() - killed["at"]
+    assert process.returncode == 1, stderr[-3000:]
+    (line,) = [text for text in stderr.splitlines() if "cannot start" in text]  # the command's error line
+    assert line.startswith("error: training failed: the worker group cannot start")
+    assert "cluster.tls.cert" in line and "expired" in line and "--resume" in line
+    summary = json.loads((tmp_path / "t" / "summary.json").read_text())
+    assert summary["status"] == "failed" and "cannot start" in summary["error"]
+    print(f"from the kill to the run's exit: {ended_after_s:.1f} s")
+
+
+def test_a_run_checkpoints_and_stops_before_its_certificate_expires_and_says_why(tmp_path: Path) -> None:
+    files = create_certs(tmp_path / "certs", ["localhost", "127.0.0.1"])
+    replace_cert(files, utc_now() - datetime.timedelta(hours=1), utc_now() + datetime.timedelta(hours=1))
+    expires = x509.load_pem_x509_certificate(files.cert.read_bytes()).not_valid_after_utc
+    # The stop comes `lead` seconds from now: after the command's checks (refused if the margin were
+    # already reached), before or after its first step (a stop asked before the first report is
+    # taken at that report).
+    lead = scaled(30)
+    margin = (expires - utc_now()).total_seconds() - lead
+    config = tls_run(tmp_path, files, margin_s=round(margin))
+    process = start_train(config)
+    stderr = ended(process, config, 240)
+    assert process.returncode == 3, stderr[-3000:]
+    assert "the workers checkpoint and stop at their next report" in stderr
+    summary = json.loads((tmp_path / "t" / "summary.json").read_text())
+    assert summary["status"] == "stopped" and summary["checkpoint"]
+    assert summary["stopped_by"]["source"] == "tls" and "cluster.tls.cert" in summary["stopped_by"]["reason"]
+    assert summary["stopped_by"]["step"] == summary["global_step"] > 0

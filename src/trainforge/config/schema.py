@@ -537,6 +537,9 @@ class TlsConfig(Section):
     ca: str
     cert: str
     key: str
+    # The run checkpoints and stops (resumable) this long before the first of its certificates
+    # expires (driver/tls_watch.py); 0: it trains on to the expiry, and only a restart fails.
+    stop_before_expiry_s: Annotated[float, Field(ge=0.0, le=MAX_SECONDS)] = 900.0
 
     @field_validator("ca", "cert")
     @classmethod

@@ -128,6 +128,8 @@ class Pump:
         self.last_report: Report | None = None
         self.recovery = Recovery()
         self.startup = startup if startup is not None else Timeline()  # the marks of the run's first start
+        # Waiting for a worker group: from the start to the first report, and from a failure to the next.
+        self.awaiting_group = True
 
     def drain(self) -> None:
         try:
@@ -140,6 +142,7 @@ class Pump:
                 self._on_report(item)
             elif isinstance(item, WorkerFailure):
                 self.recovery.failed(item.time)
+                self.awaiting_group = True
                 self.observers.on_worker_error(item)
             elif isinstance(item, LogBatch):
                 self.observers.on_log(list(item.lines))
@@ -152,6 +155,7 @@ class Pump:
         if self.cost is not None:
             report = self.cost.on_report(report)
         self.recovery.reported(report)
+        self.awaiting_group = False
         self.last_report = report
         self.observers.on_report(report)
 

@@ -42,6 +42,7 @@ from trainforge.driver.rerun import check_rerun, record_changes
 from trainforge.driver.runlock import run_locks
 from trainforge.driver.startup import Timeline
 from trainforge.driver.summary import RunRecord, finish_run_dir
+from trainforge.driver.tls_watch import TlsWatch
 from trainforge.driver.warm import Shape as WarmShape
 from trainforge.driver.warm import WarmGroupFailed, WarmTrainer, process_pool, why_not
 from trainforge.errors import CheckpointError, ConfigError, TrainforgeError, TrainingFailed, UserCodeError
@@ -79,6 +80,7 @@ class Outcome:
     wall_time_s: float
     error: str | None = None
     raise_after: TrainforgeError | None = None  # the user's error, raised once the summary is written
+    stopped_by: dict[str, Any] | None = None  # why the driver stopped the run (its TLS watch)
 
 
 def build_trainer(
@@ -335,13 +337,21 @@ def run_training(
     address = resolve_address(config, address)
     local = address is None
     preflight(config, local=local)
+    watch = TlsWatch.for_run(config)  # certificates that expire within the margin: refused here
     with run_locks(config, local=local, wait_s=lock_wait_s):
         check_resume(config, local=local)
         if changed_config is not None:
             record_changes(config.run_dir, check_rerun(config, resume=changed_config == "continue"))
         startup.mark("preflight")
         return _train(
-            config, observers, address=address, verbose=verbose, callbacks=callbacks, startup=startup, pool=pool
+            config,
+            observers,
+            address=address,
+            verbose=verbose,
+            callbacks=callbacks,
+            startup=startup,
+            pool=pool,
+            watch=watch,
         )
 
 
@@ -354,6 +364,7 @@ def _train(
     callbacks: Sequence[Any],
     startup: Timeline,
     pool: Any = None,
+    watch: TlsWatch | None = None,
 ) -> dict[str, Any]:
     run_dir = config.run_dir
     (run_dir / "config.yaml").write_text(to_yaml(config))
@@ -370,9 +381,10 @@ def _train(
         mailbox = start_mailbox()
         pump = Pump(mailbox, fanout, CostMeter.for_config(config, started), startup)
         fanout.on_start(RunInfo(config.run.name, config.scaling.num_workers, where, str(run_dir)))
-        outcome, config = _fit_warm(config, mailbox, pump, started, pool, local_ray=address is None)
+        outcome, config = _fit_warm(config, mailbox, pump, started, pool, local_ray=address is None, watch=watch)
         if outcome is None:
-            outcome = _fit(build_trainer(config, mailbox, callbacks, local_ray=address is None), pump, started)
+            trainer = build_trainer(config, mailbox, callbacks, local_ray=address is None)
+            outcome = _fit(trainer, pump, started, watch)
     store = None
     if outcome.checkpoint:  # the final weights out of the last checkpoint (decrypted with the run's key)
         store = CheckpointStore.for_run(config.storage_path, config.run.name)
@@ -398,7 +410,7 @@ def copy_profiles(config: Config, run_dir: Path) -> None:
 
 
 def _fit_warm(
-    config: Config, mailbox: Any, pump: Pump, started: float, pool: Any, *, local_ray: bool
+    config: Config, mailbox: Any, pump: Pump, started: float, pool: Any, *, local_ray: bool, watch: TlsWatch | None
 ) -> tuple[Outcome | None, Config]:
     """The run on a warm worker group (driver/warm.py) when one is asked for and the run can use
     one. No outcome: run it under Ray Train instead, with the config returned. That is when no warm
@@ -416,7 +428,7 @@ def _fit_warm(
     payload = make_payload(config, mailbox, None, local_ray=local_ray)
     trainer = WarmTrainer(pool, WarmShape.of(config, run_env(config)), payload, mailbox)
     try:
-        return _fit(trainer, pump, started), config
+        return _fit(trainer, pump, started, watch), config
     except WarmGroupFailed as err:
         left = config.failure.max_failures
         if left == 0:
@@ -428,10 +440,12 @@ def _fit_warm(
         return None, config.model_copy(update={"failure": config.failure.model_copy(update={"max_failures": spare})})
 
 
-def _fit(trainer: TorchTrainer | WarmTrainer, pump: Pump, started: float) -> Outcome:
+def _fit(trainer: TorchTrainer | WarmTrainer, pump: Pump, started: float, watch: TlsWatch | None = None) -> Outcome:
     """Run ``fit`` on a thread; the main thread drains reports and owns the signals.
 
     First Ctrl-C (or SIGTERM): the workers checkpoint and stop at their next report. Second: abort.
+    ``watch``: the run's TLS certificates against the clock (driver/tls_watch.py); when it says the
+    run cannot go on, the run ends as failed without waiting for ``fit``.
     """
     box: dict[str, Any] = {}
 
@@ -448,6 +462,11 @@ def _fit(trainer: TorchTrainer | WarmTrainer, pump: Pump, started: float) -> Out
             while thread.is_alive():
                 thread.join(timeout=0.5)
                 pump.drain()
+                ended = (
+                    watch.poll(pump.mailbox.request_stop.remote, awaiting_group=pump.awaiting_group) if watch else None
+                )
+                if ended is not None:  # said once, by the command's error line
+                    return Outcome("failed", pump.last_report, pump.last_checkpoint, time.monotonic() - started, ended)
     except KeyboardInterrupt:
         pump.drain()
         return Outcome("aborted", pump.last_report, pump.last_checkpoint, time.monotonic() - started)
@@ -473,7 +492,8 @@ def _fit(trainer: TorchTrainer | WarmTrainer, pump: Pump, started: float) -> Out
     final = returned if isinstance(returned, Report) else pump.last_report
     status = final.status if final is not None and final.status else "finished"
     checkpoint = final.checkpoint if final is not None else None
-    return Outcome(status, final, checkpoint or pump.last_checkpoint, elapsed)
+    asked = watch.stopped_by(final.step if final is not None else 0) if watch and status == "stopped" else None
+    return Outcome(status, final, checkpoint or pump.last_checkpoint, elapsed, stopped_by=asked)
 
 
 @contextlib.contextmanager
@@ -530,6 +550,7 @@ def run_record(config: Config, outcome: Outcome, pump: Pump) -> RunRecord:
         error=outcome.error,
         cost=pump.cost.final(final, outcome.wall_time_s).to_dict() if pump.cost is not None else None,
         startup=pump.startup.to_dict(),
+        stopped_by=outcome.stopped_by,
     )
 
 

@@ -114,6 +114,7 @@ class RunRecord:
     written_by: str = RUN_DRIVER
     cost: Mapping[str, Any] | None = None  # cost.CostEstimate.to_dict(), when a price is set
     startup: Mapping[str, Any] | None = None  # startup.Timeline.to_dict(): seconds to the first step, by phase
+    stopped_by: Mapping[str, Any] | None = None  # the driver's own stop (a certificate about to expire)
 
 
 def build_summary(record: RunRecord) -> dict[str, Any]:
@@ -155,7 +156,7 @@ def stopped_by(record: RunRecord, final: Report) -> dict[str, Any] | None:
         return {"source": ended.source, "reason": ended.reason, "step": ended.step}
     if record.stopped_by_scheduler:
         return {"source": "scheduler", "reason": "the search's scheduler stopped the trial", "step": final.step}
-    return None
+    return dict(record.stopped_by) if record.stopped_by is not None else None
 
 
 def stopped_early(final: Report) -> dict[str, Any] | None:

@@ -67,6 +67,28 @@ def check_tls_files(files: TlsFiles, now: datetime.datetime | None = None) -> No
         )
 
 
+@dataclass(frozen=True)
+class Expiry:
+    """When the first of the files' certificates (the node's chain and the CA that signed it)
+    stops being valid, and which one that is (what a message names)."""
+
+    at: datetime.datetime
+    name: str  # the key that gave the file
+    path: str
+    subject: str
+
+
+def earliest_expiry(files: TlsFiles) -> Expiry:
+    """The first certificate to expire among those a handshake of ``files`` uses (the files were
+    checked by ``check_tls_files``)."""
+    cas = _certificates(files.ca, files.names[0])
+    chain = _certificates(files.cert, files.names[1])
+    used = [(cert, files.names[1], files.cert) for cert in chain]
+    used.append((_signer(chain, cas, files), files.names[0], files.ca))
+    cert, name, path = min(used, key=lambda entry: entry[0].not_valid_after_utc)
+    return Expiry(cert.not_valid_after_utc, name, path, _subject(cert))
+
+
 def check_trust_file(path: str, name: str, now: datetime.datetime | None = None) -> None:
     """A CA file that ``submit`` and ``jobs`` check a dashboard's certificate with: PEM
     certificates, no private key, at least one in its validity period (a proxy's own self-signed
