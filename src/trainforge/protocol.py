@@ -441,6 +441,36 @@ class StartupMarks:
 
 
 @dataclass(frozen=True)
+class WorkerIdentity:
+    """Where a rank runs, sent by each worker as it starts (a restarted group's anew): what the
+    driver names a hung rank by, and where it finds the process to look at and to kill."""
+
+    rank: int
+    pid: int
+    thread_id: int  # the training thread's native id (py-spy names threads by it)
+    node_id: str
+    node_ip: str
+    hostname: str
+
+
+@dataclass(frozen=True)
+class HangSuspected:
+    """A rank's watchdog (worker/watchdog.py): the work in progress has run far longer than the
+    run's own steps. ``waiting``: the rank is inside a collective (or DDP's backward, where it waits
+    for its peers' gradients), so it arrived and waits for others; ``stack``: its training thread,
+    outermost frame first (``func (file:line)``)."""
+
+    rank: int
+    step: int  # the step in progress (the last completed one + 1)
+    phase: str  # step, checkpoint, validation
+    waited_s: float
+    bound_s: float
+    waiting: bool
+    stack: tuple[str, ...]
+    time: float
+
+
+@dataclass(frozen=True)
 class ValidationStarted:
     """Rank 0 begins a validation pass after ``step``: sent to the driver's mailbox as it starts
     (its result comes with the next report), so that a long pass is not silence."""

@@ -493,9 +493,22 @@ class CheckpointConfig(Section):
         return value
 
 
+class HangConfig(Section):
+    """When a step is a hang (worker/watchdog.py) and what the driver does about it (driver/hangs.py):
+    after ``warmup_steps`` steps, a step longer than ``multiple`` x the p99 of the run's own step
+    times, and at least ``floor_s``; ``failure.collective_timeout_s`` stays the ceiling."""
+
+    enabled: bool = True
+    multiple: Annotated[float, Field(ge=1.5, le=10_000.0)] = 10.0
+    floor_s: Annotated[float, Field(ge=0.5, le=MAX_SECONDS)] = 10.0
+    warmup_steps: Annotated[int, Field(ge=1, le=1_000_000)] = 10
+    kill: bool = True  # kill the ranks that did not arrive (Ray Train restarts the group); false: diagnose only
+
+
 class FailureConfig(Section):
     max_failures: Annotated[int, Field(ge=-1, le=MAX_COUNT)] = 3
     collective_timeout_s: Annotated[float, Field(ge=1.0, le=MAX_SECONDS)] = 300.0  # whole seconds reach gloo/NCCL: >= 1
+    hang: HangConfig = Field(default_factory=HangConfig)
 
 
 def unsafe_mode(mode: int, *, private: bool) -> str | None:

@@ -18,22 +18,26 @@ from ray.train.v2._internal.execution.callback import ControllerCallback, Worker
 from ray.train.v2.api.callback import UserCallback
 
 from trainforge.driver.cost import CostMeter
+from trainforge.driver.hangs import HangDoctor
 from trainforge.driver.startup import Timeline
 from trainforge.driver.summary import Recovery
 from trainforge.observers.base import Observers
 from trainforge.protocol import (
     REPORT_KEY,
+    HangSuspected,
     LogBatch,
     Report,
     StartupMarks,
     ValidationStarted,
     WorkerFailure,
+    WorkerIdentity,
     merge_reports,
 )
 
 log = logging.getLogger("trainforge")
 
-Mail = Report | WorkerFailure | LogBatch | StartupMarks | ValidationStarted  # what the mailbox holds
+# What the mailbox holds.
+Mail = Report | WorkerFailure | LogBatch | StartupMarks | ValidationStarted | WorkerIdentity | HangSuspected
 
 
 def start_mailbox() -> Any:
@@ -120,7 +124,12 @@ class Pump:
     """
 
     def __init__(
-        self, mailbox: Any, observers: Observers, cost: CostMeter | None = None, startup: Timeline | None = None
+        self,
+        mailbox: Any,
+        observers: Observers,
+        cost: CostMeter | None = None,
+        startup: Timeline | None = None,
+        doctor: HangDoctor | None = None,
     ) -> None:
         self.mailbox = mailbox
         self.observers = observers
@@ -130,6 +139,7 @@ class Pump:
         self.startup = startup if startup is not None else Timeline()  # the marks of the run's first start
         # Waiting for a worker group: from the start to the first report, and from a failure to the next.
         self.awaiting_group = True
+        self.doctor = doctor  # the workers' hang reports, diagnosed (driver/hangs.py)
 
     def drain(self) -> None:
         try:
@@ -143,6 +153,8 @@ class Pump:
             elif isinstance(item, WorkerFailure):
                 self.recovery.failed(item.time)
                 self.awaiting_group = True
+                if self.doctor is not None:
+                    self.doctor.on_group_failed()
                 self.observers.on_worker_error(item)
             elif isinstance(item, LogBatch):
                 self.observers.on_log(list(item.lines))
@@ -150,6 +162,13 @@ class Pump:
                 self.startup.add(dict(item.marks))
             elif isinstance(item, ValidationStarted):
                 self.observers.on_validation_start(item)
+            elif isinstance(item, WorkerIdentity) and self.doctor is not None:
+                self.doctor.on_identity(item)
+            elif isinstance(item, HangSuspected) and self.doctor is not None:
+                self.doctor.on_suspected(item)
+        diagnosis = self.doctor.poll() if self.doctor is not None else None
+        if diagnosis is not None:
+            self.observers.on_hang(diagnosis)
 
     def _on_report(self, report: Report) -> None:
         if self.cost is not None:

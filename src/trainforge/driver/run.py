@@ -37,6 +37,7 @@ from trainforge.data.stream import StreamShape, check_stream_config, ordered_spl
 from trainforge.data.tokens import prepare_or_verify
 from trainforge.driver.cost import CostMeter
 from trainforge.driver.events import ForwardingCallback, Pump, StartupCallback, start_mailbox
+from trainforge.driver.hangs import HangDoctor
 from trainforge.driver.ray_session import ray_logs_to, ray_session, resolve_address
 from trainforge.driver.rerun import check_rerun, record_changes
 from trainforge.driver.runlock import run_locks
@@ -379,7 +380,8 @@ def _train(
     ):
         startup.mark("ray")
         mailbox = start_mailbox()
-        pump = Pump(mailbox, fanout, CostMeter.for_config(config, started), startup)
+        doctor = HangDoctor(run_dir, config.failure.hang) if config.failure.hang.enabled else None
+        pump = Pump(mailbox, fanout, CostMeter.for_config(config, started), startup, doctor)
         fanout.on_start(RunInfo(config.run.name, config.scaling.num_workers, where, str(run_dir)))
         outcome, config = _fit_warm(config, mailbox, pump, started, pool, local_ray=address is None, watch=watch)
         if outcome is None:

@@ -12,8 +12,9 @@ Firing order, for every observer, once per driver session (``driver/run.train``)
    set the report carries the driver's ``cost/...`` figures (driver/cost.py);
 3. ``on_worker_error(WorkerFailure)`` when a worker group fails (Ray restarts it; the next report
    after the restore carries a ``Resumed`` event), ``on_log(list[LogLine])`` (batches of worker
-   log lines) and ``on_validation_start(ValidationStarted)`` (rank 0 begins a validation pass,
-   whose metrics come with a later report's history), interleaved with 2. as they happen;
+   log lines), ``on_validation_start(ValidationStarted)`` (rank 0 begins a validation pass,
+   whose metrics come with a later report's history) and ``on_hang(Diagnosis)`` (the driver
+   diagnosed a hung step, driver/hangs.py), interleaved with 2. as they happen;
 4. either ``on_end(summary)`` once, with summary.json's content, after it is written; or
    ``on_error(error)`` once, when the run raised instead (a user's error the workers found, a
    failed preflight, Ctrl-C before the workers started; then possibly without an ``on_start``
@@ -46,7 +47,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("trainforge")
 
 # Hooks an observer may leave out; the fan-out looks each one up (see the firing order above).
-OPTIONAL_HOOKS = ("on_log", "on_validation_start", "on_error", "summary_entries", "check_complete")
+OPTIONAL_HOOKS = ("on_log", "on_validation_start", "on_hang", "on_error", "summary_entries", "check_complete")
 
 
 class Observer(Protocol):
@@ -69,6 +70,7 @@ class Observer(Protocol):
     # optional:
     # def on_log(self, lines: list[LogLine]) -> None
     # def on_validation_start(self, started: ValidationStarted) -> None
+    # def on_hang(self, diagnosis: Diagnosis) -> None  (driver/hangs.py)
     # def on_error(self, error: BaseException) -> None
     # def summary_entries(self) -> dict[str, Any]
     # def check_complete(self) -> None
@@ -119,6 +121,9 @@ class Observers:
 
     def on_validation_start(self, started: ValidationStarted) -> None:
         self._each("on_validation_start", started)
+
+    def on_hang(self, diagnosis: Any) -> None:
+        self._each("on_hang", diagnosis)
 
     def on_end(self, summary: dict[str, Any]) -> None:
         self._each("on_end", summary)

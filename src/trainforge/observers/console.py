@@ -220,6 +220,10 @@ class ProgressDisplay:
             self.last_line_at = now
             self.say(f"step {step}/{total}  {line}  {self.pace.text()}")
 
+    def on_hang(self, diagnosis: Any) -> None:
+        """driver/hangs.Diagnosis: who did not arrive, where it is, what was done; in one line."""
+        self.say(f"[yellow]{escape(redact_text(diagnosis.line))}[/]")
+
     def on_worker_error(self, failure: WorkerFailure) -> None:
         for rank, error in sorted(failure.errors.items()):
             self.say(f"[yellow]worker {rank} failed:[/] {escape(redact_text(error))}")

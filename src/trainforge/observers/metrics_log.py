@@ -1,4 +1,4 @@
-"""The run's record of reports: ``<run dir>/metrics.jsonl``, one JSON line per report and failure."""
+"""The run's record of reports: ``<run dir>/metrics.jsonl``, one JSON line per report, failure and hang."""
 
 from __future__ import annotations
 
@@ -32,6 +32,10 @@ class MetricsLog(Observer):
 
     def on_worker_error(self, failure: WorkerFailure) -> None:
         self._append(failure.to_json())
+
+    def on_hang(self, diagnosis: Any) -> None:
+        """driver/hangs.Diagnosis: ``{"event": "hang", "step", "text", "ranks", ...}``."""
+        self._append(diagnosis.to_json())
 
     def _append(self, record: dict[str, Any]) -> None:
         with self.path.open("a") as handle:

@@ -191,6 +191,11 @@ def _read_metrics(metrics_path: Path, data: RunData) -> None:
             if not errors:
                 data.events.append(EventRow(step, "worker failure", "failure"))
             continue
+        if record.get("event") == "hang":  # driver/hangs.py's diagnosis: a marker where it happened
+            ranks = ", ".join(str(rank) for rank in record.get("ranks") or []) or "none stuck"
+            data.markers.append(Marker(step, "failure", f"hang (rank {ranks})"))
+            data.events.append(EventRow(step, str(record.get("text", "hang")), "failure"))
+            continue
         if "event" in record:
             # A driver's record says itself in ``text`` where it has one (driver/rerun.py's config_changed).
             said = record["text"] if isinstance(record.get("text"), str) else json.dumps(record)

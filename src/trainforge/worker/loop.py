@@ -9,6 +9,7 @@ all ranks: the step count, or the control ``Signals`` that came out of the repor
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -56,6 +57,7 @@ from trainforge.worker.profiling import StepProfiler
 from trainforge.worker.saving import Checkpointing, Restored, restore, run_store
 from trainforge.worker.step import MetricSums, StepOutOfMemory
 from trainforge.worker.user_code import is_user_code_error, user_code_error
+from trainforge.worker.watchdog import for_session as watchdog_for
 
 log = logging.getLogger("trainforge.worker")
 
@@ -212,6 +214,7 @@ class Session:
         self.committed: list[str] = []  # rank 0: checkpoints committed since the callbacks last heard
         self.validated_step: int | None = None
         self.best_due: dict[str, float] | None = None  # restore_best: the metrics of a pass to checkpoint
+        self.watchdog = watchdog_for(cfg, self.run.rank, self.control)  # hangs named to the driver (worker/watchdog.py)
         if self.early is not None and self.early.cfg.restore_best and self.early.best_step is not None:
             self.checkpointing.writer.keep = {checkpoint_name(self.early.best_step)}
 
@@ -221,6 +224,19 @@ class Session:
         return self.restored.source is None and self.progress.global_step == self.first_step
 
     def train(self) -> Report:
+        if self.watchdog is None:
+            return self.train_steps()
+        self.watchdog.start(ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address())
+        try:
+            return self.train_steps()
+        finally:
+            self.watchdog.stop()
+
+    def phase(self, name: str) -> contextlib.AbstractContextManager[None]:
+        """Work that is not a step, for the watchdog (bounded by failure.collective_timeout_s)."""
+        return self.watchdog.phase(name) if self.watchdog is not None else contextlib.nullcontext()
+
+    def train_steps(self) -> Report:
         run, progress = self.run, self.progress
         self.profiler.at_step(progress.global_step)
         if self.callbacks is not None:
@@ -259,6 +275,8 @@ class Session:
                 data.finish_epoch()
                 break
             progress.global_step += 1
+            if self.watchdog is not None:
+                self.watchdog.step_done(progress.global_step)
             if self.startup is not None:
                 self.send_startup()
             run.after_step(progress.global_step)  # local SGD's sync points, the weights' average
@@ -401,14 +419,16 @@ class Session:
 
     def save(self, report: Report | None, *, final: bool = False) -> None:
         # The snapshot stall is training time: it stays in the throughput figure.
-        self.checkpointing.save(report.scalars() if report is not None else {}, final=final)
+        with self.phase("checkpoint"):
+            self.checkpointing.save(report.scalars() if report is not None else {}, final=final)
         self.last_save = time.perf_counter()
 
     def timed_evaluate(self) -> dict[str, float]:
         if self.run.rank == 0 and self.control is not None:  # the console says so while the pass runs
             self.control.put.remote(ValidationStarted(self.progress.global_step))  # fire and forget
         started = time.perf_counter()
-        metrics = evaluate(self.run)
+        with self.phase("validation"):
+            metrics = evaluate(self.run)
         self.meter.exclude(time.perf_counter() - started)
         self.run.runner.scheduler.validated(metrics)  # ReduceLROnPlateau: all-reduced, the same on every rank
         self.val_points.append({"step": self.progress.global_step, "time/unix": time.time(), **metrics})
