@@ -78,8 +78,12 @@ def test_override_values_are_typed() -> None:
             "train.global_batch_size is required with train.batch_size: auto",
         ),
         (
-            {"train": {"batch_size": 8, "global_batch_size": 64, "max_steps": 1}},
-            "train.global_batch_size needs train.batch_size: auto",
+            {"train": {"batch_size": 8, "global_batch_size": 64, "grad_accum_steps": 2, "max_steps": 1}},
+            "train.grad_accum_steps follows from train.global_batch_size",
+        ),
+        (
+            {"train": {"batch_size": 8, "global_batch_size": 60, "max_steps": 1}, "scaling": {"num_workers": 2}},
+            "train.global_batch_size 60 must be divisible by train.batch_size 8 x scaling.num_workers 2 = 16",
         ),
         (
             {"train": {"batch_size": "auto", "global_batch_size": 64, "grad_accum_steps": 2, "max_steps": 1}},

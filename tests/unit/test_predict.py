@@ -282,6 +282,7 @@ def test_a_measured_link_from_bench_collectives_json(tmp_path: Path, capsys: pyt
         (["--model-params", "1000"], "--model-params needs --step-time"),
         (["--gpus-per-node", "0"], "--gpus-per-node 0: from 1 to 1024"),
         (["--set", "train.batch_size=auto", "--set", "train.global_batch_size=64"], "train.batch_size: auto"),
+        (["--set", "train.global_batch_size=64"], "predict models a fixed batch per GPU"),
         (
             ["--set", "data.name=imagefolder", "--set", "data.path=/absent"],
             "data.path /absent does not exist",

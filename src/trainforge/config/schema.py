@@ -177,11 +177,13 @@ Callback = Annotated[CallbackConfig, BeforeValidator(_callback_entry)]
 class TrainConfig(Section):
     max_steps: Steps | None = None
     epochs: Annotated[int, Field(ge=1, le=MAX_EPOCHS)] | None = None
-    # Per worker, per micro-batch; ``auto``: the largest micro-batch that fits (worker/autobatch.py),
-    # with grad_accum_steps chosen so that the global batch is ``global_batch_size``.
+    # Per worker, per micro-batch; ``auto``: the largest micro-batch that fits (worker/autobatch.py).
     batch_size: Annotated[int, Field(ge=1, le=MAX_BATCH)] | Literal["auto"] = 32
     grad_accum_steps: Count = 1
-    global_batch_size: Annotated[int, Field(ge=1, le=MAX_BATCH)] | None = None  # with batch_size: auto only
+    # Samples per optimizer step over all data-parallel workers, whatever their number: the workers
+    # derive grad_accum_steps from it (and under ``auto`` the micro-batch), so a resume on another
+    # worker count reads the same samples per step (worker/components/data.py).
+    global_batch_size: Annotated[int, Field(ge=1, le=MAX_BATCH)] | None = None
     memory_limit_gb: Annotated[float, Field(gt=0, le=1 << 20)] = 4.0  # per worker, for auto on CPU
     grad_clip_norm: PositiveFloat | None = None
     log_every_n_steps: Steps = 10
@@ -199,18 +201,39 @@ class TrainConfig(Section):
         auto = self.batch_size == "auto"
         if auto and self.global_batch_size is None:
             raise ValueError("train.global_batch_size is required with train.batch_size: auto (the batch to hold)")
-        if not auto and self.global_batch_size is not None:
-            raise ValueError(
-                "train.global_batch_size needs train.batch_size: auto (a fixed batch_size makes the global "
-                "batch batch_size x grad_accum_steps x workers)"
-            )
         if auto and self.grad_accum_steps != 1:
             raise ValueError("train.grad_accum_steps is chosen by train.batch_size: auto; leave it out")
+        if self.global_batch_size is not None and self.grad_accum_steps != 1:
+            raise ValueError(
+                "train.grad_accum_steps follows from train.global_batch_size (global_batch_size / (batch_size x "
+                "data-parallel workers)); leave it out"
+            )
         return self
 
     @property
     def auto_batch(self) -> bool:
         return self.batch_size == "auto"
+
+    def split(self, replicas: int, workers: str) -> tuple[int, int]:
+        """(micro-batch, accumulation steps) of each of ``replicas`` data-parallel workers: as set, or
+        derived from ``global_batch_size`` (under ``auto``, a worker's whole share in one micro-batch
+        until worker/autobatch.py splits it). ValueError in one line when the global batch does not
+        split into equal shares; ``workers`` says where the count comes from."""
+        global_batch = self.global_batch_size
+        if global_batch is None:
+            return int(self.batch_size), self.grad_accum_steps
+        share = "every data-parallel worker takes an equal share"
+        if self.batch_size == "auto":
+            if global_batch % replicas:
+                raise ValueError(f"train.global_batch_size {global_batch} must be divisible by {workers} ({share})")
+            return global_batch // replicas, 1
+        per_step = self.batch_size * replicas
+        if global_batch % per_step:
+            raise ValueError(
+                f"train.global_batch_size {global_batch} must be divisible by train.batch_size {self.batch_size} x "
+                f"{workers} = {per_step} ({share} of whole micro-batches)"
+            )
+        return self.batch_size, global_batch // per_step
 
 
 class ParamGroupConfig(Section):
@@ -728,14 +751,10 @@ class Config(Section):
         # An elastic [min, max] is checked by the workers, against the count they start with.
         if global_batch is not None and isinstance(workers, int):
             replicas = max(1, workers // self.parallel.tensor_parallel)  # a tensor-parallel group reads one batch
-            if global_batch % replicas:
-                of = f"scaling.num_workers {workers}" + (
-                    f" / parallel.tensor_parallel {self.parallel.tensor_parallel}" if replicas != workers else ""
-                )
-                raise ValueError(
-                    f"train.global_batch_size {global_batch} must be divisible by {of} "
-                    "(every data-parallel worker takes an equal share)"
-                )
+            of = f"scaling.num_workers {workers}" + (
+                f" / parallel.tensor_parallel {self.parallel.tensor_parallel}" if replicas != workers else ""
+            )
+            self.train.split(replicas, of)
         if self.parallel.fsdp.cpu_offload and self.parallel.strategy != "fsdp":
             raise ValueError("parallel.fsdp.cpu_offload needs parallel.strategy: fsdp")
         if self.parallel.fsdp.cpu_offload and not self.scaling.use_gpu:

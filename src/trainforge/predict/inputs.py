@@ -67,6 +67,11 @@ def per_gpu_batch(config: Config) -> tuple[int, int]:
             "train.batch_size: auto is chosen on the GPUs at run time; predict needs a number "
             "(--set train.batch_size=N)"
         )
+    if config.train.global_batch_size is not None:
+        raise TrainforgeError(
+            "train.global_batch_size divides one batch over however many GPUs there are; predict models a "
+            "fixed batch per GPU: --set train.global_batch_size=null and set train.grad_accum_steps"
+        )
     return int(config.train.batch_size), config.train.grad_accum_steps
 
 

@@ -1,7 +1,8 @@
 """The data component (``data``): where a rank's batches come from and where it stands in them.
 
 Its state is the position in the data (epoch, samples this rank consumed in the epoch), re-split
-when the number of workers changed, and the micro-batch size and accumulation steps it hands out
+when the number of workers changed (exactly when ``train.global_batch_size`` holds the global
+batch: ``DataSource.resized``), and the micro-batch size and accumulation steps it hands out
 (chosen at the start of the run under ``train.batch_size: auto``, and lowered after an
 out-of-memory step: ``worker/autobatch.py``).
 """
@@ -87,7 +88,7 @@ class DataSource(Component):
         if steps_per_epoch == 0:
             what = (
                 "train.global_batch_size / workers"
-                if config.train.auto_batch
+                if config.train.global_batch_size is not None
                 else "train.batch_size x train.grad_accum_steps"
             )
             raise DataError(
@@ -208,29 +209,57 @@ class DataSource(Component):
         )
 
     def load_state_dict(self, state: State, restore: Restore) -> None:
-        """Where the checkpoint stood; written by another number of workers, the same global
-        position split over this many (whole steps; exactness is then not promised). Under auto
-        batch size, the checkpoint's micro-batch when it still splits this rank's step."""
+        """Where the checkpoint stood; written by another number of data-parallel ranks, the same
+        global position split over this many, in whole steps: exact when the global batch held
+        (``train.global_batch_size``), else rounded down (see ``resized``). Under auto batch size,
+        the checkpoint's micro-batch when it still splits this rank's step."""
         saved = DataPosition.model_validate(state.values)
         position, writers = saved.position, saved.world_size
         if writers != self.world:
             position = position * writers // self.world // self.samples_per_step * self.samples_per_step
+            restore.notes.append(self.resized(saved))
         self.epoch, self.position = saved.epoch, position
         micro = saved.micro_batch_size
         if self.config.train.auto_batch and micro and writers == self.world and self.samples_per_step % micro == 0:
             self.split(micro)
             self.batch_from = "checkpoint"
 
+    def resized(self, saved: DataPosition) -> str:
+        """What a resume on another number of data-parallel ranks keeps of the epoch's samples.
+
+        Rank r reads ``perm[r::world]`` of the epoch's order, so step s of any world size reads
+        the block ``perm[s*G:(s+1)*G]`` of the global batch G: with G unchanged the steps read the
+        same samples. A changed G rounds the position down to whole steps: up to one step's
+        samples are read again, none is skipped. A streamed source deals its rows to the ranks by
+        their number, so the rest of the epoch is not the uninterrupted run's."""
+        now, had = self.samples_per_step * self.world, None
+        if saved.micro_batch_size and saved.grad_accum_steps:
+            had = saved.micro_batch_size * saved.grad_accum_steps * saved.world_size
+        ranks = f"{saved.world_size} -> {self.world} data-parallel workers"
+        if self.feed is not None:
+            return (
+                f"{ranks}: data.name {self.config.data.name} deals its rows to the workers by their number, so "
+                f"the rest of epoch {saved.epoch} may read rows twice or not at all; later epochs are whole"
+            )
+        if had == now:
+            return (
+                f"{ranks}: the global batch of {now} samples holds ({self.accum} accumulation steps of "
+                f"{self.micro_batch} per worker), so every step reads the samples the uninterrupted run reads"
+            )
+        return (
+            f"{ranks}: the global batch changed from {had or 'an unknown size'} to {now} samples (set "
+            f"train.global_batch_size to hold it), so the rest of epoch {saved.epoch} may read up to one step's "
+            "samples again"
+        )
+
 
 def configured_split(config: Config, world: int) -> tuple[int, int]:
-    """(micro-batch, accumulation steps) as configured; under auto batch size, this rank's whole
-    share of the global batch in one micro-batch until the search (``worker/autobatch.py``) splits it."""
-    train = config.train
-    if train.batch_size != "auto":
-        return train.batch_size, train.grad_accum_steps
-    global_batch = int(train.global_batch_size or 0)
-    if global_batch % world:
-        raise ConfigError(
-            f"train.global_batch_size {global_batch} must be divisible by the {world} data-parallel workers"
-        )
-    return global_batch // world, 1
+    """(micro-batch, accumulation steps) for ``world`` data-parallel ranks, as configured or derived
+    from ``train.global_batch_size`` (config/schema.py ``TrainConfig.split``): re-derived at every
+    start, so a resume on fewer ranks accumulates more and the global batch holds. Under auto batch
+    size, this rank's whole share in one micro-batch until the search (``worker/autobatch.py``)
+    splits it."""
+    try:
+        return config.train.split(world, f"the {world} data-parallel workers")
+    except ValueError as err:
+        raise ConfigError(str(err)) from None

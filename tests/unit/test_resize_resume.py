@@ -1,0 +1,211 @@
+"""A resume on another number of workers continues exactly (issue 37, section 6).
+
+``train.global_batch_size`` holds the global batch whatever the worker count: each start derives
+its accumulation steps from the workers it got, and rank r reads ``perm[r::W]`` of the epoch's
+order, so step s reads the block ``perm[s*G:(s+1)*G]`` on any W. A run of 2 workers stopped
+mid-epoch and resumed on 1 (and one of 1 resumed on 2) reads the same samples in the same global
+batches as the uninterrupted 2-worker run, none twice or never in an epoch, and its losses
+match within float rounding (the sums run in another order, so not bit-identical).
+
+The runs are the worker's Session in gloo ranks without Ray (tests/helpers/sessions.py); the
+model records the index of every sample of every training forward (user_models.IdRecorder).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.helpers.ranks import spawn_ranks
+from tests.helpers.runs import tiny_run
+from tests.helpers.sessions import Outcome, final_weights, sessions
+from trainforge.config import load_config
+from trainforge.errors import ConfigError
+from trainforge.worker.components.data import configured_split
+
+MICRO, GLOBAL = 8, 32  # 2 workers: 2 accumulation steps each; 1 worker: 4
+STEPS_PER_EPOCH = 251 // GLOBAL  # 7, on any worker count
+EPOCHS = 2
+SAVED, CRASH = 5, 6  # a checkpoint at step 5 (mid-epoch 1), the stop at step 6's report
+RTOL = 1e-5
+
+
+def config(tmp: Path, workers: int, strategy: str = "ddp") -> dict[str, Any]:
+    ids = tmp / "ids"
+    ids.mkdir(parents=True, exist_ok=True)
+    run = tiny_run(
+        tmp,
+        model={
+            "name": None,
+            "factory": "tests.helpers.user_models:id_recorder",
+            "kwargs": {"record_to": str(ids), "delay_s": 0.0, "hidden": 16},
+        },
+        train={
+            "max_steps": None,
+            "epochs": EPOCHS,
+            "batch_size": MICRO,
+            "global_batch_size": GLOBAL,
+            "log_every_n_steps": 1,
+        },
+        optim={"name": "sgd", "lr": 0.1, "momentum": 0.9},
+        scaling={"num_workers": workers},
+        parallel={"strategy": strategy},
+        checkpoint={"every_n_steps": SAVED, "keep_last": 3},
+        seed=3,
+    )
+    run["data"] = {"factory": "tests.helpers.user_data:indexed_digits"}
+    return run
+
+
+def recorded(tmp: Path) -> dict[str, list[list[int]]]:
+    """Each recording process's forwards (``rank<r>-<pid>``: one list of sample indices per
+    micro-batch, in order)."""
+    return {
+        path.stem: [[int(i) for i in line.split()] for line in path.read_text().splitlines()]
+        for path in sorted((tmp / "ids").glob("*.ids"))
+    }
+
+
+def by_step(forwards: dict[str, list[list[int]]], accum: int, first: int, last: int) -> dict[int, list[int]]:
+    """Steps ``first``..``last`` of processes that started at step ``first``: each rank's ``accum``
+    micro-batches of a step joined over the ranks, as a sorted list (the step's global batch)."""
+    steps: dict[int, list[int]] = {}
+    for micro_batches in forwards.values():
+        for step in range(first, last + 1):
+            taken = micro_batches[(step - first) * accum : (step - first + 1) * accum]
+            assert len(taken) == accum, (step, len(micro_batches))
+            steps.setdefault(step, []).extend(i for batch in taken for i in batch)
+    return {step: sorted(ids) for step, ids in steps.items()}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Every run once: the uninterrupted 2-worker runs (DDP, FSDP) and, from the same spawned ranks,
+    2-worker runs stopped after step 6 (checkpoint at 5); those resumed on 1 worker, with a 1-worker
+    run stopped the same way; that one resumed on 2. Three process start-ups in all."""
+    root = tmp_path_factory.mktemp("resize")
+    dirs = {name: root / name for name in ("straight", "fsdp-straight", "two-to-one", "fsdp-two-to-one", "one-to-two")}
+    first = spawn_ranks(
+        sessions,
+        2,
+        [
+            (config(dirs["straight"], 2), None),
+            (config(dirs["fsdp-straight"], 2, "fsdp"), None),
+            (config(dirs["two-to-one"], 2), CRASH),
+            (config(dirs["fsdp-two-to-one"], 2, "fsdp"), CRASH),
+        ],
+    )[0]
+    stopped = {name: recorded(dirs[name]) for name in ("two-to-one", "fsdp-two-to-one")}
+    second = spawn_ranks(
+        sessions,
+        1,
+        [
+            (config(dirs["two-to-one"], 1), None),
+            (config(dirs["fsdp-two-to-one"], 1, "fsdp"), None),
+            (config(dirs["one-to-two"], 1), CRASH),
+        ],
+    )[0]
+    stopped["one-to-two"] = recorded(dirs["one-to-two"])
+    third = spawn_ranks(sessions, 2, [(config(dirs["one-to-two"], 2), None)])[0]
+    outcomes: dict[str, list[Outcome]] = {
+        "straight": [first[0]],
+        "fsdp-straight": [first[1]],
+        "two-to-one": [first[2], second[0]],
+        "fsdp-two-to-one": [first[3], second[1]],
+        "one-to-two": [second[2], third[0]],
+    }
+    return {"dirs": dirs, "outcomes": outcomes, "stopped": stopped}
+
+
+def global_batches(runs: dict[str, Any], name: str, before: int, after: int) -> dict[int, list[int]]:
+    """Step -> the sorted sample indices of its global batch, over a stop and a resume: the stopped
+    processes' steps up to the checkpoint (their steps after it are read again), then the resumed
+    ones'. ``before`` / ``after``: the worker counts."""
+    stopped = runs["stopped"][name]
+    resumed = {k: v for k, v in recorded(runs["dirs"][name]).items() if k not in stopped}
+    assert len(stopped) == before and len(resumed) == after
+    total = STEPS_PER_EPOCH * EPOCHS
+    return {
+        **by_step(stopped, GLOBAL // MICRO // before, 1, SAVED),
+        **by_step(resumed, GLOBAL // MICRO // after, SAVED + 1, total),
+    }
+
+
+def assert_close(a: float, b: float) -> None:
+    assert abs(a - b) <= RTOL * abs(b), (a, b)
+
+
+@pytest.mark.parametrize(("name", "reference", "before", "after"), [
+    ("two-to-one", "straight", 2, 1),
+    ("one-to-two", "straight", 1, 2),
+    ("fsdp-two-to-one", "fsdp-straight", 2, 1),
+])  # fmt: skip
+def test_a_resumed_run_on_another_worker_count_reads_the_same_global_batches(
+    runs: dict[str, Any], name: str, reference: str, before: int, after: int
+) -> None:
+    total = STEPS_PER_EPOCH * EPOCHS
+    straight = by_step(recorded(runs["dirs"][reference]), GLOBAL // MICRO // 2, 1, total)
+    assert len(straight) == total and all(len(ids) == GLOBAL for ids in straight.values())
+    resized = global_batches(runs, name, before, after)
+    assert resized == straight
+    for epoch in range(EPOCHS):
+        seen = [i for step in range(1, STEPS_PER_EPOCH + 1) for i in resized[epoch * STEPS_PER_EPOCH + step]]
+        assert len(seen) == len(set(seen)) == STEPS_PER_EPOCH * GLOBAL, "a sample was read twice in an epoch"
+    # Another shuffle each epoch: the second epoch is not the first again.
+    assert resized[1] != resized[STEPS_PER_EPOCH + 1]
+
+
+@pytest.mark.parametrize(("name", "reference"), [
+    ("two-to-one", "straight"),
+    ("one-to-two", "straight"),
+    ("fsdp-two-to-one", "fsdp-straight"),
+])  # fmt: skip
+def test_a_resumed_run_on_another_worker_count_has_the_uninterrupted_losses(
+    runs: dict[str, Any], name: str, reference: str
+) -> None:
+    straight = runs["outcomes"][reference][0]
+    stopped, resumed = runs["outcomes"][name]
+    assert stopped.crashed and resumed.final["status"] == "finished", resumed.final
+    assert set(straight.losses) == set(range(1, STEPS_PER_EPOCH * EPOCHS + 1))
+    losses = {**{s: v for s, v in stopped.losses.items() if s <= SAVED}, **resumed.losses}
+    assert losses.keys() == straight.losses.keys()
+    for step, loss in losses.items():
+        assert_close(loss, straight.losses[step])
+    assert straight.losses[STEPS_PER_EPOCH * EPOCHS] < straight.losses[1]  # it trains: the figures compared move
+    assert resumed.val_losses.keys() == {s for s in straight.val_losses if s > SAVED}
+    for step, loss in resumed.val_losses.items():
+        assert_close(loss, straight.val_losses[step])
+    a, b = final_weights(config(runs["dirs"][name], 1)), final_weights(config(runs["dirs"][reference], 2))
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-6)
+
+
+def test_the_resumed_run_says_the_global_batch_held(runs: dict[str, Any]) -> None:
+    for name, before, after, accum in (("two-to-one", 2, 1, 4), ("one-to-two", 1, 2, 2)):
+        events = runs["outcomes"][name][1].events
+        assert any(e.startswith("resumed from") and "checkpoint_000000005" in e for e in events), events
+        said = (
+            f"{before} -> {after} data-parallel workers: the global batch of {GLOBAL} samples holds "
+            f"({accum} accumulation steps of {MICRO} per worker)"
+        )
+        assert any(said in e for e in events), events
+
+
+def test_the_accumulation_follows_the_worker_count() -> None:
+    cfg = load_config(
+        {"model": {"name": "mlp"}, "train": {"max_steps": 1, "batch_size": 8, "global_batch_size": 96}}, env={}
+    )
+    assert [configured_split(cfg, world) for world in (1, 2, 3, 4, 12)] == [(8, 12), (8, 6), (8, 4), (8, 3), (8, 1)]
+    with pytest.raises(ConfigError, match=re.escape("train.batch_size 8 x the 5 data-parallel workers = 40")):
+        configured_split(cfg, 5)  # an elastic [min, max] is checked against the count a start gets
+    auto = load_config(
+        {"model": {"name": "mlp"}, "train": {"max_steps": 1, "batch_size": "auto", "global_batch_size": 96}}, env={}
+    )
+    assert configured_split(auto, 4) == (24, 1)
+    plain = load_config({"model": {"name": "mlp"}, "train": {"max_steps": 1, "grad_accum_steps": 3}}, env={})
+    assert configured_split(plain, 4) == (32, 3)  # without global_batch_size the global batch grows with W
