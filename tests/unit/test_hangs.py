@@ -19,7 +19,7 @@ import psutil
 import pytest
 
 from trainforge.config.schema import HangConfig
-from trainforge.driver.hangs import GATHER_S, HangDoctor, look_at
+from trainforge.driver.hangs import GATHER_S, Diagnosis, HangDoctor, look_at
 from trainforge.protocol import HangSuspected, WorkerIdentity
 from trainforge.worker.watchdog import Watchdog, is_waiting, training_stack
 
@@ -141,6 +141,13 @@ def stopped_process() -> Iterator[tuple[subprocess.Popen[str], int]]:
     process.wait()
 
 
+def finished(doctor: HangDoctor) -> Diagnosis | None:
+    """The diagnosis the doctor starts at this poll (on its thread), once it is done."""
+    assert doctor.poll() is None and doctor.running is not None
+    doctor.running.result(timeout=120)
+    return doctor.poll()
+
+
 def identity(rank: int, pid: int, thread_id: int = 0) -> WorkerIdentity:
     return WorkerIdentity(rank, pid, thread_id, "node-a", "10.0.0.7", "host-a")
 
@@ -167,7 +174,7 @@ def test_the_doctor_names_the_silent_rank_shows_its_stack_and_state_and_kills_it
     doctor.on_suspected(suspected(0, waiting=True))
     assert doctor.poll() is None  # rank 1 may still speak
     clock.now += GATHER_S
-    diagnosis = doctor.poll()
+    diagnosis = finished(doctor)
     assert diagnosis is not None and diagnosis.culprits == (1,) and diagnosis.killed == (1,)
     assert looked == [("node-a", [process.pid], True)]
     assert process.wait(timeout=30) == -signal.SIGKILL
@@ -198,7 +205,7 @@ def test_a_rank_stuck_in_its_own_work_is_named_and_when_every_rank_waits_nothing
     doctor.on_identity(identity(1, 101))
     doctor.on_suspected(suspected(0, waiting=True))
     doctor.on_suspected(suspected(1, waiting=False))
-    diagnosis = doctor.poll()  # every rank spoke: no need to wait
+    diagnosis = finished(doctor)  # every rank spoke: no need to wait
     assert diagnosis is not None and diagnosis.culprits == (1,) and diagnosis.killed == ()
     assert "f (/x/y.py:2)" in diagnosis.line and "failure.hang.kill is false" in diagnosis.line
     doctor.on_group_failed()
@@ -206,7 +213,7 @@ def test_a_rank_stuck_in_its_own_work_is_named_and_when_every_rank_waits_nothing
     doctor.on_identity(identity(1, 201))
     doctor.on_suspected(suspected(0, waiting=True, step=90))
     doctor.on_suspected(suspected(1, waiting=True, step=90))
-    everyone = doctor.poll()
+    everyone = finished(doctor)
     assert everyone is not None and everyone.culprits == () and "nothing killed" in everyone.line
     assert looked == [[101]]
 

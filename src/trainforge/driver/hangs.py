@@ -21,6 +21,7 @@ own step times, each with its training thread's stack. The driver gathers what c
 
 from __future__ import annotations
 
+import concurrent.futures
 import datetime
 import json
 import logging
@@ -84,6 +85,10 @@ class HangDoctor:
     pending: dict[int, HangSuspected] = field(default_factory=dict)
     first_at: float | None = None
     diagnosed: set[int] = field(default_factory=set)  # steps already diagnosed (one diagnosis per hang)
+    running: concurrent.futures.Future[Diagnosis] | None = None
+    pool: concurrent.futures.ThreadPoolExecutor = field(
+        default_factory=lambda: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="trainforge-hang")
+    )
 
     def __post_init__(self) -> None:
         if self.look is None:
@@ -107,7 +112,12 @@ class HangDoctor:
         self.diagnosed.clear()
 
     def poll(self) -> Diagnosis | None:
-        if self.first_at is None:
+        """A diagnosis that is ready (once); one is started when the gathering is over. It runs on
+        a thread of its own: a node that does not answer must not stop the driver's loop."""
+        if self.running is not None and self.running.done():
+            finished, self.running = self.running, None
+            return finished.result()
+        if self.first_at is None or self.running is not None:
             return None
         everyone = bool(self.roster) and set(self.roster) <= set(self.pending)
         if not everyone and self.clock() - self.first_at < GATHER_S:
@@ -115,51 +125,58 @@ class HangDoctor:
         pending, self.pending, self.first_at = self.pending, {}, None
         step = max(suspected.step for suspected in pending.values())
         self.diagnosed.add(step)
-        return self.diagnose(step, pending)
+        self.running = self.pool.submit(self.diagnose, step, pending, dict(self.roster))
+        return None
 
-    def diagnose(self, step: int, pending: dict[int, HangSuspected]) -> Diagnosis:
-        ranks = sorted(set(self.roster) | set(pending))
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+    def diagnose(self, step: int, pending: dict[int, HangSuspected], roster: dict[int, WorkerIdentity]) -> Diagnosis:
+        ranks = sorted(set(roster) | set(pending))
         culprits = [rank for rank in ranks if rank not in pending or not pending[rank].waiting]
         kill = self.rule.kill and bool(culprits) and len(culprits) < len(ranks)
         looked: dict[int, dict[str, Any]] = {}
         by_node: dict[str, list[int]] = {}
         for rank in culprits:
-            if rank in self.roster:
-                by_node.setdefault(self.roster[rank].node_id, []).append(rank)
+            if rank in roster:
+                by_node.setdefault(roster[rank].node_id, []).append(rank)
         for node_id, node_ranks in by_node.items():
-            pids = [self.roster[rank].pid for rank in node_ranks]
+            pids = [roster[rank].pid for rank in node_ranks]
             answers = self.look(node_id, pids, kill)
             for rank in node_ranks:
-                looked[rank] = answers.get(self.roster[rank].pid, {"state": "no answer from its node"})
+                looked[rank] = answers.get(roster[rank].pid, {"state": "no answer from its node"})
         when = time.time()
         folder = self.run_dir / "diagnosis" / datetime.datetime.fromtimestamp(when).strftime("%Y%m%d-%H%M%S")
-        records = {rank: self.record(rank, pending.get(rank), looked.get(rank)) for rank in ranks}
+        records = {rank: record(roster.get(rank), rank, pending.get(rank), looked.get(rank)) for rank in ranks}
         killed = tuple(rank for rank in culprits if looked.get(rank, {}).get("killed"))
         line = describe(step, culprits, records, pending, killed, folder, self.rule.kill)
         write_diagnosis(folder, step, line, records)
         return Diagnosis(step, when, line, tuple(culprits), str(folder), killed)
 
-    def record(self, rank: int, said: HangSuspected | None, looked: dict[str, Any] | None) -> dict[str, Any]:
-        identity = self.roster.get(rank)
-        found: dict[str, Any] = {
-            "rank": rank,
-            "node_ip": identity.node_ip if identity else None,
-            "hostname": identity.hostname if identity else None,
-            "pid": identity.pid if identity else None,
-            "arrived": bool(said and said.waiting),
-        }
-        if said is not None:
-            found.update(phase=said.phase, waited_s=said.waited_s, bound_s=said.bound_s, stack=list(said.stack))
-        else:
-            found["said"] = "nothing: its watchdog did not run (frozen, stopped, or stuck holding the GIL)"
-        if looked is not None:
-            found["state"] = looked.get("state")
-            if looked.get("stack"):
-                found["stack"] = thread_stack(looked["stack"], identity.thread_id if identity else None)
-                found["stack_source"] = "py-spy"
-            if looked.get("killed"):
-                found["killed"] = True
-        return found
+
+def record(
+    identity: WorkerIdentity | None, rank: int, said: HangSuspected | None, looked: dict[str, Any] | None
+) -> dict[str, Any]:
+    """One rank's part of diagnosis.json."""
+    found: dict[str, Any] = {
+        "rank": rank,
+        "node_ip": identity.node_ip if identity else None,
+        "hostname": identity.hostname if identity else None,
+        "pid": identity.pid if identity else None,
+        "arrived": bool(said and said.waiting),
+    }
+    if said is not None:
+        found.update(phase=said.phase, waited_s=said.waited_s, bound_s=said.bound_s, stack=list(said.stack))
+    else:
+        found["said"] = "nothing: its watchdog did not run (frozen, stopped, or stuck holding the GIL)"
+    if looked is not None:
+        found["state"] = looked.get("state")
+        if looked.get("stack"):
+            found["stack"] = thread_stack(looked["stack"], identity.thread_id if identity else None)
+            found["stack_source"] = "py-spy"
+        if looked.get("killed"):
+            found["killed"] = True
+    return found
 
 
 def describe(

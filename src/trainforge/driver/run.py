@@ -383,10 +383,14 @@ def _train(
         doctor = HangDoctor(run_dir, config.failure.hang) if config.failure.hang.enabled else None
         pump = Pump(mailbox, fanout, CostMeter.for_config(config, started), startup, doctor)
         fanout.on_start(RunInfo(config.run.name, config.scaling.num_workers, where, str(run_dir)))
-        outcome, config = _fit_warm(config, mailbox, pump, started, pool, local_ray=address is None, watch=watch)
-        if outcome is None:
-            trainer = build_trainer(config, mailbox, callbacks, local_ray=address is None)
-            outcome = _fit(trainer, pump, started, watch)
+        try:
+            outcome, config = _fit_warm(config, mailbox, pump, started, pool, local_ray=address is None, watch=watch)
+            if outcome is None:
+                trainer = build_trainer(config, mailbox, callbacks, local_ray=address is None)
+                outcome = _fit(trainer, pump, started, watch)
+        finally:
+            if doctor is not None:
+                doctor.close()
     store = None
     if outcome.checkpoint:  # the final weights out of the last checkpoint (decrypted with the run's key)
         store = CheckpointStore.for_run(config.storage_path, config.run.name)
