@@ -156,6 +156,36 @@ class BestValidation:
 
 
 @dataclass(frozen=True)
+class Anomaly:
+    """``train.anomaly`` (worker/anomaly.py): step ``step`` had a non-finite loss or gradient, or a
+    loss spike; re-run from the same state and batch, it gave the same verdict (``data``: the
+    batch is at fault) or not (``not_data``: the hardware or a race). ``samples``: the global
+    batch's sample indices (every rank's, in rank order). The step was skipped, or the run rolled
+    back to ``checkpoint``, past the samples up to this batch, with the LR now ``lr``. Losses are
+    the mean over ranks; None where not finite."""
+
+    step: int
+    anomaly: Literal["nonfinite", "spike"]
+    attribution: Literal["data", "not_data"]
+    action: Literal["skipped", "rolled_back"]
+    loss: float | None
+    rerun_loss: float | None
+    grad_norm: float | None
+    samples: tuple[int, ...] = ()
+    checkpoint: str | None = None
+    lr: float | None = None
+    kind: ClassVar[str] = "anomaly"
+    level: ClassVar[Level] = "warning"
+
+    @property
+    def text(self) -> str:
+        what = "a non-finite loss or gradient" if self.anomaly == "nonfinite" else f"a loss spike ({self.loss:.6g})"
+        cause = "the data (the re-run agreed)" if self.attribution == "data" else "not the data (the re-run differed)"
+        done = "skipped" if self.action == "skipped" else f"rolled back to {self.checkpoint}, LR now {self.lr:.4g}"
+        return f"step {self.step}: {what}, attributed to {cause}; {done} ({len(self.samples)} samples)"
+
+
+@dataclass(frozen=True)
 class Note:
     """Anything else the run says about itself (optimizer not restored, the batch size chosen, an
     out-of-memory retry, ...), and every event of a run written before events had kinds."""
@@ -165,9 +195,10 @@ class Note:
     kind: ClassVar[str] = "note"
 
 
-Event = Resumed | CheckpointSkipped | SaveFailed | Stopping | EndedEarly | BestValidation | Note
+Event = Resumed | CheckpointSkipped | SaveFailed | Stopping | EndedEarly | BestValidation | Anomaly | Note
 EVENT_TYPES: dict[str, Any] = {
-    cls.kind: cls for cls in (Resumed, CheckpointSkipped, SaveFailed, Stopping, EndedEarly, BestValidation, Note)
+    cls.kind: cls
+    for cls in (Resumed, CheckpointSkipped, SaveFailed, Stopping, EndedEarly, BestValidation, Anomaly, Note)
 }
 
 
@@ -187,7 +218,7 @@ def event_from_json(value: Any) -> Event | None:
     cls = EVENT_TYPES.get(value.get("kind"))  # type: ignore[arg-type]
     if cls is not None:
         hints = get_type_hints(cls)
-        values = {f.name: value[f.name] for f in fields(cls) if f.name in value}
+        values = {f.name: _tupled(value[f.name]) for f in fields(cls) if f.name in value}
         required = {f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING}
         if required <= values.keys() and all(_fits(values[name], hints[name]) for name in values):
             return cls(**values)
@@ -195,10 +226,20 @@ def event_from_json(value: Any) -> Event | None:
     return Note(text) if isinstance(text, str) else None
 
 
+def _tupled(value: Any) -> Any:
+    """A JSON list as the tuple a frozen event holds."""
+    return tuple(value) if isinstance(value, list) else value
+
+
 def _fits(value: Any, hint: Any) -> bool:
-    """Whether a JSON value has the type of a field (int, str, bool, Optional, Literal)."""
+    """Whether a JSON value has the type of a field (int, float, str, bool, Optional, Literal,
+    ``tuple[X, ...]``)."""
     if get_origin(hint) is Literal:
         return value in get_args(hint)
+    if get_origin(hint) is tuple:
+        return isinstance(value, tuple) and all(_fits(item, get_args(hint)[0]) for item in value)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
     if get_origin(hint) in (Union, types.UnionType):
         return any(_fits(value, arg) for arg in get_args(hint))
     if hint is type(None):

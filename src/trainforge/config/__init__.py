@@ -50,6 +50,7 @@ from trainforge.config.loading import (
 )
 from trainforge.config.schema import (
     ENV_PREFIX,
+    AnomalyConfig,
     CallbackConfig,
     CheckpointConfig,
     ClusterConfig,
@@ -115,6 +116,7 @@ __all__ = [
     "SECTIONS",
     "TRUST_FLAG",
     "WHOLE_SECTION_KEYS",
+    "AnomalyConfig",
     "AugmentConfig",
     "CallbackConfig",
     "CheckpointConfig",

@@ -151,6 +151,18 @@ class EarlyStoppingConfig(Section):
         return value
 
 
+class AnomalyConfig(Section):
+    """``train.anomaly``: a non-finite loss or gradient, or a loss spike, is re-run from the same
+    state and batch to tell a data fault from a hardware fault, recorded, and skipped or rolled
+    back (worker/anomaly.py)."""
+
+    spike_zscore: Annotated[float, Field(gt=0.0, le=1e6)] = 6.0  # a spike: above mean + this x std of the window
+    window: Annotated[int, Field(ge=2, le=10_000)] = 50  # the accepted steps' losses the spike rule looks at
+    action: Literal["skip", "rollback"] = "skip"
+    max_rollbacks: Annotated[int, Field(ge=0, le=MAX_COUNT)] = 3  # rollbacks before the run fails
+    lr_factor: Annotated[float, Field(gt=0.0, le=1.0)] = 0.5  # the LR after each rollback, times this
+
+
 def _callback_entry(value: Any) -> Any:
     """``"pkg.mod:Class"`` is ``{path: "pkg.mod:Class"}``."""
     return {"path": value} if isinstance(value, str) else value
@@ -193,6 +205,7 @@ class TrainConfig(Section):
     threads_per_worker: Annotated[int, Field(ge=1, le=1024)] = 1
     ema: EmaConfig | None = None
     early_stopping: EarlyStoppingConfig | None = None
+    anomaly: AnomalyConfig | None = None  # loss spikes and NaNs: attributed, skipped or rolled back
 
     @model_validator(mode="after")
     def _has_length(self) -> TrainConfig:

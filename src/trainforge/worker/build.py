@@ -37,6 +37,7 @@ from trainforge.models.task_registry import check_fits
 from trainforge.models.tasks import to_device
 from trainforge.protocol import ParameterCounts
 from trainforge.worker import collectives
+from trainforge.worker.anomaly import AnomalyGuard
 from trainforge.worker.blocks import repeated_blocks
 from trainforge.worker.components.base import Component
 from trainforge.worker.components.data import DataSource
@@ -194,6 +195,7 @@ def build(
     runner.augmenter = build_augmenter(augment_of(config.data), data.spec)
     run = WorkerRun(config, rank, world, device, model, task, runner, data, total_steps, plan, parameters=parameters)
     run.components = build_components(run)
+    runner.guard = cast(AnomalyGuard | None, run.components.get(AnomalyGuard.name))  # train.anomaly
     if marks is not None:
         marks["model"] = time.time()
     return run

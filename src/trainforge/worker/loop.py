@@ -46,6 +46,7 @@ from trainforge.protocol import (
 )
 from trainforge.redact import MASK, is_secret_key, remember_secrets
 from trainforge.worker import collectives
+from trainforge.worker.anomaly import AnomalyGuard, AnomalyLimit, Finding, batch_samples
 from trainforge.worker.autobatch import choose_batch, shrink_after_oom
 from trainforge.worker.build import WorkerRun, build, evaluate
 from trainforge.worker.callbacks import CallbackFailed, Callbacks, step_metrics
@@ -54,6 +55,7 @@ from trainforge.worker.hooks import Hooks, build_hooks
 from trainforge.worker.logs import shipped_logs
 from trainforge.worker.metrics import IntervalHistory, Signals, Throughput, reduce_metrics
 from trainforge.worker.profiling import StepProfiler
+from trainforge.worker.rollback import roll_back
 from trainforge.worker.saving import Checkpointing, Restored, restore, run_store
 from trainforge.worker.step import MetricSums, StepOutOfMemory
 from trainforge.worker.user_code import is_user_code_error, user_code_error
@@ -112,7 +114,7 @@ def run_worker(
         if channel is not None:
             session.channel = channel
         return session.train()
-    except SaveFailedStop as err:
+    except (SaveFailedStop, AnomalyLimit) as err:  # every rank at the same step: a retry would stop there again
         return UserError.of(TrainingFailed(str(err)))
     except CallbackFailed as err:
         if err.retry:  # after steps: a crash, which Ray Train restarts from the newest checkpoint
@@ -274,6 +276,8 @@ class Session:
             if times is None:  # the loader ran dry early: count the epoch as done rather than loop on it
                 data.finish_epoch()
                 break
+            if times.anomaly is not None and self.on_anomaly(times.anomaly):
+                return False  # rolled back: training goes on from the restored step, past the bad batch
             progress.global_step += 1
             if self.watchdog is not None:
                 self.watchdog.step_done(progress.global_step)
@@ -314,6 +318,23 @@ class Session:
                 self.save(None)
         return False
 
+    def on_anomaly(self, finding: Finding) -> bool:
+        """train.anomaly: the step the runner dropped is recorded (rank 0's event) and counted as
+        skipped, or rolled back to the newest checkpoint (True; every rank, the verdict is agreed)."""
+        run, guard = self.run, cast(AnomalyGuard, self.run.runner.guard)
+        step = self.progress.global_step + 1
+        samples = batch_samples(run.data)  # before a rollback moves the data position
+        restored = roll_back(run, self.checkpointing, guard, step) if guard.cfg.action == "rollback" else None
+        if restored is None:
+            guard.skipped += 1
+            if guard.cfg.action == "rollback":
+                self.events.append(Note(f"step {step}: no checkpoint to roll back to yet; the step is skipped"))
+        if run.rank == 0 and restored is not None:
+            self.events.append(finding.event(step, samples, restored.source, run.runner.lr))
+        elif run.rank == 0:
+            self.events.append(finding.event(step, samples))
+        return restored is not None
+
     def report_and_act(self) -> bool:
         """Report, then save and/or stop as the reduced control signals say; True to stop."""
         report, control = self.report()
@@ -340,6 +361,8 @@ class Session:
             figures["batch/micro_batch_size"] = self.run.data.micro_batch
             figures["batch/grad_accum_steps"] = self.run.data.accum
             figures["batch/oom_retries"] = self.oom_retries
+        if self.run.runner.guard is not None:
+            figures.update(self.run.runner.guard.figures())
         rank0 = self.run.rank == 0
         report = replace(
             reduced.report,

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from trainforge.checkpoint.schema import ComponentSchemas
+from trainforge.worker.anomaly import AnomalyGuard
 from trainforge.worker.callbacks import Callbacks
 from trainforge.worker.components.base import Component
 from trainforge.worker.components.data import DataSource
@@ -39,6 +40,7 @@ COMPONENTS: tuple[type[Component], ...] = (
     PowerSGDComponent,
     Ema,
     EarlyStopping,
+    AnomalyGuard,
     Callbacks,
     Rng,
 )

@@ -21,6 +21,7 @@ from trainforge.data.augment import Augmenter
 from trainforge.models import Task
 from trainforge.models.tasks import to_device
 from trainforge.worker import collectives
+from trainforge.worker.anomaly import AnomalyGuard, Finding
 from trainforge.worker.plan import ParallelPlan
 from trainforge.worker.schedule import LRSchedule
 
@@ -34,6 +35,7 @@ class StepTimes:
     data_s: float = 0.0
     compute_s: float = 0.0
     optim_s: float = 0.0
+    anomaly: Finding | None = None  # train.anomaly: the step was dropped (worker/anomaly.py)
 
     @property
     def total_s(self) -> float:
@@ -53,6 +55,22 @@ class MetricSums:
 
     def reset(self) -> None:
         self.values.clear()
+
+
+RngState = tuple[torch.Tensor, torch.Tensor | None]
+
+
+def capture_torch_rng(device: torch.device) -> RngState:
+    """torch's CPU generator and, on a GPU, the device's: what dropout and the task draw from."""
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+def restore_torch_rng(state: RngState, device: torch.device) -> None:
+    cpu, cuda = state
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda, device)
 
 
 class StepOutOfMemory(Exception):
@@ -93,6 +111,8 @@ class StepRunner:
         self.recover_oom = False
         # data.augment (data/augment.py): each training micro-batch's inputs, once on the device.
         self.augmenter: Augmenter | None = None
+        # train.anomaly (worker/anomaly.py): each step's verdict before its optimizer step.
+        self.guard: AnomalyGuard | None = None
 
     @property
     def lr(self) -> float:
@@ -108,9 +128,14 @@ class StepRunner:
         """Consume ``accum`` micro-batches and step; None when the iterator ends before the first one."""
         times = StepTimes()
         self.model.train()
-        # With recovery on, the step's figures join ``sums`` only once it went through.
-        step_sums = MetricSums(self.device) if self.recover_oom else sums
+        # With recovery or the anomaly guard on, the step's figures join ``sums`` only once it went through.
+        guard = self.guard
+        step_sums = MetricSums(self.device) if self.recover_oom or guard is not None else sums
         oom = False
+        # The guard's re-run needs the step's micro-batches, its random state and its loss.
+        kept: list[Any] = []
+        rng = capture_torch_rng(self.device) if guard is not None else None
+        step_loss = torch.zeros((), device=self.device)
         for micro in range(accum):
             last = micro == accum - 1
             if oom:  # out of memory on this rank: nothing more to compute, on to the agreement
@@ -125,6 +150,8 @@ class StepRunner:
                     return None
                 raise RuntimeError("data ran out inside an accumulation window") from None
             times.data_s += time.perf_counter() - start
+            if guard is not None:
+                kept.append(batch)
 
             start = time.perf_counter()
             # Gradients are communicated in backward; only the last micro-batch's needs to.
@@ -134,18 +161,24 @@ class StepRunner:
                     self._agree_on_memory(forward is None)
                 if forward is not None:
                     loss, stats = forward
+                    step_loss = step_loss + loss.detach().float() / accum
                     # Mean over the micro-batch divided by k: the summed gradient is the mean over k*b.
                     if self._backward(loss / accum, last):
                         for name, value in stats.items():
                             step_sums.add(name, value)
                 oom = forward is None or oom
             times.compute_s += self._elapsed(start)
-        if self.recover_oom:
-            for name, value in step_sums.values.items():
-                sums.add(name, value)
-
         start = time.perf_counter()
         grad_norm = self._unscale_and_clip()
+        if guard is not None and rng is not None:
+            times.anomaly = guard.check(step_loss, grad_norm, lambda: self._rerun(kept, accum, rng))
+            if times.anomaly is not None:
+                self._drop_anomalous(sums)
+                times.optim_s += self._elapsed(start)
+                return times
+        if self.recover_oom or guard is not None:
+            for name, value in step_sums.values.items():
+                sums.add(name, value)
         # The global norm is the same on every rank (plan.grad_norm), so this decision is rank-consistent.
         finite = torch.isfinite(grad_norm)
         if self.scaler.is_enabled():
@@ -160,6 +193,36 @@ class StepRunner:
         sums.add("steps", 1.0)
         times.optim_s += self._elapsed(start)
         return times
+
+    def _rerun(self, batches: list[Any], accum: int, rng: RngState) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step once more from the same weights, micro-batches and random state (every rank:
+        the last backward synchronises): its loss and gradient norm. The random state after the
+        first run is put back, so that the re-run changes no later draw."""
+        after = capture_torch_rng(self.device)
+        restore_torch_rng(rng, self.device)
+        self.optimizer.zero_grad(set_to_none=True)
+        step_loss = torch.zeros((), device=self.device)
+        for micro, batch in enumerate(batches):
+            with self.plan.gradient_sync(self.model, micro == len(batches) - 1):
+                with self.autocast():
+                    loss, _ = self.task.train_step(self.model, batch)
+                self.scaler.scale(loss / accum).backward()
+            step_loss = step_loss + loss.detach().float() / accum
+        grad_norm = self.plan.grad_norm(self.params, None)
+        if self.scaler.is_enabled():
+            grad_norm = grad_norm / self.scaler.get_scale()
+        restore_torch_rng(after, self.device)
+        return step_loss, grad_norm
+
+    def _drop_anomalous(self, sums: MetricSums) -> None:
+        """An anomalous step is not taken: no update, its figures left out; it counts as a skipped
+        step and the schedule moves on (a rollback restores the schedule with the rest)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.scaler.is_enabled():
+            self.scaler.update()  # closes the step the scaler unscaled; the next one may unscale again
+        self.scheduler.step()
+        sums.add("skipped_steps", 1.0)
+        sums.add("steps", 1.0)
 
     def on_device(self, batch: Any) -> Any:
         """A training batch on the device: (inputs, targets) with the inputs augmented
