@@ -18,8 +18,9 @@ from tests.helpers.ranks import spawn_ranks
 from tests.helpers.runs import tiny_run
 from trainforge.checkpoint.names import checkpoint_name
 from trainforge.config import AnomalyConfig, load_config
+from trainforge.driver.summary import Recovery, RunRecord, build_summary
 from trainforge.errors import ConfigError
-from trainforge.protocol import Anomaly, event_from_json, event_to_json
+from trainforge.protocol import Anomaly, Report, event_from_json, event_to_json
 from trainforge.worker.anomaly import AnomalyGuard
 
 HELPERS = "tests.helpers.anomalies"
@@ -127,6 +128,20 @@ def test_a_spike_of_one_forward_rolls_back_and_is_not_the_data(one_rank: dict[st
 def test_a_rollback_past_max_rollbacks_ends_the_run_in_one_line(one_rank: dict[str, dict[str, Any]]) -> None:
     error = one_rank["no_rollbacks_left"]["error"]
     assert "\n" not in error and f"step {BAD_STEP}" in error and "max_rollbacks 0" in error
+
+
+def test_the_summary_counts_what_the_final_report_says(one_rank: dict[str, dict[str, Any]]) -> None:
+    """summary.json's ``anomalies``, from the final report as the driver reads it back."""
+    counted = {}
+    for name in ("data_nan_skip", "model_spike_rollback"):
+        final = Report.from_json(json.loads(json.dumps(one_rank[name]["final"])))
+        assert final is not None
+        counted[name] = build_summary(RunRecord("finished", final, Recovery(), 1.0, None, {}, 1))["anomalies"]
+    assert counted == {
+        "data_nan_skip": {"skipped": 1, "rolled_back": 0, "attributed": {"data": 1, "not_data": 0}},
+        "model_spike_rollback": {"skipped": 0, "rolled_back": 1, "attributed": {"data": 0, "not_data": 1}},
+    }
+    assert "anomalies" not in build_summary(RunRecord("finished", Report(step=5), Recovery(), 1.0, None, {}, 1))
 
 
 def test_two_ranks_agree_on_a_nan_only_one_of_them_sees(tmp_path: Path) -> None:

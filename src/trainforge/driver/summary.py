@@ -119,8 +119,8 @@ class RunRecord:
 
 def build_summary(record: RunRecord) -> dict[str, Any]:
     """summary.json's content (DESIGN's contract plus ``recovery_s``, ``stopped_by``, ``stopped_early``,
-    ``written_by``, and ``parameters``: the model's trainable and frozen parameter elements, as the
-    workers counted).
+    ``written_by``, ``parameters``: the model's trainable and frozen parameter elements, as the
+    workers counted, and under ``train.anomaly``, ``anomalies``: ``anomaly_counts``).
 
     ``stopped_by``: why the run ended before its budget as a finished run (``source``: callback or
     early_stopping) or, for a search's trial, ``source: scheduler``; None otherwise.
@@ -144,6 +144,7 @@ def build_summary(record: RunRecord) -> dict[str, Any]:
         "written_by": record.written_by,
         **({"parameters": final.parameters.to_json()} if final.parameters is not None else {}),
         **({"batch": batch_choice(final, record.config)} if "batch/micro_batch_size" in final.figures else {}),
+        **({"anomalies": anomaly_counts(final)} if "anomaly/skipped" in final.figures else {}),
         **({"cost": dict(record.cost)} if record.cost is not None else {}),
         **({"startup": dict(record.startup)} if record.startup is not None else {}),
         **({"error": redact_text(record.error.strip().splitlines()[-1])} if record.error else {}),
@@ -182,6 +183,20 @@ def batch_choice(final: Report, config: Mapping[str, Any]) -> dict[str, int]:
         "grad_accum_steps": int(figures.get("batch/grad_accum_steps", 1)),
         "global_batch_size": int(config.get("train", {}).get("global_batch_size") or 0),
         "oom_retries": int(figures.get("batch/oom_retries", 0)),
+    }
+
+
+def anomaly_counts(final: Report) -> dict[str, Any]:
+    """``train.anomaly``'s steps over the whole run, as the workers' guard counts them (restarts
+    included: the counts are checkpointed): skipped or rolled back, and whom the re-run blamed."""
+    figures = final.figures
+    return {
+        "skipped": int(figures["anomaly/skipped"]),
+        "rolled_back": int(figures.get("anomaly/rolled_back", 0)),
+        "attributed": {
+            "data": int(figures.get("anomaly/data", 0)),
+            "not_data": int(figures.get("anomaly/not_data", 0)),
+        },
     }
 
 
