@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from trainforge.worker.anomaly import AnomalyGuard, AnomalyLimit
 from trainforge.worker.saving import Checkpointing, Restored, restore
+from trainforge.worker.schedule import LR_FROM_KWARGS
 
 if TYPE_CHECKING:
     from trainforge.worker.build import WorkerRun
@@ -43,4 +44,9 @@ def roll_back(run: WorkerRun, checkpointing: Checkpointing, guard: AnomalyGuard,
     guard.lr_scale = scale
     runner = run.runner
     runner.scheduler.rebase([float(group["initial_lr"]) * scale / held for group in runner.optimizer.param_groups])
+    fixed = type(runner.scheduler.scheduler).__name__
+    if fixed in LR_FROM_KWARGS:
+        restored.notes.append(
+            f"train.anomaly.lr_factor leaves {fixed}'s LRs as they are: they come from schedule.kwargs"
+        )
     return restored
