@@ -342,6 +342,27 @@ def holds_token_format(text: str) -> str | None:
     return found.group(0) if found else None
 
 
+def masked_values(text: str) -> list[str]:
+    """The pieces of ``text`` that ``redact_text`` replaces with ``***``, in order (where masks touch,
+    their pieces run together): what ``submit`` judges a file's credentials by."""
+    redacted = redact_text(text)
+    if redacted == text:
+        return []
+    parts = redacted.split(MASK)
+    if not text.startswith(parts[0]):
+        return [text]
+    values: list[str] = []
+    pos = len(parts[0])
+    for index, part in enumerate(parts[1:], 1):
+        last = index == len(parts) - 1
+        end = (len(text) - len(part) if text.endswith(part) else -1) if last else text.find(part, pos + 1)
+        if end < pos:
+            return [*values, text[pos:]]
+        values.append(text[pos:end])
+        pos = end + len(part)
+    return values
+
+
 def _mask_parameter(match: re.Match[str]) -> str:
     if match.group("value") and _is_secret_parameter(match.group("key")):
         return f"{match.group('name')}={MASK}"

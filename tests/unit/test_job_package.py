@@ -258,3 +258,83 @@ def test_a_private_key_past_the_first_bytes_of_a_small_file_is_found(tmp_path: P
     os.chmod(root / "ok.txt", 0o644)
     contents = package_contents(root, config={}, ignore=[])
     assert [left.path for left in contents.withheld] == ["log.txt"] and contents.sent == ["ok.txt"]
+
+
+def der_material() -> dict[str, bytes]:
+    """Key material in binary forms under innocuous names, made here with ``cryptography``."""
+    from datetime import datetime, timedelta, timezone
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec, rsa
+    from cryptography.hazmat.primitives.serialization import pkcs12
+
+    rsa_key = rsa.generate_private_key(public_exponent=65537, key_size=1024)
+    ec_key = ec.generate_private_key(ec.SECP256R1())
+    der, none = serialization.Encoding.DER, serialization.NoEncryption()
+    name = x509.Name([x509.NameAttribute(x509.oid.NameOID.COMMON_NAME, "x")])
+    now = datetime.now(timezone.utc)
+    cert = x509.CertificateBuilder(name, name, ec_key.public_key(), 1, now, now + timedelta(days=1)).sign(
+        ec_key, hashes.SHA256()
+    )
+    pkcs1 = serialization.PrivateFormat.TraditionalOpenSSL
+    return {
+        "keydata.bin": rsa_key.private_bytes(der, pkcs1, none),
+        "pk8data": rsa_key.private_bytes(der, serialization.PrivateFormat.PKCS8, none),
+        "sealed.dat": ec_key.private_bytes(
+            der, serialization.PrivateFormat.PKCS8, serialization.BestAvailableEncryption(b"pw")
+        ),
+        "ec.raw": ec_key.private_bytes(der, pkcs1, none),
+        "bundle.bin": pkcs12.serialize_key_and_certificates(
+            b"n", ec_key, cert, None, serialization.BestAvailableEncryption(b"pw")
+        ),
+        "plain_bundle": pkcs12.serialize_key_and_certificates(b"n", ec_key, cert, None, none),
+        "store.dat": b"\xfe\xed\xfe\xed\x00\x00\x00\x02" + b"\x00" * 40,
+        "cert.bin": cert.public_bytes(der),  # a certificate is public: sent
+    }
+
+
+def test_key_material_and_credential_files_under_innocuous_names_are_found_by_content(tmp_path: Path) -> None:
+    """The rule for names holds for content: DER and PKCS#12 keys, keystores, and netrc, pgpass,
+    npmrc, AWS, kubeconfig and git-credentials syntax, whatever the file is called or wherever it lies."""
+    root = tmp_path / "work"
+    binary = der_material()
+    for rel, data in binary.items():
+        (root / "nested" / "deep").mkdir(parents=True, exist_ok=True)
+        (root / "nested" / "deep" / rel).write_bytes(data)
+    write(
+        root,
+        {
+            "hosts": "machine example.com\n  login u\n  password p4ss-CredentialMarker\n",
+            "db_access": "db.internal:5432:*:app:CredentialMarker9\n",
+            "registry.cfg": "//registry.npmjs.org/:_authToken=CredentialMarker0123\n",
+            "profiles/default.ini": "[default]\naws_secret_access_key = wJalrXUtnFEMI/CredentialMarker\n",
+            "clusterconf": "users:\n- name: admin\n  user:\n    token: CredentialMarker0123456789\n",
+            "remotes": "https://me:CredentialMarker42@github.com\n",
+            # sent: references to a credential, paths, code, public material
+            "run.sh": 'export HF_TOKEN="$HF_TOKEN"\nTOKEN=${TOKEN}\npassword: <your password>\n',
+            "doc.md": "export RAY_TLS_SERVER_KEY=/etc/ray/tls/node.key\nssh://git@github.com/o/r\n",
+            "requirements.txt": "mylib @ git+ssh://git@github.com/o/mylib.git\n",
+            "loader.py": 'password = os.environ["DB_PASSWORD"]\n',
+            "data.csv": "time,value\n12:30:01,3\n",
+        },
+    )
+    contents = package_contents(root, config={}, ignore=[])
+    reasons = {left.path: left.reason for left in contents.withheld}
+    for rel in set(binary) - {"cert.bin"}:
+        assert f"nested/deep/{rel}" in reasons, (rel, contents.sent)
+    assert reasons["nested/deep/sealed.dat"] == "holds an encrypted private key (DER)"
+    assert reasons["nested/deep/bundle.bin"].startswith("holds a PKCS#12 bundle")
+    assert reasons["hosts"] == "holds a netrc password"
+    assert reasons["db_access"].startswith("holds a pgpass line")
+    for rel in ("registry.cfg", "profiles/default.ini", "clusterconf", "remotes"):
+        assert reasons[rel].startswith("holds a credential (line "), rel
+    assert set(contents.sent) == {
+        "nested/deep/cert.bin",
+        "run.sh",
+        "doc.md",
+        "requirements.txt",
+        "loader.py",
+        "data.csv",
+    }
+    assert not [reason for reason in reasons.values() if "CredentialMarker" in reason]

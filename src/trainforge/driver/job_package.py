@@ -11,6 +11,7 @@ list ``submit --dry-run`` prints. A path is
   key and certificate material and credential files by name (``SECRET_NAMES``), a file or folder
   whose name is secret-named (``redact.is_secret_key``: ``api_token``, ``secrets/``), content that
   is a private key, the cluster's token or a token in a known format (``redact.holds_token_format``),
+  binary key material or a credential file's syntax (``secret_files``: DER, PKCS#12, netrc, ...),
   a YAML or JSON file holding what every record of a run masks (the run's own config among them:
   the job runs the resolved copy with its secrets masked), the token file, and every path the
   config names under a secret, key, certificate or TLS key.
@@ -36,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from trainforge.config.safeyaml import MAX_FILE_BYTES, load_yaml
+from trainforge.driver.secret_files import CODE_SUFFIXES, credential_syntax, key_material
 from trainforge.errors import TrainforgeError, printable
 from trainforge.redact import holds_token_format, is_secret_key, redact_config
 
@@ -230,6 +232,7 @@ def _by_content(path: Path, values: tuple[bytes, ...]) -> str | None:
     try:
         with open(path, "rb") as file:
             head = file.read(SNIFF_BYTES)
+            size = os.fstat(file.fileno()).st_size
     except OSError:
         return None  # unreadable here: Ray could not pack it either, and says so
     if _PRIVATE_KEY.search(head):
@@ -238,11 +241,11 @@ def _by_content(path: Path, values: tuple[bytes, ...]) -> str | None:
         return "holds the cluster's token"
     if holds_token_format(head.decode("utf-8", errors="replace")):
         return "holds a token in a known format (as the records mask it)"
-    if path.suffix.lower() in STRUCTURED and len(head) < SNIFF_BYTES:
+    reason = key_material(head, size)
+    if reason is None and path.suffix.lower() in STRUCTURED and len(head) < SNIFF_BYTES:
         keys = _secret_keys(head, json_text=path.suffix.lower() == ".json")
-        if keys:
-            return f"holds a secret ({keys[0]})"
-    return None
+        reason = f"holds a secret ({keys[0]})" if keys else None
+    return reason or credential_syntax(head, code=path.suffix.lower() in CODE_SUFFIXES)
 
 
 def _secret_keys(data: bytes, *, json_text: bool) -> list[str]:
