@@ -194,6 +194,8 @@ def test_the_resumed_run_says_the_global_batch_held(runs: dict[str, Any]) -> Non
             f"({accum} accumulation steps of {MICRO} per worker)"
         )
         assert any(said in e for e in events), events
+        final = runs["outcomes"][name][1].final  # the split reaches summary.json's ``batch``
+        assert (final["batch/micro_batch_size"], final["batch/grad_accum_steps"]) == (MICRO, accum)
 
 
 def test_the_accumulation_follows_the_worker_count() -> None:

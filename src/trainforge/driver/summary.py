@@ -175,7 +175,8 @@ def best_validation(final: Report | None) -> BestValidation | None:
 
 
 def batch_choice(final: Report, config: Mapping[str, Any]) -> dict[str, int]:
-    """What ``train.batch_size: auto`` chose, as the run's last report states it (a late
+    """How ``train.global_batch_size`` was split, as the run's last report states it: derived
+    for the last start's worker count, or chosen by ``train.batch_size: auto`` (a late
     out-of-memory retry may have lowered the micro-batch the run started with)."""
     figures = final.figures
     return {

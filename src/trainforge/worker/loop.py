@@ -331,8 +331,6 @@ class Session:
                 self.events.append(Note(f"step {step}: no checkpoint to roll back to yet; the step is skipped"))
         if run.rank == 0 and restored is not None:
             self.events.append(finding.event(step, samples, restored.source, run.runner.lr))
-            self.events.extend(CheckpointSkipped(name, reason) for name, reason in restored.skipped)
-            self.events.extend(Note(note, "warning") for note in restored.notes)
         elif run.rank == 0:
             self.events.append(finding.event(step, samples))
         return restored is not None
@@ -359,7 +357,7 @@ class Session:
         figures["time/elapsed_s"] = now - self.started
         figures["checkpoint/save_failures"] = self.save_failures
         figures["checkpoint/stall_s"] = self.checkpointing.stall_s
-        if cfg.train.auto_batch:
+        if cfg.train.global_batch_size is not None:  # the split this worker count derived (or auto chose)
             figures["batch/micro_batch_size"] = self.run.data.micro_batch
             figures["batch/grad_accum_steps"] = self.run.data.accum
             figures["batch/oom_retries"] = self.oom_retries
