@@ -331,6 +331,8 @@ class Session:
                 self.events.append(Note(f"step {step}: no checkpoint to roll back to yet; the step is skipped"))
         if run.rank == 0 and restored is not None:
             self.events.append(finding.event(step, samples, restored.source, run.runner.lr))
+            self.events.extend(CheckpointSkipped(name, reason) for name, reason in restored.skipped)
+            self.events.extend(Note(note, "warning") for note in restored.notes)
         elif run.rank == 0:
             self.events.append(finding.event(step, samples))
         return restored is not None
