@@ -49,12 +49,13 @@ _SECRET_WORDS = frozenset(
     {"token", "password", "passwd", "pass", "pwd", "passphrase", "secret", "credential", "creds", "auth"}
     | {"passwords", "passphrases", "secrets", "credentials", "signature", "signatures", "authorization"}
     | {"authentication", "bearer", "cookie", "cookies", "session", "otp", "totp", "jwt", "dsn", "salt"}
-    | {"apikey", "apikeys", "privkey", "private", "pem", "der", "pin", "hmac", "sig"}
+    | {"apikey", "apikeys", "privkey", "private", "pem", "der", "pin", "hmac", "sig", "passcode", "passcodes"}
+    | {"pat", "sas"}  # a personal access token (github_pat), an Azure shared access signature
 )
 # Secret wherever they stand in a name (unless its last word is a descriptor, rule 1).
 _ANYWHERE = frozenset(
     {"password", "passwd", "passphrase", "secret", "secrets", "credential", "credentials", "creds"}
-    | {"authorization", "bearer", "cookie", "cookies", "apikey", "privkey", "jwt"}
+    | {"authorization", "bearer", "cookie", "cookies", "apikey", "privkey", "jwt", "passcode", "passcodes"}
 )
 # Rule 1: the name's last word says where the secret is, what it is called or how it is shaped.
 _DESCRIPTORS = frozenset(
@@ -165,7 +166,7 @@ _TOKEN_FORMATS = re.compile(
             r"\bhf_[A-Za-z0-9]{30,}",  # Hugging Face
             r"\bgh[pousr]_[A-Za-z0-9]{30,}",  # GitHub classic and app tokens
             r"\bgithub_pat_[A-Za-z0-9_]{22,}",  # GitHub fine-grained
-            r"\bglpat-[A-Za-z0-9_\-]{20,}",  # GitLab
+            r"\bgl(?:pat|ptt|dt|rt|cbt|ft|imt|oas|soat|agent)-[A-Za-z0-9_\-]{20,}",  # GitLab's tokens
             r"\bsk-(?:[A-Za-z0-9]+-)*[A-Za-z0-9_\-]{20,}",  # OpenAI, Anthropic (sk-ant-...)
             r"\b[rsp]k_(?:live|test)_[A-Za-z0-9]{16,}",  # Stripe
             r"\bxox[abposr]-[A-Za-z0-9\-]{10,}",  # Slack
@@ -174,6 +175,19 @@ _TOKEN_FORMATS = re.compile(
             r"\bnpm_[A-Za-z0-9]{36}",  # npm
             r"\bpypi-[A-Za-z0-9_\-]{50,}",  # PyPI
             r"\bdop_v1_[a-f0-9]{64}",  # DigitalOcean
+            r"\bya29\.[A-Za-z0-9_\-]{30,}",  # Google OAuth access tokens
+            r"\bdckr_pat_[A-Za-z0-9_\-]{20,}",  # Docker Hub
+            r"\bhv[sbr]\.[A-Za-z0-9_\-]{24,}",  # HashiCorp Vault
+            r"\bgl(?:sa|c)_[A-Za-z0-9_\-=+/]{32,}",  # Grafana
+            r"\bSG\.[A-Za-z0-9_\-]{16,}\.[A-Za-z0-9_\-]{16,}",  # SendGrid
+            r"\bshp(?:at|ss|ca|pa)_[a-fA-F0-9]{32}",  # Shopify
+            r"\bxapp-[0-9]+-[A-Za-z0-9\-]{20,}",  # Slack app-level tokens
+            r"\blin_api_[A-Za-z0-9]{32,}",  # Linear
+            r"\bdapi[a-f0-9]{32}(?:-[0-9]+)?\b",  # Databricks
+            r"\bAGE-SECRET-KEY-1[0-9A-Z]{50,}",  # age
+            r"\bATATT3[A-Za-z0-9_\-=]{40,}",  # Atlassian
+            r"\br8_[A-Za-z0-9]{37}\b",  # Replicate
+            r"\bgsk_[A-Za-z0-9]{40,}",  # Groq
             r"\beyJ[A-Za-z0-9_\-]{5,}\.[A-Za-z0-9_\-]{5,}\.[A-Za-z0-9_\-]*",  # JWT (header.payload.signature)
             r"(?<=hooks\.slack\.com/services/)[A-Za-z0-9/]{20,}",  # a Slack webhook's path is its secret
             r"(?<=/api/webhooks/)[0-9]+/[A-Za-z0-9_\-]{20,}",  # Discord's
@@ -186,6 +200,9 @@ _TOKEN_PREFIXES = (
     *("xox", "AKIA", "ASIA", "AGPA"),
     *("AIDA", "AROA", "ANPA", "ANVA", "AIPA", "AIza", "npm_", "pypi-", "dop_v1_", "eyJ", "hooks.slack.com/"),
     "/api/webhooks/",
+    *("glptt-", "gldt-", "glrt-", "glcbt-", "glft-", "glimt-", "gloas-", "glsoat-", "glagent-", "ya29."),
+    *("dckr_pat_", "hvs.", "hvb.", "hvr.", "glsa_", "glc_", "SG.", "shpat_", "shpss_", "shpca_", "shppa_"),
+    *("xapp-", "lin_api_", "dapi", "AGE-SECRET-KEY-1", "ATATT3", "r8_", "gsk_"),
 )
 # A PEM private key (RSA, EC, OPENSSH, ENCRYPTED, ...) to its end line, or to the end of the text
 # when it was cut; also with its newlines escaped (a repr).
@@ -203,6 +220,20 @@ _BARE_VALUE = re.compile(
 _CLOSING = {"{": "}", "[": "]", "(": ")"}
 _LONGEST = 10_000  # characters of one masked value: past them, the rest of a value stays masked by its look
 _LABEL_WORD = re.compile(r"([A-Z][A-Za-z]*)[ ]$")  # a label's word is capitalised: "API Key", not "expected key"
+# ``--password VALUE``, ``'--api-key', 'VALUE'``: a command line quoted in a message (a usage line,
+# subprocess's CalledProcessError); whether the value is masked is the flag's name's rule.
+_FLAG = re.compile(
+    r"""(?<![\w\-])(?P<flag>-{1,2}[A-Za-z][\w\-]*)(?:[ \t]+|(?P<q>['"]),[ \t]*(?P=q))(?P<value>[^\s'",\])]+)"""
+)
+# ``{name: HF_TOKEN, value: ...}``: a list of name/value pairs (HTTP headers, Kubernetes env entries,
+# Postman variables) in JSON, YAML or a repr; the value is masked when the name is secret-named.
+_NAME_VALUE = re.compile(
+    r"""(?<![\w.\-])(?P<q1>['"]?)(?:name|key|Name|Key)(?P=q1)[ \t]*[:=][ \t]*"""
+    r"""(?P<q2>['"]?)(?P<secret>[A-Za-z_][\w.\-]*)(?P=q2)[ \t]*,?\s*"""
+    r"""(?P<q3>['"]?)(?:value|Value)(?P=q3)[ \t]*[:=][ \t]*"""
+)
+_PAIR_NAMES = ("name", "key", "Name", "Key")
+_PAIR_VALUES = ("value", "Value")
 # ``('name', 'value')``: a pair in a list of headers or items.
 _PAIR = re.compile(
     r"""\(\s*(?P<q>['"])(?P<name>[^'"\n]{1,100})(?P=q)\s*,\s*(?P<value>'(?:[^'\\\n]|\\.)*'|"(?:[^"\\\n]|\\.)*")\s*\)"""
@@ -286,6 +317,40 @@ def _mask_pair(match: re.Match[str]) -> str:
     return match.group(0).replace(value, f"{value[0]}{MASK}{value[0]}")
 
 
+def _mask_flag(match: re.Match[str]) -> str:
+    value = match.group("value")
+    if value.startswith("-") or not _looks_like_credential(value) or not is_secret_key(match.group("flag")):
+        return match.group(0)
+    return match.group(0)[: match.start("value") - match.start()] + MASK
+
+
+def _mask_name_value_pairs(text: str) -> str:
+    """The value of every ``{name: SECRET_NAME, value: ...}`` pair masked (a nested one whole)."""
+    out, done = [], 0
+    for match in _NAME_VALUE.finditer(text):
+        if match.start() < done or not is_secret_key(match.group("secret")):
+            continue
+        start = match.end()
+        end = _value_end(text, start)
+        if end > start and text[start:end].strip("'\"") not in (MASK, ""):
+            out.append(text[done:start] + _masked_literal(text[start:end]))
+            done = end
+    return "".join(out) + text[done:] if out else text
+
+
+def _masked_literal(value: str) -> str:
+    """``***`` in place of ``value``, a quoted string keeping its quotes."""
+    quote = value[-1] if value[-1] in "'\"" and len(value) > 1 else ""
+    return f"{quote}{MASK}{quote}"
+
+
+def _names_a_secret_pair(tree: Mapping[Any, Any]) -> bool:
+    """``{name: HF_TOKEN, value: ...}``: a mapping whose value is a secret by its pair's name."""
+    return any(key in tree for key in _PAIR_VALUES) and any(
+        isinstance(tree.get(key), str) and is_secret_key(tree[key]) for key in _PAIR_NAMES
+    )
+
+
 def _mask_named_values(text: str) -> str:
     """Every value that follows a secret name (``is_secret_key``) and ``=`` or ``:`` masked: a
     quoted string keeps its quotes, a nested structure becomes ``***`` whole."""
@@ -304,8 +369,7 @@ def _mask_named_values(text: str) -> str:
             # "the token: check it", "node.key: the key is ...", "secrets: certs/ca.key" are prose (or
             # a file's name); "password: hunter2", "model.kwargs.hf_token: <long value>" are not.
             continue
-        quote = value[-1] if value[-1] in "'\"" and len(value) > 1 else ""
-        out.append(text[done:start] + (f"{quote}{MASK}{quote}" if quote else MASK))
+        out.append(text[done:start] + _masked_literal(value))
         done = end
     return "".join(out) + text[done:] if out else text
 
@@ -326,10 +390,14 @@ def redact_text(text: str) -> str:
         text = _AUTH_SCHEME.sub(_mask_auth_scheme, text)
     if "(" in text:
         text = _PAIR.sub(_mask_pair, text)
+    if "-" in text:
+        text = _FLAG.sub(_mask_flag, text)
     if "@" not in text and "=" not in text and ":" not in text:
         return text
     text = _USERINFO.sub(_mask_userinfo, text)
     text = _QUERY_PARAM.sub(_mask_parameter, text)
+    if "alue" in text:
+        text = _mask_name_value_pairs(text)
     return _mask_named_values(text)
 
 
@@ -387,7 +455,12 @@ def remember_secrets(tree: Any) -> None:
 
 def _secret_values(tree: Any, secret: bool) -> list[str]:
     if isinstance(tree, Mapping):
-        return [v for key, value in tree.items() for v in _secret_values(value, secret or is_secret_key(str(key)))]
+        pair = _names_a_secret_pair(tree)
+        return [
+            v
+            for key, value in tree.items()
+            for v in _secret_values(value, secret or is_secret_key(str(key)) or (pair and key in _PAIR_VALUES))
+        ]
     if isinstance(tree, (list, tuple)):
         return [v for item in tree for v in _secret_values(item, secret)]
     return [tree] if secret and isinstance(tree, str) else []
@@ -398,7 +471,11 @@ def redact_config(tree: Any) -> Any:
     strings go through ``redact_text``; everything under a secret-named key (``is_secret_key``) is
     masked whole: each of its values, however deep, becomes ``***`` (None and "" stay: no secret)."""
     if isinstance(tree, Mapping):
-        return {key: _masked(value) if is_secret_key(str(key)) else redact_config(value) for key, value in tree.items()}
+        pair = _names_a_secret_pair(tree)  # {name: HF_TOKEN, value: ...}
+        return {
+            key: _masked(value) if is_secret_key(str(key)) or (pair and key in _PAIR_VALUES) else redact_config(value)
+            for key, value in tree.items()
+        }
     if isinstance(tree, (list, tuple)):
         return [redact_config(item) for item in tree]
     if isinstance(tree, str):

@@ -289,3 +289,76 @@ def test_an_errors_own_text_holds_no_secret_for_an_api_caller(leaky_factory: Pat
     for text in (str(raised.value), repr(raised.value), repr(raised.value.args)):
         assert SECRET not in text and token_formats()[0] not in text
     assert SECRET not in str(ModelError(f"refused {{'client_secret': '{SECRET}'}}"))
+
+
+def more_token_formats() -> list[str]:
+    """Published formats beyond the first list (#36 asked for "known token formats"), built here so
+    no literal looks like a live credential to a scanner."""
+    body = "a1B2c3D4e5" * 8
+    return [
+        "ya" + "29." + body[:60],  # a Google OAuth access token (gcloud's application default credentials)
+        "dckr" + "_pat_" + body[:27],  # Docker Hub
+        "hv" + "s." + body[:90],  # HashiCorp Vault
+        "gl" + "sa_" + body[:32] + "_0a1b2c3d",  # Grafana service account
+        "S" + "G." + body[:22] + "." + body[:43],  # SendGrid
+        "shp" + "at_" + "0123456789abcdef" * 2,  # Shopify
+        "xa" + "pp-1-A0123ABC-0123456789-" + body[:20],  # Slack app-level
+        "lin" + "_api_" + body[:40],  # Linear
+        "da" + "pi" + "0123456789abcdef" * 2,  # Databricks
+        "AGE-" + "SECRET-KEY-1" + "QPZRY9X8GF2TVDW0S3JN54KHCE6MUA7L" * 2,  # age
+        "ATA" + "TT3x" + body[:60],  # Atlassian API token
+        "gl" + "rt-" + body[:20],  # GitLab runner
+        "r8" + "_" + body[:37],  # Replicate
+        "gs" + "k_" + body[:52],  # Groq
+    ]
+
+
+@pytest.mark.parametrize("token", more_token_formats())
+def test_more_published_token_formats_are_masked_whatever_names_them(token: str) -> None:
+    for text in (token, f"note: {token} next", f"{{'comment': '{token}'}}", f"retry={token}&x=1"):
+        shown = redact_text(text)
+        assert token not in shown and "a1B2c3D4e5" not in shown and MASK in shown, (text, shown)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        # a command line quoted in an exception text (subprocess's CalledProcessError, a usage line)
+        ("tool --password Zq7-notAFormat-w9 --verbose", "tool --password *** --verbose"),
+        (
+            "Command '['curl', '--api-key', 'Zq7-notAFormat-w9', 'x']' returned 1",
+            "Command '['curl', '--api-key', '***', 'x']' returned 1",
+        ),
+        ("login -token Zq7notAFormatw9xyzzy", "login -token ***"),
+        # a list of name/value pairs: HTTP headers, Kubernetes env entries, Postman variables
+        ("{'name': 'Authorization', 'value': 'Zq7-notAFormat-w9'}", "{'name': 'Authorization', 'value': '***'}"),
+        ('[{"key": "api_key", "value": "Zq7-notAFormat-w9"}]', '[{"key": "api_key", "value": "***"}]'),
+        ("- name: HF_TOKEN\n  value: Zq7-notAFormat-w9\n", "- name: HF_TOKEN\n  value: ***\n"),
+        # names the first list did not have
+        ("passcode=Zq7-notAFormat-w9 github_pat: Zq7-notAFormat-w9", "passcode=*** github_pat: ***"),
+    ],
+)
+def test_flags_and_name_value_pairs_are_masked(text: str, expected: str) -> None:
+    assert redact_text(text) == expected
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "--token is required; pass --password-file PATH", "run --num-workers 4 --key-env TF_KEY",
+        "{'name': 'learning_rate', 'value': 0.001}", "- name: PATH\n  value: /usr/bin\n",
+    ],
+)  # fmt: skip
+def test_flags_and_pairs_without_a_secret_are_kept(text: str) -> None:
+    assert redact_text(text) == text
+
+
+def test_a_config_list_of_name_value_pairs_masks_the_secret_ones() -> None:
+    """``env: [{name: HF_TOKEN, value: ...}]`` in a factory's kwargs: the value is masked in every
+    record, and remembered for text that quotes it with no name."""
+    value = "Zq7-pairValue-w9"
+    tree = {"model": {"kwargs": {"env": [{"name": "HF_TOKEN", "value": value}, {"name": "MODE", "value": "fast"}]}}}
+    shown = redact_config(tree)
+    assert shown["model"]["kwargs"]["env"] == [{"name": "HF_TOKEN", "value": MASK}, {"name": "MODE", "value": "fast"}]
+    remember_secrets(tree)
+    assert redact_text(f"login failed for {value}") == f"login failed for {MASK}"
