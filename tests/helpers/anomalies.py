@@ -58,7 +58,8 @@ class OnceOff(nn.Module):
         out: torch.Tensor = self.net(inputs)
         if self.training:
             self.calls += 1
-            if self.calls == self.at and torch.distributed.get_rank() == self.on_rank:
+            rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+            if self.calls == self.at and rank == self.on_rank:
                 out = out * self.factor
         return out
 

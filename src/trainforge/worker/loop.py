@@ -333,6 +333,8 @@ class Session:
             self.events.append(finding.event(step, samples, restored.source, run.runner.lr))
             self.events.extend(CheckpointSkipped(name, reason) for name, reason in restored.skipped)
             self.events.extend(Note(note, "warning") for note in restored.notes)
+        if restored is not None:
+            self.validated_step = None  # the steps from the checkpoint on are trained (and validated) anew
         elif run.rank == 0:
             self.events.append(finding.event(step, samples))
         return restored is not None
