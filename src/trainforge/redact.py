@@ -232,6 +232,7 @@ _NAME_VALUE = re.compile(
     r"""(?P<q2>['"]?)(?P<secret>[A-Za-z_][\w.\-]*)(?P=q2)[ \t]*,?\s*"""
     r"""(?P<q3>['"]?)(?:value|Value)(?P=q3)[ \t]*[:=][ \t]*"""
 )
+_FLAG_ITEM = re.compile(r"-{1,2}[A-Za-z][\w\-]*")
 _PAIR_NAMES = ("name", "key", "Name", "Key")
 _PAIR_VALUES = ("value", "Value")
 # ``('name', 'value')``: a pair in a list of headers or items.
@@ -462,8 +463,16 @@ def _secret_values(tree: Any, secret: bool) -> list[str]:
             for v in _secret_values(value, secret or is_secret_key(str(key)) or (pair and key in _PAIR_VALUES))
         ]
     if isinstance(tree, (list, tuple)):
-        return [v for item in tree for v in _secret_values(item, secret)]
+        after_flag = [False, *(_is_secret_flag(item) for item in tree[:-1])]
+        return [
+            v for item, flagged in zip(tree, after_flag, strict=False) for v in _secret_values(item, secret or flagged)
+        ]
     return [tree] if secret and isinstance(tree, str) else []
+
+
+def _is_secret_flag(item: Any) -> bool:
+    """``--password`` as an item of an argument list: the item after it is its value."""
+    return isinstance(item, str) and _FLAG_ITEM.fullmatch(item) is not None and is_secret_key(item)
 
 
 def redact_config(tree: Any) -> Any:
@@ -476,8 +485,11 @@ def redact_config(tree: Any) -> Any:
             key: _masked(value) if is_secret_key(str(key)) or (pair and key in _PAIR_VALUES) else redact_config(value)
             for key, value in tree.items()
         }
-    if isinstance(tree, (list, tuple)):
-        return [redact_config(item) for item in tree]
+    if isinstance(tree, (list, tuple)):  # ["--password", VALUE]: an argument list's value by its flag
+        after_flag = [False, *(_is_secret_flag(item) for item in tree[:-1])]
+        return [
+            _masked(item) if flagged else redact_config(item) for item, flagged in zip(tree, after_flag, strict=False)
+        ]
     if isinstance(tree, str):
         return redact_text(tree)
     return tree

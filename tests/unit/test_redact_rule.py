@@ -362,3 +362,13 @@ def test_a_config_list_of_name_value_pairs_masks_the_secret_ones() -> None:
     assert shown["model"]["kwargs"]["env"] == [{"name": "HF_TOKEN", "value": MASK}, {"name": "MODE", "value": "fast"}]
     remember_secrets(tree)
     assert redact_text(f"login failed for {value}") == f"login failed for {MASK}"
+
+
+def test_an_argument_list_in_a_config_masks_a_secret_flags_value() -> None:
+    """``args: ["--password", V]``: the flag names the next item, whatever it looks like."""
+    value = "Zq7-argValue-w9"
+    tree = {"model": {"kwargs": {"args": ["--password", value, "--verbose", "--workers", "4", "-token", "short"]}}}
+    args = redact_config(tree)["model"]["kwargs"]["args"]
+    assert args == ["--password", MASK, "--verbose", "--workers", "4", "-token", MASK]
+    remember_secrets(tree)
+    assert redact_text(f"exit 1: {value}") == f"exit 1: {MASK}"
