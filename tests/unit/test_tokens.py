@@ -433,6 +433,37 @@ def test_generate_prints_the_prompt_continued_by_the_runs_model(
     assert len(outputs[0].encode()) > len(b"def \n")  # an untrained model writes bytes, rarely the end token
 
 
+def test_generate_prints_what_the_model_writes_as_data(
+    corpus: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A run directory is not trusted, and neither is what its model writes: a byte-level model
+    can write a terminal escape or any control character; each is printed escaped (a line break
+    kept: text is text)."""
+    from safetensors.torch import save_model
+
+    from trainforge.config import to_yaml
+    from trainforge.data.spec import DataSpec
+    from trainforge.models import build_model
+
+    config = load_config(
+        {
+            "model": {"name": "llama_tiny", "kwargs": {"num_hidden_layers": 1}},
+            "data": {"name": "tokens", "path": str(corpus), "seq_len": 16},
+            "train": {"max_steps": 1},
+        }
+    )
+    (tmp_path / "config.yaml").write_text(to_yaml(config))
+    model = build_model(config.model, DataSpec(kind="tokens", input_shape=(16,), vocab_size=257, seq_len=16))
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.zero_()  # every logit 0: greedy decoding writes byte 0 (NUL) again and again
+    save_model(model, str(tmp_path / "model.safetensors"))
+    code, out = run_cli(
+        ["generate", str(tmp_path), "--prompt", "a\nb", "--max-tokens", "5", "--temperature", "0"], monkeypatch, capsys
+    )
+    assert code == 0 and out == "a\nb" + "\\x00" * 5 + "\n", repr(out)
+
+
 def test_a_corpus_another_run_prepared_meanwhile_is_used(
     raw: tuple[Path, list[str]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from trainforge.cli.export import TRUST_HELP
-from trainforge.errors import TrainforgeError
+from trainforge.errors import TrainforgeError, printable_lines
 
 
 def report(
@@ -41,4 +41,5 @@ def generate(
     from trainforge.models.generate import Sampling, load_run_model, sample
 
     run = load_run_model(run_dir, trust_run_config=trust_run_config)
-    typer.echo(sample(run, prompt, Sampling(max_tokens, temperature, top_k, seed)))
+    # What an untrusted run's model writes is data: no control character reaches the terminal.
+    typer.echo(printable_lines(sample(run, prompt, Sampling(max_tokens, temperature, top_k, seed))))
