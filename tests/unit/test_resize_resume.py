@@ -139,6 +139,7 @@ def assert_close(a: float, b: float) -> None:
     assert abs(a - b) <= RTOL * abs(b), (a, b)
 
 
+@pytest.mark.slow  # the module's runs: three gloo process start-ups, 11-18 s in all on 2 busy cores
 @pytest.mark.parametrize(("name", "reference", "before", "after"), [
     ("two-to-one", "straight", 2, 1),
     ("one-to-two", "straight", 1, 2),
@@ -159,6 +160,7 @@ def test_a_resumed_run_on_another_worker_count_reads_the_same_global_batches(
     assert resized[1] != resized[STEPS_PER_EPOCH + 1]
 
 
+@pytest.mark.slow  # the module's runs: three gloo process start-ups, 11-18 s in all on 2 busy cores
 @pytest.mark.parametrize(("name", "reference"), [
     ("two-to-one", "straight"),
     ("one-to-two", "straight"),
@@ -185,6 +187,7 @@ def test_a_resumed_run_on_another_worker_count_has_the_uninterrupted_losses(
         torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow  # the module's runs: three gloo process start-ups, 11-18 s in all on 2 busy cores
 def test_the_resumed_run_says_the_global_batch_held(runs: dict[str, Any]) -> None:
     for name, before, after, accum in (("two-to-one", 2, 1, 4), ("one-to-two", 1, 2, 2)):
         events = runs["outcomes"][name][1].events
