@@ -179,10 +179,15 @@ class Anomaly:
 
     @property
     def text(self) -> str:
-        what = "a non-finite loss or gradient" if self.anomaly == "nonfinite" else f"a loss spike ({self.loss:.6g})"
+        what = "a non-finite loss or gradient" if self.anomaly == "nonfinite" else f"a loss spike ({_num(self.loss)})"
         cause = "the data (the re-run agreed)" if self.attribution == "data" else "not the data (the re-run differed)"
-        done = "skipped" if self.action == "skipped" else f"rolled back to {self.checkpoint}, LR now {self.lr:.4g}"
+        done = "skipped" if self.action == "skipped" else f"rolled back to {self.checkpoint}, LR now {_num(self.lr)}"
         return f"step {self.step}: {what}, attributed to {cause}; {done} ({len(self.samples)} samples)"
+
+
+def _num(value: float | None) -> str:
+    """A number of an event's text; an event read back from metrics.jsonl may lack it."""
+    return "?" if value is None else f"{value:.6g}"
 
 
 @dataclass(frozen=True)

@@ -186,6 +186,29 @@ def test_a_spike_is_judged_only_once_the_window_is_full_and_against_it() -> None
     assert list(g.losses) == [1.0, 50.0, 1.2]  # an anomalous step's loss stays out of the window
 
 
+def test_a_window_of_equal_losses_takes_a_rounding_for_no_spike() -> None:
+    g = guard(zscore=6.0)
+    g.losses.extend([2.0, 2.0, 2.0])
+    assert g.verdict(2.0 * (1 + 1e-6), 1.0) is None and g.verdict(2.0 * (1 + 1e-5), 1.0) == "spike"
+
+
+def test_an_event_read_back_without_its_numbers_still_has_a_text() -> None:
+    event = event_from_json(
+        {
+            "kind": "anomaly",
+            "step": 3,
+            "anomaly": "spike",
+            "attribution": "data",
+            "action": "rolled_back",
+            "loss": None,
+            "rerun_loss": None,
+            "grad_norm": None,
+        }
+    )
+    assert isinstance(event, Anomaly) and event.text.startswith("step 3: a loss spike (?)")
+    assert "LR now ?" in event.text
+
+
 def test_under_fp16_a_non_finite_gradient_is_the_loss_scalers() -> None:
     fp16 = AnomalyGuard(AnomalyConfig(window=3), torch.device("cpu"), grads_count=False)
     assert fp16.verdict(1.0, float("inf")) is None and fp16.verdict(float("nan"), 1.0) == "nonfinite"

@@ -40,6 +40,7 @@ FiniteLoss = Annotated[float, Field(allow_inf_nan=False)]
 Scale = Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)]
 
 NONFINITE = "nonfinite"
+SPREAD_FLOOR = 1e-6  # of the window's mean: the least standard deviation the spike rule assumes
 SPIKE = "spike"
 
 
@@ -127,7 +128,9 @@ class AnomalyGuard(Component):
             return None
         mean = sum(self.losses) / len(self.losses)
         std = math.sqrt(sum((x - mean) ** 2 for x in self.losses) / len(self.losses))
-        return SPIKE if loss > mean + self.cfg.spike_zscore * std else None
+        # A window of equal losses (std 0) would make any rounding a spike: float32's resolution is the floor.
+        spread = max(std, SPREAD_FLOOR * abs(mean))
+        return SPIKE if loss > mean + self.cfg.spike_zscore * spread else None
 
     def agreed(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> tuple[float, float]:
         """The loss as the mean over ranks (not finite if any rank's is) and the gradient norm (the
