@@ -34,7 +34,7 @@ SAVED, CRASH = 5, 6  # a checkpoint at step 5 (mid-epoch 1), the stop at step 6'
 RTOL = 1e-5
 
 
-def config(tmp: Path, workers: int, strategy: str = "ddp") -> dict[str, Any]:
+def config(tmp: Path, workers: int, strategy: str = "ddp", batch: int | str = MICRO) -> dict[str, Any]:
     ids = tmp / "ids"
     ids.mkdir(parents=True, exist_ok=True)
     run = tiny_run(
@@ -47,7 +47,7 @@ def config(tmp: Path, workers: int, strategy: str = "ddp") -> dict[str, Any]:
         train={
             "max_steps": None,
             "epochs": EPOCHS,
-            "batch_size": MICRO,
+            "batch_size": batch,
             "global_batch_size": GLOBAL,
             "log_every_n_steps": 1,
         },
@@ -85,10 +85,12 @@ def by_step(forwards: dict[str, list[list[int]]], accum: int, first: int, last: 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Every run once: the uninterrupted 2-worker runs (DDP, FSDP) and, from the same spawned ranks,
-    2-worker runs stopped after step 6 (checkpoint at 5); those resumed on 1 worker, with a 1-worker
-    run stopped the same way; that one resumed on 2. Three process start-ups in all."""
+    2-worker runs stopped after step 6 (checkpoint at 5: DDP, FSDP, batch size auto); those resumed
+    on 1 worker, with a 1-worker run stopped the same way; that one resumed on 2. Three process
+    start-ups in all."""
     root = tmp_path_factory.mktemp("resize")
-    dirs = {name: root / name for name in ("straight", "fsdp-straight", "two-to-one", "fsdp-two-to-one", "one-to-two")}
+    names = ("straight", "fsdp-straight", "two-to-one", "fsdp-two-to-one", "one-to-two", "auto-two-to-one")
+    dirs = {name: root / name for name in names}
     first = spawn_ranks(
         sessions,
         2,
@@ -97,6 +99,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             (config(dirs["fsdp-straight"], 2, "fsdp"), None),
             (config(dirs["two-to-one"], 2), CRASH),
             (config(dirs["fsdp-two-to-one"], 2, "fsdp"), CRASH),
+            (config(dirs["auto-two-to-one"], 2, batch="auto"), CRASH),
         ],
     )[0]
     stopped = {name: recorded(dirs[name]) for name in ("two-to-one", "fsdp-two-to-one")}
@@ -107,6 +110,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             (config(dirs["two-to-one"], 1), None),
             (config(dirs["fsdp-two-to-one"], 1, "fsdp"), None),
             (config(dirs["one-to-two"], 1), CRASH),
+            (config(dirs["auto-two-to-one"], 1, batch="auto"), None),
         ],
     )[0]
     stopped["one-to-two"] = recorded(dirs["one-to-two"])
@@ -117,6 +121,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "two-to-one": [first[2], second[0]],
         "fsdp-two-to-one": [first[3], second[1]],
         "one-to-two": [second[2], third[0]],
+        # Batch size auto searches again for the new share (its trial forwards are recorded too,
+        # so only its losses are compared): 16 x 1 per worker on 2, 32 x 1 on 1.
+        "auto-two-to-one": [first[4], second[3]],
     }
     return {"dirs": dirs, "outcomes": outcomes, "stopped": stopped}
 
@@ -165,6 +172,7 @@ def test_a_resumed_run_on_another_worker_count_reads_the_same_global_batches(
     ("two-to-one", "straight"),
     ("one-to-two", "straight"),
     ("fsdp-two-to-one", "fsdp-straight"),
+    ("auto-two-to-one", "straight"),
 ])  # fmt: skip
 def test_a_resumed_run_on_another_worker_count_has_the_uninterrupted_losses(
     runs: dict[str, Any], name: str, reference: str
@@ -185,6 +193,9 @@ def test_a_resumed_run_on_another_worker_count_has_the_uninterrupted_losses(
     assert a.keys() == b.keys()
     for key in a:
         torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-6)
+    if name.startswith("auto"):
+        split = (resumed.final["batch/micro_batch_size"], resumed.final["batch/grad_accum_steps"])
+        assert split == (GLOBAL, 1), split  # the search ran again, for 1 worker's share
 
 
 @pytest.mark.slow  # the module's runs: three gloo process start-ups, 11-18 s in all on 2 busy cores
@@ -199,6 +210,9 @@ def test_the_resumed_run_says_the_global_batch_held(runs: dict[str, Any]) -> Non
         assert any(said in e for e in events), events
         final = runs["outcomes"][name][1].final  # the split reaches summary.json's ``batch``
         assert (final["batch/micro_batch_size"], final["batch/grad_accum_steps"]) == (MICRO, accum)
+    events = runs["outcomes"]["auto-two-to-one"][1].events
+    said = f"2 -> 1 data-parallel workers: the global batch of {GLOBAL} samples holds ({GLOBAL} per worker, split by"
+    assert any(said in e for e in events), events
 
 
 def test_the_accumulation_follows_the_worker_count() -> None:

@@ -242,9 +242,14 @@ class DataSource(Component):
                 f"the rest of epoch {saved.epoch} may read rows twice or not at all; later epochs are whole"
             )
         if had == now:
+            split = (
+                f"{self.samples_per_step} per worker, split by batch size auto"
+                if self.config.train.auto_batch
+                else f"{self.accum} accumulation steps of {self.micro_batch} per worker"
+            )
             return (
-                f"{ranks}: the global batch of {now} samples holds ({self.accum} accumulation steps of "
-                f"{self.micro_batch} per worker), so every step reads the samples the uninterrupted run reads"
+                f"{ranks}: the global batch of {now} samples holds ({split}), so every step reads the samples "
+                "the uninterrupted run reads"
             )
         return (
             f"{ranks}: the global batch changed from {had or 'an unknown size'} to {now} samples (set "
