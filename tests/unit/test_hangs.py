@@ -64,12 +64,17 @@ def test_a_step_is_a_hang_past_the_multiple_of_the_run_s_p99_with_a_floor_and_th
     clock.now += 10
     assert dog.check() is None and len(sent) == 1  # once per step and phase
     with dog.phase("checkpoint"):
-        assert dog.bound_s() == 60  # not judged by step times
+        assert dog.bound_s() == 60  # the first checkpoint: not judged by step times, only the ceiling
         clock.now += 61
         assert dog.check() is not None and len(sent) == 2
     clock.now += 1
     dog.step_done(40)
     assert dog.durations[-1] == pytest.approx(1.0)  # the step's time counts from the checkpoint's end
+    with dog.phase("checkpoint"):
+        assert dog.bound_s() == 60  # 10 x the longest checkpoint so far (61 s), under the ceiling
+    dog.longest["checkpoint"] = 0.4
+    with dog.phase("checkpoint"):
+        assert dog.bound_s() == pytest.approx(4.0)  # 10 x 0.4 s
 
 
 def test_the_ceiling_bounds_the_learnt_rule() -> None:

@@ -4,9 +4,10 @@ A thread beside the training loop wakes every ``POLL_S``. After ``failure.hang.w
 completed steps, a step is a hang once it has run longer than ``failure.hang.multiple`` x the p99
 of the last ``WINDOW`` step times, and at least ``failure.hang.floor_s``; never longer than
 ``failure.collective_timeout_s``, which stays the hard ceiling (gloo's or NCCL's own timeout). Other
-phases are not judged by step times: a checkpoint or a validation pass is bounded by the ceiling,
-and the start (building the run, restoring, the first step: compiling, warming caches) by Ray
-Train's and the collectives' own timeouts.
+phases have bounds of their own: a checkpoint or a validation pass, ``multiple`` x the longest
+earlier pass of its kind (at least ``floor_s``; the first one, only the ceiling); the start
+(building the run, restoring, the first step: compiling, warming caches) is not judged (Ray
+Train's and the collectives' own timeouts bound it).
 
 On a hang the watchdog sends the driver one ``HangSuspected`` per step and phase: the step, how
 long it waited, and the training thread's stack, which says whether the rank arrived at a
@@ -71,6 +72,7 @@ class Watchdog:
         self.send = send
         self.clock = clock
         self.durations: collections.deque[float] = collections.deque(maxlen=WINDOW)
+        self.longest: dict[str, float] = {}  # of each other phase (checkpoint, validation): its longest pass
         self.phase_name = "start"
         self.step = 0  # the last completed step
         self.since = clock()  # when the work in progress began
@@ -105,15 +107,22 @@ class Watchdog:
         try:
             yield
         finally:
-            self.phase_name, self.since = previous, self.clock()
+            now = self.clock()
+            self.longest[name] = max(self.longest.get(name, 0.0), now - self.since)
+            self.phase_name, self.since = previous, now
 
     def bound_s(self) -> float:
         """How long the work in progress may take before it is a hang (inf: not judged)."""
         if self.phase_name == "start":
             return math.inf
-        if self.phase_name != "step" or len(self.durations) < self.rule.warmup_steps:
-            return self.ceiling_s
-        return min(self.ceiling_s, max(self.rule.floor_s, self.rule.multiple * p99(list(self.durations))))
+        if self.phase_name != "step":  # its first pass has only the ceiling; later ones, the longest so far
+            longest = self.longest.get(self.phase_name)
+            typical = longest if longest is not None else math.inf
+        elif len(self.durations) >= self.rule.warmup_steps:
+            typical = p99(list(self.durations))
+        else:
+            typical = math.inf
+        return min(self.ceiling_s, max(self.rule.floor_s, self.rule.multiple * typical))
 
     def check(self) -> HangSuspected | None:
         """A hang report when the work in progress is past its bound (once per step and phase)."""
