@@ -53,7 +53,8 @@ def spike_model(at: int) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def one_rank(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
-    """Five runs in one process: the faults under skip and rollback, and a rollback limit of 0."""
+    """Six runs in one process: the faults under skip and rollback, a rollback limit of 0, and a
+    spike under dropout and accumulation."""
     tmp = tmp_path_factory.mktemp("anomaly")
     configs = {
         "data_nan_skip": anomaly_run(tmp, "a", "digits_nan", CLEAN_MODEL),
@@ -62,6 +63,10 @@ def one_rank(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, An
         "model_spike_rollback": anomaly_run(tmp, "d", "digits_clean", spike_model(8), action="rollback"),
         "no_rollbacks_left": anomaly_run(tmp, "e", "digits_nan", CLEAN_MODEL, action="rollback", max_rollbacks=0),
     }
+    dropout = {"factory": "tests.helpers.user_models:dropout_net", "kwargs": {"hidden": 32, "dropout": 0.3}}
+    accumulated = anomaly_run(tmp, "f", "digits_huge", dropout)
+    accumulated["train"].update(batch_size=BATCH // 2, grad_accum_steps=2)  # the same 16 samples a step
+    configs["data_spike_dropout_accumulated"] = accumulated
     resolved = [load_config(config, env={}).to_dict() for config in configs.values()]
     (outcomes,) = spawn_ranks(sessions, 1, resolved)
     return dict(zip(configs, outcomes, strict=True))
@@ -122,6 +127,19 @@ def test_a_spike_of_one_forward_rolls_back_and_is_not_the_data(one_rank: dict[st
     assert (event.step, event.anomaly, event.attribution, event.action) == (8, "spike", "not_data", "rolled_back")
     assert event.checkpoint is not None and event.checkpoint.endswith(checkpoint_name(5))
     assert outcome["counts"]["anomaly/rolled_back"] == 1 and outcome["lr_scale"] == 0.5
+    finished_finite(outcome)
+
+
+def test_the_re_run_is_the_same_computation_under_dropout_and_accumulation(
+    one_rank: dict[str, dict[str, Any]],
+) -> None:
+    """Two micro-batches and dropout: the re-run reads the kept micro-batches with the random state
+    the step began with, so a data fault gives the very same loss again."""
+    outcome = one_rank["data_spike_dropout_accumulated"]
+    (event,) = anomalies(outcome)
+    assert (event.step, event.anomaly, event.attribution, event.action) == (BAD_STEP, "spike", "data", "skipped")
+    assert event.loss is not None and event.loss > 10 and event.rerun_loss == event.loss
+    assert BAD_INDEX in event.samples and len(event.samples) == BATCH
     finished_finite(outcome)
 
 
