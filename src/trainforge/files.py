@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import tempfile
 from pathlib import Path
 from typing import Any, Literal
 
@@ -150,6 +151,19 @@ def check_output_path(
         raise error(f"{where}: folder {parent} is not writable")
     if mode is not None and not os.access(given, os.W_OK | (os.X_OK if kind == "folder" else 0)):
         raise error(f"{where}: not writable")
+    if mode is None or kind == "folder":
+        _try_a_new_file(given if mode is not None else parent, where, error)
+
+
+def _try_a_new_file(folder: Path, where: str, error: type[TrainforgeError]) -> None:
+    """Make and remove a file in ``folder``: permissions say yes to root where the file system says
+    no (/sys, /proc, a read-only mount), and the verb's write must not be the first to find out."""
+    try:
+        handle, name = tempfile.mkstemp(dir=folder, prefix=".trainforge-write-test-")
+    except OSError as err:
+        raise error(f"{where}: folder {folder} takes no new file ({err.strerror or err})") from None
+    os.close(handle)
+    os.unlink(name)
 
 
 def file_kind(mode: int) -> str:

@@ -272,3 +272,28 @@ def test_ckpt_inspect_reads_a_weights_header_within_the_same_limit(tmp_path: Pat
     big_header(directory / MODEL_FILE, SAFETENSORS_MAX_HEADER + 8, 10)
     problems = inspect_checkpoint(str(directory))["problems"]
     assert any(f"more than the {human_size(SAFETENSORS_MAX_HEADER)} trainforge reads" in p for p in problems), problems
+
+
+@pytest.mark.skipif(not Path("/sys/kernel").is_dir(), reason="needs sysfs")
+def test_an_output_in_a_folder_that_takes_no_new_files_is_refused_before_any_work(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """/sys/kernel: write permission says yes to root, the file system says no to a new file. The
+    check tries what the write will do (a file made and removed), so the verb fails before its work."""
+    err = refused(capsys, "bench", "memory", "--output", "/sys/kernel/trainforge-out.json")
+    assert err.startswith("error: --output /sys/kernel/trainforge-out.json: folder /sys/kernel "), err
+    for args in (("certs", "create"), ("bench", "checkpoint", "--dir")):
+        err = refused(capsys, *args, "/sys/kernel/trainforge-out")
+        assert "/sys/kernel/trainforge-out: folder /sys/kernel " in err, err
+
+
+@pytest.mark.parametrize("case", ["to-folder", "dangling", "a-file"])
+def test_bench_data_dir_is_checked_as_an_output(tmp_path: Path, capsys: pytest.CaptureFixture[str], case: str) -> None:
+    """``bench data --dir`` is where the data set is generated: a link, or a file, is one line before any work."""
+    output = output_cases(tmp_path)[case]
+    err = refused(capsys, "bench", "data", "--dir", str(output), "--size-gb", "0.001")
+    assert f"--dir {output}: " in err and ("symbolic link" in err or "not a folder" in err), err
+    for path in ("/proc/self/trainforge-out", "/sys/kernel/trainforge-out"):
+        if Path(path).parent.is_dir():
+            assert f"--dir {path}: " in refused(capsys, "bench", "data", "--dir", path, "--size-gb", "0.001")
+    assert not any((tmp_path / "empty").iterdir()) and not (tmp_path / "nowhere").exists()

@@ -227,8 +227,8 @@ def bench_data(
         raise TrainforgeError(f"--workers {workers}: from 1 to 64")
     if endpoint_url is not None and not s3:
         raise TrainforgeError(f"--endpoint-url {endpoint_url}: only with --s3")
-    if dir_ is not None and dir_.exists() and not dir_.is_dir():
-        raise TrainforgeError(f"--dir {dir_}: not a folder")
+    if dir_ is not None:
+        check_output_path(dir_, "--dir", "folder")
     check_output_folder(output)
     from trainforge.bench.data import run_data_bench
 
