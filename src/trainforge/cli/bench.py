@@ -93,6 +93,32 @@ def bench_startup(
     )
 
 
+@app.command("recovery")
+def bench_recovery(
+    faults: Annotated[
+        str, typer.Option(help="Comma-separated: killed (SIGKILL of a worker), frozen (SIGSTOP of one).")
+    ] = "killed,frozen",
+    repeats: Annotated[int, typer.Option(help="Measurements per fault and peer; the median is shown.")] = 1,
+    output: Annotated[Path | None, typer.Option(help="Also write every raw figure as JSON here.")] = None,
+) -> None:
+    """Seconds from a killed or frozen worker to the next training step: trainforge beside Ray Train alone."""
+    from trainforge.bench.recovery import FAULTS
+
+    chosen = [fault.strip() for fault in faults.split(",") if fault.strip()]
+    unknown = [fault for fault in chosen if fault not in FAULTS]
+    if not chosen or unknown:
+        raise TrainforgeError(f"--faults {faults!r}: a comma-separated list of {', '.join(FAULTS)}")
+    if not 1 <= repeats <= 100:
+        raise TrainforgeError(f"--repeats {repeats}: must be 1-100")
+    check_output_folder(output)
+    from trainforge.bench.recovery import run_bench
+
+    setup_logging(False)
+    logging.getLogger("trainforge").setLevel(logging.WARNING)
+    console = wide_console()
+    run_bench(list(dict.fromkeys(chosen)), repeats, output, console, lambda line: console.print(line, markup=False))
+
+
 @app.command("checkpoint")
 def bench_checkpoint(
     size_mb: Annotated[float, typer.Option(help="Model size in MB (10^6 bytes); Adam state adds twice that.")] = 500,

@@ -1,0 +1,57 @@
+"""``trainforge bench recovery``: a killed worker through both peers via the real CLI, and its flags.
+(The frozen-worker rows take minutes: their path is tests/faults/test_hang.py's.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.timing import scaled
+from tests.integration.test_cli import assert_user_error, in_process
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)  # about 60 s on a quiet 2-core machine: two runs with a restart each
+def test_a_killed_worker_is_measured_for_trainforge_and_ray_train_alone(tmp_path: Path) -> None:
+    out = tmp_path / "recovery.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "TERM": "dumb"}
+    env.pop("RAY_ADDRESS", None)
+    result = subprocess.run(
+        [sys.executable, "-m", "trainforge", "bench", "recovery", "--faults", "killed", "--output", str(out)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=scaled(850),
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    rows = {(row["fault"], row["peer"]): row for row in report["rows"]}
+    assert set(rows) == {("killed", "trainforge"), ("killed", "Ray Train alone")}
+    for row in rows.values():
+        # A restart starts new worker processes: more than an interpreter's start, and a step came.
+        assert row["runs"] == 1 and row["without_a_next_step"] == 0, row
+        assert row["seconds"] is not None and row["seconds"] > 0.1, row
+    assert "From the fault to the next completed step" in result.stdout
+    assert report["machine"]["cpu_count"] == os.cpu_count()
+    assert not list(tmp_path.glob("runs")), "the benchmark must not leave run folders in the working directory"
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--faults", "melted"], "--faults 'melted': a comma-separated list of killed, frozen"),
+        (["--faults", ""], "--faults '': a comma-separated list of killed, frozen"),
+        (["--repeats", "0"], "--repeats 0: must be 1-100"),
+    ],
+)
+def test_bad_flags_are_one_line(args: list[str], expected: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert_user_error(in_process("bench", "recovery", *args, capsys=capsys), expected)
