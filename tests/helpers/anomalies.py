@@ -108,9 +108,10 @@ def session(rank: int, world: int, config_dict: dict[str, Any]) -> dict[str, Any
     outcome["lr"] = run.runner.lr
     outcome["step"] = run.progress.global_step
     outcome["position"] = (run.data.epoch, run.data.position)
-    params = [p.detach().double() for p in run.model.parameters()]
-    outcome["weights_finite"] = all(bool(torch.isfinite(p).all()) for p in params)
-    outcome["weights_sum"] = float(sum(p.sum() for p in params))
+    weights = run.plan.full_model_state(run.model)  # a collective; under fsdp only rank 0's is full
+    params = [p.detach().double() for p in weights.values()]
+    outcome["weights_finite"] = all(bool(torch.isfinite(p).all()) for p in params) if params else None
+    outcome["weights_sum"] = float(sum(p.sum() for p in params)) if params else None
     return outcome
 
 

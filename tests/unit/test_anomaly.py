@@ -164,17 +164,26 @@ def test_the_summary_counts_what_the_final_report_says(one_rank: dict[str, dict[
 
 def test_two_ranks_agree_on_a_nan_only_one_of_them_sees(tmp_path: Path) -> None:
     """The NaN is rank 1's alone, the bad sample rank 0's alone: both ranks drop the same steps,
-    roll back together and end with the same weights."""
+    roll back together (also under fsdp) and end with the same weights."""
     configs = [
         anomaly_run(tmp_path, "two_nan", "digits_clean", nan_model(5, on_rank=1)),
         anomaly_run(tmp_path, "two_spike", "digits_huge", CLEAN_MODEL, action="rollback"),
+        # Under fsdp the rollback reloads sharded checkpoints in the running ranks.
+        {
+            **anomaly_run(tmp_path, "two_fsdp", "digits_clean", nan_model(7, on_rank=1), action="rollback"),
+            "parallel": {"strategy": "fsdp"},
+        },
     ]
     resolved = [load_config({**c, "scaling": {"num_workers": 2}}, env={}).to_dict() for c in configs]
     rank0, rank1 = spawn_ranks(sessions, 2, resolved)
     for mine, theirs in zip(rank0, rank1, strict=True):
         finished_finite(mine)
-        assert mine["counts"] == theirs["counts"] and mine["weights_sum"] == theirs["weights_sum"]
-        assert mine["lr"] == theirs["lr"] and mine["position"][1] == theirs["position"][1]
+        assert mine["counts"] == theirs["counts"] and mine["lr"] == theirs["lr"]
+        assert mine["position"] == theirs["position"] and mine["step"] == theirs["step"]
+    assert rank0[0]["weights_sum"] == rank1[0]["weights_sum"] and rank0[1]["weights_sum"] == rank1[1]["weights_sum"]
+    (fsdp,) = anomalies(rank0[2])
+    assert (fsdp.step, fsdp.attribution, fsdp.action) == (7, "not_data", "rolled_back")
+    assert fsdp.checkpoint is not None and fsdp.checkpoint.endswith(checkpoint_name(5))
     (nan,) = anomalies(rank0[0])
     assert (nan.step, nan.attribution, nan.action) == (5, "not_data", "skipped") and len(nan.samples) == 2 * BATCH
     (spike,) = anomalies(rank0[1])
