@@ -205,6 +205,30 @@ def test_an_unwritable_output_dir_is_one_line_naming_the_key(tmp_path: Path) -> 
     assert [p.name for p in (tmp_path / "run").iterdir()] == []  # the probe file is gone
 
 
+def test_a_dangling_link_on_the_way_to_a_runs_folders_is_refused(tmp_path: Path) -> None:
+    """run.output_dir or checkpoint.storage_path through a link to nowhere: the run would make a
+    folder nobody named (the link's target); one line instead. A link to a folder is a choice: kept."""
+    (tmp_path / "runs").symlink_to(tmp_path / "nowhere")
+    (tmp_path / "ck").symlink_to(tmp_path / "gone" / "deeper")
+    for config, key, link in [
+        (config_for(tmp_path, "r", tmp_path / "runs"), "run.output_dir", tmp_path / "runs"),
+        (config_for(tmp_path, "r", tmp_path / "runs" / "sub"), "run.output_dir", tmp_path / "runs"),
+        (
+            config_for(tmp_path, "r", tmp_path / "out", storage=tmp_path / "ck"),
+            "checkpoint.storage_path",
+            tmp_path / "ck",
+        ),
+    ]:
+        refusal = f"^{key} .*: {link} is a symbolic link to .*, which does not exist"
+        with pytest.raises(ConfigError, match=refusal), run_locks(config, local=True):
+            pass
+    assert not (tmp_path / "nowhere").exists() and not (tmp_path / "gone").exists()
+    (tmp_path / "real").mkdir()
+    (tmp_path / "linked").symlink_to(tmp_path / "real")
+    with run_locks(config_for(tmp_path, "r", tmp_path / "linked"), local=True):
+        assert (tmp_path / "real" / "r").is_dir()
+
+
 def test_a_second_search_in_one_search_directory_is_refused_before_ray_starts(tmp_path: Path) -> None:
     import trainforge
 

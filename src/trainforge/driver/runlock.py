@@ -265,11 +265,26 @@ def check_writable(directory: Path, key: str) -> None:
         raise ConfigError(f"{key} {directory.parent} is not writable: {err.strerror or err}{where}") from None
 
 
+def refuse_dangling_links(path: Path, key: str) -> None:
+    """A symbolic link to nothing on the way to a run's folder: resolved, the run would make the
+    link's target, a folder nobody named; one line instead (a link to a folder is a choice: kept)."""
+    given = path.expanduser()
+    for step in (given, *given.parents):
+        if step.is_symlink() and not step.exists():
+            raise ConfigError(
+                f"{key} {given.parent}: {step} is a symbolic link to {os.readlink(step)}, which does not exist: "
+                "make that folder, or give the real path"
+            )
+
+
 @contextlib.contextmanager
 def run_locks(config: Config, *, local: bool, wait_s: float = 0.0) -> Iterator[None]:
     """Hold the run's locks for the ``with`` block: its run directory (created, and checked to be
     writable, first), and its checkpoint folder when that is another local directory."""
     run_dir = config.run_dir
+    refuse_dangling_links(Path(config.run.output_dir) / config.run.name, "run.output_dir")
+    if config.checkpoint.storage_path and "://" not in config.checkpoint.storage_path:
+        refuse_dangling_links(Path(config.checkpoint.storage_path) / config.run.name, "checkpoint.storage_path")
     check_writable(run_dir, "run.output_dir")
     with contextlib.ExitStack() as held:
         advice = "wait for it to end, or choose another run.name or run.output_dir"
