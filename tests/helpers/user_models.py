@@ -126,13 +126,15 @@ def paced_tp_plan(model: nn.Module) -> dict[str, str]:
 class IdRecorder(nn.Module):
     """A digits classifier for rows whose first value is the sample's id (tests.helpers.tables):
     each training forward appends the batch's ids to ``<record_to>/<pid>.ids`` (one line per
-    forward), then classifies the other 64 values at no less than ``delay_s`` a step."""
+    forward), then classifies the other 64 values at no less than ``delay_s`` a step (``batch_norm``:
+    with a BatchNorm1d after the hidden layer, whose training forward depends on the whole batch)."""
 
-    def __init__(self, record_to: str, delay_s: float, hidden: int) -> None:
+    def __init__(self, record_to: str, delay_s: float, hidden: int, batch_norm: bool = False) -> None:
         super().__init__()
         self.record_to = record_to
         self.delay_s = delay_s
-        self.inner = nn.Sequential(nn.Flatten(), nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, 10))
+        norm = [nn.BatchNorm1d(hidden)] if batch_norm else []
+        self.inner = nn.Sequential(nn.Flatten(), nn.Linear(64, hidden), *norm, nn.ReLU(), nn.Linear(hidden, 10))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.training:
@@ -146,8 +148,8 @@ class IdRecorder(nn.Module):
         return self.inner(x[:, 1:])
 
 
-def id_recorder(record_to: str, delay_s: float = 0.05, hidden: int = 32) -> nn.Module:
-    return IdRecorder(record_to, delay_s, hidden)
+def id_recorder(record_to: str, delay_s: float = 0.05, hidden: int = 32, batch_norm: bool = False) -> nn.Module:
+    return IdRecorder(record_to, delay_s, hidden, batch_norm)
 
 
 class OwnStep(nn.Module):

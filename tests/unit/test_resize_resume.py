@@ -24,6 +24,7 @@ from tests.helpers.ranks import spawn_ranks
 from tests.helpers.runs import tiny_run
 from tests.helpers.sessions import Outcome, final_weights, sessions
 from trainforge.config import load_config
+from trainforge.data import ResumableDistributedSampler
 from trainforge.errors import ConfigError
 from trainforge.worker.components.data import configured_split
 
@@ -34,7 +35,9 @@ SAVED, CRASH = 5, 6  # a checkpoint at step 5 (mid-epoch 1), the stop at step 6'
 RTOL = 1e-5
 
 
-def config(tmp: Path, workers: int, strategy: str = "ddp", batch: int | str = MICRO) -> dict[str, Any]:
+def config(
+    tmp: Path, workers: int, strategy: str = "ddp", batch: int | str = MICRO, batch_norm: bool = False
+) -> dict[str, Any]:
     ids = tmp / "ids"
     ids.mkdir(parents=True, exist_ok=True)
     run = tiny_run(
@@ -42,7 +45,7 @@ def config(tmp: Path, workers: int, strategy: str = "ddp", batch: int | str = MI
         model={
             "name": None,
             "factory": "tests.helpers.user_models:id_recorder",
-            "kwargs": {"record_to": str(ids), "delay_s": 0.0, "hidden": 16},
+            "kwargs": {"record_to": str(ids), "delay_s": 0.0, "hidden": 16, "batch_norm": batch_norm},
         },
         train={
             "max_steps": None,
@@ -70,16 +73,21 @@ def recorded(tmp: Path) -> dict[str, list[list[int]]]:
     }
 
 
-def by_step(forwards: dict[str, list[list[int]]], accum: int, first: int, last: int) -> dict[int, list[int]]:
+def by_step(forwards: dict[str, list[list[int]]], accum: int, first: int, last: int) -> dict[int, list[list[int]]]:
     """Steps ``first``..``last`` of processes that started at step ``first``: each rank's ``accum``
-    micro-batches of a step joined over the ranks, as a sorted list (the step's global batch)."""
-    steps: dict[int, list[int]] = {}
+    micro-batches of a step, over the ranks, each sorted, in sorted order (the step's global batch
+    as the micro-batches it was cut into)."""
+    steps: dict[int, list[list[int]]] = {}
     for micro_batches in forwards.values():
         for step in range(first, last + 1):
             taken = micro_batches[(step - first) * accum : (step - first + 1) * accum]
             assert len(taken) == accum, (step, len(micro_batches))
-            steps.setdefault(step, []).extend(i for batch in taken for i in batch)
-    return {step: sorted(ids) for step, ids in steps.items()}
+            steps.setdefault(step, []).extend(sorted(batch) for batch in taken)
+    return {step: sorted(batches) for step, batches in steps.items()}
+
+
+def samples(micro_batches: list[list[int]]) -> list[int]:
+    return sorted(i for batch in micro_batches for i in batch)
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +97,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     on 1 worker, with a 1-worker run stopped the same way; that one resumed on 2. Three process
     start-ups in all."""
     root = tmp_path_factory.mktemp("resize")
-    names = ("straight", "fsdp-straight", "two-to-one", "fsdp-two-to-one", "one-to-two", "auto-two-to-one")
+    names = (
+        *("straight", "fsdp-straight", "bn-straight"),
+        *("two-to-one", "fsdp-two-to-one", "one-to-two", "auto-two-to-one", "bn-two-to-one"),
+    )
     dirs = {name: root / name for name in names}
     first = spawn_ranks(
         sessions,
@@ -97,12 +108,14 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         [
             (config(dirs["straight"], 2), None),
             (config(dirs["fsdp-straight"], 2, "fsdp"), None),
+            (config(dirs["bn-straight"], 2, batch_norm=True), None),
             (config(dirs["two-to-one"], 2), CRASH),
             (config(dirs["fsdp-two-to-one"], 2, "fsdp"), CRASH),
             (config(dirs["auto-two-to-one"], 2, batch="auto"), CRASH),
+            (config(dirs["bn-two-to-one"], 2, batch_norm=True), CRASH),
         ],
     )[0]
-    stopped = {name: recorded(dirs[name]) for name in ("two-to-one", "fsdp-two-to-one")}
+    stopped = {name: recorded(dirs[name]) for name in ("two-to-one", "fsdp-two-to-one", "bn-two-to-one")}
     second = spawn_ranks(
         sessions,
         1,
@@ -111,6 +124,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             (config(dirs["fsdp-two-to-one"], 1, "fsdp"), None),
             (config(dirs["one-to-two"], 1), CRASH),
             (config(dirs["auto-two-to-one"], 1, batch="auto"), None),
+            (config(dirs["bn-two-to-one"], 1, batch_norm=True), None),
         ],
     )[0]
     stopped["one-to-two"] = recorded(dirs["one-to-two"])
@@ -118,18 +132,20 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     outcomes: dict[str, list[Outcome]] = {
         "straight": [first[0]],
         "fsdp-straight": [first[1]],
-        "two-to-one": [first[2], second[0]],
-        "fsdp-two-to-one": [first[3], second[1]],
+        "bn-straight": [first[2]],
+        "two-to-one": [first[3], second[0]],
+        "fsdp-two-to-one": [first[4], second[1]],
         "one-to-two": [second[2], third[0]],
+        "bn-two-to-one": [first[6], second[4]],
         # Batch size auto searches again for the new share (its trial forwards are recorded too,
         # so only its losses are compared): 16 x 1 per worker on 2, 32 x 1 on 1.
-        "auto-two-to-one": [first[4], second[3]],
+        "auto-two-to-one": [first[5], second[3]],
     }
     return {"dirs": dirs, "outcomes": outcomes, "stopped": stopped}
 
 
-def global_batches(runs: dict[str, Any], name: str, before: int, after: int) -> dict[int, list[int]]:
-    """Step -> the sorted sample indices of its global batch, over a stop and a resume: the stopped
+def global_batches(runs: dict[str, Any], name: str, before: int, after: int) -> dict[int, list[list[int]]]:
+    """Step -> its global batch's micro-batches (``by_step``), over a stop and a resume: the stopped
     processes' steps up to the checkpoint (their steps after it are read again), then the resumed
     ones'. ``before`` / ``after``: the worker counts."""
     stopped = runs["stopped"][name]
@@ -151,17 +167,21 @@ def assert_close(a: float, b: float) -> None:
     ("two-to-one", "straight", 2, 1),
     ("one-to-two", "straight", 1, 2),
     ("fsdp-two-to-one", "fsdp-straight", 2, 1),
+    ("bn-two-to-one", "bn-straight", 2, 1),
 ])  # fmt: skip
 def test_a_resumed_run_on_another_worker_count_reads_the_same_global_batches(
     runs: dict[str, Any], name: str, reference: str, before: int, after: int
 ) -> None:
     total = STEPS_PER_EPOCH * EPOCHS
     straight = by_step(recorded(runs["dirs"][reference]), GLOBAL // MICRO // 2, 1, total)
-    assert len(straight) == total and all(len(ids) == GLOBAL for ids in straight.values())
+    assert len(straight) == total and all(len(samples(batches)) == GLOBAL for batches in straight.values())
     resized = global_batches(runs, name, before, after)
+    # The same samples per step, cut into the same micro-batches (a rank reads whole micro-batches
+    # of the epoch's order: data/sampler.py's chunks).
     assert resized == straight
     for epoch in range(EPOCHS):
-        seen = [i for step in range(1, STEPS_PER_EPOCH + 1) for i in resized[epoch * STEPS_PER_EPOCH + step]]
+        steps = range(epoch * STEPS_PER_EPOCH + 1, (epoch + 1) * STEPS_PER_EPOCH + 1)
+        seen = [i for step in steps for i in samples(resized[step])]
         assert len(seen) == len(set(seen)) == STEPS_PER_EPOCH * GLOBAL, "a sample was read twice in an epoch"
     # Another shuffle each epoch: the second epoch is not the first again.
     assert resized[1] != resized[STEPS_PER_EPOCH + 1]
@@ -199,6 +219,25 @@ def test_a_resumed_run_on_another_worker_count_has_the_uninterrupted_losses(
 
 
 @pytest.mark.slow  # the module's runs: three gloo process start-ups, 11-18 s in all on 2 busy cores
+def test_batch_norm_trains_the_same_after_a_resize(runs: dict[str, Any]) -> None:
+    """The same micro-batches give BatchNorm the same batch statistics, so the training losses and
+    the parameters are the uninterrupted run's. Its running statistics are not compared: DDP keeps
+    rank 0's, which saw half the micro-batches (operations.md says so)."""
+    straight = runs["outcomes"]["bn-straight"][0]
+    stopped, resumed = runs["outcomes"]["bn-two-to-one"]
+    assert stopped.crashed and resumed.final["status"] == "finished", resumed.final
+    losses = {**{s: v for s, v in stopped.losses.items() if s <= SAVED}, **resumed.losses}
+    assert losses.keys() == straight.losses.keys() == set(range(1, STEPS_PER_EPOCH * EPOCHS + 1))
+    for step, loss in losses.items():
+        assert_close(loss, straight.losses[step])
+    a, b = (final_weights(config(runs["dirs"][name], 1)) for name in ("bn-two-to-one", "bn-straight"))
+    assert any("running_mean" in key for key in a)
+    parameters = [key for key in a if not key.endswith(("running_mean", "running_var", "num_batches_tracked"))]
+    for key in parameters:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.slow  # the module's runs: three gloo process start-ups, 11-18 s in all on 2 busy cores
 def test_the_resumed_run_says_the_global_batch_held(runs: dict[str, Any]) -> None:
     for name, before, after, accum in (("two-to-one", 2, 1, 4), ("one-to-two", 1, 2, 2)):
         events = runs["outcomes"][name][1].events
@@ -228,3 +267,34 @@ def test_the_accumulation_follows_the_worker_count() -> None:
     assert configured_split(auto, 4) == (24, 1)
     plain = load_config({"model": {"name": "mlp"}, "train": {"max_steps": 1, "grad_accum_steps": 3}}, env={})
     assert configured_split(plain, 4) == (32, 3)  # without global_batch_size the global batch grows with W
+
+
+@pytest.mark.parametrize("chunk", [1, 4])
+def test_a_steps_samples_and_micro_batches_do_not_depend_on_the_rank_count(chunk: int) -> None:
+    """Global batch 16 of micro-batches of 4 over 1, 2 and 4 ranks (4, 2 and 1 accumulation steps):
+    each step is the same block of the epoch's order on every count; with chunks of one
+    micro-batch, cut into the same micro-batches too. The epoch has floor(N / 16) steps on each."""
+    size, global_batch, micro = 70, 16, 4
+
+    def steps(world: int) -> list[list[list[int]]]:
+        orders = [
+            ResumableDistributedSampler(size, world, r, True, 5, chunk=chunk).epoch_indices() for r in range(world)
+        ]
+        per_rank = global_batch // world
+        assert {len(order) // per_rank for order in orders} == {size // global_batch}
+        return [
+            sorted(
+                order[s * per_rank + m : s * per_rank + m + micro]
+                for order in orders
+                for m in range(0, per_rank, micro)
+            )
+            for s in range(size // global_batch)
+        ]
+
+    one, two, four = steps(1), steps(2), steps(4)
+    blocks = [sorted(i for batch in step for i in batch) for step in one]
+    assert [sorted(i for batch in step for i in batch) for step in two] == blocks
+    assert [sorted(i for batch in step for i in batch) for step in four] == blocks
+    assert (one == two == four) is (chunk == micro)
+    with pytest.raises(ValueError, match="chunk must be >= 1, and 1 without even"):
+        ResumableDistributedSampler(size, 2, 0, False, 5, even=False, chunk=4)

@@ -29,22 +29,38 @@ FORKSERVER_PRELOAD = ["__main__", "torch", "trainforge.data"]
 
 
 class ResumableDistributedSampler(Sampler[int]):
-    """Indices for one rank of ``num_replicas``: ``perm[rank::num_replicas]`` of a per-epoch order.
+    """Indices for one rank of ``num_replicas``: every ``num_replicas``-th chunk of ``chunk``
+    consecutive samples of a per-epoch order, from chunk ``rank`` on (``perm[rank::num_replicas]``
+    for chunks of 1).
 
     The epoch's order is ``torch.randperm(dataset_size)`` from a generator seeded with
     ``seed + epoch`` (``arange`` without shuffle). With ``even`` (training) the order is first cut
-    to a multiple of ``num_replicas`` so all ranks run the same number of steps; without it
-    (validation) the ranks together cover every sample exactly once, some one sample more.
-    ``set_start`` skips samples this rank already read in the current epoch.
+    to a multiple of ``num_replicas`` x ``chunk`` so all ranks run the same number of steps;
+    without it (validation, chunks of 1) the ranks together cover every sample exactly once, some
+    one sample more. ``set_start`` skips samples this rank already read in the current epoch.
+
+    Whatever the number of ranks, the ranks' first k x ``chunk`` samples together are the order's
+    first k x ``chunk`` x ``num_replicas``, so a global batch is a block of the order; with chunks
+    of one micro-batch, its micro-batches are the same on any number of ranks too.
     """
 
     def __init__(
-        self, dataset_size: int, num_replicas: int, rank: int, shuffle: bool, seed: int, *, even: bool = True
+        self,
+        dataset_size: int,
+        num_replicas: int,
+        rank: int,
+        shuffle: bool,
+        seed: int,
+        *,
+        even: bool = True,
+        chunk: int = 1,
     ) -> None:
         if dataset_size < 0:
             raise ValueError(f"dataset_size must be >= 0, got {dataset_size}")
         if num_replicas < 1 or not 0 <= rank < num_replicas:
             raise ValueError(f"need 0 <= rank < num_replicas, got rank {rank} of {num_replicas}")
+        if chunk < 1 or (chunk > 1 and not even):
+            raise ValueError(f"chunk must be >= 1, and 1 without even, got {chunk}")
         if even and dataset_size < num_replicas:
             raise DataError(
                 f"the training set has {dataset_size} samples, fewer than the {num_replicas} workers that "
@@ -56,6 +72,7 @@ class ResumableDistributedSampler(Sampler[int]):
         self.shuffle = shuffle
         self.seed = seed
         self.even = even
+        self.chunk = chunk
         self._epoch = 0
         self._start = 0
 
@@ -82,7 +99,7 @@ class ResumableDistributedSampler(Sampler[int]):
     def per_rank_size(self) -> int:
         """Samples this rank reads in a full epoch."""
         if self.even:
-            return self.dataset_size // self.num_replicas
+            return self.dataset_size // (self.num_replicas * self.chunk) * self.chunk
         return max(0, (self.dataset_size - self.rank + self.num_replicas - 1) // self.num_replicas)
 
     def epoch_indices(self) -> list[int]:
@@ -91,9 +108,10 @@ class ResumableDistributedSampler(Sampler[int]):
             order = torch.randperm(self.dataset_size, generator=torch.Generator().manual_seed(self.seed + self._epoch))
         else:
             order = torch.arange(self.dataset_size)
-        if self.even:
-            order = order[: self.dataset_size - self.dataset_size % self.num_replicas]
-        return order[self.rank :: self.num_replicas].tolist()
+        if not self.even:
+            return order[self.rank :: self.num_replicas].tolist()
+        chunks = order[: self.dataset_size - self.dataset_size % (self.num_replicas * self.chunk)].view(-1, self.chunk)
+        return chunks[self.rank :: self.num_replicas].flatten().tolist()
 
     def __iter__(self) -> Iterator[int]:
         return iter(self.epoch_indices()[self._start :])

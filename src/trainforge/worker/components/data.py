@@ -36,6 +36,7 @@ class DataPosition(StateSchema):
     world_size: Annotated[int, Field(ge=1, le=MAX_RANKS)]  # the data-parallel ranks it was split over
     micro_batch_size: Annotated[int, Field(ge=1, le=MAX_BATCH)] | None = None
     grad_accum_steps: Annotated[int, Field(ge=1, le=MAX_BATCH)] | None = None
+    chunk: Annotated[int, Field(ge=1, le=MAX_BATCH)] | None = None  # the sampler's (left out: 1)
 
 
 @dataclass
@@ -79,7 +80,7 @@ class DataSource(Component):
         else:
             train_set, val_set, spec = build_datasets(config.data, config.seed)
             sampler = ResumableDistributedSampler(
-                len(train_set), world, rank, config.data.shuffle, config.seed, even=True
+                len(train_set), world, rank, config.data.shuffle, config.seed, even=True, chunk=sample_chunk(config)
             )
             per_rank = sampler.per_rank_size()
         micro, accum = configured_split(config, world)
@@ -198,6 +199,7 @@ class DataSource(Component):
         self.position = 0
 
     def state_dict(self) -> State:
+        chunk = self.sampler.chunk if self.sampler is not None else 1
         return State(
             {
                 "epoch": self.epoch,
@@ -205,6 +207,7 @@ class DataSource(Component):
                 "world_size": self.world,
                 "micro_batch_size": self.micro_batch,
                 "grad_accum_steps": self.accum,
+                **({"chunk": chunk} if chunk > 1 else {}),
             }
         )
 
@@ -215,6 +218,7 @@ class DataSource(Component):
         the checkpoint's micro-batch when it still splits this rank's step."""
         saved = DataPosition.model_validate(state.values)
         position, writers = saved.position, saved.world_size
+        self.keep_chunk(saved.chunk or 1, restore)
         if writers != self.world:
             position = position * writers // self.world // self.samples_per_step * self.samples_per_step
             restore.notes.append(self.resized(saved))
@@ -223,6 +227,23 @@ class DataSource(Component):
         if self.config.train.auto_batch and micro and writers == self.world and self.samples_per_step % micro == 0:
             self.split(micro)
             self.batch_from = "checkpoint"
+
+    def keep_chunk(self, chunk: int, restore: Restore) -> None:
+        """The sampler's chunk the checkpoint's run read by: the layout of a run's samples stays
+        its first start's (a changed ``train.batch_size`` too) while it still splits a step."""
+        sampler = self.sampler
+        if sampler is None or chunk == sampler.chunk:
+            return
+        if self.samples_per_step % chunk == 0:
+            sampler.chunk = chunk
+            steps = sampler.per_rank_size() // self.samples_per_step
+            assert steps == self.steps_per_epoch, (steps, self.steps_per_epoch)  # floor(N / global batch) for both
+        else:
+            restore.notes.append(
+                f"the checkpoint's samples were laid out in chunks of {chunk}, which do not split this run's "
+                f"{self.samples_per_step} samples per worker and step: the rest of epoch {self.epoch} may read "
+                "samples twice or not at all"
+            )
 
     def resized(self, saved: DataPosition) -> str:
         """What a resume on another number of data-parallel ranks keeps of the epoch's samples.
@@ -256,6 +277,17 @@ class DataSource(Component):
             f"train.global_batch_size to hold it), so the rest of epoch {saved.epoch} may read up to one step's "
             "samples again"
         )
+
+
+def sample_chunk(config: Config) -> int:
+    """How many consecutive samples of the epoch's order a rank reads at a time: one micro-batch
+    when ``train.global_batch_size`` holds a fixed ``train.batch_size``'s global batch, so a
+    resize keeps the micro-batches too (BatchNorm's batch statistics, per-micro-batch means);
+    else 1 (auto batch size changes its micro-batch during a run)."""
+    train = config.train
+    if train.global_batch_size is None or train.batch_size == "auto":
+        return 1
+    return train.batch_size
 
 
 def configured_split(config: Config, world: int) -> tuple[int, int]:
