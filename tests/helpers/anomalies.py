@@ -4,7 +4,8 @@ that goes wrong once, at one training forward (a re-run differs, as after a hard
 
 ``sessions(rank, world, configs)`` runs Sessions in gloo ranks (``tests/helpers/ranks.py``) and
 returns what the tests look at: the run's events, the final report, the guard's counts, the LR,
-a digest of the weights, or the error that ended the run.
+a digest of the weights, or the error that ended the run; the last ``workers`` configs run
+through ``run_worker`` instead, for what a Ray Train worker would return.
 """
 
 from __future__ import annotations
@@ -115,5 +116,20 @@ def session(rank: int, world: int, config_dict: dict[str, Any]) -> dict[str, Any
     return outcome
 
 
-def sessions(rank: int, world: int, configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [session(rank, world, config) for config in configs]
+def worker(rank: int, world: int, config_dict: dict[str, Any]) -> dict[str, Any]:
+    """One rank's run as a Ray Train worker runs it (``run_worker``): what it returned."""
+    from tests.helpers.sessions import ListChannel
+    from trainforge.config import Config
+    from trainforge.protocol import Payload, UserError
+    from trainforge.worker.loop import run_worker
+
+    returned = run_worker(Payload(Config.model_validate(config_dict)), ranks=(rank, world), channel=ListChannel())
+    if isinstance(returned, UserError):
+        return {"returned": "UserError", "kind": returned.kind, "message": returned.message}
+    return {"returned": type(returned).__name__}
+
+
+def sessions(rank: int, world: int, configs: list[dict[str, Any]], workers: int = 0) -> list[dict[str, Any]]:
+    """``session`` for each config, then ``worker`` for the last ``workers`` of them."""
+    cut = len(configs) - workers
+    return [session(rank, world, c) for c in configs[:cut]] + [worker(rank, world, c) for c in configs[cut:]]

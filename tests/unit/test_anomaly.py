@@ -53,8 +53,8 @@ def spike_model(at: int) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def one_rank(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
-    """Six runs in one process: the faults under skip and rollback, a rollback limit of 0, and a
-    spike under dropout and accumulation."""
+    """Seven runs in one process: the faults under skip and rollback, a rollback limit of 0 (in a
+    Session and through run_worker), and a spike under dropout and accumulation."""
     tmp = tmp_path_factory.mktemp("anomaly")
     configs = {
         "data_nan_skip": anomaly_run(tmp, "a", "digits_nan", CLEAN_MODEL),
@@ -67,8 +67,11 @@ def one_rank(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, An
     accumulated = anomaly_run(tmp, "f", "digits_huge", dropout)
     accumulated["train"].update(batch_size=BATCH // 2, grad_accum_steps=2)  # the same 16 samples a step
     configs["data_spike_dropout_accumulated"] = accumulated
+    configs["no_rollbacks_left_worker"] = anomaly_run(  # last: through run_worker
+        tmp, "g", "digits_nan", CLEAN_MODEL, action="rollback", max_rollbacks=0
+    )
     resolved = [load_config(config, env={}).to_dict() for config in configs.values()]
-    (outcomes,) = spawn_ranks(sessions, 1, resolved)
+    (outcomes,) = spawn_ranks(sessions, 1, resolved, 1)
     return dict(zip(configs, outcomes, strict=True))
 
 
@@ -146,6 +149,10 @@ def test_the_re_run_is_the_same_computation_under_dropout_and_accumulation(
 def test_a_rollback_past_max_rollbacks_ends_the_run_in_one_line(one_rank: dict[str, dict[str, Any]]) -> None:
     error = one_rank["no_rollbacks_left"]["error"]
     assert "\n" not in error and f"step {BAD_STEP}" in error and "max_rollbacks 0" in error
+    # A Ray Train worker returns it as the user's error (TrainingFailed), which Ray does not retry.
+    returned = one_rank["no_rollbacks_left_worker"]
+    assert (returned["returned"], returned["kind"]) == ("UserError", "TrainingFailed")
+    assert returned["message"] == error
 
 
 def test_the_summary_counts_what_the_final_report_says(one_rank: dict[str, dict[str, Any]]) -> None:
