@@ -267,6 +267,8 @@ def test_an_anomaly_event_reads_back_from_metrics_jsonl() -> None:
         ("lr_factor", 1.5, "train.anomaly.lr_factor"),
         ("lr_factor", 0, "train.anomaly.lr_factor"),
         ("patience", 3, "train.anomaly.patience"),
+        ("lr_factor", 0.25, "train.anomaly.lr_factor applies to action: rollback"),
+        ("max_rollbacks", 5, "train.anomaly.max_rollbacks applies to action: rollback"),
     ],
 )
 def test_every_key_is_checked_in_one_line_naming_it(tmp_path: Path, key: str, value: Any, said: str) -> None:

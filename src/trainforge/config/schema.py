@@ -162,6 +162,14 @@ class AnomalyConfig(Section):
     max_rollbacks: Annotated[int, Field(ge=0, le=MAX_COUNT)] = 3  # rollbacks before the run fails
     lr_factor: Annotated[float, Field(gt=0.0, le=1.0)] = 0.5  # the LR after each rollback, times this
 
+    @model_validator(mode="after")
+    def _rollback_keys_roll_back(self) -> AnomalyConfig:
+        # Compared with the defaults, not "was given": a resolved config carries every key.
+        for key in ("max_rollbacks", "lr_factor"):
+            if self.action == "skip" and getattr(self, key) != AnomalyConfig.model_fields[key].default:
+                raise ValueError(f"train.anomaly.{key} applies to action: rollback (this one skips)")
+        return self
+
 
 def _callback_entry(value: Any) -> Any:
     """``"pkg.mod:Class"`` is ``{path: "pkg.mod:Class"}``."""
