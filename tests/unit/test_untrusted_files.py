@@ -10,6 +10,7 @@ import io
 import json
 import logging
 import math
+import os
 import struct
 from pathlib import Path
 
@@ -297,3 +298,20 @@ def test_bench_data_dir_is_checked_as_an_output(tmp_path: Path, capsys: pytest.C
         if Path(path).parent.is_dir():
             assert f"--dir {path}: " in refused(capsys, "bench", "data", "--dir", path, "--size-gb", "0.001")
     assert not any((tmp_path / "empty").iterdir()) and not (tmp_path / "nowhere").exists()
+
+
+@pytest.mark.parametrize("kind", ["fifo", "folder", "link"])
+def test_a_run_directorys_report_folder_holding_what_is_not_a_file_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], kind: str
+) -> None:
+    """A run directory is data: a FIFO in its report/ named report.html hung ``report`` for ever, a
+    folder there was a traceback; anything but a regular file in report/ is one line, nothing written."""
+    run_dir = tmp_path / "run"
+    (run_dir / "report").mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text("")
+    page = run_dir / "report" / "report.html"
+    {"fifo": lambda: os.mkfifo(page), "folder": page.mkdir, "link": lambda: page.symlink_to(tmp_path / "x")}[kind]()
+    err = refused(capsys, "report", str(run_dir))
+    what = {"fifo": "a FIFO", "folder": "a directory", "link": "a symbolic link"}[kind]
+    assert f"report holds {what} ('report.html')" in err, err
+    assert sorted(p.name for p in (run_dir / "report").iterdir()) == ["report.html"]

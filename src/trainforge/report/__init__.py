@@ -9,11 +9,12 @@ writes its report at its end through observers/report.py.
 
 from __future__ import annotations
 
+import stat
 from pathlib import Path
 from typing import Any
 
 from trainforge.errors import shown
-from trainforge.files import check_output_path
+from trainforge.files import check_output_path, file_kind
 from trainforge.report.data import REPORT_DIR, ReportError, RunData, load_run
 
 __all__ = ["REPORT_DIR", "ReportError", "RunData", "load_run", "write_report"]
@@ -31,12 +32,19 @@ def write_report(run_dir: str | Path, summary: dict[str, Any] | None = None) -> 
     check_output_path(out, "the report's folder", "folder", ReportError)
     try:
         out.mkdir(exist_ok=True)
-        links = sorted(item.name for item in out.iterdir() if item.is_symlink())
+        odd = sorted((item.name, item.lstat().st_mode) for item in out.iterdir() if not _a_plain_file(item))
     except OSError as err:
         raise ReportError(f"cannot write the report into {out}: {err.strerror or err}") from None
-    if links:
-        raise ReportError(f"{out} holds a symbolic link ({shown(links[0])}): the report is not written through links")
+    if odd:
+        # A page or plot is replaced only where a regular file is: a FIFO would hang the write, a folder fail it.
+        name, mode = odd[0]
+        what = "a symbolic link" if stat.S_ISLNK(mode) else file_kind(mode)
+        raise ReportError(f"{out} holds {what} ({shown(name)}): the report is written among regular files only")
     plots = render_plots(data, out)
     page = out / "report.html"
     page.write_text(render_page(data, plots), encoding="utf-8")
     return page
+
+
+def _a_plain_file(path: Path) -> bool:
+    return stat.S_ISREG(path.lstat().st_mode)
