@@ -324,7 +324,10 @@ class Session:
         run, guard = self.run, cast(AnomalyGuard, self.run.runner.guard)
         step = self.progress.global_step + 1
         samples = batch_samples(run.data)  # before a rollback moves the data position
-        restored = roll_back(run, self.checkpointing, guard, step) if guard.cfg.action == "rollback" else None
+        restored = None
+        if guard.cfg.action == "rollback":
+            with self.phase("rollback"):  # a restore, not a step: the watchdog bounds it by the ceiling
+                restored = roll_back(run, self.checkpointing, guard, step)
         if restored is None:
             guard.skipped += 1
             if guard.cfg.action == "rollback":
