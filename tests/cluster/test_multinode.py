@@ -195,7 +195,9 @@ def test_fixed_size_run_waits_for_a_cut_off_node_then_resumes(whole: RayCluster,
 
 
 def test_elastic_run_continues_on_the_node_left(whole: RayCluster, tmp_path: Path) -> None:
-    run = start_run(tmp_path, partition_config(tmp_path, [1, 2]), whole, env=START_TIMEOUT)
+    config = partition_config(tmp_path, [1, 2])
+    config["train"]["global_batch_size"] = 16  # 8 per worker on 2; on the node left, 2 accumulation steps of 8
+    run = start_run(tmp_path, config, whole, env=START_TIMEOUT)
     wait_until(lambda: checkpoints(run.run_dir) or not run.running(), 240, "the first checkpoint")
     assert run.running(), run.output()
     cut = pull_cable(whole, CUT)
@@ -209,6 +211,10 @@ def test_elastic_run_continues_on_the_node_left(whole: RayCluster, tmp_path: Pat
     assert summary["num_workers"] == 1 and summary["restarts"] >= 1 and summary["recovery_s"], summary
     assert first_resumed_report(run.run_dir)["world_size"] == 1
     assert any(e.startswith("resumed with 1 workers from a checkpoint written by 2") for e in events(run.run_dir))
+    # The global batch held over the resize: the run goes on through the same samples per step.
+    held = "2 -> 1 data-parallel workers: the global batch of 16 samples holds (2 accumulation steps of 8 per worker)"
+    assert any(held in e for e in events(run.run_dir)), events(run.run_dir)
+    assert summary["batch"]["grad_accum_steps"] == 2, summary["batch"]
     print(partition_line("elastic [1, 2]", cut, run.run_dir, failed_at, summary))
 
 
