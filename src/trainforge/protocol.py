@@ -191,6 +191,33 @@ def _num(value: float | None) -> str:
 
 
 @dataclass(frozen=True)
+class Straggler:
+    """``failure.straggler`` (worker/straggler.py): rank ``rank`` on ``node`` spent ``score`` times
+    the other ranks' median own time per step (data wait and forward; ``own_s`` seconds a step)
+    above ``threshold`` for ``steps`` consecutive steps; then ``action``."""
+
+    step: int
+    rank: int
+    node: str
+    score: float
+    own_s: float
+    steps: int
+    threshold: float
+    action: Literal["report", "restart", "exclude"]
+    kind: ClassVar[str] = "straggler"
+    level: ClassVar[Level] = "warning"
+
+    @property
+    def text(self) -> str:
+        then = {"report": "", "restart": "; restarting the worker group", "exclude": "; excluding its node"}
+        return (
+            f"step {self.step}: rank {self.rank} on {self.node} is a straggler: {_num(self.score)}x the other "
+            f"ranks' time per step (data wait and forward, {_num(self.own_s)} s) for {self.steps} steps "
+            f"(threshold {_num(self.threshold)}){then.get(self.action, '')}"
+        )
+
+
+@dataclass(frozen=True)
 class Note:
     """Anything else the run says about itself (optimizer not restored, the batch size chosen, an
     out-of-memory retry, ...), and every event of a run written before events had kinds."""
@@ -200,10 +227,10 @@ class Note:
     kind: ClassVar[str] = "note"
 
 
-Event = Resumed | CheckpointSkipped | SaveFailed | Stopping | EndedEarly | BestValidation | Anomaly | Note
+Event = Resumed | CheckpointSkipped | SaveFailed | Stopping | EndedEarly | BestValidation | Anomaly | Straggler | Note
 EVENT_TYPES: dict[str, Any] = {
     cls.kind: cls
-    for cls in (Resumed, CheckpointSkipped, SaveFailed, Stopping, EndedEarly, BestValidation, Anomaly, Note)
+    for cls in (Resumed, CheckpointSkipped, SaveFailed, Stopping, EndedEarly, BestValidation, Anomaly, Straggler, Note)
 }
 
 

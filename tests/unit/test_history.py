@@ -22,12 +22,13 @@ from trainforge.worker.step import MetricSums
 BATCH = 4  # samples per step and rank
 
 
-def fake_run(world: int = 1) -> Any:
+def fake_run(world: int = 1, rank: int = 0) -> Any:
     """The parts of a WorkerRun that reduce_metrics reads."""
     optimizer = SimpleNamespace(param_groups=[{"lr": 0.0}])
     return SimpleNamespace(
         device=torch.device("cpu"),
         world=world,
+        rank=rank,
         total_steps=100,
         runner=SimpleNamespace(optimizer=optimizer),
         task=ClassificationTask(),
@@ -123,13 +124,15 @@ def _rank(rank: int, store: str, outs: list[str]) -> None:
         return reduce(*args, **kwargs)
 
     dist.all_reduce = counted  # type: ignore[assignment]
-    run, sums, history = fake_run(world=2), MetricSums(torch.device("cpu")), IntervalHistory()
+    run, sums, history = fake_run(world=2, rank=rank), MetricSums(torch.device("cpu")), IntervalHistory()
     losses = [1.0 + rank + 0.1 * i for i in range(30)]  # rank 1's losses are 1 higher than rank 0's
+    for _ in range(30):
+        sums.add("forward_s", 0.002 * (rank + 1))  # rank 1's forwards take twice rank 0's
     progress = train(run, losses, 10, history, sums)
     failures = Signals(save_failures=float(rank == 0))
     reduced = reduce_metrics(run, sums, history, 1.0, progress, Throughput(BATCH * 2), failures)
     report = reduced.report.to_json()
-    torch.save({"metrics": report, "signals": reduced.signals, "calls": calls}, outs[rank])
+    torch.save({"metrics": report, "signals": reduced.signals, "calls": calls, "own_s": reduced.own_s}, outs[rank])
     dist.destroy_process_group()
 
 
@@ -138,6 +141,8 @@ def test_two_ranks_reduce_every_interval_in_one_collective_and_agree(tmp_path: P
     mp.start_processes(_rank, args=(str(tmp_path / "store"), outs), nprocs=2, join=True, start_method="spawn")
     results = [torch.load(out, weights_only=False) for out in outs]
     assert [r["calls"] for r in results] == [1, 1]  # one all_reduce per report, however many intervals
+    # ... which also gathers every rank's own time per step (data wait 0.001 s + forward)
+    assert results[0]["own_s"] == results[1]["own_s"] == pytest.approx([0.003, 0.005])
     first, second = (r["metrics"] for r in results)
     drop = {"time/unix", "perf/samples_per_s"}  # each rank's own clock (the driver shows rank 0's)
     assert [{k: v for k, v in p.items() if k not in drop} for p in first[HISTORY_KEY]] == [

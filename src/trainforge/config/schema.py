@@ -549,10 +549,28 @@ class HangConfig(Section):
     kill: bool = True  # kill the ranks that did not arrive (Ray Train restarts the group); false: diagnose only
 
 
+class StragglerConfig(Section):
+    """When a rank is a straggler (worker/straggler.py): its own time per step (data wait and
+    forward) above ``threshold`` x the median of the other ranks' over ``window_steps``
+    consecutive steps; named on the console with its node, then ``action``."""
+
+    threshold: Annotated[float, Field(gt=1.0, le=1000.0)] = 1.5
+    window_steps: Annotated[int, Field(ge=1, le=MAX_STEPS)] = 50
+    action: Literal["report", "restart", "exclude"] = "report"
+
+    @field_validator("action")
+    @classmethod
+    def _implemented(cls, value: str) -> str:
+        if value == "exclude":
+            raise ValueError("exclude: not yet (use report or restart)")
+        return value
+
+
 class FailureConfig(Section):
     max_failures: Annotated[int, Field(ge=-1, le=MAX_COUNT)] = 3
     collective_timeout_s: Annotated[float, Field(ge=1.0, le=MAX_SECONDS)] = 300.0  # whole seconds reach gloo/NCCL: >= 1
     hang: HangConfig = Field(default_factory=HangConfig)
+    straggler: StragglerConfig | None = Field(default_factory=StragglerConfig)  # null: scores only, nobody named
 
 
 def unsafe_mode(mode: int, *, private: bool) -> str | None:

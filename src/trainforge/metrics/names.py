@@ -66,6 +66,14 @@ TRAINING = (
         "This rank's mean time per step spent waiting for the last gradient all-reduce after backward.",
     ),
     _rank("trainforge_last_step_timestamp_seconds", "Unix time of the last report, i.e. of the last completed step."),
+    _rank(
+        "trainforge_step_own_seconds",
+        "This rank's own time per step (data wait and forward, no peer waited for), last report interval.",
+    ),
+    _rank(
+        "trainforge_straggler_score",
+        "This rank's own time per step over the median of the other ranks' (worker/straggler.py); 1 is typical.",
+    ),
 )
 STEP_PHASES = ("data", "compute", "optimizer")
 

@@ -58,6 +58,7 @@ from trainforge.worker.profiling import StepProfiler
 from trainforge.worker.rollback import roll_back
 from trainforge.worker.saving import Checkpointing, Restored, restore, run_store
 from trainforge.worker.step import MetricSums, StepOutOfMemory
+from trainforge.worker.straggler import StragglerRestart, StragglerWatch
 from trainforge.worker.user_code import is_user_code_error, user_code_error
 from trainforge.worker.watchdog import for_session as watchdog_for
 
@@ -217,6 +218,7 @@ class Session:
         self.validated_step: int | None = None
         self.best_due: dict[str, float] | None = None  # restore_best: the metrics of a pass to checkpoint
         self.watchdog = watchdog_for(cfg, self.run.rank, self.control)  # hangs named to the driver (worker/watchdog.py)
+        self.stragglers = StragglerWatch(cfg.failure.straggler, self.run.world)  # worker/straggler.py
         if self.early is not None and self.early.cfg.restore_best and self.early.best_step is not None:
             self.checkpointing.writer.keep = {checkpoint_name(self.early.best_step)}
 
@@ -291,7 +293,7 @@ class Session:
             if step_hook and self.callbacks is not None:
                 metrics = step_metrics(run, before, self.sums.values, lr)  # a host sync: only for on_step_end
                 self.callbacks.fire("on_step_end", progress.global_step, progress.global_step, metrics)
-            for name in ("data_s", "compute_s", "optim_s"):
+            for name in ("data_s", "compute_s", "optim_s", "forward_s"):
                 self.sums.add(name, getattr(times, name))
             if progress.global_step % cfg.train.log_every_n_steps == 0:
                 # A point for the curves; it is reduced with the others at the next report.
@@ -370,6 +372,12 @@ class Session:
             figures["batch/oom_retries"] = self.oom_retries
         if self.run.runner.guard is not None:
             figures.update(self.run.runner.guard.figures())
+        slow = self.stragglers.observe(reduced.own_s, round(reduced.totals.get("steps", 0.0) / self.run.world))
+        stragglers = [self.stragglers.event(rank, self.progress.global_step) for rank in slow]
+        self.events.extend(stragglers)
+        figures.update(self.stragglers.figures())
+        if self.run.world > 1:  # the Prometheus hook's per-rank gauges
+            reduced.local["straggler_score"] = self.stragglers.last[self.run.rank]
         rank0 = self.run.rank == 0
         report = replace(
             reduced.report,
@@ -385,6 +393,9 @@ class Session:
         self.hooks.on_report(report, reduced.local)  # they may add figures (per-node samples, communication)
         if not final:
             self.channel.report(report)
+            if stragglers and self.stragglers.restarts:
+                # Every rank, at the same report (the scores are all-reduced): a worker failure to Ray Train.
+                raise StragglerRestart("; ".join(event.text for event in stragglers))
         return report, self.decide(reduced.signals)
 
     def gather_control_signals(self, *, final: bool) -> Signals:

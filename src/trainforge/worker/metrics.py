@@ -58,6 +58,7 @@ class Throughput:
 
 
 STEP_PARTS = ("data_s", "compute_s", "optim_s")
+OWN_PARTS = ("data_s", "forward_s")  # a rank's own work, no peer waited for (worker/straggler.py)
 MAX_HISTORY = 128  # points per report; beyond it, neighbouring intervals are merged pairwise
 
 
@@ -142,6 +143,7 @@ class Reduced:
     totals: dict[str, float]  # sums over all ranks and the span
     local: dict[str, float]  # this rank's own step times over the span (``local_times``)
     signals: Signals  # summed over ranks
+    own_s: list[float]  # every rank's own time per step over the span (``OWN_PARTS``), by rank
 
 
 def local_times(totals: dict[str, float]) -> dict[str, float]:
@@ -151,6 +153,7 @@ def local_times(totals: dict[str, float]) -> dict[str, float]:
     local = {name: totals[name] / steps if steps else 0.0 for name in STEP_PARTS if name in totals}
     local["step_s"] = sum(local.values())
     local["steps"] = steps
+    local["own_s"] = sum(totals.get(name, 0.0) for name in OWN_PARTS) / steps if steps else 0.0
     return local
 
 
@@ -183,7 +186,8 @@ def reduce_metrics(
     signals: Signals | None = None,
 ) -> Reduced:
     """One all-reduce for the whole report: every interval's sums stacked ``[intervals, metrics]``
-    plus the control ``signals``; every rank gets the same numbers.
+    plus the control ``signals`` plus one slot per rank for its own time (an all-gather in the same
+    collective: every other rank adds zero there); every rank gets the same numbers.
 
     The report's top-level figures come from the column totals (the span since the last report),
     its ``history`` from each row.
@@ -198,7 +202,12 @@ def reduce_metrics(
     matrix = torch.stack(pieces) if pieces else torch.zeros((0, len(names)), dtype=torch.float64, device=run.device)
     control = (signals or Signals()).vector()
     mine = matrix.sum(0)  # this rank's own column totals, before the collective
-    reduced = collectives.all_reduce_sum(torch.cat([matrix.flatten(), matrix.new_tensor(control)]), run.device)
+    slots = matrix.new_zeros(run.world)
+    own = [mine[names.index(name)] for name in OWN_PARTS if name in names]
+    if own:
+        slots[run.rank] = torch.stack(own).sum()
+    vector = torch.cat([matrix.flatten(), matrix.new_tensor(control), slots])
+    reduced = collectives.all_reduce_sum(vector, run.device)
     flat = torch.cat([reduced, mine]).tolist()  # one device-to-host copy
 
     width, rows = len(names), len(intervals)
@@ -206,7 +215,10 @@ def reduce_metrics(
     end = rows * width
     totals = {n: sum(row[n] for row in row_totals) for n in names}
     summed = Signals.from_vector(flat[end : end + len(control)])
-    local = local_times(dict(zip(names, flat[end + len(control) :], strict=True)))
+    end += len(control)
+    steps_per_rank = totals.get("steps", 0.0) / run.world
+    own_s = [value / steps_per_rank if steps_per_rank else 0.0 for value in flat[end : end + run.world]]
+    local = local_times(dict(zip(names, flat[end + run.world :], strict=True)))
 
     report = Report(
         step=progress.global_step,
@@ -231,4 +243,4 @@ def reduce_metrics(
             for interval, row in zip(intervals, row_totals, strict=True)
         ],
     )
-    return Reduced(report, totals, local, summed)
+    return Reduced(report, totals, local, summed, own_s)

@@ -35,6 +35,7 @@ class StepTimes:
     data_s: float = 0.0
     compute_s: float = 0.0
     optim_s: float = 0.0
+    forward_s: float = 0.0  # part of compute_s: this rank's own work, no peer waited for (worker/straggler.py)
     anomaly: Finding | None = None  # train.anomaly: the step was dropped (worker/anomaly.py)
 
     @property
@@ -157,6 +158,7 @@ class StepRunner:
             # Gradients are communicated in backward; only the last micro-batch's needs to.
             with self.plan.gradient_sync(self.model, last):
                 forward = self._forward(batch)
+                times.forward_s += self._elapsed(start)
                 if last and self.recover_oom:
                     self._agree_on_memory(forward is None)
                 if forward is not None:

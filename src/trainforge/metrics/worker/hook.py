@@ -67,6 +67,9 @@ class PrometheusHook:
             gauges.set("trainforge_step_seconds", local["step_s"])
             for key, phase in PHASES.items():
                 gauges.set("trainforge_step_phase_seconds", local.get(key, 0.0), phase=phase)
+            if "straggler_score" in local:  # worker/straggler.py, set by the loop
+                gauges.set("trainforge_step_own_seconds", local["own_s"])
+                gauges.set("trainforge_straggler_score", local["straggler_score"])
             if "comm_s" in local:  # from metrics.comm.CommReport, the hook before this one
                 gauges.set("trainforge_comm_seconds", local["comm_s"])
                 gauges.set("trainforge_comm_exposed_seconds", local["comm_exposed_s"])
