@@ -298,3 +298,34 @@ def test_a_steps_samples_and_micro_batches_do_not_depend_on_the_rank_count(chunk
     assert (one == two == four) is (chunk == micro)
     with pytest.raises(ValueError, match="chunk must be >= 1, and 1 without even"):
         ResumableDistributedSampler(size, 2, 0, False, 5, even=False, chunk=4)
+
+
+def test_a_run_keeps_the_sample_layout_of_its_first_start() -> None:
+    """The checkpoint's chunk is kept while it splits a worker's step (a run started without
+    train.global_batch_size stays interleaved; a changed batch_size keeps the old micro-batches as
+    the unit); one that does not is said in one note."""
+    from trainforge.checkpoint.state import State
+    from trainforge.worker.components.base import Restore
+    from trainforge.worker.components.data import DataSource
+
+    def source(batch: int) -> DataSource:
+        train = {"max_steps": 1, "batch_size": batch, "global_batch_size": 48}
+        cfg = load_config({"model": {"name": "mlp"}, "data": {"name": "digits"}, "train": train}, env={})
+        return DataSource.build(cfg, 0, 1, pin_memory=False)
+
+    def load(data: DataSource, **saved: int) -> list[str]:
+        restore = Restore(step=3, world=1, plan="ddp", config={}, same_ranks=True)
+        values = {"epoch": 0, "position": 96, "world_size": 1, "micro_batch_size": 8, "grad_accum_steps": 6}
+        data.load_state_dict(State({**values, **saved}), restore)
+        return restore.notes
+
+    assert source(8).sampler.chunk == 8
+    for saved, batch, kept in (({}, 8, 1), ({"chunk": 8}, 16, 8), ({"chunk": 16}, 8, 16)):
+        data = source(batch)
+        assert load(data, **saved) == [] and data.sampler.chunk == kept and data.position == 96
+    data = source(16)
+    notes = load(data, chunk=32)  # 32 does not split the 48 samples of a step
+    assert data.sampler.chunk == 16 and notes == [
+        "the checkpoint's samples were laid out in chunks of 32, which do not split this run's 48 samples per "
+        "worker and step: the rest of epoch 0 may read samples twice or not at all"
+    ]

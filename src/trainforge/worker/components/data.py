@@ -218,7 +218,7 @@ class DataSource(Component):
         the checkpoint's micro-batch when it still splits this rank's step."""
         saved = DataPosition.model_validate(state.values)
         position, writers = saved.position, saved.world_size
-        self.keep_chunk(saved.chunk or 1, restore)
+        self.keep_chunk(saved.chunk or 1, saved.epoch, restore)
         if writers != self.world:
             position = position * writers // self.world // self.samples_per_step * self.samples_per_step
             restore.notes.append(self.resized(saved))
@@ -228,7 +228,7 @@ class DataSource(Component):
             self.split(micro)
             self.batch_from = "checkpoint"
 
-    def keep_chunk(self, chunk: int, restore: Restore) -> None:
+    def keep_chunk(self, chunk: int, epoch: int, restore: Restore) -> None:
         """The sampler's chunk the checkpoint's run read by: the layout of a run's samples stays
         its first start's (a changed ``train.batch_size`` too) while it still splits a step."""
         sampler = self.sampler
@@ -241,16 +241,16 @@ class DataSource(Component):
         else:
             restore.notes.append(
                 f"the checkpoint's samples were laid out in chunks of {chunk}, which do not split this run's "
-                f"{self.samples_per_step} samples per worker and step: the rest of epoch {self.epoch} may read "
+                f"{self.samples_per_step} samples per worker and step: the rest of epoch {epoch} may read "
                 "samples twice or not at all"
             )
 
     def resized(self, saved: DataPosition) -> str:
         """What a resume on another number of data-parallel ranks keeps of the epoch's samples.
 
-        Rank r reads ``perm[r::world]`` of the epoch's order, so step s of any world size reads
-        the block ``perm[s*G:(s+1)*G]`` of the global batch G: with G unchanged the steps read the
-        same samples. A changed G rounds the position down to whole steps: up to one step's
+        Rank r reads chunks r, r + world, ... of the epoch's order (data/sampler.py), so step s of
+        any world size reads the block ``perm[s*G:(s+1)*G]`` of the global batch G: with G
+        unchanged the steps read the same samples. A changed G rounds the position down to whole steps: up to one step's
         samples are read again, none is skipped. A streamed source deals its rows to the ranks by
         their number, so the rest of the epoch is not the uninterrupted run's."""
         now, had = self.samples_per_step * self.world, None
