@@ -804,6 +804,23 @@ def test_ca_from_refuses_a_ca_key_others_may_read_or_an_expired_ca(
     assert not (tmp_path / "a").exists()
 
 
+def test_ca_from_reads_regular_files_only(certs: CertFiles, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A FIFO named ca.crt or ca.key blocked ``certs create --ca-from`` for ever; a folder there was
+    an unexplained OSError: each is one line, nothing written."""
+    for name, make in [("ca.crt", os.mkfifo), ("ca.key", os.mkfifo), ("ca.crt", os.mkdir)]:
+        shared = tmp_path / f"shared-{name}-{make.__name__}"
+        shared.mkdir()
+        (shared / "ca.crt").write_bytes(certs.ca.read_bytes())
+        (shared / "ca.key").write_bytes(certs.ca_key.read_bytes())
+        (shared / "ca.key").chmod(0o600)
+        (shared / name).unlink()
+        make(shared / name)
+        (shared / name).chmod(0o600)
+        err = one_error_line(capsys, ["certs", "create", str(tmp_path / "a"), "--ca-from", str(shared)])
+        assert f"--ca-from {shared}: {name}: " in err and "not a regular file" in err, err
+    assert not (tmp_path / "a").exists()
+
+
 def test_a_tls_file_every_user_may_replace_is_refused(certs: CertFiles, tmp_path: Path) -> None:
     open_ca = tmp_path / "ca.crt"
     open_ca.write_bytes(certs.ca.read_bytes())

@@ -28,6 +28,9 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from trainforge.config.schema import unsafe_mode
 from trainforge.errors import ConfigError
+from trainforge.files import read_user_file
+
+PEM_MAX = 1 << 20  # a CA's certificate or key in PEM: a few KiB
 
 CA_DAYS = 3650  # the CA outlives a few rounds of node certificates
 NODE_DAYS = 365
@@ -140,12 +143,17 @@ def _new_ca() -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
 def _load_ca(folder: Path) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
     """The CA ``certs create`` wrote into ``folder`` (ca.crt, ca.key), checked to be one: its key
     held as ``cluster.tls.key`` must be (config/schema.py's unsafe_mode), its certificate in its period."""
+    where = f"--ca-from {folder}"
     try:
         problem = unsafe_mode((folder / "ca.key").stat().st_mode, private=True)
         if problem is not None:
             raise ConfigError(f"--ca-from {folder}: ca.key: {problem}")
-        cert = x509.load_pem_x509_certificate((folder / "ca.crt").read_bytes())
-        key = serialization.load_pem_private_key((folder / "ca.key").read_bytes(), password=None)
+        # Regular files only, and bounded: a FIFO named ca.key would block the read for ever.
+        cert = x509.load_pem_x509_certificate(
+            read_user_file(folder / "ca.crt", f"{where}: ca.crt", PEM_MAX, ConfigError)
+        )
+        pem_key = read_user_file(folder / "ca.key", f"{where}: ca.key", PEM_MAX, ConfigError)
+        key = serialization.load_pem_private_key(pem_key, password=None)
     except OSError as err:
         raise ConfigError(f"--ca-from {folder}: {err.strerror or err} ({getattr(err, 'filename', '')})") from None
     except (ValueError, TypeError) as err:
