@@ -16,11 +16,15 @@ the driver's node (observe.start_mailbox), so it is never on the killed node; th
 
 from __future__ import annotations
 
+import datetime
+import json
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +37,7 @@ from ray.cluster_utils import Cluster
 import trainforge
 from tests.helpers.faults import (
     checkpoints,
+    events,
     first_resumed_report,
     paced_run,
     patched_environ,
@@ -190,3 +195,86 @@ def test_fixed_size_run_waits_for_a_node_then_resumes(two_nodes: Cluster, tmp_pa
     assert first["world_size"] == 2
     print(recovery_line("fixed [2]", summary, run_dir, killed))
     print(f"fixed [2]: first step {first['time/unix'] - added_at:.1f} s after the replacement node was added")
+
+
+class SpotEndpoints:
+    """Each node's AWS metadata endpoint, on one local server under ``/<node id>/``: 404 until
+    ``notify`` gives a node its spot instance-action (a 2-minute notice on AWS)."""
+
+    def __init__(self) -> None:
+        self.actions: dict[str, dict[str, str]] = {}
+        endpoints = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                node_id, _, rest = self.path.lstrip("/").partition("/")
+                action = endpoints.actions.get(node_id)
+                if rest == "latest/meta-data/spot/instance-action" and action is not None:
+                    body, status = json.dumps(action).encode(), 200
+                else:
+                    body, status = b"not found", 404
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                return None
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.base = f"http://127.0.0.1:{self.server.server_address[1]}/{{node_id}}"
+
+    def notify(self, node_id: str, deadline: float) -> None:
+        when = datetime.datetime.fromtimestamp(deadline, datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        self.actions[node_id] = {"action": "terminate", "time": when}
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_a_preemption_notice_checkpoints_at_once_and_the_run_continues_on_the_node_left(
+    two_nodes: Cluster, tmp_path: Path
+) -> None:
+    """Issue 37 §5: the notice on a node's metadata endpoint (AWS's form) becomes Ray's preemption
+    drain of that node; the workers checkpoint within the notice's window and train on (elastic);
+    when the node goes at its deadline the run continues on the node left and finishes."""
+    endpoints = SpotEndpoints()
+    run_dir = tmp_path / "t"
+    config = node_config(tmp_path, [1, 2])
+    config["train"] = {**config["train"], "max_steps": 200}
+    config["checkpoint"] = {**config["checkpoint"], "every_n_steps": 10_000}  # the notice's is the only one
+    config["failure"] = {**config["failure"], "preemption": {"notice": "aws", "url": endpoints.base, "poll_s": 0.2}}
+    try:
+        running = fit_in_background(config)
+        wait_until(lambda: steps_after(run_dir, 0) or running.done(), 240, "the first report")
+        hosting = [n for n in two_nodes.worker_nodes if any("RayTrainWorker" in t for t in processes_on(n))]
+        assert len(hosting) == 2, "the elastic run did not start on both nodes"
+        noticed_at = time.time()
+        window_s = 60.0
+        endpoints.notify(hosting[0].node_id, noticed_at + window_s)
+
+        def preemption_checkpoint() -> Path | None:
+            said = [e for e in events(run_dir) if "notice of preemption" in e]
+            return checkpoints(run_dir)[0] if said and checkpoints(run_dir) else None
+
+        saved = wait_until(preemption_checkpoint, window_s, "the checkpoint the notice asks for")
+        saved_after_s = saved.stat().st_mtime - noticed_at
+        assert not running.done()
+        two_nodes.remove_node(hosting[0], allow_graceful=False)  # the cloud takes the node back
+        removed_at = time.time()
+        result = running.result(timeout=scaled(300))
+    finally:
+        endpoints.close()
+    summary = result.summary
+    assert summary["status"] == "finished" and summary["global_step"] == 200
+    first = first_resumed_report(run_dir)
+    assert first["world_size"] == 1 and summary["num_workers"] == 1
+    resumed = [e for e in events(run_dir) if e.startswith("resumed from")]
+    assert resumed and resumed[0].startswith(f"resumed from {saved} "), resumed
+    assert saved_after_s < window_s
+    print(
+        f"\npreemption: checkpoint {saved.name} {saved_after_s:.1f} s after the notice (window {window_s:.0f} s); "
+        f"first step on the node left {first['time/unix'] - removed_at:.1f} s after the node went"
+    )

@@ -549,6 +549,23 @@ class HangConfig(Section):
     kill: bool = True  # kill the ranks that did not arrive (Ray Train restarts the group); false: diagnose only
 
 
+class PreemptionConfig(Section):
+    """``failure.preemption``: a cloud's notice on each node's metadata endpoint, turned into Ray's
+    preemption drain (worker/preemption.py); the run then checkpoints at once."""
+
+    notice: Literal["off", "aws", "gcp", "azure"] = "off"
+    url: str | None = None  # the endpoint's base instead of the provider's; {node_id}, {node_ip} filled in
+    poll_s: Annotated[float, Field(ge=0.1, le=600.0)] = 2.0
+    window_s: Annotated[float, Field(ge=1.0, le=3600.0)] = 30.0  # the deadline when a notice gives none
+
+    @field_validator("url")
+    @classmethod
+    def _http(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(("http://", "https://")):
+            raise ValueError("an http:// or https:// address (the metadata endpoint's base)")
+        return value
+
+
 class StragglerConfig(Section):
     """When a rank is a straggler (worker/straggler.py): its own time per step (data wait and
     forward) above ``threshold`` x the median of the other ranks' over ``window_steps``
@@ -571,6 +588,7 @@ class FailureConfig(Section):
     collective_timeout_s: Annotated[float, Field(ge=1.0, le=MAX_SECONDS)] = 300.0  # whole seconds reach gloo/NCCL: >= 1
     hang: HangConfig = Field(default_factory=HangConfig)
     straggler: StragglerConfig | None = Field(default_factory=StragglerConfig)  # null: scores only, nobody named
+    preemption: PreemptionConfig = Field(default_factory=PreemptionConfig)
 
 
 def unsafe_mode(mode: int, *, private: bool) -> str | None:

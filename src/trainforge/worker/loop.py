@@ -54,6 +54,7 @@ from trainforge.worker.early_stopping import EarlyStopping, MetricMissing
 from trainforge.worker.hooks import Hooks, build_hooks
 from trainforge.worker.logs import shipped_logs
 from trainforge.worker.metrics import IntervalHistory, Signals, Throughput, reduce_metrics
+from trainforge.worker.preemption import for_worker as notice_watcher_for
 from trainforge.worker.profiling import StepProfiler
 from trainforge.worker.rollback import roll_back
 from trainforge.worker.saving import Checkpointing, Restored, restore, run_store
@@ -219,6 +220,7 @@ class Session:
         self.best_due: dict[str, float] | None = None  # restore_best: the metrics of a pass to checkpoint
         self.watchdog = watchdog_for(cfg, self.run.rank, self.control)  # hangs named to the driver (worker/watchdog.py)
         self.stragglers = StragglerWatch(cfg.failure.straggler, self.run.world)  # worker/straggler.py
+        self.preemption_saved = False  # the checkpoint a preemption notice asks for, taken once
         if self.early is not None and self.early.cfg.restore_best and self.early.best_step is not None:
             self.checkpointing.writer.keep = {checkpoint_name(self.early.best_step)}
 
@@ -228,13 +230,18 @@ class Session:
         return self.restored.source is None and self.progress.global_step == self.first_step
 
     def train(self) -> Report:
-        if self.watchdog is None:
-            return self.train_steps()
-        self.watchdog.start(ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address())
+        # The node's preemption notices (worker/preemption.py), under Ray Train.
+        notices = notice_watcher_for(self.run.config) if isinstance(self.channel, RayChannel) else None
+        if notices is not None:
+            notices.start()
+        if self.watchdog is not None:
+            self.watchdog.start(ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address())
         try:
             return self.train_steps()
         finally:
-            self.watchdog.stop()
+            for watcher in (self.watchdog, notices):
+                if watcher is not None:
+                    watcher.stop()
 
     def phase(self, name: str) -> contextlib.AbstractContextManager[None]:
         """Work that is not a step, for the watchdog (bounded by failure.collective_timeout_s)."""
@@ -432,10 +439,18 @@ class Session:
             self.save_failures = max(self.save_failures, int(signals.save_failures))
             if cfg.on_save_error == "fail":
                 control.failed = self.failed_message or "a checkpoint save failed"
-        if signals.stop > 0 or signals.preempted > 0:
+        if signals.stop > 0:
             control.stop = control.save = True
-            reason = "the driver asked for a stop" if signals.stop > 0 else "the cluster gave notice of preemption"
-            self.events.append(Stopping(f"{reason}; every worker checkpoints and returns"))
+            self.events.append(Stopping("the driver asked for a stop; every worker checkpoints and returns"))
+        elif signals.preempted > 0 and not self.preemption_saved:
+            # Checkpoint at once, once. Elastic: train on; when the node goes, Ray Train restarts the
+            # group on the nodes left, from this checkpoint. Fixed size: stop, resumable.
+            self.preemption_saved = control.save = True
+            control.stop = not isinstance(self.run.config.scaling.num_workers, tuple)
+            then = "every worker returns" if control.stop else "training goes on until the node goes (elastic)"
+            self.events.append(
+                Stopping(f"the cluster gave notice of preemption; every worker checkpoints, then {then}")
+            )
         every = cfg.every_n_minutes
         if every is not None and signals.minutes_since_save >= every:
             control.save = True
