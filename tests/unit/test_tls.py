@@ -672,6 +672,49 @@ def test_bad_tls_material_is_one_line_naming_the_key_before_ray(
     assert "RAY_USE_TLS" not in os.environ  # refused before Ray's variables are set (and so before Ray)
 
 
+@pytest.mark.parametrize("kind", ["ed25519", "p521", "secp256k1", "dsa"])
+def test_a_node_key_rays_grpc_cannot_sign_handshakes_with_is_one_line(
+    certs: CertFiles, tmp_path: Path, tls_environment: pytest.MonkeyPatch, kind: str
+) -> None:
+    """Python's TLS (OpenSSL) handshakes with an Ed25519 or P-521 node key; Ray's gRPC (BoringSSL)
+    does not (NO_COMMON_SIGNATURE_ALGORITHMS: retried without end), nor with DSA or secp256k1.
+    The key's type is checked against what BoringSSL signs handshakes with, for local and remote Ray."""
+    from cryptography.hazmat.primitives.asymmetric import dsa, ed25519
+
+    key = {
+        "ed25519": lambda: ed25519.Ed25519PrivateKey.generate(),
+        "p521": lambda: ec.generate_private_key(ec.SECP521R1()),
+        "secp256k1": lambda: ec.generate_private_key(ec.SECP256K1()),
+        "dsa": lambda: dsa.generate_private_key(2048),
+    }[kind]()
+    ca_cert = x509.load_pem_x509_certificate(certs.ca.read_bytes())
+    ca_key = serialization.load_pem_private_key(certs.ca_key.read_bytes(), None)
+    assert isinstance(ca_key, ec.EllipticCurvePrivateKey)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "node")]))
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - DAY)
+        .not_valid_after(now + DAY)
+        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    (tmp_path / "node.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    (tmp_path / "node.key").write_bytes(pem)
+    (tmp_path / "node.key").chmod(0o600)
+    tls = TlsConfig(ca=str(certs.ca), cert=str(tmp_path / "node.crt"), key=str(tmp_path / "node.key"))
+    said = r"^cluster.tls.key \S+/node.key: an? .*: Ray's gRPC \(BoringSSL\) signs TLS handshakes with RSA or "
+    said += "ECDSA P-256/P-384 keys only"
+    with pytest.raises(ConfigError, match=said):
+        use_tls(tls)
+    with pytest.raises(ConfigError, match=said):
+        check_tls_files(TlsFiles.of_config(tls))  # also for a remote cluster's files
+
+
 def test_good_tls_material_passes_with_a_chain_and_a_bundle(
     certs: CertFiles, foreign: CertFiles, tmp_path: Path
 ) -> None:

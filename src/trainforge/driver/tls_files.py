@@ -22,6 +22,7 @@ from pathlib import Path
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.hazmat.primitives.asymmetric.types import PrivateKeyTypes
 
 from trainforge.config.schema import TlsConfig, unsafe_mode
@@ -60,6 +61,9 @@ def check_tls_files(files: TlsFiles, now: datetime.datetime | None = None) -> No
     if signer not in usable:
         raise ConfigError(f"{ca_name} {files.ca}: {_problem(signer, now, anchors_only=True)}")
     key = _private_key(files.key, key_name)
+    unsigned = _handshake_key_problem(key)
+    if unsigned is not None:
+        raise ConfigError(f"{key_name} {files.key}: {unsigned}")
     if _public_der(key.public_key()) != _public_der(chain[0].public_key()):
         raise ConfigError(
             f"{key_name} {files.key}: not the key of the certificate in {cert_name} {files.cert} "
@@ -233,6 +237,29 @@ def _private_key(path: str, name: str) -> PrivateKeyTypes:
         raise ConfigError(f"{name} {path}: the key is encrypted, and Ray reads keys without a password") from None
     except (ValueError, UnsupportedAlgorithm) as err:
         raise ConfigError(f"{name} {path}: not a readable PEM private key ({_first_line(err)})") from None
+
+
+# Ray's gRPC (BoringSSL) signs TLS handshakes with RSA and ECDSA on these curves only, by default:
+# Python's OpenSSL handshakes with Ed25519 or P-521 too, but Ray's peers then refuse every handshake
+# (NO_COMMON_SIGNATURE_ALGORITHMS) and retry. A CA's own key type is free: only the node key signs.
+_HANDSHAKE_CURVES = frozenset({"secp256r1", "secp384r1"})
+
+
+def _handshake_key_problem(key: PrivateKeyTypes) -> str | None:
+    if isinstance(key, rsa.RSAPrivateKey):
+        return None
+    if isinstance(key, ec.EllipticCurvePrivateKey):
+        if key.curve.name in _HANDSHAKE_CURVES:
+            return None
+        what = f"an EC key on {key.curve.name}"
+    else:
+        kind = type(key).__name__.removeprefix("_").replace("PrivateKey", "")
+        what = f"{'an' if kind[:1] in 'AEIOU' else 'a'} {kind} key"
+    return (
+        f"{what}: Ray's gRPC (BoringSSL) signs TLS handshakes with RSA or ECDSA P-256/P-384 keys only, and "
+        "its processes would refuse each other's handshakes; make the node's key one of those "
+        "(trainforge certs create makes P-256)"
+    )
 
 
 def _check_period(cert: x509.Certificate, path: str, name: str, now: datetime.datetime) -> None:
