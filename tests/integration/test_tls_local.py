@@ -157,7 +157,7 @@ def test_a_run_checkpoints_and_stops_before_its_certificate_expires_and_says_why
     # The stop comes `lead` seconds from now: after the command's checks (refused if the margin were
     # already reached), before or after its first step (a stop asked before the first report is
     # taken at that report).
-    lead = scaled(30)
+    lead = scaled(15)
     margin = (expires - utc_now()).total_seconds() - lead
     config = tls_run(tmp_path, files, margin_s=round(margin))
     process = start_train(config)
