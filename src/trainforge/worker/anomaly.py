@@ -203,4 +203,6 @@ def batch_samples(data: DataSource) -> tuple[int, ...]:
     if data.sampler is not None:  # its epoch is the source's: set when the epoch's batches began
         mine = data.sampler.epoch_indices()[data.position : data.position + data.samples_per_step]
     gathered = cast(list[list[int]], collectives.all_gather_objects(mine))
-    return tuple(int(index) for indices in gathered for index in indices)
+    # The ranks of a tensor-parallel group read the same batch: each sample once (an epoch's order
+    # is a permutation, so nothing else repeats).
+    return tuple(dict.fromkeys(int(index) for indices in gathered for index in indices))
