@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import html
 import json
 import logging
 import math
@@ -15,7 +16,7 @@ from typing import Any
 import pytest
 
 from trainforge.observers.report import ReportWriter
-from trainforge.protocol import HISTORY_KEY, CheckpointSkipped, Resumed, event_to_json
+from trainforge.protocol import HISTORY_KEY, CheckpointSkipped, Resumed, Straggler, event_to_json
 from trainforge.report import ReportError, load_run, write_report
 from trainforge.report.html import format_metric
 from trainforge.report.plots import pieces, xy
@@ -62,6 +63,8 @@ def metrics(step: int, total: int, *, lm: bool = False, val: bool = False, seed:
         report["train/perplexity"] = math.exp(loss)
         report["perf/comm_s"] = 0.011 + rng.uniform(0, 0.002)  # rank 0's (metrics.comm.CommReport)
         report["perf/comm_exposed_s"] = 0.003 + rng.uniform(0, 0.001)
+        report["straggler/rank0/score"] = 1.0 / (1.0 + progress)  # worker/straggler.py: rank 1 slows down
+        report["straggler/rank1/score"] = 1.0 + progress
     if val:
         report["val/loss"] = loss * 1.3
         report["val/accuracy"] = accuracy * 0.98
@@ -172,7 +175,7 @@ def pngs(page: Path) -> dict[str, Path]:
         ("no_val", {"loss", "accuracy", "throughput", "step_time", "lr"}),
         ("failed", {"loss", "accuracy", "throughput", "step_time", "lr"}),
         ("failed_early", set()),
-        ("lm", {"loss", "perplexity", "accuracy", "throughput", "step_time", "communication", "lr"}),
+        ("lm", {"loss", "perplexity", "accuracy", "throughput", "step_time", "communication", "stragglers", "lr"}),
         ("single", {"loss", "accuracy", "throughput", "step_time", "lr"}),
     ],
 )
@@ -340,6 +343,14 @@ def test_lm_run_shows_perplexity(reports: dict[str, Path]) -> None:
     page = reports["lm"].read_text()
     assert "train/perplexity" in page and "val/perplexity" in page
     assert 'alt="Perplexity"' in page
+
+
+def test_a_straggler_is_named_in_the_events(tmp_path: Path) -> None:
+    named = Straggler(40, 1, "10.0.0.2", 2.5, 0.05, 30, 1.5, "report")
+    lines = [metrics(step, 40) for step in (20, 40)]
+    lines[-1]["events"] = [event_to_json(named)]
+    page = write_report(write_run(tmp_path / "slow", lines, summary_for(lines[-1]))).read_text()
+    assert html.escape(named.text) in page
 
 
 def test_cut_short_metrics_line_is_skipped(tmp_path: Path) -> None:

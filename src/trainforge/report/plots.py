@@ -386,6 +386,41 @@ def plot_comm(data: RunData, out: Path) -> Plot | None:
     )
 
 
+STRAGGLER_RANKS = 8  # lines at most: the ranks with the highest scores
+STRAGGLER_COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf")
+
+
+def straggler_keys(data: RunData) -> list[str]:
+    """``straggler/rank<R>/score`` of the ranks the plot draws: all of them up to STRAGGLER_RANKS,
+    else those with the highest peaks (the straggler among them), in rank order."""
+    keys = {
+        key for point in data.points() for key in point if key.startswith("straggler/rank") and key.endswith("/score")
+    }
+    peaks = {key: max(values(data, key), default=0.0) for key in keys}
+    chosen = sorted(keys, key=lambda key: -peaks[key])[:STRAGGLER_RANKS]
+    return sorted(chosen, key=lambda key: int(key.split("/")[1].removeprefix("rank") or 0))
+
+
+def plot_stragglers(data: RunData, out: Path) -> Plot | None:
+    """Each rank's straggler score (worker/straggler.py) per report; a run of one worker has none."""
+    keys = straggler_keys(data)
+    if not keys:
+        return None
+    fig, ax = new_figure("Stragglers", "own time per step / other ranks' median")
+    for key, color in zip(keys, STRAGGLER_COLORS, strict=False):
+        draw_series(ax, data, key, key.split("/")[1].replace("rank", "rank "), color)
+    ax.axhline(1.0, color="#999999", linewidth=0.8)
+    ax.set_ylim(bottom=0)
+    path = out / "stragglers.png"
+    finish(fig, ax, data, path)
+    return Plot(
+        "Stragglers",
+        path,
+        "Each rank's own time per step (data wait and forward, no peer waited for) over the other ranks' median, "
+        "per report: 1 is typical; a rank above failure.straggler.threshold for its window is named in the events.",
+    )
+
+
 def plot_lr(data: RunData, out: Path) -> Plot | None:
     fig, ax = new_figure("Learning rate", "learning rate")
     if not draw_series(ax, data, "train/lr", "learning rate (first parameter group)", "#6a3d9a"):
@@ -404,6 +439,7 @@ PLOTTERS: list[Callable[[RunData, Path], Plot | None]] = [
     plot_throughput,
     plot_step_time,
     plot_comm,
+    plot_stragglers,
     plot_lr,
 ]
 
