@@ -780,6 +780,17 @@ def test_ray_tls_variables_set_outside_the_config_are_checked_and_named(
     use_tls(None)  # TLS off: nothing to check
 
 
+def test_a_fifo_named_by_a_ray_tls_variable_is_one_line_not_a_wait(certs: CertFiles, tmp_path: Path) -> None:
+    """``RAY_TLS_CA_CERT`` naming a FIFO: the check's open blocked for ever waiting for a writer
+    (cluster.tls is refused earlier, by the config's own check). Run in a child, bounded."""
+    fifo = tmp_path / "ca.fifo"
+    os.mkfifo(fifo)
+    env = {**os.environ, **ray_tls_env(tls_of(certs)), "RAY_TLS_CA_CERT": str(fifo)}
+    script = "from trainforge.driver.tls import use_tls\nuse_tls(None)"
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and f"ConfigError: RAY_TLS_CA_CERT {fifo}: not a regular file" in done.stderr
+
+
 def test_train_with_an_expired_certificate_exits_2_in_one_line_and_starts_no_ray(
     certs: CertFiles, tmp_path: Path, capsys: pytest.CaptureFixture[str], tls_environment: pytest.MonkeyPatch
 ) -> None:

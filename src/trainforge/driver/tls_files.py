@@ -189,7 +189,8 @@ def check_handshake(files: TlsFiles, address: str) -> None:
 
 def _read(path: str, name: str, *, private: bool) -> bytes:
     try:
-        with open(path, "rb") as file:
+        # O_NONBLOCK: a FIFO's open would wait for a writer; the check below refuses it instead.
+        with os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC), "rb") as file:
             info = os.fstat(file.fileno())
             if not stat.S_ISREG(info.st_mode):
                 raise ConfigError(f"{name} {path}: not a regular file")
