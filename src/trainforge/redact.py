@@ -213,7 +213,11 @@ _PRIVATE_KEY = re.compile(
 _AUTH_SCHEME = re.compile(r"\b(?P<scheme>[Bb]earer|BEARER|[Bb]asic|BASIC)\s+(?P<token>[A-Za-z0-9._~+/\-]{8,}=*)")
 # ``name=value``, ``name: value``, ``'name': value``, ``"name"=value`` in any text (a dict's or a
 # call's repr, JSON, YAML, an environment line); whether the value is masked is the name's rule.
-_NAMED = re.compile(r"""(?P<q>['"]?)(?P<name>(?<![\w.\-/\\])-{0,2}[A-Za-z_][\w.\-]*)(?P=q)(?P<sep>[ \t]*[:=][ \t]*)""")
+_NAMED = re.compile(
+    r"""(?P<q>['"]?)(?P<name>(?<![\w.\-/\\])-{0,2}[A-Za-z_][\w.\-]*)(?P=q)(?P<sep>[ \t]*(?::=|=>|[:=])[ \t]*)"""
+)
+# ``<password>value</password>``: an XML element (a settings file, a SOAP fault) named like a secret.
+_XML_ELEMENT = re.compile(r"<(?P<name>[A-Za-z_][\w.\-:]*)(?:\s[^<>]*)?>(?P<value>[^<]{1,10000})</(?P=name)\s*>")
 _BARE_VALUE = re.compile(
     r"""(?:(?:[Bb]earer|[Bb]asic|[Tt]oken)[ \t]+)?[^\s,;&#'"`<>(){}\[\]=][^\s,;&#'"`<>(){}\[\]]*"""
 )
@@ -325,6 +329,14 @@ def _mask_flag(match: re.Match[str]) -> str:
     return match.group(0)[: match.start("value") - match.start()] + MASK
 
 
+def _mask_xml_element(match: re.Match[str]) -> str:
+    value = match.group("value")
+    if value.strip() in ("", MASK) or not is_secret_key(match.group("name").rpartition(":")[2]):
+        return match.group(0)
+    start, end = match.start("value") - match.start(), match.end("value") - match.start()
+    return match.group(0)[:start] + MASK + match.group(0)[end:]
+
+
 def _mask_name_value_pairs(text: str) -> str:
     """The value of every ``{name: SECRET_NAME, value: ...}`` pair masked (a nested one whole)."""
     out, done = [], 0
@@ -399,6 +411,8 @@ def redact_text(text: str) -> str:
     text = _QUERY_PARAM.sub(_mask_parameter, text)
     if "alue" in text:
         text = _mask_name_value_pairs(text)
+    if "</" in text:
+        text = _XML_ELEMENT.sub(_mask_xml_element, text)
     return _mask_named_values(text)
 
 

@@ -336,6 +336,15 @@ def test_more_published_token_formats_are_masked_whatever_names_them(token: str)
         ("- name: HF_TOKEN\n  value: Zq7-notAFormat-w9\n", "- name: HF_TOKEN\n  value: ***\n"),
         # names the first list did not have
         ("passcode=Zq7-notAFormat-w9 github_pat: Zq7-notAFormat-w9", "passcode=*** github_pat: ***"),
+        # other languages' assignments, and XML (a settings file, a SOAP fault quoted in an error)
+        (
+            'api_key := "Zq7-notAFormat-w9"; {"password" => "Zq7-notAFormat-w9"}',
+            'api_key := "***"; {"password" => "***"}',
+        ),
+        (
+            "<server><password>Zq7-notAFormat-w9</password><ns:ApiKey a='1'>Zq7</ns:ApiKey></server>",
+            "<server><password>***</password><ns:ApiKey a='1'>***</ns:ApiKey></server>",
+        ),
     ],
 )
 def test_flags_and_name_value_pairs_are_masked(text: str, expected: str) -> None:
@@ -347,6 +356,7 @@ def test_flags_and_name_value_pairs_are_masked(text: str, expected: str) -> None
     [
         "--token is required; pass --password-file PATH", "run --num-workers 4 --key-env TF_KEY",
         "{'name': 'learning_rate', 'value': 0.001}", "- name: PATH\n  value: /usr/bin\n",
+        "<name>token</name><count>3</count>", "x := 3; {'lr' => 0.1}",
     ],
 )  # fmt: skip
 def test_flags_and_pairs_without_a_secret_are_kept(text: str) -> None:
