@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +54,8 @@ def test_sources_are_paths_on_this_machine(tmp_path: Path) -> None:
     cases.append((str(tmp_path / "hf"), "pytorch_model.bin is a pickle and is not read"))
     (tmp_path / "empty").mkdir()
     cases.append((str(tmp_path / "empty"), "a directory with neither config.json"))
+    os.mkfifo(tmp_path / "model.safetensors.fifo")
+    cases.append((str(tmp_path / "model.safetensors.fifo"), "a FIFO, neither a .safetensors file nor a directory"))
     (tmp_path / "bad.safetensors").write_bytes(b"not a header")
     for given, expected in cases:
         with pytest.raises(ModelError, match=expected) as raised:

@@ -47,7 +47,7 @@ from trainforge.checkpoint.saved import read_saved
 from trainforge.checkpoint.schema import MANIFEST
 from trainforge.checkpoint.storage import CheckpointStore
 from trainforge.errors import ModelError, printable, shown
-from trainforge.files import safetensors_header
+from trainforge.files import file_kind, safetensors_header
 
 log = logging.getLogger("trainforge.pretrained")
 
@@ -90,6 +90,8 @@ def resolve(given: str) -> Source:
                 "or give a Hugging Face model directory or a trainforge run or checkpoint directory"
             )
         return Source(f"safetensors file {path}", (path,))  # the file the config names, links and all
+    if not path.is_dir():
+        raise ModelError(f"{key}: {file_kind(path.stat().st_mode)}, neither a .safetensors file nor a directory")
     if (path / MANIFEST).is_file():
         return checkpoint_source(path, key)
     if (path / HF_CONFIG).is_file():
