@@ -315,3 +315,22 @@ def test_a_run_directorys_report_folder_holding_what_is_not_a_file_is_one_line(
     what = {"fifo": "a FIFO", "folder": "a directory", "link": "a symbolic link"}[kind]
     assert f"report holds {what} ('report.html')" in err, err
     assert sorted(p.name for p in (run_dir / "report").iterdir()) == ["report.html"]
+
+
+def test_column_names_read_from_the_data_are_printed_as_data() -> None:
+    """A parquet file's column names are the data's: each escaped and cut (``errors.shown``), at
+    most a few listed, so the error stays one short line whatever the file holds."""
+    from trainforge.data.stream import Decode
+    from trainforge.errors import DataError
+
+    evil = "col\n\x1b[2Jerror: forged\u202e" + "x" * 5000
+    batch: dict[str, object] = {evil: [1], **{f"c{i}": [1] for i in range(1000)}}
+    with pytest.raises(DataError) as raised:
+        Decode("input", "target", (1,))(batch)
+    message = str(raised.value)
+    assert not any(c in message for c in CONTROLS) and len(message) < 1000 and "and 993 more" in message, message
+    with pytest.raises(DataError) as raised:
+        Decode("input", "target", (1,))({evil: [1]})
+    message = str(raised.value)
+    assert not any(c in message for c in CONTROLS) and len(message) < 1000, message[:300]
+    assert "(columns: 'col\\n\\x1b[2Jerror: forged\\u202exxx" in message
