@@ -8,7 +8,7 @@ bidirectional override reaches the console or a log, and an error stays one line
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 MAX_SHOWN = 200  # characters of one name in a message: a name read from a file may be megabytes long
 
@@ -130,6 +130,14 @@ def _escaped(char: str) -> str:
 def printable_lines(text: str) -> str:
     """:func:`printable` line by line: a table or a page printed on purpose keeps its line breaks."""
     return "\n".join(printable(line) for line in text.split("\n"))
+
+
+def shown_names(names: Iterable[object], most: int = 8) -> str:
+    """Names read from files, listed for a message: each :func:`shown`, at most ``most`` of them
+    and how many more, so a folder of thousands of entries still makes a short line."""
+    items = list(names)
+    listed = ", ".join(shown(name) for name in items[:most])
+    return listed + (f" and {len(items) - most} more" if len(items) > most else "")
 
 
 def shown(name: object, limit: int = MAX_SHOWN) -> str:

@@ -322,10 +322,10 @@ def test_imagefolder_errors(folder: Path, tmp_path_factory: pytest.TempPathFacto
     with pytest.raises(DataError, match=r"is 9x9 but the first image is 6x4: set data\.image_size"):
         [train[i] for i in range(len(train))]
     (folder / "val" / "bird").mkdir()
-    with pytest.raises(DataError, match="class folders that train/ lacks: bird"):
+    with pytest.raises(DataError, match="class folders that train/ lacks: 'bird'"):
         build_datasets(DataConfig(name="imagefolder", path=str(folder)), seed=0)
     (folder / "train" / "bird").mkdir()
-    with pytest.raises(DataError, match=r"without \.png/\.jpg images .*: bird"):
+    with pytest.raises(DataError, match=r"without \.png/\.jpg images .*: 'bird'"):
         build_datasets(DataConfig(name="imagefolder", path=str(folder)), seed=0)
     empty = tmp_path_factory.mktemp("empty")
     with pytest.raises(DataError, match="train does not exist"):

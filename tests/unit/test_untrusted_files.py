@@ -334,3 +334,19 @@ def test_column_names_read_from_the_data_are_printed_as_data() -> None:
     message = str(raised.value)
     assert not any(c in message for c in CONTROLS) and len(message) < 1000, message[:300]
     assert "(columns: 'col\\n\\x1b[2Jerror: forged\\u202exxx" in message
+
+
+def test_class_folder_names_are_printed_as_data(tmp_path: Path) -> None:
+    """imagefolder's class names are folder names of the data: escaped, cut and a few listed."""
+    from trainforge.config import DataConfig
+    from trainforge.data.images import build_imagefolder
+    from trainforge.errors import DataError
+
+    for name in ["a\n\x1b[2Jerror: forged\u202e" + "x" * 200, *(f"class{i:03}" for i in range(300))]:
+        (tmp_path / "train" / name).mkdir(parents=True)
+    cfg = DataConfig.model_validate({"name": "imagefolder", "path": str(tmp_path)})
+    with pytest.raises(DataError) as raised:
+        build_imagefolder(cfg, 0)  # type: ignore[arg-type]
+    message = str(raised.value)
+    assert not any(c in message for c in CONTROLS) and len(message) < 1500, message[:300]
+    assert "'a\\n\\x1b[2Jerror: forged\\u202e" in message and "and 293 more" in message

@@ -19,7 +19,7 @@ import torch
 from trainforge.config import Cifar10Data, ImageFolderData
 from trainforge.data.sources import Pair, PairDataset, Splits, require_path, split_indices, val_count
 from trainforge.data.spec import DataSpec
-from trainforge.errors import DataError
+from trainforge.errors import DataError, shown_names
 
 CIFAR_MEAN = (0.4914, 0.4822, 0.4465)  # per channel over the 50k training images
 CIFAR_STD = (0.2470, 0.2435, 0.2616)
@@ -254,7 +254,7 @@ def build_imagefolder(cfg: ImageFolderData, seed: int) -> Splits:
     empty = [name for label, name in enumerate(classes) if label not in present]
     if empty:
         raise DataError(
-            f"class folders without .png/.jpg images in {train_dir}: {', '.join(empty)}; add images or remove them"
+            f"class folders without .png/.jpg images in {train_dir}: {shown_names(empty)}; add images or remove them"
         )
 
     if cfg.image_size is not None:
@@ -311,7 +311,7 @@ def _scan(split_dir: Path, classes: list[str]) -> tuple[list[str], list[int]]:
         d.name for d in split_dir.iterdir() if d.is_dir() and not d.name.startswith(".") and d.name not in classes
     )
     if extra:
-        raise DataError(f"{split_dir} has class folders that train/ lacks: {', '.join(extra)}")
+        raise DataError(f"{split_dir} has class folders that train/ lacks: {shown_names(extra)}")
     paths: list[str] = []
     labels: list[int] = []
     for label, name in enumerate(classes):

@@ -35,7 +35,7 @@ from trainforge.checkpoint.uris import open_uri
 from trainforge.config import DataConfig, FactoryData, ImagesData, JsonlData, ParquetData, StreamedData
 from trainforge.data.sources import SPLIT_SEED, mix_seed
 from trainforge.data.spec import DataSpec
-from trainforge.errors import ConfigError, DataError, shown
+from trainforge.errors import ConfigError, DataError, shown_names
 
 SUFFIXES: dict[str, tuple[str, ...]] = {
     "parquet": (".parquet", ".pq"),
@@ -261,9 +261,7 @@ class Decode:
         wanted = (self.input_col, *self.target_columns())
         for col in wanted:
             if col not in batch and not (col == self.target_col and self.classes):
-                names = sorted(map(str, batch))  # the data's own names: escaped, cut, a few of them
-                have = ", ".join(shown(name) for name in names[:8]) or "none"
-                have += f" and {len(names) - 8} more" if len(names) > 8 else ""
+                have = shown_names(sorted(map(str, batch))) or "none"  # the data's own names
                 key = "data.columns" if col == self.input_col or self.float_targets is None else "data.target"
                 raise DataError(f"the data has no column {col!r} (columns: {have}): set {key}")
         inputs = self.inputs(batch[self.input_col])
