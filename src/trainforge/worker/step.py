@@ -163,7 +163,8 @@ class StepRunner:
                     self._agree_on_memory(forward is None)
                 if forward is not None:
                     loss, stats = forward
-                    step_loss = step_loss + loss.detach().float() / accum
+                    if guard is not None:
+                        step_loss = step_loss + loss.detach().float() / accum
                     # Mean over the micro-batch divided by k: the summed gradient is the mean over k*b.
                     if self._backward(loss / accum, last):
                         for name, value in stats.items():
