@@ -192,9 +192,9 @@ def _num(value: float | None) -> str:
 
 @dataclass(frozen=True)
 class Straggler:
-    """``failure.straggler`` (worker/straggler.py): rank ``rank`` on ``node`` spent ``score`` times
-    the other ranks' median own time per step (data wait and forward; ``own_s`` seconds a step)
-    above ``threshold`` for ``steps`` consecutive steps; then ``action``."""
+    """``failure.straggler`` (worker/straggler.py): rank ``rank`` (process ``pid``) on ``node``
+    spent ``score`` times the other ranks' median own time per step (data wait and forward;
+    ``own_s`` seconds a step) above ``threshold`` for ``steps`` consecutive steps; then ``action``."""
 
     step: int
     rank: int
@@ -204,6 +204,7 @@ class Straggler:
     steps: int
     threshold: float
     action: Literal["report", "restart", "exclude"]
+    pid: int | None = None
     kind: ClassVar[str] = "straggler"
     level: ClassVar[Level] = "warning"
 
@@ -211,7 +212,8 @@ class Straggler:
     def text(self) -> str:
         then = {"report": "", "restart": "; restarting the worker group", "exclude": "; excluding its node"}
         return (
-            f"step {self.step}: rank {self.rank} on {self.node} is a straggler: {_num(self.score)}x the other "
+            f"step {self.step}: rank {self.rank} (node {self.node}, pid {self.pid}) is a straggler: "
+            f"{_num(self.score)}x the other "
             f"ranks' time per step (data wait and forward, {_num(self.own_s)} s) for {self.steps} steps "
             f"(threshold {_num(self.threshold)}){then.get(self.action, '')}"
         )

@@ -32,6 +32,7 @@ def test_a_score_is_the_ranks_own_time_over_the_median_of_the_others() -> None:
 def watch(threshold: float = 1.5, window_steps: int = 10, world: int = 3) -> StragglerWatch:
     found = StragglerWatch(StragglerConfig(threshold=threshold, window_steps=window_steps), world)
     found.nodes = ["10.0.0.1", "10.0.0.1", "10.0.0.2"]  # what the first report's gather gives
+    found.pids = [101, 102, 103]
     return found
 
 
@@ -43,7 +44,7 @@ def test_a_rank_is_named_once_after_window_steps_above_the_threshold() -> None:
     assert rule.observe(slow, 5) == []  # named once while it stays slow
     event = rule.event(2, 15)
     assert (event.rank, event.node, event.score, event.steps) == (2, "10.0.0.2", 2.0, 15)
-    assert "rank 2 on 10.0.0.2 is a straggler" in event.text
+    assert event.pid == 103 and "rank 2 (node 10.0.0.2, pid 103) is a straggler" in event.text
     assert rule.observe([1.0, 1.0, 1.0], 5) == []  # recovered
     assert rule.observe(slow, 10) == [2]  # slow again: named again
 
@@ -67,7 +68,7 @@ def test_without_a_rule_the_scores_are_kept_and_nobody_is_named() -> None:
 
 
 def test_the_event_survives_metrics_jsonl() -> None:
-    event = Straggler(40, 1, "10.0.0.2", 2.5, 0.05, 30, 1.5, "restart")
+    event = Straggler(40, 1, "10.0.0.2", 2.5, 0.05, 30, 1.5, "restart", pid=4242)
     assert event_from_json(event_to_json(event)) == event
     assert event.text.endswith("restarting the worker group")
 
@@ -104,7 +105,7 @@ def test_two_ranks_name_the_slow_one_with_its_node(tmp_path: Path) -> None:
     outcomes = train(slow_config(tmp_path, "report"), 2)
     rank0 = outcomes[0]
     named = [text for text in rank0.events if "is a straggler" in text]
-    assert len(named) == 1 and "rank 1 on " in named[0], rank0.events
+    assert len(named) == 1 and "rank 1 (node " in named[0], rank0.events
     figures = rank0.final
     assert figures["straggler/rank1/score"] > 1.5 > figures["straggler/rank0/score"]
     assert figures["straggler/rank1/own_s"] > figures["straggler/rank0/own_s"]
@@ -141,7 +142,7 @@ def _restarting(rank: int, world: int, config_dict: dict[str, Any]) -> dict[str,
 
 def test_restart_raises_on_every_rank_at_the_same_report(tmp_path: Path) -> None:
     results = spawn_ranks(_restarting, 2, slow_config(tmp_path, "restart"))
-    assert all(r["raised"] and "rank 1 on " in r["raised"] for r in results), results
+    assert all(r["raised"] and "rank 1 (node " in r["raised"] for r in results), results
     assert results[0]["step"] == results[1]["step"] < 40  # the same report, before the end
     named = [e for e in results[0]["events"] if e["kind"] == "straggler"]
     assert [(e["rank"], e["action"]) for e in named] == [(1, "restart")]  # reported before the raise

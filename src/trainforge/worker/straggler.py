@@ -20,15 +20,14 @@ named again. A node's score is the highest of its ranks'.
 
 from __future__ import annotations
 
-import logging
+import os
 import socket
 import statistics
+from typing import cast
 
 from trainforge.config.schema import StragglerConfig
 from trainforge.protocol import Straggler
 from trainforge.worker import collectives
-
-log = logging.getLogger("trainforge.worker")
 
 
 class StragglerRestart(RuntimeError):
@@ -74,6 +73,7 @@ class StragglerWatch:
         self.slow_steps = [0] * world  # consecutive steps above the threshold, per rank
         self.named: set[int] = set()  # ranks named and not yet recovered
         self.nodes: list[str] | None = None
+        self.pids: list[int] = []
         self.last: list[float] = [1.0] * world
         self.own_s: list[float] = [0.0] * world
 
@@ -83,9 +83,12 @@ class StragglerWatch:
         return self.rule is not None and self.rule.action == "restart"
 
     def rank_nodes(self) -> list[str]:
-        """Every rank's node, gathered once (a collective: every rank calls it at the same report)."""
+        """Every rank's node (and process), gathered once (a collective: every rank calls it at the
+        same report)."""
         if self.nodes is None:
-            self.nodes = [str(node) for node in collectives.all_gather_objects(node_address())]
+            gathered = cast(list[tuple[str, int]], collectives.all_gather_objects((node_address(), os.getpid())))
+            self.nodes = [str(node) for node, _ in gathered]
+            self.pids = [int(pid) for _, pid in gathered]
         return self.nodes
 
     def observe(self, own_s: list[float], steps: int) -> list[int]:
@@ -122,6 +125,7 @@ class StragglerWatch:
             steps=self.slow_steps[rank],
             threshold=self.rule.threshold,
             action=self.rule.action,
+            pid=self.pids[rank] if rank < len(self.pids) else None,
         )
 
     def figures(self) -> dict[str, float]:
