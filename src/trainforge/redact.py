@@ -495,10 +495,14 @@ def redact_config(tree: Any) -> Any:
     masked whole: each of its values, however deep, becomes ``***`` (None and "" stay: no secret)."""
     if isinstance(tree, Mapping):
         pair = _names_a_secret_pair(tree)  # {name: HF_TOKEN, value: ...}
-        return {
-            key: _masked(value) if is_secret_key(str(key)) or (pair and key in _PAIR_VALUES) else redact_config(value)
-            for key, value in tree.items()
-        }
+        shown = {}
+        for key, value in tree.items():
+            secret = is_secret_key(str(key)) or (pair and key in _PAIR_VALUES)
+            # A key is text too: a token used as a mapping's key is masked like any other.
+            shown[redact_text(key) if isinstance(key, str) else key] = (
+                _masked(value) if secret else redact_config(value)
+            )
+        return shown
     if isinstance(tree, (list, tuple)):  # ["--password", VALUE]: an argument list's value by its flag
         after_flag = [False, *(_is_secret_flag(item) for item in tree[:-1])]
         return [

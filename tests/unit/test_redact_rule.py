@@ -374,6 +374,13 @@ def test_a_config_list_of_name_value_pairs_masks_the_secret_ones() -> None:
     assert redact_text(f"login failed for {value}") == f"login failed for {MASK}"
 
 
+def test_a_token_used_as_a_configs_key_is_masked() -> None:
+    """``acl: {hf_...: read}``: config show, config.yaml and MLflow params print keys too."""
+    token = token_formats()[0]
+    shown = redact_config({"model": {"kwargs": {"acl": {token: "read", "team": "write"}}}})
+    assert shown["model"]["kwargs"]["acl"] == {MASK: "read", "team": "write"}
+
+
 def test_an_argument_list_in_a_config_masks_a_secret_flags_value() -> None:
     """``args: ["--password", V]``: the flag names the next item, whatever it looks like."""
     value = "Zq7-argValue-w9"
