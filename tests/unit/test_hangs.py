@@ -114,7 +114,11 @@ def test_the_stack_says_whether_a_rank_waits_for_the_others() -> None:
         f"wait ({threading.__file__}:320)",
     )
     forward = (f"forward ({site}/torch/nn/parallel/distributed.py:1600)", "forward (/home/u/model.py:12)")
-    assert is_waiting(collective) and is_waiting(backward) and is_waiting(report)
+    buffers = (
+        f"forward ({site}/torch/nn/parallel/distributed.py:1886)",
+        f"_distributed_broadcast_coalesced ({site}/torch/nn/parallel/distributed.py:2363)",
+    )  # DDP's forward broadcasting its buffers (a model with BatchNorm): a collective
+    assert is_waiting(collective) and is_waiting(backward) and is_waiting(report) and is_waiting(buffers)
     assert not is_waiting(forward)  # the user's forward inside DDP's: its own work
 
 
@@ -221,6 +225,26 @@ def test_a_rank_stuck_in_its_own_work_is_named_and_when_every_rank_waits_nothing
     everyone = finished(doctor)
     assert everyone is not None and everyone.culprits == () and "nothing killed" in everyone.line
     assert looked == [[101]]
+
+
+def test_a_silent_rank_is_killed_even_when_no_other_rank_waits_in_a_collective(tmp_path: Path) -> None:
+    """Rank 1 said nothing (stopped); rank 0 is in its own work: the silent one is killed (its
+    watchdog could not run), the other only named."""
+    clock = Clock()
+    looked: list[tuple[list[int], bool]] = []
+
+    def look(node_id: str, pids: list[int], kill: bool) -> dict[int, dict[str, object]]:
+        looked.append((pids, kill))
+        return {pid: {"state": "stopped" if pid == 101 else "running", "killed": kill} for pid in pids}
+
+    doctor = HangDoctor(tmp_path, HangConfig(), look=look, clock=clock)
+    doctor.on_identity(identity(0, 100))
+    doctor.on_identity(identity(1, 101))
+    doctor.on_suspected(suspected(0, waiting=False))
+    clock.now += GATHER_S
+    diagnosis = finished(doctor)
+    assert diagnosis is not None and diagnosis.culprits == (0, 1) and diagnosis.killed == (1,)
+    assert sorted(looked) == [([100], False), ([101], True)]
 
 
 def test_hang_settings_are_checked_in_one_line(tmp_path: Path) -> None:

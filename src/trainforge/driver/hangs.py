@@ -134,17 +134,24 @@ class HangDoctor:
     def diagnose(self, step: int, pending: dict[int, HangSuspected], roster: dict[int, WorkerIdentity]) -> Diagnosis:
         ranks = sorted(set(roster) | set(pending))
         culprits = [rank for rank in ranks if rank not in pending or not pending[rank].waiting]
-        kill = self.rule.kill and bool(culprits) and len(culprits) < len(ranks)
+        # Killed: the silent ranks (their watchdog could not run: frozen, stopped); the ones stuck in
+        # their own work only when another rank arrived (else the whole group waits on something
+        # outside it, a data source, and a restart would not help).
+        arrived = any(rank in pending and pending[rank].waiting for rank in ranks)
+        victims = {rank for rank in culprits if arrived or rank not in pending} if self.rule.kill else set()
         looked: dict[int, dict[str, Any]] = {}
         by_node: dict[str, list[int]] = {}
         for rank in culprits:
             if rank in roster:
                 by_node.setdefault(roster[rank].node_id, []).append(rank)
         for node_id, node_ranks in by_node.items():
-            pids = [roster[rank].pid for rank in node_ranks]
-            answers = self.look(node_id, pids, kill)
-            for rank in node_ranks:
-                looked[rank] = answers.get(roster[rank].pid, {"state": "no answer from its node"})
+            for kill in (True, False):
+                chosen = [rank for rank in node_ranks if (rank in victims) == kill]
+                if not chosen:
+                    continue
+                answers = self.look(node_id, [roster[rank].pid for rank in chosen], kill)
+                for rank in chosen:
+                    looked[rank] = answers.get(roster[rank].pid, {"state": "no answer from its node"})
         when = time.time()
         folder = self.run_dir / "diagnosis" / datetime.datetime.fromtimestamp(when).strftime("%Y%m%d-%H%M%S")
         records = {rank: record(roster.get(rank), rank, pending.get(rank), looked.get(rank)) for rank in ranks}
@@ -209,7 +216,7 @@ def describe(
     if killed:
         action = f"killed rank {', '.join(map(str, killed))}: Ray Train restarts the group from the newest checkpoint"
     elif kill:
-        action = "not killed (its node did not answer, or no rank arrived)"
+        action = "not killed (its node did not answer, or every rank is stuck in its own work)"
     else:
         action = "failure.hang.kill is false: left to failure.collective_timeout_s"
     return printable(

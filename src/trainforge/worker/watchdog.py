@@ -43,6 +43,9 @@ STACK_FRAMES = 40  # the innermost frames sent
 WAITING_IN = (
     f"torch{os.sep}distributed{os.sep}",
     f"torch{os.sep}autograd{os.sep}",
+    # DDP's own code innermost: its collectives (the buffers' broadcast in forward, the parameters'
+    # sync); the user's forward inside DDP's has the user's frames innermost.
+    f"torch{os.sep}nn{os.sep}parallel{os.sep}distributed.py",
     f"site-packages{os.sep}ray{os.sep}",
 )
 STDLIB = sysconfig.get_paths()["stdlib"]
