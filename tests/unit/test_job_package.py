@@ -338,3 +338,29 @@ def test_key_material_and_credential_files_under_innocuous_names_are_found_by_co
         "data.csv",
     }
     assert not [reason for reason in reasons.values() if "CredentialMarker" in reason]
+
+
+def test_an_archive_holding_key_material_or_credentials_by_name_is_withheld(tmp_path: Path) -> None:
+    """``backup.zip`` with ``home/.ssh/id_ed25519``, ``old.tgz`` with ``.aws/credentials``: an archive
+    is judged by its members' names as a folder would be; one of data and code is sent."""
+    import io
+    import tarfile
+
+    root = tmp_path / "work"
+    root.mkdir()
+    with zipfile.ZipFile(root / "backup.zip", "w") as archive:
+        archive.writestr("home/readme.txt", "x")
+        archive.writestr("home/.ssh/id_ed25519", "CredentialMarker")
+    with tarfile.open(root / "old.tgz", "w:gz") as tar:
+        data = b"CredentialMarker"
+        info = tarfile.TarInfo(".aws/credentials")
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    with zipfile.ZipFile(root / "dataset.zip", "w") as archive:
+        archive.writestr("images/cat/1.png", "x")
+        archive.writestr("auth.py", "def login(): pass")
+    contents = package_contents(root, config={}, ignore=[])
+    reasons = {left.path: left.reason for left in contents.withheld}
+    assert reasons["backup.zip"] == "an archive holding home/.ssh/id_ed25519: key or certificate material (id_ed25519*)"
+    assert reasons["old.tgz"].startswith("an archive holding .aws/credentials: a credentials file")
+    assert contents.sent == ["dataset.zip"]

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from trainforge.config.safeyaml import MAX_FILE_BYTES, load_yaml
-from trainforge.driver.secret_files import CODE_SUFFIXES, credential_syntax, key_material
+from trainforge.driver.secret_files import CODE_SUFFIXES, archived_secret, credential_syntax, key_material
 from trainforge.errors import TrainforgeError, printable
 from trainforge.redact import holds_token_format, is_secret_key, redact_config
 
@@ -241,11 +241,16 @@ def _by_content(path: Path, values: tuple[bytes, ...]) -> str | None:
         return "holds the cluster's token"
     if holds_token_format(head.decode("utf-8", errors="replace")):
         return "holds a token in a known format (as the records mask it)"
-    reason = key_material(head, size)
+    reason = key_material(head, size) or archived_secret(path, head, size, _member_by_name)
     if reason is None and path.suffix.lower() in STRUCTURED and len(head) < SNIFF_BYTES:
         keys = _secret_keys(head, json_text=path.suffix.lower() == ".json")
         reason = f"holds a secret ({keys[0]})" if keys else None
     return reason or credential_syntax(head, code=path.suffix.lower() in CODE_SUFFIXES)
+
+
+def _member_by_name(names: list[str]) -> str | None:
+    """The rule for names, for a member of an archive (a ``.py`` member is code, as in a folder)."""
+    return _by_name(names, python=bool(names) and names[-1].endswith(CODE_SUFFIXES), folder=False)
 
 
 def _secret_keys(data: bytes, *, json_text: bool) -> list[str]:

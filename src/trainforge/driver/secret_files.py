@@ -10,6 +10,10 @@ Certificates are public and are not material here (a name such as ``*.crt`` stil
 from __future__ import annotations
 
 import re
+import tarfile
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
 
 from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives.serialization import load_der_private_key
@@ -31,6 +35,35 @@ _NETRC = re.compile(rb"(?:^|\s)(?:machine\s+\S+|default)(?:\s+(?:login|account)\
 # pgpass: ``host:port:database:user:password``, the port a number or '*'.
 _PGPASS = re.compile(rb"(?m)^[^\s:#]+:(?:[0-9]+|\*):[^\s:]+:[^\s:]+:\S+\s*$")
 CODE_SUFFIXES = (".py", ".pyi")  # code the job runs: judged by token formats and keys only
+ARCHIVE_MAX_BYTES = 128 << 20  # past Ray's 100 MiB upload limit: a bigger archive is not sent anyway
+ARCHIVE_MAX_MEMBERS = 10_000  # names read from one archive's listing
+_GZIP, _BZIP2, _XZ = b"\x1f\x8b", b"BZh", b"\xfd7zXZ\x00"
+
+
+def archived_secret(path: Path, head: bytes, size: int, judge: Callable[[list[str]], str | None]) -> str | None:
+    """Why a zip or tar archive is left out: a member whose path ``judge`` (the rule for names)
+    withholds (``backup.zip`` holding ``.ssh/id_ed25519``); names only, the first ``ARCHIVE_MAX_MEMBERS``."""
+    tar = len(head) > 262 and head[257:262] == b"ustar"
+    if size > ARCHIVE_MAX_BYTES or not (head.startswith((b"PK\x03\x04", _GZIP, _BZIP2, _XZ)) or tar):
+        return None
+    try:
+        if head.startswith(b"PK\x03\x04"):
+            with zipfile.ZipFile(path) as archive:
+                names = [info.filename for info in archive.infolist()[:ARCHIVE_MAX_MEMBERS]]
+        else:
+            names = []
+            with tarfile.open(path, "r:*") as archive:
+                for member in archive:
+                    names.append(member.name)
+                    if len(names) >= ARCHIVE_MAX_MEMBERS:
+                        break
+    except (OSError, EOFError, zipfile.BadZipFile, tarfile.TarError, ValueError):
+        return None  # not an archive after all (a gzip of one file, a damaged one): judged by the rest
+    for name in names:
+        reason = judge([part for part in name.split("/") if part not in ("", ".")])
+        if reason is not None:
+            return f"an archive holding {name}: {reason}"
+    return None
 
 
 def key_material(head: bytes, size: int) -> str | None:
