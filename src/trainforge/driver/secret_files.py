@@ -2,7 +2,8 @@
 material in a binary form (a DER private key, encrypted or not; a PKCS#12 bundle; a Java
 keystore; a KeePass database) and credential files by their syntax (a netrc's ``password``, a
 pgpass line, a value after a secret name in any text file: ``_authToken=...`` in an npmrc, an
-INI's ``aws_secret_access_key = ...``, a kubeconfig's ``token: ...``), whatever the file is named.
+INI's ``aws_secret_access_key = ...``, a kubeconfig's ``token: ...``), whatever the file is named;
+and a zip or tar archive by the names of its members (the caller's rule for names).
 
 Certificates are public and are not material here (a name such as ``*.crt`` still withholds one).
 """
