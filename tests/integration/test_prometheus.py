@@ -192,6 +192,10 @@ def test_training_metrics_carry_run_rank_and_node_labels(monitored: Monitored) -
     assert {p["metric"]["phase"] for p in phases} == {"data", "compute", "optimizer"}
     step_time = values_by(monitored.last('trainforge_step_seconds{run="prom"}'), "rank")
     assert step_time.keys() == {"0", "1"} and all(v >= 0.02 for v in step_time.values())  # paced_net sleeps 20 ms
+    own = values_by(monitored.last('trainforge_step_own_seconds{run="prom"}'), "rank")
+    assert own.keys() == {"0", "1"} and all(v >= 0.02 for v in own.values())  # ... in its forward: own work
+    scores = values_by(monitored.last('trainforge_straggler_score{run="prom"}'), "rank")
+    assert scores.keys() == {"0", "1"} and all(v > 0 for v in scores.values())
 
     # Two workers: DDP's gradient all-reduce is timed on both; what the step waits for after
     # backward is part of the time an all-reduce is in flight.
