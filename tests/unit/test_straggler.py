@@ -5,6 +5,7 @@ rank raises at the same report."""
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,10 @@ def test_a_score_is_the_ranks_own_time_over_the_median_of_the_others() -> None:
     assert scores([1.0, 1.0, 3.0]) == [0.5, 0.5, 3.0]  # the others of a typical rank hold the slow one
     assert scores([0.1, 0.4]) == pytest.approx([0.25, 4.0])
     assert scores([0.0, 0.0]) == [1.0, 1.0]  # nothing measured: no rank stands out
+    assert scores([0.3]) == [1.0]
+    own = [0.5, 0.1, 0.9, 0.1, 0.4, 0.7]
+    by_definition = [v / statistics.median(own[:r] + own[r + 1 :]) for r, v in enumerate(own)]
+    assert scores(own) == pytest.approx(by_definition)
     assert node_scores([1.0, 3.0, 0.5], ["a", "b", "b"]) == {"a": 1.0, "b": 3.0}
 
 

@@ -20,9 +20,9 @@ named again. A node's score is the highest of its ranks'.
 
 from __future__ import annotations
 
+import bisect
 import os
 import socket
-import statistics
 from typing import cast
 
 from trainforge.config.schema import StragglerConfig
@@ -37,11 +37,21 @@ class StragglerRestart(RuntimeError):
 
 def scores(own_s: list[float]) -> list[float]:
     """Each rank's own time per step over the median of the other ranks'; 1.0 where the others'
-    median is zero (no steps measured) and for a single rank."""
+    median is zero (no steps measured) and for a single rank. One sort, whatever the world size."""
+    ordered = sorted(own_s)
+    others = len(ordered) - 1
+
+    def median_without(removed: int) -> float:
+        def at(index: int) -> float:
+            return ordered[index if index < removed else index + 1]
+
+        if others % 2:
+            return at(others // 2)
+        return (at(others // 2 - 1) + at(others // 2)) / 2 if others else 0.0
+
     result = []
-    for rank, mine in enumerate(own_s):
-        others = own_s[:rank] + own_s[rank + 1 :]
-        typical = statistics.median(others) if others else 0.0
+    for mine in own_s:
+        typical = median_without(bisect.bisect_left(ordered, mine))
         result.append(mine / typical if typical > 0 else 1.0)
     return result
 
