@@ -137,6 +137,7 @@ class StepRunner:
         kept: list[Any] = []
         rng = capture_torch_rng(self.device) if guard is not None else None
         step_loss = torch.zeros((), device=self.device)
+        forwards: list[tuple[float | torch.cuda.Event, float | torch.cuda.Event]] = []  # each forward's marks
         for micro in range(accum):
             last = micro == accum - 1
             if oom:  # out of memory on this rank: nothing more to compute, on to the agreement
@@ -157,8 +158,9 @@ class StepRunner:
             start = time.perf_counter()
             # Gradients are communicated in backward; only the last micro-batch's needs to.
             with self.plan.gradient_sync(self.model, last):
+                forward_started = self._clock()
                 forward = self._forward(batch)
-                times.forward_s += self._elapsed(start)
+                forwards.append((forward_started, self._clock()))
                 if last and self.recover_oom:
                     self._agree_on_memory(forward is None)
                 if forward is not None:
@@ -171,6 +173,7 @@ class StepRunner:
                             step_sums.add(name, value)
                 oom = forward is None or oom
             times.compute_s += self._elapsed(start)
+        times.forward_s = sum(self._between(*marks) for marks in forwards)  # read after the sync above
         start = time.perf_counter()
         grad_norm = self._unscale_and_clip()
         if guard is not None and rng is not None:
@@ -290,6 +293,21 @@ class StepRunner:
         # One host sync per step, only when it matters: a non-finite loss must not reach the weights.
         if bool(finite):
             self.optimizer.step()
+
+    def _clock(self) -> float | torch.cuda.Event:
+        """A mark of now: on a GPU an event in the stream (no sync: read once the step synchronised)."""
+        if self.device.type != "cuda":
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    @staticmethod
+    def _between(start: float | torch.cuda.Event, end: float | torch.cuda.Event) -> float:
+        if isinstance(start, torch.cuda.Event) and isinstance(end, torch.cuda.Event):
+            return float(start.elapsed_time(end)) / 1000.0
+        assert isinstance(start, float) and isinstance(end, float)
+        return end - start
 
     def _elapsed(self, start: float) -> float:
         if self.device.type == "cuda":
