@@ -79,7 +79,7 @@ class HangDoctor:
 
     run_dir: Path
     rule: HangConfig
-    look: Callable[[str, list[int], bool], dict[int, dict[str, Any]]] = field(default=None)  # type: ignore[assignment]
+    look: Callable[[str, list[int], bool], dict[int, dict[str, Any]]] = field(default=lambda *a: look_on_node(*a))
     clock: Callable[[], float] = time.monotonic
     roster: dict[int, WorkerIdentity] = field(default_factory=dict)
     pending: dict[int, HangSuspected] = field(default_factory=dict)
@@ -89,10 +89,6 @@ class HangDoctor:
     pool: concurrent.futures.ThreadPoolExecutor = field(
         default_factory=lambda: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="trainforge-hang")
     )
-
-    def __post_init__(self) -> None:
-        if self.look is None:
-            self.look = look_on_node
 
     def on_identity(self, identity: WorkerIdentity) -> None:
         self.roster[identity.rank] = identity

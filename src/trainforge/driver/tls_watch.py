@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 from trainforge.config import Config
 from trainforge.config.schema import TlsConfig
+from trainforge.driver.tls import tls_in_environment
 from trainforge.driver.tls_files import Expiry, TlsFiles, check_tls_files, earliest_expiry, env_files
 from trainforge.errors import ConfigError, TrainforgeError
 
@@ -67,7 +68,7 @@ class TlsWatch:
         tls = config.cluster.tls
         if tls is not None:
             files, margin = TlsFiles.of_config(tls), tls.stop_before_expiry_s
-        elif os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true"):
+        elif tls_in_environment():
             files, margin = env_files(os.environ), DEFAULT_MARGIN_S
         else:
             return None
