@@ -256,3 +256,17 @@ def test_hang_settings_are_checked_in_one_line(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as caught:
         load_config(str(path), [])
     assert "failure.hang.multiple" in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_no_watchdog_without_a_driver_or_with_hang_detection_off() -> None:
+    from types import SimpleNamespace
+
+    from trainforge.config.schema import FailureConfig
+    from trainforge.worker.watchdog import for_session
+
+    mailbox = SimpleNamespace(put=SimpleNamespace(remote=lambda item: None))
+    on = SimpleNamespace(failure=FailureConfig())
+    off = SimpleNamespace(failure=FailureConfig(hang=HangConfig(enabled=False)))
+    assert isinstance(for_session(on, 0, mailbox), Watchdog)
+    assert for_session(on, 0, None) is None  # a Session run in one process, without a driver
+    assert for_session(off, 0, mailbox) is None
