@@ -427,6 +427,9 @@ class FSDPConfig(Section):
     reshard_after_forward: bool = True  # free the gathered parameters after each block's forward
     mixed_precision: Literal["none", "bf16"] = "none"  # bf16: bf16 parameters in compute, fp32 gradient reduce
     cpu_offload: bool = False  # sharded parameters, gradients and optimizer state live in host memory
+    # HSDP: the data-parallel workers form a (replicate x shard) mesh; parameters are sharded within
+    # groups of (data-parallel workers / replicate) consecutive workers and replicated across groups.
+    replicate: Annotated[int, Field(ge=1, le=1024)] = 1
 
 
 class PowerSGDConfig(Section):
@@ -831,6 +834,7 @@ class Config(Section):
                 f"parallel.tensor_parallel {tp} must divide scaling.num_workers {self.scaling.max_workers}: "
                 f"workers form groups of {tp} (e.g. num_workers {tp * max(1, self.scaling.max_workers // tp)})"
             )
+        self._check_replicate()
         if self.parallel.tp_plan is not None and tp == 1:
             raise ValueError("parallel.tp_plan needs parallel.tensor_parallel > 1")
         if self.parallel.fsdp.mixed_precision != "none" and self.precision != "fp32":
@@ -839,6 +843,27 @@ class Config(Section):
                 "use one (mixed_precision: bf16 with precision: fp32, or mixed_precision: none)"
             )
         return self
+
+    def _check_replicate(self) -> None:
+        """parallel.fsdp.replicate groups the data-parallel workers: it must divide their count."""
+        replicate, tp = self.parallel.fsdp.replicate, self.parallel.tensor_parallel
+        if replicate == 1:
+            return
+        if self.parallel.strategy != "fsdp":
+            raise ValueError("parallel.fsdp.replicate needs parallel.strategy: fsdp (HSDP shards within groups)")
+        if isinstance(self.scaling.num_workers, tuple):
+            raise ValueError(
+                "parallel.fsdp.replicate needs a fixed scaling.num_workers (an elastic [min, max] could pick "
+                "a world size that the replica groups do not divide)"
+            )
+        data_workers = self.scaling.num_workers // tp
+        if data_workers % replicate:
+            of = f"scaling.num_workers {data_workers}"
+            if tp > 1:
+                of = (
+                    f"the data-parallel workers (scaling.num_workers {self.scaling.num_workers} / tensor_parallel {tp})"
+                )
+            raise ValueError(f"parallel.fsdp.replicate {replicate} must divide {of}: replicas are groups of equal size")
 
     @model_validator(mode="after")
     def _task_fits_targets(self) -> Config:

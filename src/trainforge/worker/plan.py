@@ -56,7 +56,7 @@ class ParallelPlan:
     sync_batchnorm: bool = False
     notes: list[str] = field(default_factory=list)  # what the plan did, for the run's log
     layout: Layout = field(default_factory=lambda: Layout(0, 1))
-    mesh: Any = None  # the ("dp", "tp") DeviceMesh, with tensor parallelism
+    mesh: Any = None  # the ("dp", "tp") DeviceMesh with tensor parallelism; ("replicate", "shard"[, "tp"]) under HSDP
     compression: Compression | None = None  # parallel.grad_compression's DDP hook (worker/compression.py)
     adapters_only: bool = False  # model.lora: weights saved and restored are the trainable adapters only
     name = "ddp"
@@ -67,9 +67,17 @@ class ParallelPlan:
         return self.layout.tp > 1
 
     @property
+    def replicate(self) -> int:
+        """HSDP's replica groups (``parallel.fsdp.replicate``); 1 but under fsdp."""
+        return 1
+
+    @property
     def layout_name(self) -> str:
-        """``ddp``, ``fsdp``, ``fsdp x tp2``: what a checkpoint records and a resume compares."""
-        return self.name + (f" x tp{self.layout.tp}" if self.layout.tp > 1 else "")
+        """``ddp``, ``fsdp``, ``hsdp 2x2``, ``fsdp x tp2``: what a checkpoint records and a resume compares."""
+        name = self.name
+        if self.replicate > 1:
+            name = f"hsdp {self.replicate}x{self.layout.dp // self.replicate}"
+        return name + (f" x tp{self.layout.tp}" if self.layout.tp > 1 else "")
 
     def wrap(self, model: nn.Module) -> nn.Module:
         """Tensor parallel, switches, then the strategy's wrapper; the same parameter names before and after."""
@@ -78,8 +86,9 @@ class ParallelPlan:
         else:
             model = model.to(self.device)
         found = repeated_blocks(model, self.cfg.fsdp.wrap)
+        if self.layout.tp > 1 or self.replicate > 1:
+            self.mesh = self.layout.device_mesh(self.device, self.replicate)
         if self.layout.tp > 1:
-            self.mesh = self.layout.device_mesh(self.device)
             count = apply_tensor_parallel(model, self.mesh["tp"], self.cfg.tp_plan)
             self.notes.append(f"tensor parallel: {count} modules split over groups of {self.layout.tp}")
         if self.cfg.activation_checkpointing != "none":
@@ -307,6 +316,10 @@ class FSDPPlan(ParallelPlan):
     def sharded(self) -> bool:
         return True
 
+    @property
+    def replicate(self) -> int:
+        return self.cfg.fsdp.replicate
+
     def _wrap(self, model: nn.Module, found: list[nn.Module]) -> nn.Module:
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
@@ -316,13 +329,22 @@ class FSDPPlan(ParallelPlan):
             options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         if fsdp.cpu_offload:
             options["offload_policy"] = CPUOffloadPolicy()
-        if self.mesh is not None:
+        if self.replicate > 1:
+            # HSDP: a 2-D mesh makes fully_shard shard over "shard" and replicate over "replicate";
+            # gradients are reduce-scattered within a shard group, then all-reduced across groups.
+            options["mesh"] = self.mesh["replicate", "shard"]
+        elif self.mesh is not None:
             options["mesh"] = self.mesh["dp"]  # blocks already split over "tp" become 2-D shards
         for block in found:
             fully_shard(block, **options)
         # Same seed on every rank built the same weights; each rank keeps its slice of them.
         fully_shard(model, **options)
-        self.notes.append(f"fsdp: {len(found)} block units + root over {self.layout.dp} data-parallel ranks")
+        over = f"{self.layout.dp} data-parallel ranks"
+        if self.replicate > 1:
+            over = (
+                f"groups of {self.layout.dp // self.replicate} data-parallel ranks, replicated {self.replicate} times"
+            )
+        self.notes.append(f"fsdp: {len(found)} block units + root, sharded over {over}")
         return model
 
     def make_scaler(self, enabled: bool) -> Scaler:

@@ -102,11 +102,16 @@ class Layout:
     def tp_rank(self) -> int:
         return self.rank % self.tp
 
-    def device_mesh(self, device: torch.device) -> Any:
-        """The 2-D mesh ``("dp", "tp")`` over the default process group."""
+    def device_mesh(self, device: torch.device, replicate: int = 1) -> Any:
+        """The mesh over the default process group: ``("dp", "tp")``, or with ``replicate`` > 1
+        (HSDP) the data-parallel dimension as ``("replicate", "shard")``, then ``"tp"`` when
+        tensor parallel. Row-major: a shard group's ranks are consecutive, like a TP group's."""
         from torch.distributed.device_mesh import init_device_mesh
 
-        return init_device_mesh(device.type, (self.dp, self.tp), mesh_dim_names=("dp", "tp"))
+        dims = {"replicate": replicate, "shard": self.dp // replicate} if replicate > 1 else {"dp": self.dp}
+        if self.tp > 1 or replicate == 1:
+            dims["tp"] = self.tp
+        return init_device_mesh(device.type, tuple(dims.values()), mesh_dim_names=tuple(dims))
 
 
 def block_plan(block: nn.Module) -> BlockPlan | None:
