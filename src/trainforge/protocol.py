@@ -193,8 +193,9 @@ def _num(value: float | None) -> str:
 @dataclass(frozen=True)
 class Straggler:
     """``failure.straggler`` (worker/straggler.py): rank ``rank`` (process ``pid``) on ``node``
-    spent ``score`` times the other ranks' median own time per step (data wait and forward;
-    ``own_s`` seconds a step) above ``threshold`` for ``steps`` consecutive steps; then ``action``."""
+    (Ray's ``node_id``) spent ``score`` times the other ranks' median own time per step (data wait
+    and forward; ``own_s`` seconds a step) above ``threshold`` for ``steps`` consecutive steps; then
+    ``action``: what was done, which is ``report`` where ``exclude`` could not be (a ``Note`` says why)."""
 
     step: int
     rank: int
@@ -205,12 +206,17 @@ class Straggler:
     threshold: float
     action: Literal["report", "restart", "exclude"]
     pid: int | None = None
+    node_id: str | None = None
     kind: ClassVar[str] = "straggler"
     level: ClassVar[Level] = "warning"
 
     @property
     def text(self) -> str:
-        then = {"report": "", "restart": "; restarting the worker group", "exclude": "; excluding its node"}
+        then = {
+            "report": "",
+            "restart": "; restarting the worker group",
+            "exclude": f"; checkpointing, then excluding its node (Ray node {self.node_id}) from the run",
+        }
         return (
             f"step {self.step}: rank {self.rank} (node {self.node}, pid {self.pid}) is a straggler: "
             f"{_num(self.score)}x the other "

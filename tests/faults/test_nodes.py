@@ -9,6 +9,9 @@ killed node dead within a second or two (short health checks below).
 * elastic ``scaling.num_workers: [1, 2]`` resuming at once with the 1 worker that fits is tested
   where a node is cut off the network (tests/cluster/test_multinode.py): trainforge's side of it
   is the same whatever took the node away, and one Ray start-up is saved here.
+* a preemption notice: the run checkpoints at once and continues on the node left.
+* ``failure.straggler.action: exclude``: one worker slowed on a duty cycle is named, its node is
+  drained and leaves the cluster, and the run finishes on the other node.
 
 The node killed is one that hosts a training worker. trainforge's ``Mailbox`` actor is pinned to
 the driver's node (observe.start_mailbox), so it is never on the killed node; the test asserts that.
@@ -16,6 +19,7 @@ the driver's node (observe.start_mailbox), so it is never on the killed node; th
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import shutil
@@ -37,7 +41,9 @@ from ray.cluster_utils import Cluster
 import trainforge
 from tests.helpers.faults import (
     checkpoints,
+    duty_cycle,
     events,
+    events_of,
     first_resumed_report,
     paced_run,
     patched_environ,
@@ -45,8 +51,10 @@ from tests.helpers.faults import (
     reports,
     steps_after,
     wait_until,
+    worker_pids,
 )
 from tests.helpers.timing import scaled
+from trainforge.protocol import Resumed, Straggler
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -277,4 +285,78 @@ def test_a_preemption_notice_checkpoints_at_once_and_the_run_continues_on_the_no
     print(
         f"\npreemption: checkpoint {saved.name} {saved_after_s:.1f} s after the notice (window {window_s:.0f} s); "
         f"first step on the node left {first['time/unix'] - removed_at:.1f} s after the node went"
+    )
+
+
+def raylet_pid(node: Any) -> int:
+    return int(node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid)
+
+
+def node_hosting(cluster: Cluster, pid: int) -> Any:
+    """The worker node whose raylet started process ``pid``."""
+    for node in cluster.worker_nodes:
+        with contextlib.suppress(psutil.Error):
+            if pid in {proc.pid for proc in psutil.Process(raylet_pid(node)).children(recursive=True)}:
+                return node
+    raise AssertionError(f"process {pid} runs on no worker node")
+
+
+def test_exclude_drains_the_stragglers_node_and_the_run_finishes_on_the_other(
+    two_nodes: Cluster, tmp_path: Path
+) -> None:
+    """Issue 37 §3: a worker slowed on a duty cycle is named; under ``exclude`` the run checkpoints,
+    its node is drained (it leaves the cluster once its worker is gone) and the group restarts on
+    the other node, from that checkpoint."""
+    run_dir = tmp_path / "t"
+    config = node_config(tmp_path, [1, 2])
+    config["train"] = {**config["train"], "max_steps": 60}
+    config["model"]["kwargs"] = {"delay_s": 0.02}
+    config["checkpoint"] = {**config["checkpoint"], "every_n_steps": 10_000}  # exclude's is the only one
+    config["failure"] = {**config["failure"], "straggler": {"threshold": 1.5, "window_steps": 10, "action": "exclude"}}
+    running = fit_in_background(config)
+    excluded = None
+    try:
+        wait_until(lambda: steps_after(run_dir, 0) or running.done(), 240, "the first report")
+        pids = worker_pids()
+        assert len(pids) == 2, "the elastic run did not start 2 workers"
+        pid = max(pids)
+        excluded = node_hosting(two_nodes, pid)
+        other = next(node for node in two_nodes.worker_nodes if node is not excluded)
+        slowed = duty_cycle(pid)  # until the group restarts without it
+
+        def restarted() -> bool:
+            return running.done() or any(isinstance(e, Resumed) for r in reports(run_dir) for e in events_of(r))
+
+        wait_until(restarted, 120, "the restarted group")
+        if not running.done():
+            hosts = {node_hosting(two_nodes, worker).node_id for worker in worker_pids()}
+            assert hosts == {other.node_id}, "the restarted group is not on the other node alone"
+        result = running.result(timeout=scaled(300))
+    finally:
+        if excluded is not None:
+            two_nodes.remove_node(excluded, allow_graceful=False)  # gone already: its processes are reaped
+
+    summary = result.summary
+    assert summary["status"] == "finished" and summary["global_step"] == 60
+    named = [e for r in reports(run_dir) for e in events_of(r) if isinstance(e, Straggler)]
+    assert len(named) == 1 and named[0].action == "exclude", [e.text for e in named]
+    assert named[0].pid == slowed["pid"] and named[0].node_id == excluded.node_id, named[0].text
+    assert summary["excluded_nodes"] == [
+        {
+            "node_id": excluded.node_id,
+            "node": named[0].node,
+            "rank": named[0].rank,
+            "step": named[0].step,
+            "score": named[0].score,
+        }
+    ]
+    first = first_resumed_report(run_dir)
+    assert first["world_size"] == 1 and summary["num_workers"] == 1
+    resumed = [e for r in reports(run_dir) for e in events_of(r) if isinstance(e, Resumed)]
+    assert resumed and resumed[0].step == named[0].step, [e.text for e in resumed]  # exclude's checkpoint
+    gone = {node["NodeID"]: node["Alive"] for node in ray.nodes()}
+    assert gone[excluded.node_id] is False, "the excluded node did not leave the cluster"
+    print(
+        f"\nexclude: {named[0].text}; first step on the node left {first['time/unix'] - slowed['at']:.1f} s "
+        f"after the duty cycle began; restarts {summary['restarts']}, recovery_s {summary['recovery_s']}"
     )

@@ -10,48 +10,32 @@ restarts the group from the newest checkpoint, the slowed process is gone, and t
 
 from __future__ import annotations
 
-import contextlib
-import os
-import signal
-import time
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
 
 import trainforge
-from tests.helpers.faults import Fault, checkpoints, events_of, paced_run, reports, wait_until, worker_pids
+from tests.helpers.faults import (
+    Fault,
+    checkpoints,
+    duty_cycle,
+    events_of,
+    paced_run,
+    reports,
+    wait_until,
+    worker_pids,
+)
 from trainforge.protocol import Straggler
 
 STOP_S = CONT_S = 0.1
 MAX_SLOWED_S = 180
 
 
-def alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
-
-
-def duty_cycle() -> dict[str, Any]:
+def slow_a_worker() -> dict[str, Any]:
     """Stop and continue one training worker until its process is gone (the group restarted)."""
     pid = max(wait_until(worker_pids, 30, "a training worker process"))
-    started = time.time()
-    cycles = 0
-    try:
-        with contextlib.suppress(ProcessLookupError):
-            while alive(pid) and time.time() - started < MAX_SLOWED_S:
-                os.kill(pid, signal.SIGSTOP)
-                time.sleep(STOP_S)
-                os.kill(pid, signal.SIGCONT)
-                time.sleep(CONT_S)
-                cycles += 1
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGCONT)  # never left stopped
-    return {"pid": pid, "at": started, "cycles": cycles, "slowed_s": time.time() - started}
+    return duty_cycle(pid, STOP_S, CONT_S, MAX_SLOWED_S)
 
 
 @pytest.mark.slow
@@ -66,7 +50,7 @@ def test_a_slowed_worker_is_named_and_restart_restarts_the_group(tmp_path: Path)
     config["model"]["kwargs"] = {"delay_s": 0.02}
     run_dir = tmp_path / "t"
 
-    with Fault(lambda: checkpoints(run_dir), duty_cycle) as fault:
+    with Fault(lambda: checkpoints(run_dir), slow_a_worker) as fault:
         result = trainforge.fit(config)
         slowed = fault.join(timeout_s=MAX_SLOWED_S + 30)
 

@@ -193,6 +193,32 @@ def signal_a_worker(sig: signal.Signals, pick: Callable[[list[int]], int] = max)
     return record
 
 
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def duty_cycle(pid: int, stop_s: float = 0.1, cont_s: float = 0.1, max_s: float = 180) -> dict[str, Any]:
+    """Slow one process as a busy or throttled host would: stop and continue it on a duty cycle
+    until it is gone (its worker group restarted) or ``max_s`` passed; never left stopped."""
+    started = time.time()
+    cycles = 0
+    try:
+        with contextlib.suppress(ProcessLookupError):
+            while alive(pid) and time.time() - started < max_s:
+                os.kill(pid, signal.SIGSTOP)
+                time.sleep(stop_s)
+                os.kill(pid, signal.SIGCONT)
+                time.sleep(cont_s)
+                cycles += 1
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+    return {"pid": pid, "at": started, "cycles": cycles, "slowed_s": time.time() - started}
+
+
 def release_stopped(pid: int) -> None:
     """SIGCONT then SIGKILL a process a test froze, if it still exists (and is still ours)."""
     try:

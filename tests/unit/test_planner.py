@@ -147,18 +147,60 @@ def test_planned_bytes_are_within_5_percent_of_what_each_rank_holds(name: str, m
 
 
 @pytest.mark.slow
-def test_planned_bytes_of_fsdp_x_tensor_parallel_at_4_ranks_are_within_5_percent() -> None:
+def test_planned_bytes_of_fsdp_x_tensor_parallel_and_hsdp_at_4_ranks_are_within_5_percent() -> None:
     from trainforge.bench.memory import bench_config
     from trainforge.config import Config
     from trainforge.worker.capacity.estimate import rank_breakdown
 
-    config = {**bench_config("llama_tiny", {}, "fsdp", 4), "parallel": {"strategy": "fsdp", "tensor_parallel": 2}}
-    planned = rank_breakdown(Config.model_validate(config), 4)
-    for rank, held in enumerate(spawn_ranks(held_under_each, 4, {"fsdp+tp2": config})):
-        for part in ("params", "grads", "optimizer"):
-            estimate, real = getattr(planned, part), held["fsdp+tp2"][part]
-            print(f"\nfsdp+tp2 rank {rank} {part}: planned {estimate} held {real}")
-            assert abs(estimate - real) <= 0.05 * real, (rank, part, estimate, held)
+    layouts = {"fsdp+tp2": {"tensor_parallel": 2}, "hsdp 2x2": {"fsdp": {"replicate": 2}}}
+    configs = {
+        name: {**bench_config("llama_tiny", {}, "fsdp", 4), "parallel": {"strategy": "fsdp", **parallel}}
+        for name, parallel in layouts.items()
+    }
+    planned = {name: rank_breakdown(Config.model_validate(config), 4) for name, config in configs.items()}
+    # HSDP 2x2 holds what FSDP over 2 ranks holds: half of every parameter, not a quarter.
+    fsdp_over_2 = Config.model_validate({**configs["hsdp 2x2"], "parallel": {"strategy": "fsdp"}})
+    assert planned["hsdp 2x2"].params == rank_breakdown(fsdp_over_2, 2).params
+    for rank, held in enumerate(spawn_ranks(held_under_each, 4, configs)):
+        for name, part in ((name, part) for name in configs for part in ("params", "grads", "optimizer")):
+            estimate, real = getattr(planned[name], part), held[name][part]
+            print(f"\n{name} rank {rank} {part}: planned {estimate} held {real}")
+            assert abs(estimate - real) <= 0.05 * real, (name, rank, part, estimate, held)
+
+
+def test_plan_on_two_nodes_puts_hsdp_before_each_fsdp_layout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = run_cli(monkeypatch, "plan", config_file(tmp_path, SMALL), "--gpus", "16", "--gpu-memory-gb", "2", "--json")
+    assert code == 0
+    report = json.loads(capsys.readouterr().out)
+    names = [row["name"] for row in report["strategies"]]
+    assert names[:5] == ["ddp", "hsdp", "fsdp", "hsdp+ac", "fsdp+ac"]
+    assert "hsdp+tp8" not in names  # a node of 8 GPUs is one tp8 group: no second shard in it
+    rows = {row["name"]: row for row in report["strategies"]}
+    assert (rows["hsdp"]["replicate"], rows["hsdp"]["shards"]) == (2, 8)  # sharded within a node
+    assert (rows["fsdp"]["replicate"], rows["fsdp"]["shards"]) == (1, 16)
+    assert (rows["hsdp+tp2"]["replicate"], rows["hsdp+tp2"]["shards"]) == (2, 4)
+    # Each GPU holds twice fsdp's share of the parameters (FSDP2's padding aside).
+    assert rows["hsdp"]["per_gpu_gb"]["params"] == pytest.approx(2 * rows["fsdp"]["per_gpu_gb"]["params"], rel=0.05)
+
+
+def test_hsdp_shards_over_the_smallest_group_of_nodes_that_fits() -> None:
+    from trainforge.worker.capacity.estimate import Strategy
+    from trainforge.worker.capacity.render import settings_of, with_hsdp
+
+    fsdp = Strategy("fsdp", True)
+
+    def chosen(fits: Any) -> Strategy:
+        first, second = with_hsdp([fsdp], fits, gpus=64)
+        assert second == fsdp and first.name == "hsdp"
+        return first
+
+    assert chosen(lambda s: True).replicate == 8  # one node of 8
+    assert chosen(lambda s: s.replicate <= 4).replicate == 4  # two nodes
+    assert chosen(lambda s: False).replicate == 2  # none fits: the largest group, half the GPUs
+    assert with_hsdp([fsdp], lambda s: True, gpus=8) == [fsdp]  # one node: plain fsdp only
+    assert settings_of(chosen(lambda s: True))["parallel.fsdp.replicate"] == 8
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,8 @@
 """``failure.straggler``: the scores and the window rule in one process, then two gloo ranks
 without Ray whose rank 1 runs its forwards five times slower (tests/helpers/slow_rank.py): it is
 named with its node, its score is in the report's figures, and under ``action: restart`` every
-rank raises at the same report."""
+rank raises at the same report; ``action: exclude``'s rules (an elastic run, a node that leaves
+enough ranks), and its record in summary.json."""
 
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ from tests.helpers.runs import tiny_run
 from tests.helpers.sessions import ListChannel, train
 from trainforge.config import load_config
 from trainforge.config.schema import StragglerConfig
+from trainforge.driver.summary import Recovery
 from trainforge.errors import ConfigError
-from trainforge.protocol import Straggler, event_from_json, event_to_json
+from trainforge.protocol import Note, Report, Straggler, event_from_json, event_to_json
 from trainforge.worker.straggler import StragglerRestart, StragglerWatch, node_scores, scores
 
 SLOW = "tests.helpers.slow_rank:slow_rank_net"
@@ -85,7 +87,7 @@ def test_the_event_survives_metrics_jsonl() -> None:
         ("threshold", "fast", "failure.straggler.threshold"),
         ("window_steps", 0, "failure.straggler.window_steps"),
         ("action", "kill", "failure.straggler.action"),
-        ("action", "exclude", "exclude: not yet"),
+        ("action", "exclude", "failure.straggler.action exclude needs an elastic scaling.num_workers [min, max]"),
         ("patience", 3, "failure.straggler.patience"),
     ],
 )
@@ -93,6 +95,68 @@ def test_every_key_is_checked_in_one_line_naming_it(tmp_path: Path, key: str, va
     with pytest.raises(ConfigError) as err:
         load_config(tiny_run(tmp_path, failure={"straggler": {key: value}}), env={})
     assert said in str(err.value) and "\n" not in str(err.value)
+    assert err.value.exit_code == 2
+
+
+def test_exclude_is_taken_by_an_elastic_run(tmp_path: Path) -> None:
+    config = tiny_run(tmp_path, scaling={"num_workers": [1, 2]}, failure={"straggler": {"action": "exclude"}})
+    loaded = load_config(config, env={})
+    assert loaded.failure.straggler is not None and loaded.failure.straggler.action == "exclude"
+    assert loaded.scaling.min_workers == 1
+
+
+def excluding(node_ids: list[str | None], min_workers: int = 1) -> StragglerWatch:
+    found = StragglerWatch(StragglerConfig(window_steps=5, action="exclude"), len(node_ids), min_workers=min_workers)
+    found.nodes = ["10.0.0.1"] * len(node_ids)  # nodes on one host share an address: Ray's id tells them apart
+    found.pids = list(range(100, 100 + len(node_ids)))
+    found.node_ids = node_ids
+    return found
+
+
+def test_exclude_names_the_node_by_its_ray_id_where_the_other_nodes_hold_enough_ranks() -> None:
+    rule = excluding(["node-a", "node-a", "node-b"])
+    assert rule.observe([2.0, 1.0, 1.0], 5) == [0]
+    said = rule.events([0], 5)
+    assert len(said) == 1 and isinstance(said[0], Straggler)
+    assert (said[0].action, said[0].node_id) == ("exclude", "node-a")
+    assert "excluding its node (Ray node node-a)" in said[0].text
+    assert event_from_json(event_to_json(said[0])) == said[0]
+
+
+@pytest.mark.parametrize(
+    ("node_ids", "min_workers", "why"),
+    [
+        (["node-a", "node-a"], 1, "every rank runs on it"),
+        ([None, None], 1, "its Ray node is not known"),
+        (["node-a", "node-a", "node-b"], 2, "the other nodes run 1 rank(s), fewer than scaling.num_workers' minimum 2"),
+    ],
+)
+def test_a_node_that_cannot_be_excluded_is_reported_with_the_reason(
+    node_ids: list[str | None], min_workers: int, why: str
+) -> None:
+    rule = excluding(node_ids, min_workers)
+    assert rule.observe([2.0] + [1.0] * (len(node_ids) - 1), 5) == [0]
+    event, note = rule.events([0], 5)
+    assert isinstance(event, Straggler) and event.action == "report"
+    assert isinstance(note, Note) and why in note.text and "rank 0's node 10.0.0.1 is not excluded" in note.text
+    rule.act([event, note], 0, checkpoint=lambda: pytest.fail("a report saves nothing"))  # and raises nothing
+
+
+def test_restart_raises_without_a_checkpoint_of_its_own() -> None:
+    rule = watch()
+    rule.rule = StragglerConfig(window_steps=10, action="restart")
+    rule.observe([1.0, 1.0, 2.0], 10)
+    with pytest.raises(StragglerRestart, match="restarting the worker group"):
+        rule.act(rule.events([2], 10), 0, checkpoint=lambda: pytest.fail("restart resumes from the newest checkpoint"))
+
+
+def test_summary_records_the_excluded_nodes() -> None:
+    recovery = Recovery()
+    excluded = Straggler(30, 1, "10.0.0.1", 3.0, 0.2, 20, 1.5, "exclude", pid=7, node_id="node-b")
+    reported = Straggler(60, 0, "10.0.0.1", 2.0, 0.2, 20, 1.5, "report", pid=8, node_id="node-a")
+    recovery.reported(Report(step=30, events=(excluded,)))
+    recovery.reported(Report(step=60, events=(reported,)))
+    assert recovery.excluded_nodes == [{"node_id": "node-b", "node": "10.0.0.1", "rank": 1, "step": 30, "score": 3.0}]
 
 
 def slow_config(tmp: Path, action: str) -> dict[str, Any]:
@@ -151,3 +215,13 @@ def test_restart_raises_on_every_rank_at_the_same_report(tmp_path: Path) -> None
     assert results[0]["step"] == results[1]["step"] < 40  # the same report, before the end
     named = [e for e in results[0]["events"] if e["kind"] == "straggler"]
     assert [(e["rank"], e["action"]) for e in named] == [(1, "restart")]  # reported before the raise
+
+
+def test_exclude_in_ranks_without_ray_names_the_straggler_keeps_its_node_and_finishes(tmp_path: Path) -> None:
+    config = slow_config(tmp_path, "exclude")
+    config["scaling"] = {"num_workers": [1, 2]}
+    rank0 = train(config, 2)[0]
+    named = [text for text in rank0.events if "is a straggler" in text]
+    assert len(named) == 1 and "rank 1 (node " in named[0] and "excluding" not in named[0], rank0.events
+    assert any("is not excluded: its Ray node is not known" in text for text in rank0.events), rank0.events
+    assert rank0.final["status"] == "finished" and rank0.final["step"] == 40

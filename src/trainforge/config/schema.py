@@ -419,6 +419,10 @@ class ScalingConfig(Section):
     def max_workers(self) -> int:
         return self.num_workers[1] if isinstance(self.num_workers, tuple) else self.num_workers
 
+    @property
+    def min_workers(self) -> int:
+        return self.num_workers[0] if isinstance(self.num_workers, tuple) else self.num_workers
+
 
 class FSDPConfig(Section):
     """``parallel.fsdp``: how FSDP2 (``fully_shard``) shards the model."""
@@ -576,14 +580,7 @@ class StragglerConfig(Section):
 
     threshold: Annotated[float, Field(gt=1.0, le=1000.0)] = 1.5
     window_steps: Annotated[int, Field(ge=1, le=MAX_STEPS)] = 50
-    action: Literal["report", "restart", "exclude"] = "report"
-
-    @field_validator("action")
-    @classmethod
-    def _implemented(cls, value: str) -> str:
-        if value == "exclude":
-            raise ValueError("exclude: not yet (use report or restart)")
-        return value
+    action: Literal["report", "restart", "exclude"] = "report"  # exclude: an elastic run goes on without its node
 
 
 class FailureConfig(Section):
@@ -911,6 +908,17 @@ class Config(Section):
                     f"profile.ranks {outside} are outside the {workers} worker(s) of scaling.num_workers "
                     f"(ranks 0..{workers - 1})"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _exclude_is_elastic(self) -> Config:
+        """``failure.straggler.action: exclude`` continues on the nodes left: an elastic run only."""
+        straggler = self.failure.straggler
+        if straggler is not None and straggler.action == "exclude" and not isinstance(self.scaling.num_workers, tuple):
+            raise ValueError(
+                "failure.straggler.action exclude needs an elastic scaling.num_workers [min, max] (the run "
+                f"continues on the nodes left); it is {self.scaling.num_workers}: use report or restart"
+            )
         return self
 
     @property

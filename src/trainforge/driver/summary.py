@@ -20,7 +20,7 @@ from trainforge.checkpoint.names import checkpoint_name, name_of_uri, step_of_ur
 from trainforge.checkpoint.storage import CheckpointStore
 from trainforge.errors import CheckpointError
 from trainforge.observers.metrics_log import DRIVER_START
-from trainforge.protocol import BestValidation, EndedEarly, Report, Resumed, WorkerFailure
+from trainforge.protocol import BestValidation, EndedEarly, Report, Resumed, Straggler, WorkerFailure
 from trainforge.redact import redact_config, redact_text
 
 log = logging.getLogger("trainforge")
@@ -34,11 +34,13 @@ SEARCH_DRIVER = "trainforge tune"  # ``written_by``: a search's driver, for a tr
 class Recovery:
     """Worker-group failures and how long each took to recover: from the failure to the first
     report after the restore that followed it. A failure with no known time counts as a restart
-    whose recovery was not measured."""
+    whose recovery was not measured. ``excluded_nodes``: the nodes ``failure.straggler.action:
+    exclude`` took out of the run, as its ``Straggler`` events name them."""
 
     restarts: int = 0
     recovery_s: list[float] = field(default_factory=list)
     failed_at: float | None = None
+    excluded_nodes: list[dict[str, Any]] = field(default_factory=list)
 
     def failed(self, at: float | None) -> None:
         self.restarts += 1
@@ -46,6 +48,11 @@ class Recovery:
             self.failed_at = at
 
     def reported(self, report: Report) -> None:
+        self.excluded_nodes.extend(
+            {"node_id": event.node_id, "node": event.node, "rank": event.rank, "step": event.step, "score": event.score}
+            for event in report.events
+            if isinstance(event, Straggler) and event.action == "exclude"
+        )
         resumed = any(isinstance(event, Resumed) for event in report.events)
         if resumed and self.failed_at is not None and report.time is not None:
             self.recovery_s.append(round(report.time - self.failed_at, 3))
@@ -120,7 +127,8 @@ class RunRecord:
 def build_summary(record: RunRecord) -> dict[str, Any]:
     """summary.json's content (DESIGN's contract plus ``recovery_s``, ``stopped_by``, ``stopped_early``,
     ``written_by``, ``parameters``: the model's trainable and frozen parameter elements, as the
-    workers counted, and under ``train.anomaly``, ``anomalies``: ``anomaly_counts``).
+    workers counted, under ``train.anomaly``, ``anomalies``: ``anomaly_counts``, and
+    ``excluded_nodes``: ``Recovery.excluded_nodes``, when a straggler's node was excluded).
 
     ``stopped_by``: why the run ended before its budget as a finished run (``source``: callback or
     early_stopping) or, for a search's trial, ``source: scheduler``; None otherwise.
@@ -145,6 +153,7 @@ def build_summary(record: RunRecord) -> dict[str, Any]:
         **({"parameters": final.parameters.to_json()} if final.parameters is not None else {}),
         **({"batch": batch_choice(final, record.config)} if "batch/micro_batch_size" in final.figures else {}),
         **({"anomalies": anomaly_counts(final)} if "anomaly/skipped" in final.figures else {}),
+        **({"excluded_nodes": list(record.recovery.excluded_nodes)} if record.recovery.excluded_nodes else {}),
         **({"cost": dict(record.cost)} if record.cost is not None else {}),
         **({"startup": dict(record.startup)} if record.startup is not None else {}),
         **({"error": redact_text(record.error.strip().splitlines()[-1])} if record.error else {}),

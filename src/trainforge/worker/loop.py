@@ -59,7 +59,7 @@ from trainforge.worker.profiling import StepProfiler
 from trainforge.worker.rollback import roll_back
 from trainforge.worker.saving import Checkpointing, Restored, restore, run_store
 from trainforge.worker.step import MetricSums, StepOutOfMemory
-from trainforge.worker.straggler import StragglerRestart, StragglerWatch
+from trainforge.worker.straggler import StragglerWatch
 from trainforge.worker.user_code import is_user_code_error, user_code_error
 from trainforge.worker.watchdog import for_session as watchdog_for
 
@@ -219,7 +219,9 @@ class Session:
         self.validated_step: int | None = None
         self.best_due: dict[str, float] | None = None  # restore_best: the metrics of a pass to checkpoint
         self.watchdog = watchdog_for(cfg, self.run.rank, self.control)  # hangs named to the driver (worker/watchdog.py)
-        self.stragglers = StragglerWatch(cfg.failure.straggler, self.run.world)  # worker/straggler.py
+        self.stragglers = StragglerWatch(  # worker/straggler.py
+            cfg.failure.straggler, self.run.world, min_workers=cfg.scaling.min_workers
+        )
         self.preemption_saved = False  # the checkpoint a preemption notice asks for, taken once
         if self.early is not None and self.early.cfg.restore_best and self.early.best_step is not None:
             self.checkpointing.writer.keep = {checkpoint_name(self.early.best_step)}
@@ -380,7 +382,7 @@ class Session:
         if self.run.runner.guard is not None:
             figures.update(self.run.runner.guard.figures())
         slow = self.stragglers.observe(reduced.own_s, round(reduced.totals.get("steps", 0.0) / self.run.world))
-        stragglers = [self.stragglers.event(rank, self.progress.global_step) for rank in slow]
+        stragglers = self.stragglers.events(slow, self.progress.global_step)
         self.events.extend(stragglers)
         figures.update(self.stragglers.figures())
         if self.run.world > 1:  # the Prometheus hook's per-rank gauges
@@ -400,9 +402,9 @@ class Session:
         self.hooks.on_report(report, reduced.local)  # they may add figures (per-node samples, communication)
         if not final:
             self.channel.report(report)
-            if stragglers and self.stragglers.restarts:
-                # Every rank, at the same report (the scores are all-reduced): a worker failure to Ray Train.
-                raise StragglerRestart("; ".join(event.text for event in stragglers))
+            # Every rank, at the same report (the scores are all-reduced): restart or exclude raise,
+            # a worker failure to Ray Train.
+            self.stragglers.act(stragglers, self.run.rank, self.checkpoint_now)
         return report, self.decide(reduced.signals)
 
     def gather_control_signals(self, *, final: bool) -> Signals:
@@ -478,6 +480,14 @@ class Session:
         with self.phase("checkpoint"):
             self.checkpointing.save(report.scalars() if report is not None else {}, final=final)
         self.last_save = time.perf_counter()
+
+    def checkpoint_now(self) -> None:
+        """A checkpoint of this step, committed when this returns (every rank: a collective)."""
+        self.save(None)
+        with self.phase("checkpoint"):
+            outcomes = self.checkpointing.wait()
+        for outcome in outcomes:
+            self.hooks.on_save(outcome)
 
     def timed_evaluate(self) -> dict[str, float]:
         if self.run.rank == 0 and self.control is not None:  # the console says so while the pass runs

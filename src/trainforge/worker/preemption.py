@@ -136,9 +136,11 @@ def endpoint(provider: str, url: str | None, node_id: str, node_ip: str) -> str:
     return base.replace("{node_id}", node_id).replace("{node_ip}", node_ip).rstrip("/")
 
 
-def drain_for_preemption(node_id: str, notice: Notice) -> bool:
-    """Ask Ray's GCS to drain ``node_id`` for preemption by the notice's deadline (what Ray does on
-    a node's SIGTERM); whether it was accepted."""
+def drain_node(node_id: str, message: str, deadline: float | None = None) -> bool:
+    """Ask Ray's GCS to drain ``node_id`` (by ``deadline``, unix seconds; None: no deadline), as Ray
+    does on a node's SIGTERM; whether it was accepted. The node takes no new work; once nothing
+    runs there its raylet exits and the node leaves the cluster. Preemption is the reason Ray
+    accepts for a busy node (an idle-termination drain is refused while work runs there)."""
     import ray
     from ray.core.generated import autoscaler_pb2
 
@@ -146,12 +148,17 @@ def drain_for_preemption(node_id: str, notice: Notice) -> bool:
     accepted, why = client.drain_node(
         node_id,
         autoscaler_pb2.DrainNodeReason.DRAIN_NODE_REASON_PREEMPTION,  # type: ignore[attr-defined]
-        f"trainforge: {notice.provider} notice ({notice.text})",
-        int(notice.deadline * 1000),
+        message,
+        int(deadline * 1000) if deadline is not None else 0,
     )
     if not accepted:
-        log.warning("Ray did not accept draining node %s for its preemption notice: %s", node_id, why)
+        log.warning("Ray did not accept draining node %s (%s): %s", node_id, message, why)
     return bool(accepted)
+
+
+def drain_for_preemption(node_id: str, notice: Notice) -> bool:
+    """Drain ``node_id`` by the notice's deadline; whether Ray accepted it."""
+    return drain_node(node_id, f"trainforge: {notice.provider} notice ({notice.text})", notice.deadline)
 
 
 class NoticeWatcher:

@@ -14,25 +14,41 @@ consecutive steps (counted in the steps the reports cover; a report below the th
 the count again) is a straggler: named once, with its node, in a ``Straggler`` event, and then
 ``action``: ``report`` (nothing more) or ``restart`` (every rank raises ``StragglerRestart`` at the
 same report, which Ray Train treats as a worker failure: the group restarts from the newest
-checkpoint, counted against ``failure.max_failures``). A rank that recovers and slows down again is
-named again. A node's score is the highest of its ranks'.
+checkpoint, counted against ``failure.max_failures``) or ``exclude`` (every rank checkpoints and
+waits for it to commit, rank 0 asks Ray to drain the straggler's node, and every rank raises
+``StragglerExcluded``: a drained node takes no new work and leaves the cluster once its workers
+are gone, so Ray Train's elastic policy restarts the group on the other nodes, from that
+checkpoint). A node is excluded only when the ranks on the other nodes are at least
+``scaling.num_workers``' minimum; otherwise the event says ``report`` and a note says why. A rank
+that recovers and slows down again is named again. A node's score is the highest of its ranks'.
 """
 
 from __future__ import annotations
 
 import bisect
+import logging
 import os
 import socket
+from collections.abc import Callable
 from typing import cast
 
 from trainforge.config.schema import StragglerConfig
-from trainforge.protocol import Straggler
+from trainforge.protocol import Event, Note, Straggler
 from trainforge.worker import collectives
+from trainforge.worker.preemption import drain_node
+
+log = logging.getLogger("trainforge.worker")
 
 
 class StragglerRestart(RuntimeError):
     """Raised on every rank at the same report under ``failure.straggler.action: restart``: a worker
     failure to Ray Train, which restarts the group from the newest checkpoint."""
+
+
+class StragglerExcluded(StragglerRestart):
+    """Raised on every rank at the same report under ``failure.straggler.action: exclude``, once
+    the checkpoint is committed and the straggler's node is draining: Ray Train restarts the group
+    on the nodes left."""
 
 
 def scores(own_s: list[float]) -> list[float]:
@@ -74,31 +90,41 @@ def node_address() -> str:
         return socket.gethostname()
 
 
+def ray_node_id() -> str | None:
+    """This worker's Ray node id (what Ray's scheduler and GCS name a node by; nodes on one host
+    share an address); None outside Ray."""
+    try:
+        import ray
+
+        return str(ray.get_runtime_context().get_node_id()) if ray.is_initialized() else None
+    except Exception:  # no Ray, or no node: nothing to drain
+        return None
+
+
 class StragglerWatch:
     """The scores and the window rule, the same on every rank (fed the same all-reduced figures)."""
 
-    def __init__(self, rule: StragglerConfig | None, world: int) -> None:
+    def __init__(self, rule: StragglerConfig | None, world: int, *, min_workers: int = 1) -> None:
         self.rule = rule
         self.world = world
+        self.min_workers = min_workers  # exclude leaves at least this many ranks, or excludes nothing
         self.slow_steps = [0] * world  # consecutive steps above the threshold, per rank
         self.named: set[int] = set()  # ranks named and not yet recovered
         self.nodes: list[str] | None = None
         self.pids: list[int] = []
+        self.node_ids: list[str | None] = []
         self.last: list[float] = [1.0] * world
         self.own_s: list[float] = [0.0] * world
 
-    @property
-    def restarts(self) -> bool:
-        """Whether naming a straggler restarts the worker group."""
-        return self.rule is not None and self.rule.action == "restart"
-
     def rank_nodes(self) -> list[str]:
-        """Every rank's node (and process), gathered once (a collective: every rank calls it at the
-        same report)."""
+        """Every rank's node (its Ray node id, and process), gathered once (a collective: every rank
+        calls it at the same report)."""
         if self.nodes is None:
-            gathered = cast(list[tuple[str, int]], collectives.all_gather_objects((node_address(), os.getpid())))
-            self.nodes = [str(node) for node, _ in gathered]
-            self.pids = [int(pid) for _, pid in gathered]
+            mine = (node_address(), os.getpid(), ray_node_id())
+            gathered = cast(list[tuple[str, int, str | None]], collectives.all_gather_objects(mine))
+            self.nodes = [str(node) for node, _, _ in gathered]
+            self.pids = [int(pid) for _, pid, _ in gathered]
+            self.node_ids = [node_id for _, _, node_id in gathered]
         return self.nodes
 
     def observe(self, own_s: list[float], steps: int) -> list[int]:
@@ -124,8 +150,12 @@ class StragglerWatch:
         return newly
 
     def event(self, rank: int, step: int) -> Straggler:
-        """The event that names ``rank``, with its node (rule set: ``observe`` named it)."""
+        """The event that names ``rank``, with its node (rule set: ``observe`` named it); an
+        ``exclude`` that cannot be done is a ``report`` (``exclusion_problem`` says why)."""
         assert self.rule is not None
+        action = self.rule.action
+        if action == "exclude" and self.exclusion_problem(rank) is not None:
+            action = "report"
         return Straggler(
             step=step,
             rank=rank,
@@ -134,9 +164,52 @@ class StragglerWatch:
             own_s=self.own_s[rank],
             steps=self.slow_steps[rank],
             threshold=self.rule.threshold,
-            action=self.rule.action,
+            action=action,
             pid=self.pids[rank] if rank < len(self.pids) else None,
+            node_id=self.node_ids[rank] if rank < len(self.node_ids) else None,
         )
+
+    def events(self, ranks: list[int], step: int) -> list[Event]:
+        """The events that name ``ranks``, each with a note where ``exclude`` left its node in."""
+        said: list[Event] = []
+        for rank in ranks:
+            event = self.event(rank, step)
+            said.append(event)
+            problem = self.exclusion_problem(rank) if self.rule is not None and self.rule.action == "exclude" else None
+            if problem is not None:
+                said.append(Note(f"step {step}: rank {rank}'s node {event.node} is not excluded: {problem}", "warning"))
+        return said
+
+    def exclusion_problem(self, rank: int) -> str | None:
+        """Why ``rank``'s node cannot be excluded, or None: a node Ray does not name, the only node,
+        or one whose loss leaves fewer ranks than the run's minimum."""
+        node_id = self.node_ids[rank] if rank < len(self.node_ids) else None
+        if node_id is None:
+            return "its Ray node is not known (not under Ray)"
+        left = sum(1 for other in self.node_ids if other != node_id)
+        if left == 0:
+            return "every rank runs on it"
+        if left < self.min_workers:
+            return f"the other nodes run {left} rank(s), fewer than scaling.num_workers' minimum {self.min_workers}"
+        return None
+
+    def act(self, named: list[Event], rank: int, checkpoint: Callable[[], None]) -> None:
+        """What ``restart`` and ``exclude`` do once the events are reported, the same on every rank:
+        nothing for ``report``; else raise, after (``exclude``) a committed ``checkpoint`` and rank
+        0's drain of each straggler's node."""
+        acting = [e for e in named if isinstance(e, Straggler) and e.action != "report"]
+        if not acting:
+            return
+        excluded = {e.node_id: e for e in acting if e.action == "exclude" and e.node_id is not None}
+        if not excluded:
+            raise StragglerRestart("; ".join(e.text for e in acting))
+        checkpoint()  # every rank (a collective): the restart resumes from here
+        if rank == 0:
+            for node_id, event in excluded.items():
+                why = f"trainforge: rank {event.rank} is a straggler ({event.score:.3g}x the others' time per step)"
+                done = "draining" if drain_node(node_id, why) else "Ray refused to drain it"
+                log.warning("excluding node %s (%s): %s; %s", node_id, event.node, why, done)
+        raise StragglerExcluded("; ".join(e.text for e in acting))
 
     def figures(self) -> dict[str, float]:
         """The report's figures: each rank's score and own time per step, each node's score, the highest."""

@@ -59,26 +59,37 @@ def reserve_for(config: Config) -> Reserve:
 @dataclass(frozen=True)
 class Strategy:
     """How the model is spread: ``sharded`` (FSDP over the data-parallel ranks) or replicated (DDP),
-    ``tensor_parallel`` ways of tensor parallelism first, and activation checkpointing."""
+    ``tensor_parallel`` ways of tensor parallelism first, and activation checkpointing. HSDP
+    (``replicate`` > 1) shards over groups of ``data-parallel ranks / replicate`` only."""
 
     name: str
     sharded: bool
     tensor_parallel: int = 1
     activation_checkpointing: Literal["none", "full", "every_n"] = "none"
     every_n: int = 2
+    replicate: int = 1
+
+    def shards(self, world_size: int) -> int:
+        """How many ways each parameter is sharded (FSDP's dim-0 split): 1 replicated (DDP)."""
+        if not self.sharded:
+            return 1
+        return max(1, world_size // self.tensor_parallel // self.replicate)
 
 
 def strategy_of(config: Config) -> Strategy:
     """The config's own ``parallel`` settings as a Strategy."""
     par = config.parallel
     tp = int(getattr(par, "tensor_parallel", 1) or 1)
-    name = par.strategy + (f"+tp{tp}" if tp > 1 else "") + ("+ac" if par.activation_checkpointing != "none" else "")
+    replicate = par.fsdp.replicate if par.strategy == "fsdp" else 1
+    kind = "hsdp" if replicate > 1 else par.strategy
+    name = kind + (f"+tp{tp}" if tp > 1 else "") + ("+ac" if par.activation_checkpointing != "none" else "")
     return Strategy(
         name=name,
         sharded=par.strategy == "fsdp",
         tensor_parallel=tp,
         activation_checkpointing=par.activation_checkpointing,
         every_n=par.activation_checkpointing_every_n,
+        replicate=replicate,
     )
 
 
@@ -297,7 +308,7 @@ def fixed_bytes(config: Config, world_size: int, strategy: Strategy, profile: Mo
     """Every term but activations (which grow with the micro-batch)."""
     tp = strategy.tensor_parallel
     dp = max(1, world_size // tp)
-    shards = dp if strategy.sharded else 1
+    shards = strategy.shards(world_size)  # HSDP: a shard group's ranks, not every data-parallel rank
     states, per_tensor = optimizer_states(config)
     params = sum(local_numel(p, tp, shards) * p.itemsize for p in profile.params)
     optimizer = states * params + per_tensor * len(profile.params)

@@ -1,13 +1,16 @@
 """``trainforge plan``: which parallel strategy fits a config on N GPUs, before any GPU is used.
 
 Every strategy that applies (ddp, fsdp, fsdp with activation checkpointing, fsdp x tensor
-parallelism 2/4/8 ways, with and without checkpointing) is estimated from one fake-tensor profile of
-the model (``worker/capacity/estimate.py``); the first that fits, in the order of ``STRATEGIES``, is recommended.
+parallelism 2/4/8 ways, with and without checkpointing, and on more than one node HSDP beside each
+fsdp row) is estimated from one fake-tensor profile of the model (``worker/capacity/estimate.py``);
+the first that fits, in the order of ``candidate_strategies``, is recommended.
 Figures are GiB (2^30 bytes), as ``torch.cuda`` and nvidia-smi count them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from rich.console import Console
@@ -27,6 +30,7 @@ from trainforge.worker.capacity.estimate import (
 )
 
 TENSOR_PARALLEL = (2, 4, 8)
+GPUS_PER_NODE = 8  # HSDP's shard groups are whole nodes of this many GPUs
 PARTS = ("params", "grads", "optimizer", "activations", "buffers", "reserve", "total")
 
 
@@ -46,9 +50,34 @@ def candidate_strategies(profile: ModelProfile, gpus: int) -> tuple[list[Strateg
     return chosen, skipped
 
 
+def with_hsdp(
+    strategies: list[Strategy], fits: Callable[[Strategy], bool], gpus: int, node: int = GPUS_PER_NODE
+) -> list[Strategy]:
+    """Beside (before) every fsdp strategy on more than one node, its HSDP variant: sharded within
+    the smallest group of whole nodes (1, 2, 4, ... nodes that divide ``gpus``) whose state fits,
+    else the largest, and replicated across the groups. HSDP comes first: its all-gathers and
+    reduce-scatters stay inside a group, and only an all-reduce of each shard crosses groups."""
+    groups = [n * node for n in (1 << i for i in range(16)) if n * node < gpus and gpus % (n * node) == 0]
+    chosen: list[Strategy] = []
+    for strategy in strategies:
+        # A group holds tensor-parallel groups of tp GPUs, and at least two shards of each.
+        tp = strategy.tensor_parallel
+        variants = [
+            replace(strategy, name="hsdp" + strategy.name.removeprefix("fsdp"), replicate=gpus // group)
+            for group in groups
+            if group // tp >= 2
+        ]
+        if strategy.sharded and strategy.replicate == 1 and variants:
+            chosen.append(next((v for v in variants if fits(v)), variants[-1]))
+        chosen.append(strategy)
+    return chosen
+
+
 def settings_of(strategy: Strategy) -> dict[str, Any]:
     """The config keys that select ``strategy``."""
     settings: dict[str, Any] = {"parallel.strategy": "fsdp" if strategy.sharded else "ddp"}
+    if strategy.replicate > 1:
+        settings["parallel.fsdp.replicate"] = strategy.replicate
     if strategy.tensor_parallel > 1:
         settings["parallel.tensor_parallel"] = strategy.tensor_parallel
     settings["parallel.activation_checkpointing"] = strategy.activation_checkpointing
@@ -61,6 +90,11 @@ def plan_memory(config: Config, gpus: int, gpu_memory_gb: float) -> dict[str, An
     memory = int(gpu_memory_gb * GIB)
     reserve = GPU_RESERVE.of(memory)
     strategies, skipped = candidate_strategies(profile, gpus)
+
+    def fits(strategy: Strategy) -> bool:
+        return rank_breakdown(config, gpus, strategy, profile=profile).total + reserve <= memory
+
+    strategies = with_hsdp(strategies, fits, gpus)
     rows = []
     for strategy in strategies:
         parts = rank_breakdown(config, gpus, strategy, profile=profile)
@@ -70,6 +104,8 @@ def plan_memory(config: Config, gpus: int, gpu_memory_gb: float) -> dict[str, An
             {
                 "name": strategy.name,
                 "tensor_parallel": strategy.tensor_parallel,
+                "replicate": strategy.replicate,
+                "shards": strategy.shards(gpus),
                 "activation_checkpointing": strategy.activation_checkpointing != "none",
                 "per_gpu_gb": {name: gib(value) for name, value in held.items()},
                 "fits": total <= memory,
@@ -112,7 +148,8 @@ def plan_table(report: dict[str, Any]) -> Table:
         figures = [f"{row['per_gpu_gb'][part]:.2f}" for part in PARTS]
         fits = "yes" if row["fits"] else "[red]no[/]"
         mark = " *" if row["name"] == report["recommended"] else ""
-        table.add_row(row["name"] + mark, *figures, fits, str(row["max_micro_batch"]))
+        groups = f" {row['replicate']}x{row['shards']}" if row["replicate"] > 1 else ""  # replicas x shards
+        table.add_row(row["name"] + groups + mark, *figures, fits, str(row["max_micro_batch"]))
     return table
 
 
