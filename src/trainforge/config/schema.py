@@ -455,6 +455,30 @@ class SyncConfig(Section):
     momentum: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.9  # nesterov only (DiLoCo's 0.9)
 
 
+class PipelineConfig(Section):
+    """``parallel.pipeline``: a built-in decoder cut into ``stages`` at block boundaries, one stage
+    per worker of a pipeline, run by a torch.distributed.pipelining schedule (worker/pipeline.py)."""
+
+    stages: Annotated[int, Field(ge=2, le=64)]
+    schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b"
+    microbatches: Annotated[int, Field(ge=1, le=1024)] = 1  # pipeline micro-batches per training micro-batch
+    # The blocks of each stage (default: equal counts; embeddings on the first, norm and head on the last).
+    split: Annotated[list[Annotated[int, Field(ge=1)]], Field(min_length=2, max_length=64)] | None = None
+
+    @field_validator("schedule")
+    @classmethod
+    def _implemented(cls, value: str) -> str:
+        if value == "interleaved_1f1b":
+            raise ValueError("interleaved_1f1b: not yet (use gpipe or 1f1b)")
+        return value
+
+    @model_validator(mode="after")
+    def _split_stages(self) -> PipelineConfig:
+        if self.split is not None and len(self.split) != self.stages:
+            raise ValueError(f"split {self.split} must give {self.stages} block counts, one per stage")
+        return self
+
+
 class ParallelConfig(Section):
     """How the model is spread over the workers, and the memory/speed switches of its blocks."""
 
@@ -474,6 +498,12 @@ class ParallelConfig(Section):
     bucket_cap_mb: Annotated[float, Field(gt=0, le=1 << 16)] | None = None  # None: DDP's default, 25
     static_graph: bool = False
     sync: SyncConfig | None = None  # local SGD / DiLoCo instead of a gradient all-reduce every step
+    pipeline: PipelineConfig | None = None  # the workers form a (pipeline x data-parallel) mesh
+
+    @property
+    def stages(self) -> int:
+        """Pipeline stages (1 without ``pipeline``): with tensor_parallel, the workers per batch."""
+        return self.pipeline.stages if self.pipeline is not None else 1
 
     @model_validator(mode="after")
     def _communication(self) -> ParallelConfig:
@@ -807,7 +837,8 @@ class Config(Section):
         workers, global_batch = self.scaling.num_workers, self.train.global_batch_size
         # An elastic [min, max] is checked by the workers, against the count they start with.
         if global_batch is not None and isinstance(workers, int):
-            replicas = max(1, workers // self.parallel.tensor_parallel)  # a tensor-parallel group reads one batch
+            # A tensor-parallel group, and the stages of a pipeline, read one batch.
+            replicas = max(1, workers // (self.parallel.tensor_parallel * self.parallel.stages))
             of = f"scaling.num_workers {workers}" + (
                 f" / parallel.tensor_parallel {self.parallel.tensor_parallel}" if replicas != workers else ""
             )
@@ -861,6 +892,48 @@ class Config(Section):
                     f"the data-parallel workers (scaling.num_workers {self.scaling.num_workers} / tensor_parallel {tp})"
                 )
             raise ValueError(f"parallel.fsdp.replicate {replicate} must divide {of}: replicas are groups of equal size")
+
+    @model_validator(mode="after")
+    def _pipeline_fits(self) -> Config:
+        """What ``parallel.pipeline`` runs with: fixed workers its stages divide, micro-batches that
+        divide ``train.batch_size``, a built-in decoder, and none of what it does not support yet."""
+        pipeline, parallel = self.parallel.pipeline, self.parallel
+        if pipeline is None:
+            return self
+        workers, batch = self.scaling.num_workers, self.train.batch_size
+        if isinstance(workers, tuple) or workers % pipeline.stages:
+            raise ValueError(
+                f"parallel.pipeline.stages {pipeline.stages} must divide a fixed scaling.num_workers "
+                f"(it is {list(workers) if isinstance(workers, tuple) else workers})"
+            )
+        if not isinstance(batch, int) or batch % pipeline.microbatches:
+            raise ValueError(
+                f"parallel.pipeline.microbatches {pipeline.microbatches} must divide train.batch_size "
+                f"(the per-replica micro-batch; it is {batch})"
+            )
+        if not (self.model.name or "").startswith(("llama_", "gpt2_")):
+            raise ValueError(
+                f"parallel.pipeline splits the built-in decoders (llama_*, gpt2_*) only; model is {self.model.name}"
+            )
+        unsupported = {
+            "parallel.tensor_parallel > 1": parallel.tensor_parallel > 1,
+            "parallel.strategy fsdp": parallel.strategy != "ddp",
+            "parallel.grad_compression": parallel.grad_compression != "none",
+            "parallel.bucket_cap_mb": parallel.bucket_cap_mb is not None,
+            "parallel.static_graph": parallel.static_graph,
+            "parallel.sync": parallel.sync is not None,
+            "parallel.compile": parallel.compile,
+            f"model.task {self.model.task}": self.model.task not in (None, "causal_lm"),
+            "model.lora": self.model.lora is not None,
+            "model.pretrained": self.model.pretrained is not None,
+            "train.ema": self.train.ema is not None,
+            "train.anomaly": self.train.anomaly is not None,
+            "precision bf16/fp16": self.precision != "fp32",
+        }
+        for key, used in unsupported.items():
+            if used:
+                raise ValueError(f"parallel.pipeline does not run with {key} yet")
+        return self
 
     @model_validator(mode="after")
     def _task_fits_targets(self) -> Config:

@@ -44,6 +44,7 @@ from trainforge.worker.components.data import DataSource
 from trainforge.worker.components.training import Progress
 from trainforge.worker.optim import build_optimizer, effective_lr, group_parameters
 from trainforge.worker.params import freeze
+from trainforge.worker.pipeline import PipelinePlan, check_pipeline
 from trainforge.worker.plan import ParallelPlan, all_reduce_max, build_plan
 from trainforge.worker.registry import build_components
 from trainforge.worker.schedule import build_scheduler
@@ -123,7 +124,7 @@ def build(
         torch.use_deterministic_algorithms(True, warn_only=True)
         torch.backends.cudnn.benchmark = False
 
-    layout = Layout(rank, world, config.parallel.tensor_parallel)
+    layout = Layout(rank, world, config.parallel.tensor_parallel, pp=config.parallel.stages)
     # A tensor-parallel group reads one batch: the data is split over the data-parallel ranks.
     if stream is not None and feed is None:
         feed = StreamFeed(
@@ -162,7 +163,10 @@ def build(
             check_fits(plain, config.model, data.spec, data.train_set[0], task)
         finally:
             restore_rng(drawn)
-    plan = build_plan(config.parallel, device, sync_batchnorm=config.train.sync_batchnorm, layout=layout)
+    if config.parallel.pipeline is not None:
+        plan: ParallelPlan = PipelinePlan(config.parallel, device, layout=layout)
+    else:
+        plan = build_plan(config.parallel, device, sync_batchnorm=config.train.sync_batchnorm, layout=layout)
     plan.adapters_only = config.model.lora is not None
     model = plan.wrap(plain)
     if config.model.lora is None:
@@ -206,7 +210,7 @@ def check_block_names(config: Config) -> None:
     plan and heads it divides: build the model on the meta device (no memory, no weights) and
     look, so that a mistake fails before Ray starts. One-line errors naming what exists."""
     parallel = config.parallel
-    if not parallel.fsdp.wrap and parallel.tensor_parallel == 1:
+    if not parallel.fsdp.wrap and parallel.tensor_parallel == 1 and parallel.pipeline is None:
         return
     _, _, spec = build_datasets(config.data, config.seed)
     with torch.device("meta"):
@@ -215,6 +219,8 @@ def check_block_names(config: Config) -> None:
         repeated_blocks(model, parallel.fsdp.wrap)
     if parallel.tensor_parallel > 1:
         check_tensor_parallel(model, parallel.tensor_parallel, parallel.tp_plan)
+    if parallel.pipeline is not None:
+        check_pipeline(model, parallel.pipeline.stages, parallel.pipeline.split)
 
 
 def check_model_output(config: Config) -> None:
@@ -348,7 +354,7 @@ def evaluate_model(run: WorkerRun, prefix: str, loaders: list[Any]) -> dict[str,
             if first is None:  # a rank with no samples of its own still joins each forward
                 first = batch if batch is not None else collate_of(run.val_set)([run.val_set[0]])
             with run.runner.autocast():
-                stats = run.task.eval_step(model, eval_batch(run, batch if batch is not None else first))
+                stats = run.plan.eval_step(model, run.task, eval_batch(run, batch if batch is not None else first))
             if batch is None:
                 continue
             for name, value in stats.items():

@@ -37,6 +37,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from trainforge.config import ParallelConfig
+from trainforge.models import Task
 from trainforge.worker.blocks import apply_activation_checkpointing, compile_blocks, repeated_blocks, to_channels_last
 from trainforge.worker.collectives import world_size
 from trainforge.worker.compression import Compression, compress, ddp_options
@@ -60,6 +61,7 @@ class ParallelPlan:
     compression: Compression | None = None  # parallel.grad_compression's DDP hook (worker/compression.py)
     adapters_only: bool = False  # model.lora: weights saved and restored are the trainable adapters only
     name = "ddp"
+    pipelined = False  # the plan runs each micro-batch's forward and backward itself (worker/pipeline.py)
 
     @property
     def sharded(self) -> bool:
@@ -168,6 +170,14 @@ class ParallelPlan:
         else:
             norm = torch.nn.utils.get_total_norm(grads)
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+    def forward_backward(self, model: nn.Module, task: Task, batch: Any, accum: int) -> dict[str, torch.Tensor]:
+        """A pipelined plan's forward and backward of one micro-batch, its metric sums (``pipelined`` only)."""
+        raise NotImplementedError(f"{self.layout_name} runs forward and backward in the step")
+
+    def eval_step(self, model: nn.Module, task: Task, batch: Any) -> dict[str, torch.Tensor]:
+        """One validation batch's metric sums on ``eval_model(model)``."""
+        return task.eval_step(model, batch)
 
     def eval_model(self, model: nn.Module) -> nn.Module:
         """The module evaluation runs: the plain one (no DDP hooks; ranks may run different counts)."""

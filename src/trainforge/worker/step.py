@@ -156,6 +156,13 @@ class StepRunner:
                 kept.append(batch)
 
             start = time.perf_counter()
+            if self.plan.pipelined:  # forward and backward stage to stage, in one schedule step
+                with self.plan.gradient_sync(self.model, last), self.autocast():
+                    stats = self.plan.forward_backward(self.model, self.task, batch, accum)
+                for name, value in stats.items():
+                    step_sums.add(name, value)
+                times.compute_s += self._elapsed(start)
+                continue
             # Gradients are communicated in backward; only the last micro-batch's needs to.
             with self.plan.gradient_sync(self.model, last):
                 forward_started = self._clock()

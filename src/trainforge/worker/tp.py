@@ -82,21 +82,28 @@ UserPlan = Callable[[nn.Module], Mapping[str, Any]]
 
 @dataclass(frozen=True)
 class Layout:
-    """Where a worker sits in the (data-parallel x tensor-parallel) grid. Ranks of one
-    tensor-parallel group are consecutive (on one node when Ray packs them), and read the same batch."""
+    """Where a worker sits in the (pipeline x data-parallel x tensor-parallel) grid. Ranks of one
+    tensor-parallel group are consecutive (on one node when Ray packs them), and read the same batch;
+    so do the stages of one pipeline (``pp``), whose ranks are ``world / pp`` apart."""
 
     rank: int
     world: int
     tp: int = 1
+    pp: int = 1
 
     @property
     def dp(self) -> int:
         """Data-parallel width: how many different batches one step reads."""
-        return self.world // self.tp
+        return self.world // (self.tp * self.pp)
 
     @property
     def dp_rank(self) -> int:
-        return self.rank // self.tp
+        return (self.rank // self.tp) % self.dp
+
+    @property
+    def pp_rank(self) -> int:
+        """This rank's pipeline stage."""
+        return self.rank // (self.tp * self.dp)
 
     @property
     def tp_rank(self) -> int:

@@ -1,0 +1,328 @@
+"""Pipeline parallelism: a built-in decoder cut at block boundaries into stages, one stage per
+worker of a pipeline group, run by a ``torch.distributed.pipelining`` schedule.
+
+The split (``split_blocks``): equal blocks per stage (``parallel.pipeline.split`` gives the
+counts instead), the embeddings on the first stage, the final norm and the output head on the
+last. A stage keeps the whole model's module tree with the other stages' parts removed, so its
+parameters carry the whole model's names: its state is a slice of the unpipelined model's, and
+checkpoints move between pipelined and unpipelined layouts (worker/plan.py's ``PipelinePlan``).
+
+Each training micro-batch (``train.batch_size`` samples) runs as one schedule step over
+``parallel.pipeline.microbatches`` pipeline micro-batches; the loss of each is divided by their
+count and by the accumulation steps, so the summed gradients are those of the unpipelined step.
+Only the last stage sees the loss: it adds the batch's metric sums, the other stages add zeros
+under the same names, and the report's all-reduce makes them known to every rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+from trainforge.config import PipelineConfig
+from trainforge.errors import ConfigError
+from trainforge.models import Task
+from trainforge.worker.blocks import apply_activation_checkpointing
+from trainforge.worker.plan import ParallelPlan
+
+Stats = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Decoder:
+    """Where a built-in causal LM keeps its parts: attribute paths under the transformers model."""
+
+    base: str  # the stack: embeddings, blocks, final norm
+    first: tuple[str, ...]  # under base, on the first stage
+    blocks: str  # under base, the ModuleList of blocks
+    norm: str  # under base, on the last stage (with the model's lm_head)
+
+
+DECODERS = {
+    "LlamaForCausalLM": Decoder("model", ("embed_tokens",), "layers", "norm"),
+    "GPT2LMHeadModel": Decoder("transformer", ("wte", "wpe"), "h", "ln_f"),
+}
+
+
+def causal_lm_of(model: nn.Module) -> nn.Module:
+    """The transformers model of a built-in decoder (``llama_*``, ``gpt2_*``); ConfigError for
+    another model, or one whose output head shares its weight with the embeddings (which would
+    live on the first and the last stage at once)."""
+    inner = getattr(model, "model", None)
+    if inner is None or type(inner).__name__ not in DECODERS:
+        kind = type(inner if inner is not None else model).__name__
+        raise ConfigError(
+            f"parallel.pipeline splits the built-in decoders (llama_*, gpt2_*) only; this model is {kind}"
+        )
+    config = getattr(inner, "config", None)
+    if getattr(config, "tie_word_embeddings", False):
+        raise ConfigError(
+            "parallel.pipeline: the model ties its output head to its embeddings, which sit on different "
+            "stages; set model.kwargs.tie_word_embeddings: false"
+        )
+    return inner
+
+
+def block_count(model: nn.Module) -> int:
+    lm = causal_lm_of(model)
+    decoder = DECODERS[type(lm).__name__]
+    return len(getattr(getattr(lm, decoder.base), decoder.blocks))
+
+
+def split_blocks(blocks: int, stages: int, split: list[int] | None = None) -> list[range]:
+    """The blocks of each stage: ``split`` counts when given, else ``blocks / stages`` each."""
+    if split is not None:
+        if len(split) != stages or sum(split) != blocks:
+            raise ConfigError(
+                f"parallel.pipeline.split {split} must give {stages} stages' block counts summing to the "
+                f"model's {blocks} blocks"
+            )
+        counts = split
+    else:
+        if blocks % stages:
+            raise ConfigError(
+                f"parallel.pipeline.stages {stages} must divide the model's {blocks} blocks "
+                "(or give parallel.pipeline.split, the blocks of each stage)"
+            )
+        counts = [blocks // stages] * stages
+    starts = [sum(counts[:i]) for i in range(stages)]
+    return [range(start, start + count) for start, count in zip(starts, counts, strict=True)]
+
+
+def check_pipeline(model: nn.Module, stages: int, split: list[int] | None) -> None:
+    """Before Ray starts: a built-in decoder whose blocks the stages divide. One-line ConfigError."""
+    split_blocks(block_count(model), stages, split)
+
+
+class Stage(nn.Module):
+    """One stage of a built-in decoder. ``model`` is the transformers model with the other stages'
+    parts removed, under the name the built-ins' wrapper (``HFLogits``) gives it: the parameter
+    names are the whole model's."""
+
+    def __init__(self, wrapped: nn.Module, index: int, stages: int, blocks: range) -> None:
+        super().__init__()
+        self.model = causal_lm_of(wrapped)
+        self.decoder = DECODERS[type(self.model).__name__]
+        self.index, self.first, self.last = index, index == 0, index == stages - 1
+        base = getattr(self.model, self.decoder.base)
+        every = getattr(base, self.decoder.blocks)
+        # A ModuleDict keyed by the block's index in the whole model keeps its parameters' names.
+        setattr(base, self.decoder.blocks, nn.ModuleDict({str(i): every[i] for i in blocks}))
+        if not self.first:
+            for name in self.decoder.first:
+                setattr(base, name, None)
+        if not self.last:
+            setattr(base, self.decoder.norm, None)
+            self.model.register_module("lm_head", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Token ids (first stage) or the previous stage's hidden states -> hidden states, or
+        the logits on the last stage."""
+        base = getattr(self.model, self.decoder.base)
+        positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+        blocks = getattr(base, self.decoder.blocks).values()
+        if self.decoder.base == "model":  # Llama: rotary positions in every block, causal attention
+            hidden = base.embed_tokens(x) if self.first else x
+            rotary = base.rotary_emb(hidden, position_ids=positions)
+            for block in blocks:
+                hidden = block(hidden, attention_mask=None, position_embeddings=rotary, position_ids=positions)
+        else:  # GPT-2: learned positions added to the first stage's embeddings
+            hidden = base.drop(base.wte(x) + base.wpe(positions)) if self.first else x
+            for block in blocks:
+                hidden = block(hidden, None, None)
+        if not self.last:
+            return hidden
+        head = cast(nn.Module, self.model.lm_head)
+        return cast(torch.Tensor, head(getattr(base, self.decoder.norm)(hidden)))
+
+
+class Pipeline:
+    """This worker's stage under its schedule: one call runs a training micro-batch's forward and
+    backward over the pipeline micro-batches; the batch's metric sums on the last stage."""
+
+    def __init__(
+        self,
+        stage: Stage,
+        stages: int,
+        schedule: str,
+        microbatches: int,
+        group: Any,
+        device: torch.device,
+        task: Task,
+    ) -> None:
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+        self.stage = stage
+        self.microbatches = microbatches
+        self.task = task
+        # The names the last stage's sums have (the task's, from a one-token stand-in): the other
+        # stages report zeros under them, so every rank's report vector has the same layout.
+        one = torch.zeros(1, 2), torch.zeros(1, dtype=torch.long)
+        self.metric_names = sorted(task.sums(torch.zeros(()), *one))
+        self.scale = 1.0  # 1 / (microbatches x accumulation steps), set per call
+        self._stats: list[Stats] = []
+        kinds: dict[str, Callable[..., Any]] = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+        runner = PipelineStage(stage, stage.index, stages, device, group=group)
+        # scale_grads=False: the loss carries the scale, so accumulated gradients are not rescaled.
+        self.schedule = kinds[schedule](runner, microbatches, loss_fn=self._loss, scale_grads=False)
+
+    def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        loss = self.task.loss(output, target)
+        self._stats.append(self.task.sums(loss, output, target))
+        return loss * self.scale
+
+    def step(self, batch: tuple[torch.Tensor, torch.Tensor], accum: int) -> Stats:
+        """Forward and backward of one training micro-batch on this stage; its metric sums (zeros
+        off the last stage)."""
+        inputs, targets = batch
+        self.scale = 1.0 / (self.microbatches * accum)
+        self._stats = []
+        if self.stage.first:
+            self.schedule.step(inputs, target=targets if self.stage.last else None)
+        elif self.stage.last:
+            self.schedule.step(target=targets)
+        else:
+            self.schedule.step()
+        if not self.stage.last:
+            return {name: torch.zeros((), device=inputs.device) for name in self.metric_names}
+        # The first step also calls the loss once while it infers the stages' shapes, before the
+        # micro-batches: the last ``microbatches`` calls are the batch's.
+        stats = self._stats[-self.microbatches :]
+        return {name: torch.stack([s[name] for s in stats]).sum() for name in self.metric_names}
+
+
+class PipelinePlan(ParallelPlan):
+    """Pipeline stages x data parallel: the workers form a ``("pp", "dp")`` mesh, the ranks of a
+    stages of a replica ``world / pp`` ranks apart; each rank holds one stage of one replica.
+    A stage's gradients are averaged over its data-parallel group after the last micro-batch's
+    backward (one buffer per dtype, as for tensor-parallel replicas: the schedule drives the
+    backward, not DDP); the gradient norm is summed over the stages. A stage's state is keyed by
+    the whole model's names and written by every rank through torch.distributed.checkpoint, so
+    it loads into any layout and any layout's checkpoint loads into it."""
+
+    name = "ddp"
+    pipelined = True
+    stage: Stage | None = None
+    pipeline: Pipeline | None = None
+    full_names: tuple[str, ...] = ()  # the whole model's trainable parameters, in its order
+
+    @property
+    def sharded(self) -> bool:
+        return True
+
+    @property
+    def layout_name(self) -> str:
+        return f"{self.name} x pp{self.layout.pp}"
+
+    @property
+    def cut(self) -> PipelineConfig:
+        assert self.cfg.pipeline is not None  # a PipelinePlan is built for parallel.pipeline only
+        return self.cfg.pipeline
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        """This rank's stage of ``model`` (the other stages' parts dropped), on the device."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        model = model.to(self.device)
+        layout, cut = self.layout, self.cut
+        self.mesh = init_device_mesh(self.device.type, (layout.pp, layout.dp), mesh_dim_names=("pp", "dp"))
+        self.full_names = tuple(name for name, p in model.named_parameters() if p.requires_grad)
+        blocks = split_blocks(block_count(model), layout.pp, cut.split)[layout.pp_rank]
+        stage = Stage(model, layout.pp_rank, layout.pp, blocks)
+        self.stage = stage
+        self.notes.append(
+            f"pipeline: stage {layout.pp_rank + 1} of {layout.pp} (blocks {blocks.start}-{blocks.stop - 1}), "
+            f"{cut.schedule} over {cut.microbatches} micro-batches; ddp over {layout.dp} replicas"
+        )
+        if self.cfg.activation_checkpointing != "none":
+            found = list(getattr(getattr(stage.model, stage.decoder.base), stage.decoder.blocks).values())
+            count = apply_activation_checkpointing(
+                found, self.cfg.activation_checkpointing, self.cfg.activation_checkpointing_every_n
+            )
+            self.notes.append(f"activation checkpointing on {count} of {len(found)} blocks")
+        return stage
+
+    def forward_backward(self, model: nn.Module, task: Task, batch: Any, accum: int) -> Stats:
+        if self.pipeline is None:
+            cut = self.cut
+            group = self.mesh["pp"].get_group()
+            self.pipeline = Pipeline(
+                cast(Stage, model), self.layout.pp, cut.schedule, cut.microbatches, group, self.device, task
+            )
+        return self.pipeline.step(batch, accum)
+
+    def gradient_sync(self, model: nn.Module, sync: bool) -> contextlib.AbstractContextManager[object]:
+        if sync and self.layout.dp > 1:
+            return self._all_reduce_after(model)
+        return contextlib.nullcontext()
+
+    def grad_norm(self, params: list[nn.Parameter], clip: float | None) -> torch.Tensor:
+        """The norm over every stage's gradients (each replica's stages hold the same after the
+        data-parallel mean: the sum of squares is reduced over the pipeline group), clipped by it."""
+        grads = [p.grad for p in params if p.grad is not None]
+        squares = torch.zeros((), dtype=torch.float64, device=self.device)
+        if grads:
+            squares = torch.stack(torch._foreach_norm(grads)).double().square().sum()
+        dist.all_reduce(squares, group=self.mesh["pp"].get_group())
+        total = squares.sqrt().float()
+        if clip is not None and grads:
+            torch._foreach_mul_(grads, torch.clamp(clip / (total + 1e-6), max=1.0))
+        return total
+
+    @property
+    def eval_in_lockstep(self) -> bool:
+        return True  # a forward passes through every stage
+
+    def eval_step(self, model: nn.Module, task: Task, batch: Any) -> Stats:
+        """A validation batch through the stages one after another (whole, no micro-batches): the
+        metric sums on the last stage, none elsewhere."""
+        stage = cast(Stage, model)
+        inputs, targets = batch
+        group, here = self.mesh["pp"].get_group(), self.layout.pp_rank
+        if stage.first:
+            hidden = stage(inputs)
+        else:
+            width = int(cast(Any, stage.model).config.hidden_size)
+            received = torch.empty((*inputs.shape, width), device=self.device)
+            dist.recv(received, group=group, group_src=here - 1)
+            hidden = stage(received)
+        if not stage.last:
+            dist.send(hidden.float().contiguous(), group=group, group_dst=here + 1)
+            return {}
+        return task.sums(task.loss(hidden, targets), hidden, targets)
+
+    def full_model_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """Every stage's weights gathered to rank 0 (empty elsewhere): the whole model."""
+        mine = {k: v.detach().cpu() for k, v in model.state_dict().items()} if self.layout.dp_rank == 0 else {}
+        gathered: list[Any] = [None] * dist.get_world_size() if self.layout.rank == 0 else []
+        dist.gather_object(mine, gathered if self.layout.rank == 0 else None, dst=0)
+        return {k: v for part in gathered for k, v in part.items()}
+
+    def load_full_model_state(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+        """The whole model's weights: this stage takes its own, strictly."""
+        own = model.state_dict()
+        missing = sorted(set(own) - set(state))
+        if missing:
+            raise ValueError(f"the checkpoint's weights lack this stage's {missing[:3]}")
+        model.load_state_dict({name: state[name] for name in own}, strict=True)
+
+    def load_full_optimizer_state(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+    ) -> None:
+        """A whole model's optimizer state (keyed by its parameters' order): this stage's part."""
+        names, mine = self.full_names, {name for name, _ in model.named_parameters()}
+        if sum(len(g["params"]) for g in state["param_groups"]) != len(names):
+            raise ValueError(f"the checkpoint's optimizer holds another parameter count than the model's {len(names)}")
+        groups = [{**g, "params": [names[i] for i in g["params"] if names[i] in mine]} for g in state["param_groups"]]
+        named = {
+            "state": {names[int(i)]: s for i, s in state["state"].items() if names[int(i)] in mine},
+            "param_groups": [g for g in groups if g["params"]],
+        }
+        set_optimizer_state_dict(model, optimizer, cast(Any, named), options=StateDictOptions(full_state_dict=True))
