@@ -99,12 +99,21 @@ def state_at(run_dir: Path, step: int, key_env: str | None) -> dict[str, torch.T
 @pytest.mark.slow
 @pytest.mark.usefixtures("ray_local")
 @pytest.mark.parametrize(
-    ("key_env", "warm"), [(None, False), (KEY_ENV, False), (None, True)], ids=["plaintext", "encrypted", "warm"]
+    ("key_env", "warm", "replace"),
+    [(None, False, "worker"), (KEY_ENV, False, "group"), (None, True, "group")],
+    ids=["replaced", "encrypted", "warm"],
 )
 def test_worker_killed_mid_epoch_resumes_bit_identical(
-    tmp_path: Path, straight: Callable[[str, dict], trainforge.RunResult], key_env: str | None, warm: bool
+    tmp_path: Path,
+    straight: Callable[[str, dict], trainforge.RunResult],
+    key_env: str | None,
+    warm: bool,
+    replace: str,
 ) -> None:
-    """Encrypted (checkpoint.encryption): the worker restarts from sealed checkpoints, decrypted
+    """Replaced (failure.replace: worker): Ray Train replaces the killed worker alone; the other
+    keeps its process, rejoins the process group with the replacement (worker/rejoin.py), and the
+    run is the uninterrupted one's, bit for bit. Encrypted (checkpoint.encryption, the whole group
+    restarted): the workers restart from sealed checkpoints, decrypted
     with the key from its environment, and the run is the plaintext one's, bit for bit. Warm
     (scaling.reuse_workers): the run trains on a warm worker group (driver/warm.py), one of whose
     workers is killed; it continues under Ray Train from the newest checkpoint, bit for bit the
@@ -121,16 +130,21 @@ def test_worker_killed_mid_epoch_resumes_bit_identical(
         sections = {**sections, "checkpoint": {"every_n_steps": 20, "encryption": {"key_env": key_env}}}
     if warm:
         sections = {**sections, "scaling": {**sections["scaling"], "reuse_workers": True}}
+    sections = {**sections, "failure": {"replace": replace}}
     resumed = trainforge.fit(paced_config(tmp_path / "killed", **sections))
     if warm:
         assert "WarmWorker" in killed.get("title", ""), killed
+    if replace == "worker":
+        (survivor,) = set(killed["pids"]) - {killed["pid"]}
+        rejoined = [line for line in (run_dir / "workers.log").read_text().splitlines() if "rejoining" in line]
+        assert len(rejoined) == 1 and f"(pid {survivor})" in rejoined[0], rejoined
 
     assert killed, "no worker was killed"
     summary = resumed.summary
     assert summary["status"] == "finished"
     assert summary["restarts"] == 1
     assert len(summary["recovery_s"]) == 1, summary["recovery_s"]
-    print(f"\nworker killed ({'warm' if warm else 'Ray Train'} group): recovery_s {summary['recovery_s']}")
+    print(f"\nworker killed ({'warm' if warm else 'Ray Train'} group, replace {replace}): recovery_s {summary['recovery_s']}")
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     events = [e.text for line in lines for e in events_of(json.loads(line))]
     assert any(e.startswith("resumed from") and "checkpoint_0000000" in e for e in events), events

@@ -67,7 +67,7 @@ def kill_a_worker_after(marker: Path, timeout_s: float = 180) -> dict[str, Any]:
             with contextlib.suppress(psutil.Error):
                 done["title"] = " ".join(psutil.Process(victim).cmdline())
             os.kill(victim, signal.SIGKILL)
-            done["pid"], done["at"] = victim, time.time()
+            done["pid"], done["at"], done["pids"] = victim, time.time(), pids
 
     threading.Thread(target=watch, daemon=True).start()
     return done

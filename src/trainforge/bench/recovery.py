@@ -257,6 +257,7 @@ def variants(kind: str) -> list[Variant]:
     if kind == "killed":
         return [
             Variant("trainforge", "", trainforge_run({})),
+            Variant("trainforge", "failure.replace: worker", trainforge_run({"replace": "worker"})),
             Variant("Ray Train alone", "", ray_train_run(timeout_s=300)),
         ]
     return [

@@ -615,6 +615,9 @@ class StragglerConfig(Section):
 
 class FailureConfig(Section):
     max_failures: Annotated[int, Field(ge=-1, le=MAX_COUNT)] = 3
+    # What a failed worker costs: the whole group restarted (Ray Train's default), or only the failed
+    # worker replaced while the others keep their processes and rejoin (driver/replace.py).
+    replace: Literal["group", "worker"] = "group"
     collective_timeout_s: Annotated[float, Field(ge=1.0, le=MAX_SECONDS)] = 300.0  # whole seconds reach gloo/NCCL: >= 1
     hang: HangConfig = Field(default_factory=HangConfig)
     straggler: StragglerConfig | None = Field(default_factory=StragglerConfig)  # null: scores only, nobody named

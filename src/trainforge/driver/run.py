@@ -39,6 +39,7 @@ from trainforge.driver.cost import CostMeter
 from trainforge.driver.events import ForwardingCallback, Pump, StartupCallback, start_mailbox
 from trainforge.driver.hangs import HangDoctor
 from trainforge.driver.ray_session import ray_logs_to, ray_session, resolve_address
+from trainforge.driver.replace import ReplacingTorchConfig
 from trainforge.driver.rerun import check_rerun, record_changes
 from trainforge.driver.runlock import run_locks
 from trainforge.driver.startup import Timeline
@@ -98,6 +99,11 @@ def build_trainer(
     # workers as Ray Train's dataset shards. Decided here, once: the workers follow the payload.
     stream = open_stream(config.data, config.seed, progress=log.info)
     if stream is not None:
+        if config.failure.replace == "worker":
+            raise ConfigError(
+                "failure.replace worker: a streamed data source is split by Ray Data across the whole "
+                "worker group, which a replaced worker cannot rejoin; use failure.replace: group"
+            )
         streamed = {"datasets": stream.datasets(), "dataset_config": ordered_split_config()}
         log.info(
             "streaming %d training rows%s from %s",
@@ -111,7 +117,9 @@ def build_trainer(
         train_loop_config={PAYLOAD_KEY: payload},
         # The process group's timeout (gloo and NCCL collectives); rounded up, as 0 s would make
         # init_process_group itself time out.
-        torch_config=TorchConfig(timeout_s=math.ceil(config.failure.collective_timeout_s)),
+        torch_config=(ReplacingTorchConfig if config.failure.replace == "worker" else TorchConfig)(
+            timeout_s=math.ceil(config.failure.collective_timeout_s)
+        ),
         scaling_config=ScalingConfig(
             num_workers=scaling.num_workers,
             use_gpu=scaling.use_gpu,

@@ -15,6 +15,7 @@ inter-op thread count, inference mode left on, or a module the process keeps who
 
 from __future__ import annotations
 
+import gc
 import importlib
 import importlib.machinery
 import logging
@@ -399,3 +400,15 @@ class Baseline:
             if name in sys.modules and stamp(origin) != then:
                 return f"module {name} changed on disk since this worker imported it ({origin})"
         return None
+
+
+def reset(baseline: Baseline) -> None:
+    """What one run leaves in the process that the next must not inherit: the process-wide state
+    goes back to ``baseline`` (worker/fresh.py: environment, working directory, torch's settings,
+    RNGs, the user's modules), the run's objects are collected, and CUDA's cached blocks are given
+    back. A warm group's process group stays (a rejoining worker destroys its own first)."""
+    baseline.restore()
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()

@@ -51,11 +51,13 @@ from trainforge.worker.autobatch import choose_batch, shrink_after_oom
 from trainforge.worker.build import WorkerRun, build, evaluate
 from trainforge.worker.callbacks import CallbackFailed, Callbacks, step_metrics
 from trainforge.worker.early_stopping import EarlyStopping, MetricMissing
+from trainforge.worker.fresh import Baseline, reset
 from trainforge.worker.hooks import Hooks, build_hooks
 from trainforge.worker.logs import shipped_logs
 from trainforge.worker.metrics import IntervalHistory, Signals, Throughput, reduce_metrics
 from trainforge.worker.preemption import for_worker as notice_watcher_for
 from trainforge.worker.profiling import StepProfiler
+from trainforge.worker.rejoin import Rendezvous, lost_peer, run_rejoining
 from trainforge.worker.rollback import roll_back
 from trainforge.worker.saving import Checkpointing, Restored, restore, run_store
 from trainforge.worker.step import MetricSums, StepOutOfMemory
@@ -73,7 +75,18 @@ def train_loop_per_worker(train_loop_config: dict[str, Payload]) -> Report | Use
     rank = ray.train.get_context().get_world_rank()
     with shipped_logs(payload.mailbox, rank, ray.util.get_node_ip_address()):
         # Rank 0 times its part of the run's start (driver/startup.py), sent after its first step.
-        return run_worker(payload, {"train_fn": entered} if rank == 0 else None)
+        rendezvous = Rendezvous.from_env()
+        if rendezvous is None:  # failure.replace: group (Ray Train formed the process group)
+            return run_worker(payload, {"train_fn": entered} if rank == 0 else None)
+        # failure.replace: worker: this process outlives a lost peer (worker/rejoin.py).
+        baseline = Baseline.capture()
+        return run_rejoining(
+            rendezvous,
+            rank,
+            lambda generation: run_worker(payload, {"train_fn": entered} if rank == 0 and not generation else None),
+            payload.config.failure.max_failures,
+            lambda: reset(baseline),
+        )
 
 
 def run_worker(
@@ -131,7 +144,7 @@ def run_worker(
     except Exception as err:
         # At the first step of a fresh run, an exception of the user's code (the model's forward,
         # the data) is one every attempt would raise; after steps, or on a resume, Ray restarts.
-        if session is None or not session.before_first_step or not is_user_code_error(err):
+        if session is None or not session.before_first_step or not is_user_code_error(err) or lost_peer(err):
             raise
         return UserError.of(user_code_error(err, "at the first step"))
     finally:

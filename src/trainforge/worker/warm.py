@@ -14,7 +14,6 @@ driver discard the whole group instead of handing it out again.
 from __future__ import annotations
 
 import datetime
-import gc
 import logging
 import os
 import socket
@@ -24,15 +23,15 @@ from typing import Any
 
 import ray
 import ray.tune.trainable.trainable_fn_utils  # see below
-import torch
 import torch.distributed as dist
 from ray.exceptions import ActorDiedError, RayError
 
 from trainforge.protocol import Payload, Report, UserError, merge_reports
 from trainforge.worker import collectives
-from trainforge.worker.fresh import Baseline
+from trainforge.worker.fresh import Baseline, reset
 from trainforge.worker.logs import shipped_logs
 from trainforge.worker.loop import run_worker
+from trainforge.worker.rejoin import set_local_ranks
 
 log = logging.getLogger("trainforge.worker")
 
@@ -87,16 +86,7 @@ class WarmWorker:
             timeout=datetime.timedelta(seconds=timeout_s),
         )
         self.rank, self.world = rank, world
-        # What torchrun (and Ray Train) set: the node's workers, numbered (metrics/worker/place.py).
-        nodes: list[str] = [""] * world
-        dist.all_gather_object(nodes, ray.util.get_node_ip_address())
-        local = [i for i, node in enumerate(nodes) if node == nodes[rank]]
-        os.environ.update(
-            RANK=str(rank),
-            WORLD_SIZE=str(world),
-            LOCAL_RANK=str(local.index(rank)),
-            LOCAL_WORLD_SIZE=str(len(local)),
-        )
+        set_local_ranks(rank, world)
         # What every run starts from: this process as a new worker's is before its first run.
         self.baseline = Baseline.capture()
         return rank
@@ -152,15 +142,3 @@ def end_this_actor(grace_s: float = 10.0) -> None:
     else:
         time.sleep(grace_s)
     os._exit(1)
-
-
-def reset(baseline: Baseline) -> None:
-    """What one run leaves in the process that the next must not inherit: the process-wide state
-    goes back to ``baseline`` (worker/fresh.py: environment, working directory, torch's settings,
-    RNGs, the user's modules), the run's objects are collected, and CUDA's cached blocks are given
-    back. The process group is the group's and stays."""
-    baseline.restore()
-    gc.collect()
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()

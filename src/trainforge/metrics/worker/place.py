@@ -6,10 +6,13 @@ import os
 
 
 def local_rank() -> int:
-    """Ray Train's local rank inside a Ray Train run; elsewhere (a warm worker group, worker/warm.py,
-    which sets it as torchrun does) the ``LOCAL_RANK`` variable, 0 when unset."""
+    """The ``LOCAL_RANK`` variable where it is set (Ray Train's torch backend, a warm worker group
+    and a rejoining worker set it as torchrun does: worker/warm.py, worker/rejoin.py); else Ray
+    Train's local rank inside a Ray Train run, 0 elsewhere."""
     import ray.train
 
+    if "LOCAL_RANK" in os.environ:
+        return int(os.environ["LOCAL_RANK"])
     try:
         return int(ray.train.get_context().get_local_rank())
     except RuntimeError:  # not inside a Ray Train training function
