@@ -142,6 +142,16 @@ def test_a_node_that_cannot_be_excluded_is_reported_with_the_reason(
     rule.act([event, note], 0, checkpoint=lambda: pytest.fail("a report saves nothing"))  # and raises nothing
 
 
+def test_two_stragglers_named_at_once_leave_the_run_its_minimum() -> None:
+    rule = excluding(["node-a", "node-b", "node-c"], min_workers=2)
+    said = rule.events([0, 1], 5)  # each alone could go; both would leave 1 rank of the minimum 2
+    assert [(e.rank, e.action) for e in said if isinstance(e, Straggler)] == [(0, "exclude"), (1, "report")]
+    assert [e.text for e in said if isinstance(e, Note)] == [
+        "step 5: rank 1's node 10.0.0.1 is not excluded: the other nodes run 1 rank(s), "
+        "fewer than scaling.num_workers' minimum 2"
+    ]
+
+
 def test_restart_raises_without_a_checkpoint_of_its_own() -> None:
     rule = watch()
     rule.rule = StragglerConfig(window_steps=10, action="restart")

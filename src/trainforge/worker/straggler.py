@@ -149,13 +149,11 @@ class StragglerWatch:
                 newly.append(rank)
         return newly
 
-    def event(self, rank: int, step: int) -> Straggler:
-        """The event that names ``rank``, with its node (rule set: ``observe`` named it); an
-        ``exclude`` that cannot be done is a ``report`` (``exclusion_problem`` says why)."""
+    def event(self, rank: int, step: int, *, excluding: bool = False) -> Straggler:
+        """The event that names ``rank``, with its node (rule set: ``observe`` named it); its action
+        is the rule's, but ``report`` for an ``exclude`` that is not ``excluding`` (``events`` decides)."""
         assert self.rule is not None
-        action = self.rule.action
-        if action == "exclude" and self.exclusion_problem(rank) is not None:
-            action = "report"
+        action = self.rule.action if self.rule.action != "exclude" or excluding else "report"
         return Straggler(
             step=step,
             rank=rank,
@@ -170,25 +168,32 @@ class StragglerWatch:
         )
 
     def events(self, ranks: list[int], step: int) -> list[Event]:
-        """The events that name ``ranks``, each with a note where ``exclude`` left its node in."""
+        """The events that name ``ranks``; under ``exclude``, each node excluded in rank order while
+        the ranks left suffice, and a note for each straggler whose node stays in."""
         said: list[Event] = []
+        leaving: set[str] = set()
         for rank in ranks:
-            event = self.event(rank, step)
+            problem = None
+            if self.rule is not None and self.rule.action == "exclude":
+                problem = self.exclusion_problem(rank, leaving)
+            event = self.event(rank, step, excluding=problem is None)
             said.append(event)
-            problem = self.exclusion_problem(rank) if self.rule is not None and self.rule.action == "exclude" else None
             if problem is not None:
                 said.append(Note(f"step {step}: rank {rank}'s node {event.node} is not excluded: {problem}", "warning"))
+            elif event.node_id is not None:
+                leaving.add(event.node_id)
         return said
 
-    def exclusion_problem(self, rank: int) -> str | None:
-        """Why ``rank``'s node cannot be excluded, or None: a node Ray does not name, the only node,
-        or one whose loss leaves fewer ranks than the run's minimum."""
+    def exclusion_problem(self, rank: int, leaving: set[str] | None = None) -> str | None:
+        """Why ``rank``'s node cannot be excluded (besides the nodes ``leaving``), or None: a node
+        Ray does not name, the only node, or one whose loss leaves fewer ranks than the run's minimum."""
         node_id = self.node_ids[rank] if rank < len(self.node_ids) else None
         if node_id is None:
             return "its Ray node is not known (not under Ray)"
-        left = sum(1 for other in self.node_ids if other != node_id)
+        gone = (leaving or set()) | {node_id}
+        left = sum(1 for other in self.node_ids if other not in gone)
         if left == 0:
-            return "every rank runs on it"
+            return "every rank runs on it" if not leaving else "no rank would be left"
         if left < self.min_workers:
             return f"the other nodes run {left} rank(s), fewer than scaling.num_workers' minimum {self.min_workers}"
         return None
