@@ -144,7 +144,10 @@ def test_worker_killed_mid_epoch_resumes_bit_identical(
     assert summary["status"] == "finished"
     assert summary["restarts"] == 1
     assert len(summary["recovery_s"]) == 1, summary["recovery_s"]
-    print(f"\nworker killed ({'warm' if warm else 'Ray Train'} group, replace {replace}): recovery_s {summary['recovery_s']}")
+    print(
+        f"\nworker killed ({'warm' if warm else 'Ray Train'} group, failure.replace {replace}): "
+        f"recovery_s {summary['recovery_s']}"
+    )
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     events = [e.text for line in lines for e in events_of(json.loads(line))]
     assert any(e.startswith("resumed from") and "checkpoint_0000000" in e for e in events), events

@@ -8,7 +8,9 @@ Faults are real, on one local Ray, 2 workers of bench/workload.py's small CNN, a
 
 Each through two peers:
 
-- **trainforge** (``trainforge.fit``): for a frozen worker with its hang detection (issue 37:
+- **trainforge** (``trainforge.fit``): with the whole group restarted (``failure.replace: group``,
+  the default) and with only the failed worker replaced (``failure.replace: worker``: the survivors
+  keep their processes); for a frozen worker with its hang detection (issue 37:
   ``failure.hang: {floor_s: 3, warmup_steps: 5}``, the ceiling at 60 s), and once more with it off
   and ``failure.collective_timeout_s: 10``, the path every run took before;
 - **Ray Train alone**: an idiomatic ``TorchTrainer`` loop that checkpoints with
@@ -265,6 +267,13 @@ def variants(kind: str) -> list[Variant]:
             "trainforge",
             "hang detection (floor 3 s)",
             trainforge_run({"collective_timeout_s": 60, "hang": {"floor_s": 3, "warmup_steps": 5}}),
+        ),
+        Variant(
+            "trainforge",
+            "hang detection (floor 3 s), failure.replace: worker",
+            trainforge_run(
+                {"replace": "worker", "collective_timeout_s": 60, "hang": {"floor_s": 3, "warmup_steps": 5}}
+            ),
         ),
         Variant(
             "trainforge",

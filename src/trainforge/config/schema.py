@@ -997,6 +997,24 @@ class Config(Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _replace_worker_limits(self) -> Config:
+        """``failure.replace: worker`` is Ray Train's replica-group replacement, which Ray (2.60) does
+        for a fixed-size group and without its preemption watcher (driver/replace.py)."""
+        if self.failure.replace != "worker":
+            return self
+        if isinstance(self.scaling.num_workers, tuple):
+            raise ValueError(
+                "failure.replace worker needs a fixed scaling.num_workers (Ray Train replaces a worker of a "
+                f"fixed-size group only); it is {list(self.scaling.num_workers)}: use failure.replace: group"
+            )
+        if self.failure.preemption.notice != "off":
+            raise ValueError(
+                f"failure.preemption.notice {self.failure.preemption.notice} needs failure.replace: group "
+                "(Ray Train's preemption watcher, which tells the workers, does not run for replaced workers)"
+            )
+        return self
+
     @property
     def run_dir(self) -> Path:
         return Path(self.run.output_dir).expanduser().resolve() / self.run.name
