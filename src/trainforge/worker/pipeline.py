@@ -24,11 +24,16 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
 
 from trainforge.config import PipelineConfig
 from trainforge.errors import ConfigError
 from trainforge.models import Task
+from trainforge.worker import collectives
 from trainforge.worker.blocks import apply_activation_checkpointing
 from trainforge.worker.plan import ParallelPlan
 
@@ -312,6 +317,31 @@ class PipelinePlan(ParallelPlan):
         if missing:
             raise ValueError(f"the checkpoint's weights lack this stage's {missing[:3]}")
         model.load_state_dict({name: state[name] for name in own}, strict=True)
+
+    def optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The stage's moments by the whole model's names, and parameter groups that list every
+        stage's parameters: torch.distributed.checkpoint keeps one copy of the groups (they are
+        keyed by position), which then reads as an unpipelined model's."""
+        state = cast(dict[str, Any], get_optimizer_state_dict(model, optimizer))
+        state["param_groups"] = self._whole_groups(state["param_groups"])
+        return state
+
+    def _whole_groups(self, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        every = cast(list[list[list[str]]], collectives.all_gather_objects([g["params"] for g in groups]))
+        stages = [every[stage * self.layout.dp] for stage in range(self.layout.pp)]  # each stage's first replica
+        if any(len(names) != len(groups) for names in stages):
+            raise ValueError(
+                f"parallel.pipeline: the stages' optimizers have {[len(n) for n in stages]} parameter groups; "
+                "a checkpoint needs the same groups on every stage"
+            )
+        return [{**g, "params": [name for names in stages for name in names[i]]} for i, g in enumerate(groups)]
+
+    def load_optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        """A sharded checkpoint's optimizer state: this stage's moments and its part of each group."""
+        mine = {name for name, _ in model.named_parameters()}
+        groups = [{**g, "params": [n for n in g["params"] if n in mine]} for g in state["param_groups"]]
+        own = {"state": state["state"], "param_groups": [g for g in groups if g["params"]]}
+        set_optimizer_state_dict(model, optimizer, cast(Any, own))
 
     def load_full_optimizer_state(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]

@@ -1,0 +1,153 @@
+"""Pipeline parallelism in the worker's Session, in gloo ranks without Ray (CPU): a llama_tiny cut
+into 2 stages x 2 data-parallel replicas on 4 workers has the losses of DDP on 2 workers (the same
+global batch), a run crashed and restarted ends bit-identical to the uninterrupted one, and its
+checkpoints resume under FSDP, and FSDP's under the pipeline.
+
+The runs of one world size share one start-up of their processes (tests/helpers/sessions.py):
+the uninterrupted, the crashed and the restarted pipelines in 4 ranks; DDP, FSDP and FSDP from the
+pipeline's checkpoint in 2; then the pipeline from FSDP's checkpoint in 4.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.helpers.ranks import spawn_ranks
+from tests.helpers.runs import tiny_run
+from tests.helpers.sessions import Outcome, sessions
+from tests.unit.test_session import final_state
+
+pytestmark = pytest.mark.slow  # about a minute: three start-ups of 2-4 gloo ranks, seven short runs
+
+STEPS, CRASH, SAVED = 16, 12, 8
+
+
+def lm_config(tmp: Path, workers: int, parallel: dict[str, Any], **checkpoint: Any) -> dict[str, Any]:
+    return tiny_run(
+        tmp,
+        model={"name": "llama_tiny", "kwargs": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2}},
+        data={"name": "synthetic", "kind": "tokens", "seq_len": 16, "vocab_size": 64, "num_samples": 1024},
+        train={
+            "max_steps": STEPS,
+            "batch_size": 8,
+            "log_every_n_steps": 1,
+            "eval_every_n_steps": 8,
+            "grad_clip_norm": 0.5,  # below the gradients' norm: the clipping by the global norm is exercised
+        },
+        optim={"name": "adamw", "lr": 3e-3, "weight_decay": 0.01},
+        scaling={"num_workers": workers},
+        parallel=parallel,
+        checkpoint={"every_n_steps": SAVED, "keep_last": 5, **checkpoint},
+        seed=3,
+    )
+
+
+PIPELINE = {"pipeline": {"stages": 2, "schedule": "1f1b", "microbatches": 4}}
+
+
+def run_all(world: int, runs: list[tuple[dict[str, Any], int | None]]) -> list[Outcome]:
+    """The runs one after another in the same ``world`` ranks; rank 0's outcome of each."""
+    return spawn_ranks(sessions, world, runs)[0]
+
+
+def saved_at(config: dict[str, Any], step: int) -> str:
+    return str(Path(config["run"]["output_dir"]) / "t" / f"checkpoint_{step:09d}")
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    tmp = tmp_path_factory.mktemp("pipeline")
+    configs = {
+        "pipeline": lm_config(tmp / "pipeline", 4, PIPELINE),
+        "crashed": lm_config(tmp / "crashed", 4, PIPELINE),
+        "ddp": lm_config(tmp / "ddp", 2, {"strategy": "ddp"}),
+        "fsdp": lm_config(tmp / "fsdp", 2, {"strategy": "fsdp"}),
+    }
+    configs["fsdp-from-pipeline"] = lm_config(
+        tmp / "fsdp-from-pipeline", 2, {"strategy": "fsdp"}, resume=saved_at(configs["pipeline"], SAVED)
+    )
+    configs["pipeline-from-fsdp"] = lm_config(
+        tmp / "pipeline-from-fsdp", 4, PIPELINE, resume=saved_at(configs["fsdp"], SAVED)
+    )
+    pipeline, crashed, restarted = run_all(
+        4, [(configs["pipeline"], None), (configs["crashed"], CRASH), (configs["crashed"], None)]
+    )
+    ddp, fsdp, fsdp_from_pipeline = run_all(
+        2, [(configs["ddp"], None), (configs["fsdp"], None), (configs["fsdp-from-pipeline"], None)]
+    )
+    (pipeline_from_fsdp,) = run_all(4, [(configs["pipeline-from-fsdp"], None)])
+    outcomes = {
+        "pipeline": pipeline,
+        "crashed": crashed,
+        "restarted": restarted,
+        "ddp": ddp,
+        "fsdp": fsdp,
+        "fsdp-from-pipeline": fsdp_from_pipeline,
+        "pipeline-from-fsdp": pipeline_from_fsdp,
+    }
+    return {"configs": configs, "outcomes": outcomes, "tmp": tmp}
+
+
+def largest_gap(a: dict[int, float], b: dict[int, float], steps: range) -> float:
+    return max(abs(a[step] - b[step]) / abs(a[step]) for step in steps)
+
+
+def test_pipelined_losses_equal_ddp_for_the_same_global_batch(trained: dict[str, Any]) -> None:
+    pipeline, ddp = trained["outcomes"]["pipeline"], trained["outcomes"]["ddp"]
+    assert pipeline.final["status"] == "finished"
+    assert sorted(pipeline.losses) == sorted(ddp.losses) == list(range(1, STEPS + 1))
+    gap = largest_gap(ddp.losses, pipeline.losses, range(1, STEPS + 1))
+    print(
+        f"\nllama_tiny 2 stages x 2 replicas (1f1b, 4 micro-batches) vs ddp on 2: largest relative loss gap {gap:.2e}"
+    )
+    assert gap <= 1e-5
+    # Validation runs through the stages too: the same figures.
+    assert sorted(pipeline.val_losses) == sorted(ddp.val_losses) == [8, 16]
+    assert largest_gap(ddp.val_losses, pipeline.val_losses, range(8, 17, 8)) <= 1e-5
+
+
+def test_pipelined_run_crashed_and_restarted_is_bit_identical(trained: dict[str, Any]) -> None:
+    outcomes, configs, tmp = trained["outcomes"], trained["configs"], trained["tmp"]
+    assert outcomes["crashed"].crashed
+    assert outcomes["restarted"].final["status"] == "finished"
+    events = outcomes["restarted"].events
+    assert any(e.startswith("resumed from") and f"checkpoint_{SAVED:09d}" in e for e in events), events
+    saved = Path(saved_at(configs["crashed"], SAVED))
+    manifest = json.loads((saved / "manifest.json").read_text())
+    assert manifest["layout"] == "sharded" and manifest["world_size"] == 4
+    # Every rank wrote its stage's state; the whole model's names are all there, once.
+    a = final_state(Path(configs["pipeline"]["run"]["output_dir"]) / "t", tmp / "a")
+    b = final_state(Path(configs["crashed"]["run"]["output_dir"]) / "t", tmp / "b")
+    assert a.keys() == b.keys()
+    differ = [k for k in a if not (torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k])]
+    assert not differ, differ[:5]
+    full = {k[len("full/") :] for k in a if k.startswith("full/")}
+    sharded = {k[len("sharded/model/") :] for k in a if k.startswith("sharded/model/")}
+    assert full == sharded and "model.model.embed_tokens.weight" in full and "model.lm_head.weight" in full
+
+
+@pytest.mark.parametrize(
+    ("resumed", "reference", "written_by", "uses"),
+    [("fsdp-from-pipeline", "pipeline", "ddp x pp2", "fsdp"), ("pipeline-from-fsdp", "fsdp", "fsdp", "ddp x pp2")],
+    ids=["pipeline-to-fsdp", "fsdp-to-pipeline"],
+)
+def test_checkpoint_resumes_across_pipelined_and_fsdp_layouts(
+    trained: dict[str, Any], resumed: str, reference: str, written_by: str, uses: str
+) -> None:
+    outcome, straight = trained["outcomes"][resumed], trained["outcomes"][reference]
+    assert outcome.final["status"] == "finished" and outcome.final["step"] == STEPS
+    events = outcome.events
+    assert any(e.startswith("resumed from") and f"checkpoint_{SAVED:09d}" in e for e in events), events
+    assert any(f"resharded: the checkpoint was written by {written_by}, this run uses {uses}" in e for e in events), (
+        events
+    )
+    # The same weights, optimizer state and data position: the steps after the resume continue
+    # the uninterrupted run (not bit for bit: the other layout adds in another order).
+    gap = largest_gap(straight.losses, outcome.losses, range(SAVED + 1, STEPS + 1))
+    print(f"\n{resumed}: largest relative loss gap to {reference} after the resume {gap:.2e}")
+    assert gap <= 1e-5
