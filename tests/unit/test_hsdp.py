@@ -32,7 +32,13 @@ def config(out: Path, strategy: str = "fsdp", replicate: int = 1, tp: int = 1, w
         out,
         model=LLAMA,
         data=TOKENS,
-        train={"max_steps": STEPS, "batch_size": 4, "log_every_n_steps": 1, "grad_clip_norm": 1.0},
+        train={
+            "max_steps": STEPS,
+            "batch_size": 4,
+            "log_every_n_steps": 1,
+            "eval_every_n_steps": SAVED,
+            "grad_clip_norm": 1.0,
+        },
         optim={"name": "adamw", "lr": 3e-3, "weight_decay": 0.01},
         scaling={"num_workers": workers},
         parallel={"strategy": strategy, "tensor_parallel": tp, "fsdp": {"replicate": replicate}},
@@ -137,6 +143,18 @@ def test_hsdp_trains_with_the_losses_of_fsdp(
     print(f"\nllama_tiny, 4 gloo ranks: largest relative loss gap {layout}/{reference} in {STEPS} steps {gap:.2e}")
     assert gap <= 1e-5
     assert ours.losses[STEPS] < ours.losses[1]  # it trained
+    assert sorted(ours.val_losses) == [SAVED, STEPS]  # evaluation in lockstep over the sharded model
+    assert relative_gap(theirs.val_losses, ours.val_losses) <= 1e-5
+
+
+@pytest.mark.slow
+def test_an_hsdp_checkpoint_evaluates_in_one_process(runs: dict[str, tuple[Path, Outcome]]) -> None:
+    """``trainforge evaluate`` reads the shards whole in a process without a process group."""
+    from trainforge.worker.evaluation import evaluate_run
+
+    hsdp, fsdp = (evaluate_run(runs[name][0] / "t") for name in ("hsdp", "fsdp"))
+    assert hsdp.step == fsdp.step == STEPS
+    assert abs(hsdp.metrics["val/loss"] - fsdp.metrics["val/loss"]) <= 1e-5 * fsdp.metrics["val/loss"]
 
 
 @pytest.mark.slow

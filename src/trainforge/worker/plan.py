@@ -37,6 +37,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from trainforge.config import ParallelConfig
+from trainforge.errors import ConfigError
 from trainforge.models import Task
 from trainforge.worker.blocks import apply_activation_checkpointing, compile_blocks, repeated_blocks, to_channels_last
 from trainforge.worker.collectives import world_size
@@ -88,7 +89,13 @@ class ParallelPlan:
         else:
             model = model.to(self.device)
         found = repeated_blocks(model, self.cfg.fsdp.wrap)
-        if self.layout.tp > 1 or self.replicate > 1:
+        hsdp = self.replicate > 1 and world_size() > 1  # one process (evaluate) holds the whole model
+        if hsdp and self.layout.dp % self.replicate:  # checked before Ray starts for the configured count
+            raise ConfigError(
+                f"parallel.fsdp.replicate {self.replicate} must divide the {self.layout.dp} data-parallel "
+                "workers this run started with"
+            )
+        if self.layout.tp > 1 or hsdp:
             self.mesh = self.layout.device_mesh(self.device, self.replicate)
         if self.layout.tp > 1:
             count = apply_tensor_parallel(model, self.mesh["tp"], self.cfg.tp_plan)
