@@ -99,6 +99,20 @@ def test_fsdp_gathers_before_each_pass_and_scatters_after_the_backward() -> None
     assert fsdp_step(kept, 2, flat(SLOW)) == pytest.approx((0.4, 0.1))  # no second gather
 
 
+def test_hsdp_keeps_fsdp_collectives_inside_a_group_and_all_reduces_shards_across_groups() -> None:
+    intra, inter = Link("in", 1e-6, 100e9, "test"), Link("out", 1e-5, 10e9, "test")
+    topology = Topology(gpus_per_node=8, intra=intra, inter=inter)
+    sizes = {"compute_s": 0.3, "samples_per_gpu": 8, "grad_bytes": 80_000_000, "param_bytes": 80_000_000}
+    fsdp, hsdp = Workload("fsdp", **sizes), Workload("fsdp", **sizes, shard_group=8)
+    assert fsdp_step(hsdp, 8, topology) == fsdp_step(fsdp, 8, topology)  # one group: plain FSDP
+    # 16 GPUs: gathers and the reduce-scatter inside a node; then each GPU's 10 MB shard all-reduced
+    # with its replica on the other node, the node's 8 GPUs sharing its one NIC.
+    gather = ring_time("all_gather", 80e6, 8, intra)
+    scatter = ring_time("reduce_scatter", 80e6, 8, intra) + 2 * (1e-5 + 10e6 / (2 * 10e9 / 8))
+    assert fsdp_step(hsdp, 16, topology)[1] == pytest.approx(2 * gather + scatter)
+    assert fsdp_step(hsdp, 16, topology)[1] < fsdp_step(fsdp, 16, topology)[1]  # less crosses the slow link
+
+
 def test_local_sgd_pays_one_parameter_all_reduce_every_h_steps() -> None:
     # 2 ranks at 1e7 B/s: all-reducing 1 MB of parameters takes 0.1 s, once every 4 steps
     work = Workload("ddp", compute_s=0.3, samples_per_gpu=8, grad_bytes=1_000_000, sync_every_n_steps=4)
@@ -322,6 +336,18 @@ def test_only_the_runs_own_strategy_is_listed_among_the_assumptions() -> None:
     assert any(line.startswith("FSDP:") for line in fsdp) and not any(line.startswith("DDP:") for line in fsdp)
     assert any(line.startswith("parallel.sync") for line in sync) and not any(line.startswith("DDP:") for line in sync)
     assert ddp[0].startswith("per-GPU batch fixed") and ddp[-1].startswith("no data loading")
+    hsdp = assumptions_for("fsdp", None, 8)
+    assert any(line.startswith("HSDP") and "shard groups of 8 GPUs" in line for line in hsdp)
+    assert not any(line.startswith("HSDP") for line in fsdp)
+
+
+def test_an_hsdp_config_predicts_with_its_shard_group(tmp_path: Path) -> None:
+    from trainforge.config import load_config
+    from trainforge.predict.inputs import shard_group
+
+    parallel = {"strategy": "fsdp", "fsdp": {"replicate": 2}}
+    assert shard_group(load_config(tiny_run(tmp_path, scaling={"num_workers": 16}, parallel=parallel))) == 8
+    assert shard_group(load_config(tiny_run(tmp_path, scaling={"num_workers": 16}, parallel={"strategy": "fsdp"}))) == 0
 
 
 def test_the_training_set_is_built_once_and_a_missing_one_says_what_works_without_it(tmp_path: Path) -> None:

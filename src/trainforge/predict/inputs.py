@@ -165,4 +165,13 @@ def workload_of(config: Config, model: ModelBytes, compute_s: float) -> Workload
         units=model.units,
         reshard_after_forward=config.parallel.fsdp.reshard_after_forward,
         sync_every_n_steps=sync.every_n_steps if sync is not None else 0,
+        shard_group=shard_group(config),
     )
+
+
+def shard_group(config: Config) -> int:
+    """HSDP's GPUs per shard group (``scaling.num_workers / parallel.fsdp.replicate``); 0 without HSDP."""
+    replicate = config.parallel.fsdp.replicate
+    if config.parallel.strategy != "fsdp" or replicate == 1:
+        return 0
+    return config.scaling.max_workers // replicate

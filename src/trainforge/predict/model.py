@@ -59,6 +59,7 @@ class Workload:
     units: int = 1
     reshard_after_forward: bool = True
     sync_every_n_steps: int = 0  # parallel.sync: parameters averaged every H steps instead (0: off)
+    shard_group: int = 0  # HSDP (parallel.fsdp.replicate): GPUs per shard group (0: FSDP over all of them)
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,7 @@ class Point:
     comm_total_s: float  # every collective's time, hidden or not
 
 
-def ring_time(kind: Collective, nbytes: float, ranks: int, link: Link, links: int = 1) -> float:
+def ring_time(kind: Collective, nbytes: float, ranks: int, link: Link, links: float = 1) -> float:
     """A ring collective of an ``nbytes`` buffer over ``ranks``: steps x (alpha + bytes/ranks over the link)."""
     if ranks <= 1 or nbytes <= 0:
         return 0.0
@@ -119,16 +120,32 @@ def local_sgd_step(work: Workload, gpus: int, topology: Topology) -> tuple[float
     return work.compute_s + average, average
 
 
+def replica_all_reduce(nbytes: float, group: int, gpus: int, topology: Topology) -> float:
+    """HSDP's all-reduce of one shard over the ``gpus / group`` replicas (ranks ``group`` apart).
+    Every shard position runs its own at once: inside a node over the intra-node link when a node
+    holds several groups, then across nodes, where the node's GPUs share its NICs."""
+    per_node = max(1, min(gpus, topology.gpus_per_node))
+    inside = max(1, per_node // group)
+    nodes = max(1, gpus // group // inside)
+    concurrent = min(group, per_node)  # positions of one node all-reducing across nodes together
+    across = ring_time("all_reduce", nbytes, nodes, topology.inter, topology.nics_per_node / concurrent)
+    return ring_time("all_reduce", nbytes, inside, topology.intra) + across
+
+
 def fsdp_step(work: Workload, gpus: int, topology: Topology) -> tuple[float, float]:
-    """(step time, communication time) under FSDP: per-unit all-gathers and reduce-scatters."""
+    """(step time, communication time) under FSDP: per-unit all-gathers and reduce-scatters; under
+    HSDP those inside a shard group, and each unit's reduced shard then all-reduced across groups."""
     if gpus == 1:
         return work.compute_s, 0.0
     units = max(1, work.units)
     micro = work.compute_s / work.micro_batches
     forward_unit = (1 - BACKWARD_SHARE) * micro / units
     backward_unit = BACKWARD_SHARE * micro / units
-    gather = collective_time("all_gather", work.param_bytes / units, gpus, topology)
-    scatter = collective_time("reduce_scatter", work.grad_bytes / units, gpus, topology)
+    group = min(gpus, work.shard_group) if work.shard_group else gpus
+    gather = collective_time("all_gather", work.param_bytes / units, group, topology)
+    scatter = collective_time("reduce_scatter", work.grad_bytes / units, group, topology)
+    if group < gpus:
+        scatter += replica_all_reduce(work.grad_bytes / units / group, group, gpus, topology)
     clock = Streams()
     for index in range(work.micro_batches):
         clock.pass_(units, forward_unit, gather)

@@ -27,13 +27,18 @@ STRATEGY_ASSUMPTIONS = {
     "fsdp": "FSDP: per-unit all-gathers one unit ahead (forward, and backward when resharded), reduce-scatter after "
     "each unit's backward, one stream",
 }
+HSDP_ASSUMPTION = (
+    "HSDP (parallel.fsdp.replicate): FSDP's collectives inside shard groups of {group} GPUs (all GPUs when fewer), "
+    "then each unit's reduced shard all-reduced across the groups on the same stream, a node's GPUs sharing its NICs"
+)
 
 
-def assumptions_for(strategy: str, sync_every_n_steps: int | None) -> list[str]:
+def assumptions_for(strategy: str, sync_every_n_steps: int | None, shard_group: int = 0) -> list[str]:
     """The assumptions that apply to this run: the common ones and its strategy's."""
     key = "sync" if sync_every_n_steps else strategy
     own = STRATEGY_ASSUMPTIONS.get(key)
-    return [*COMMON_ASSUMPTIONS[:3], *([own] if own else []), COMMON_ASSUMPTIONS[3]]
+    hsdp = [HSDP_ASSUMPTION.format(group=shard_group)] if shard_group else []
+    return [*COMMON_ASSUMPTIONS[:3], *([own] if own else []), *hsdp, COMMON_ASSUMPTIONS[3]]
 
 
 def link_record(link: Link) -> dict[str, Any]:
@@ -82,6 +87,7 @@ def run_predict(
             "bucket_bytes": work.bucket_bytes,
             "units": work.units,
             "sync_every_n_steps": work.sync_every_n_steps,
+            "shard_group": work.shard_group,
             "micro_batch": micro,
             "micro_batches": accumulate,
             "samples_per_gpu": work.samples_per_gpu,
@@ -92,7 +98,7 @@ def run_predict(
             "intra_node_link": link_record(INTRA_NODE),
             "link": link_record(link),
         },
-        "assumptions": assumptions_for(work.strategy, work.sync_every_n_steps),
+        "assumptions": assumptions_for(work.strategy, work.sync_every_n_steps, work.shard_group),
     }
     price = config.cost.price_per_gpu_hour
     samples = measured.train_samples(config, data) if price is not None else None
