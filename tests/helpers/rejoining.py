@@ -19,7 +19,12 @@ STEPS = 5
 
 
 def main() -> None:
-    rendezvous, rank, die_at, out = Rendezvous(**json.loads(sys.argv[1])), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    rendezvous, rank, die_at, out = (
+        Rendezvous(**json.loads(sys.argv[1])),
+        int(sys.argv[2]),
+        int(sys.argv[3]),
+        sys.argv[4],
+    )
     resets = []
 
     def run(generation: int) -> dict[str, float]:

@@ -15,7 +15,6 @@ from typing import Any
 from trainforge.checkpoint.opened import CheckpointFiles, as_files
 from trainforge.checkpoint.saved import Saved
 from trainforge.checkpoint.schema import SHARDED, rank_path
-from trainforge.checkpoint.sharded import load_sharded, read_sharded_whole
 from trainforge.checkpoint.state import State, read_tensors
 
 
@@ -24,6 +23,8 @@ def load_shards(directory: Path | CheckpointFiles, saved: Saved, templates: Mapp
     from the checkpoint's shards, resharded by DCP; every rank calls it (a collective)."""
     keyed = dict(templates)
     if keyed:
+        from trainforge.checkpoint.sharded import load_sharded  # torch.distributed.checkpoint: sharded runs only
+
         load_sharded(directory, keyed)
     return keyed
 
@@ -77,4 +78,6 @@ def weights_file(directory: Path, saved: Saved, component: str) -> Path | None:
 def read_whole(directory: Path | CheckpointFiles, component: str) -> dict[str, Any]:
     """``component``'s tensors in a verified sharded checkpoint, whole, in this process (no
     process group): every rank's shards read and joined."""
+    from trainforge.checkpoint.sharded import read_sharded_whole  # torch.distributed.checkpoint: sharded only
+
     return read_sharded_whole(directory, component)

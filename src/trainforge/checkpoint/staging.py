@@ -17,17 +17,17 @@ import shutil
 import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
-
-from torch.distributed.checkpoint.filesystem import FileSystemWriter
+from typing import TYPE_CHECKING, Any
 
 from trainforge.checkpoint.crypto import FileCipher
 from trainforge.checkpoint.format import write_json_hashed, write_manifest_of
 from trainforge.checkpoint.hashing import DEFAULT_HASH, FileRecord, Sealing
 from trainforge.checkpoint.schema import MANIFEST, SHARDED_DIR, STATE_FILE
-from trainforge.checkpoint.sharded import shard_writer
 from trainforge.checkpoint.storage import CheckpointStore, fsync_path
 from trainforge.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
 
 class StagedSave:
@@ -67,6 +67,8 @@ class StagedSave:
 
     def storage_writer(self) -> FileSystemWriter:
         """DCP's file system writer into ``<staging>/sharded/``, hashing every file as it is written."""
+        from trainforge.checkpoint.sharded import shard_writer  # torch.distributed.checkpoint: sharded only
+
         self._shards = shard_writer(self.staging / SHARDED_DIR, self.algorithm, self.threads, self.cipher)
         return self._shards
 

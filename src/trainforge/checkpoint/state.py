@@ -14,10 +14,11 @@ import json
 import pickle
 import random
 import struct
+import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, cast
+from typing import IO, TYPE_CHECKING, Any, TypeGuard, cast
 
 import numpy as np
 import torch
@@ -25,12 +26,14 @@ import torch.utils.serialization as torch_serialization
 from safetensors import safe_open
 from safetensors.torch import _TYPES, _remove_duplicate_names, load_file
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from trainforge.checkpoint.hashing import DEFAULT_HASH, FileRecord, Sealing, open_hashing
 from trainforge.checkpoint.schema import STATE_FILE
 from trainforge.errors import CheckpointError, TrainforgeError
 from trainforge.files import safetensors_header
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 __all__ = ["STATE_FILE", "Record", "Snapshot", "State"]
 _SAFETENSORS_DTYPES = {dtype: name for name, dtype in _TYPES.items()}
@@ -111,6 +114,13 @@ def restore_rng(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all([_unb64(s) for s in state["cuda"]])
 
 
+def is_dtensor(value: object) -> TypeGuard[DTensor]:
+    """Whether ``value`` is a DTensor, without importing torch.distributed.tensor where nothing has
+    (importing it is about 0.5 s of every worker's start; a process that never imported it holds none)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(value, module.DTensor)
+
+
 def snapshot_tensors(tree: Any, reuse: Any = None) -> Any:
     """A host copy of every tensor in a (nested) state dict, so training can go on while it is written.
 
@@ -120,9 +130,9 @@ def snapshot_tensors(tree: Any, reuse: Any = None) -> Any:
     when shapes and dtypes match. Allocating (and page-faulting) fresh host memory on every save
     costs several times more than the copy itself.
     """
-    if isinstance(tree, DTensor):
+    if is_dtensor(tree):
         copy = cast(Any, tree.detach())
-        buffer = reuse.to_local() if isinstance(reuse, DTensor) else None
+        buffer = reuse.to_local() if is_dtensor(reuse) else None
         copy._local_tensor = _copy_to_host(tree.to_local(), buffer)  # as torch's own staging does
         return copy
     if isinstance(tree, torch.Tensor):

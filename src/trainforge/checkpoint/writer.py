@@ -36,7 +36,6 @@ from typing import Any, Protocol
 
 import pyarrow.fs as pafs
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 
 from trainforge.checkpoint.crypto import FileCipher
 from trainforge.checkpoint.hashing import DEFAULT_HASH, FileRecord, in_parallel
@@ -279,6 +278,8 @@ class CheckpointWriter:
         shared = {n: s.tensors for n, s in snapshot.states.items() if s.tensors is not None}
         if snapshot.layout == SHARDED:
             if shared:  # a collective: every rank writes its shards, rank 0 the metadata
+                import torch.distributed.checkpoint as dcp  # sharded runs only (0.5 s of a worker's start)
+
                 dcp.save(shared, storage_writer=staging.storage_writer(), process_group=self.group.process_group)
                 records.update(staging.shard_files())
             shared = {}

@@ -18,10 +18,9 @@ from typing import TYPE_CHECKING, Annotated, Any, ClassVar
 import torch
 from pydantic import BaseModel, Field
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from trainforge.checkpoint.schema import MAX_STEP
-from trainforge.checkpoint.state import State
+from trainforge.checkpoint.state import State, is_dtensor
 from trainforge.config import EmaConfig
 from trainforge.worker.components.base import Component, Restore, StateSchema
 from trainforge.worker.plan import ParallelPlan, local
@@ -82,8 +81,10 @@ class Ema(Component):
         with torch.no_grad():
             for name, average in self.average.items():
                 loaded = state.tensors[name]
-                if isinstance(average, DTensor) and not isinstance(loaded, DTensor):
+                if is_dtensor(average) and not is_dtensor(loaded):
                     # whole tensors (a ddp checkpoint) into shards: each rank keeps its slice
+                    from torch.distributed.tensor import distribute_tensor
+
                     loaded = distribute_tensor(loaded.to(average.device), average.device_mesh, average.placements)
                 local(average).copy_(local(loaded))
         self.updates = saved.updates
@@ -97,10 +98,7 @@ class Ema(Component):
 
     def full_weights(self) -> dict[str, torch.Tensor]:
         """Rank 0: the whole averaged weights (gathered from the shards under a sharded plan)."""
-        whole = {
-            name: tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-            for name, tensor in self.average.items()
-        }
+        whole = {name: tensor.full_tensor() if is_dtensor(tensor) else tensor for name, tensor in self.average.items()}
         return whole if self.plan.layout.rank == 0 else {}
 
     def evaluations(self) -> Iterator[tuple[str, contextlib.AbstractContextManager[Any]]]:

@@ -26,16 +26,11 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
-from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+# torch.distributed.checkpoint's state-dict API and DTensor are imported where a sharded plan uses them:
+# importing them costs every worker's start (and a replaced worker's) about 0.5 s.
+from trainforge.checkpoint.state import is_dtensor
 from trainforge.config import ParallelConfig
 from trainforge.errors import ConfigError
 from trainforge.models import Task
@@ -176,7 +171,7 @@ class ParallelPlan:
             norm = torch.nn.utils.clip_grad_norm_(params, clip)
         else:
             norm = torch.nn.utils.get_total_norm(grads)
-        return norm.full_tensor() if isinstance(norm, DTensor) else norm
+        return norm.full_tensor() if is_dtensor(norm) else norm
 
     def forward_backward(self, model: nn.Module, task: Task, batch: Any, accum: int) -> dict[str, torch.Tensor]:
         """A pipelined plan's forward and backward of one micro-batch, its metric sums (``pipelined`` only)."""
@@ -215,6 +210,8 @@ class ParallelPlan:
 
     def full_model_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """The full weights by parameter name; sharded, gathered to rank 0 (empty elsewhere)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
         if self.sharded:
             options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=self.adapters_only)
             return cast(dict[str, torch.Tensor], get_model_state_dict(model, options=options))
@@ -223,6 +220,8 @@ class ParallelPlan:
     def load_full_model_state(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
         """Full weights (every rank holds all of them) into this model, strictly (with adapters,
         strictly the adapters); sharded, each rank keeps its part."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
         self._check_saved(model, state)
         if self.sharded:
             options = StateDictOptions(full_state_dict=True, strict=not self.adapters_only)
@@ -235,6 +234,8 @@ class ParallelPlan:
         written), or under a sharded plan the DTensor shards keyed by parameter name, the form
         torch.distributed.checkpoint saves, loads and reshards. With LoRA adapters
         (``adapters_only``) only the trainable parameters: the base comes back from its source."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
         if self.sharded:
             return get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=self.adapters_only))
         return self._saved(self.eval_model(model))
@@ -260,6 +261,8 @@ class ParallelPlan:
     def optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """The optimizer's state for a checkpoint: torch's own (keyed by index), or under a sharded
         plan keyed by parameter name with DTensor shards."""
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
         if self.sharded:
             return get_optimizer_state_dict(model, optimizer)
         return optimizer.state_dict()
@@ -267,26 +270,36 @@ class ParallelPlan:
     def load_model_state(self, model: nn.Module, state: dict[str, Any]) -> None:
         """A template of ``get_model_state_dict`` filled by torch.distributed.checkpoint (DTensors
         under a sharded plan, whole tensors under ddp)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
         self._check_saved(model, state)
         set_model_state_dict(model, state, options=StateDictOptions(strict=not self.adapters_only))
 
     def load_optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
         """A template of ``get_optimizer_state_dict`` filled by torch.distributed.checkpoint."""
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
         set_optimizer_state_dict(model, optimizer, state)
 
     def model_template(self, model: nn.Module) -> dict[str, Any]:
         """What a sharded checkpoint's weights load into, whatever this plan: keyed by parameter
         name, DTensor shards under a sharded plan, whole tensors under ddp."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
         return get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=self.adapters_only))
 
     def optimizer_template(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """What a sharded checkpoint's optimizer state loads into, keyed by parameter name."""
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
         return get_optimizer_state_dict(model, optimizer)
 
     def load_full_optimizer_state(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
     ) -> None:
         """An optimizer state dict saved by a whole (unsharded) optimizer, keyed by index."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
         if not self.sharded:
             optimizer.load_state_dict(state)
             return
@@ -398,7 +411,7 @@ class FSDPPlan(ParallelPlan):
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of a tensor: the local shard of a DTensor, else the tensor itself."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return tensor.to_local() if is_dtensor(tensor) else tensor
 
 
 def build_plan(
@@ -435,7 +448,7 @@ def copies(tensor: torch.Tensor, world: int) -> int:
     """How many of the ``world`` ranks hold this rank's piece of ``tensor``: all of them for a
     plain (replicated) tensor; for a DTensor, the ranks outside its mesh times its replicated
     mesh dimensions."""
-    if not isinstance(tensor, DTensor):
+    if not is_dtensor(tensor):
         return world
     mesh = tensor.device_mesh
     count = world // mesh.size()
