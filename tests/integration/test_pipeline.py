@@ -4,7 +4,7 @@ global batch), a run crashed and restarted ends bit-identical to the uninterrupt
 checkpoints resume under FSDP, and FSDP's under the pipeline.
 
 The runs of one world size share one start-up of their processes (tests/helpers/sessions.py):
-the uninterrupted, the crashed and the restarted pipelines in 4 ranks; DDP, FSDP and FSDP from the
+the uninterrupted (1f1b and gpipe), the crashed and the restarted pipelines in 4 ranks; DDP, FSDP and FSDP from the
 pipeline's checkpoint in 2; then the pipeline from FSDP's checkpoint in 4.
 """
 
@@ -22,7 +22,7 @@ from tests.helpers.runs import tiny_run
 from tests.helpers.sessions import Outcome, sessions
 from tests.unit.test_session import final_state
 
-pytestmark = pytest.mark.slow  # about a minute: three start-ups of 2-4 gloo ranks, seven short runs
+pytestmark = pytest.mark.slow  # about 45 s: three start-ups of 2-4 gloo ranks, eight short runs
 
 STEPS, CRASH, SAVED = 16, 12, 8
 
@@ -65,6 +65,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     configs = {
         "pipeline": lm_config(tmp / "pipeline", 4, PIPELINE),
         "crashed": lm_config(tmp / "crashed", 4, PIPELINE),
+        "gpipe": lm_config(tmp / "gpipe", 4, {"pipeline": {**PIPELINE["pipeline"], "schedule": "gpipe"}}),
         "ddp": lm_config(tmp / "ddp", 2, {"strategy": "ddp"}),
         "fsdp": lm_config(tmp / "fsdp", 2, {"strategy": "fsdp"}),
     }
@@ -74,8 +75,14 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     configs["pipeline-from-fsdp"] = lm_config(
         tmp / "pipeline-from-fsdp", 4, PIPELINE, resume=saved_at(configs["fsdp"], SAVED)
     )
-    pipeline, crashed, restarted = run_all(
-        4, [(configs["pipeline"], None), (configs["crashed"], CRASH), (configs["crashed"], None)]
+    pipeline, crashed, restarted, gpipe = run_all(
+        4,
+        [
+            (configs["pipeline"], None),
+            (configs["crashed"], CRASH),
+            (configs["crashed"], None),
+            (configs["gpipe"], None),
+        ],
     )
     ddp, fsdp, fsdp_from_pipeline = run_all(
         2, [(configs["ddp"], None), (configs["fsdp"], None), (configs["fsdp-from-pipeline"], None)]
@@ -85,6 +92,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "pipeline": pipeline,
         "crashed": crashed,
         "restarted": restarted,
+        "gpipe": gpipe,
         "ddp": ddp,
         "fsdp": fsdp,
         "fsdp-from-pipeline": fsdp_from_pipeline,
@@ -97,13 +105,14 @@ def largest_gap(a: dict[int, float], b: dict[int, float], steps: range) -> float
     return max(abs(a[step] - b[step]) / abs(a[step]) for step in steps)
 
 
-def test_pipelined_losses_equal_ddp_for_the_same_global_batch(trained: dict[str, Any]) -> None:
-    pipeline, ddp = trained["outcomes"]["pipeline"], trained["outcomes"]["ddp"]
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_pipelined_losses_equal_ddp_for_the_same_global_batch(trained: dict[str, Any], schedule: str) -> None:
+    pipeline, ddp = trained["outcomes"]["pipeline" if schedule == "1f1b" else schedule], trained["outcomes"]["ddp"]
     assert pipeline.final["status"] == "finished"
     assert sorted(pipeline.losses) == sorted(ddp.losses) == list(range(1, STEPS + 1))
     gap = largest_gap(ddp.losses, pipeline.losses, range(1, STEPS + 1))
     print(
-        f"\nllama_tiny 2 stages x 2 replicas (1f1b, 4 micro-batches) vs ddp on 2: largest relative loss gap {gap:.2e}"
+        f"\nllama_tiny 2 stages x 2 replicas ({schedule}, 4 micro-batches) vs ddp on 2: largest relative gap {gap:.2e}"
     )
     assert gap <= 1e-5
     # Validation runs through the stages too: the same figures.
