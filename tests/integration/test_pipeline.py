@@ -1,11 +1,11 @@
 """Pipeline parallelism in the worker's Session, in gloo ranks without Ray (CPU): a llama_tiny cut
 into 2 stages x 2 data-parallel replicas on 4 workers has the losses of DDP on 2 workers (the same
 global batch), a run crashed and restarted ends bit-identical to the uninterrupted one, and its
-checkpoints resume under FSDP, and FSDP's under the pipeline.
+checkpoints resume under FSDP and DDP, and theirs under the pipeline.
 
 The runs of one world size share one start-up of their processes (tests/helpers/sessions.py):
-the uninterrupted (1f1b and gpipe), the crashed and the restarted pipelines in 4 ranks; DDP, FSDP and FSDP from the
-pipeline's checkpoint in 2; then the pipeline from FSDP's checkpoint in 4.
+the uninterrupted (1f1b and gpipe), the crashed and the restarted pipelines in 4 ranks; DDP, FSDP, and both from the
+pipeline's checkpoint in 2; then the pipeline from FSDP's and from DDP's checkpoints in 4.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from tests.helpers.runs import tiny_run
 from tests.helpers.sessions import Outcome, sessions
 from tests.unit.test_session import final_state
 
-pytestmark = pytest.mark.slow  # about 45 s: three start-ups of 2-4 gloo ranks, eight short runs
+pytestmark = pytest.mark.slow  # about 50 s: three start-ups of 2-4 gloo ranks, ten short runs
 
 STEPS, CRASH, SAVED = 16, 12, 8
 
@@ -75,6 +75,13 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     configs["pipeline-from-fsdp"] = lm_config(
         tmp / "pipeline-from-fsdp", 4, PIPELINE, resume=saved_at(configs["fsdp"], SAVED)
     )
+    # DDP writes whole tensors (model.safetensors, optimizer.pt keyed by position), not shards.
+    configs["ddp-from-pipeline"] = lm_config(
+        tmp / "ddp-from-pipeline", 2, {"strategy": "ddp"}, resume=saved_at(configs["pipeline"], SAVED)
+    )
+    configs["pipeline-from-ddp"] = lm_config(
+        tmp / "pipeline-from-ddp", 4, PIPELINE, resume=saved_at(configs["ddp"], SAVED)
+    )
     pipeline, crashed, restarted, gpipe = run_all(
         4,
         [
@@ -84,10 +91,12 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             (configs["gpipe"], None),
         ],
     )
-    ddp, fsdp, fsdp_from_pipeline = run_all(
-        2, [(configs["ddp"], None), (configs["fsdp"], None), (configs["fsdp-from-pipeline"], None)]
+    ddp, fsdp, fsdp_from_pipeline, ddp_from_pipeline = run_all(
+        2, [(configs[name], None) for name in ("ddp", "fsdp", "fsdp-from-pipeline", "ddp-from-pipeline")]
     )
-    (pipeline_from_fsdp,) = run_all(4, [(configs["pipeline-from-fsdp"], None)])
+    pipeline_from_fsdp, pipeline_from_ddp = run_all(
+        4, [(configs["pipeline-from-fsdp"], None), (configs["pipeline-from-ddp"], None)]
+    )
     outcomes = {
         "pipeline": pipeline,
         "crashed": crashed,
@@ -97,6 +106,8 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "fsdp": fsdp,
         "fsdp-from-pipeline": fsdp_from_pipeline,
         "pipeline-from-fsdp": pipeline_from_fsdp,
+        "ddp-from-pipeline": ddp_from_pipeline,
+        "pipeline-from-ddp": pipeline_from_ddp,
     }
     return {"configs": configs, "outcomes": outcomes, "tmp": tmp}
 
@@ -142,10 +153,15 @@ def test_pipelined_run_crashed_and_restarted_is_bit_identical(trained: dict[str,
 
 @pytest.mark.parametrize(
     ("resumed", "reference", "written_by", "uses"),
-    [("fsdp-from-pipeline", "pipeline", "ddp x pp2", "fsdp"), ("pipeline-from-fsdp", "fsdp", "fsdp", "ddp x pp2")],
-    ids=["pipeline-to-fsdp", "fsdp-to-pipeline"],
+    [
+        ("fsdp-from-pipeline", "pipeline", "ddp x pp2", "fsdp"),
+        ("pipeline-from-fsdp", "fsdp", "fsdp", "ddp x pp2"),
+        ("ddp-from-pipeline", "pipeline", "ddp x pp2", "ddp"),
+        ("pipeline-from-ddp", "ddp", "ddp", "ddp x pp2"),
+    ],
+    ids=["pipeline-to-fsdp", "fsdp-to-pipeline", "pipeline-to-ddp", "ddp-to-pipeline"],
 )
-def test_checkpoint_resumes_across_pipelined_and_fsdp_layouts(
+def test_checkpoint_resumes_across_pipelined_and_unpipelined_layouts(
     trained: dict[str, Any], resumed: str, reference: str, written_by: str, uses: str
 ) -> None:
     outcome, straight = trained["outcomes"][resumed], trained["outcomes"][reference]

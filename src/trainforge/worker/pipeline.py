@@ -216,7 +216,6 @@ class PipelinePlan(ParallelPlan):
     pipelined = True
     stage: Stage | None = None
     pipeline: Pipeline | None = None
-    full_names: tuple[str, ...] = ()  # the whole model's trainable parameters, in its order
 
     @property
     def sharded(self) -> bool:
@@ -238,7 +237,6 @@ class PipelinePlan(ParallelPlan):
         model = model.to(self.device)
         layout, cut = self.layout, self.cut
         self.mesh = init_device_mesh(self.device.type, (layout.pp, layout.dp), mesh_dim_names=("pp", "dp"))
-        self.full_names = tuple(name for name, p in model.named_parameters() if p.requires_grad)
         blocks = split_blocks(block_count(model), layout.pp, cut.split)[layout.pp_rank]
         stage = Stage(model, layout.pp_rank, layout.pp, blocks)
         self.stage = stage
@@ -346,10 +344,18 @@ class PipelinePlan(ParallelPlan):
     def load_full_optimizer_state(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
     ) -> None:
-        """A whole model's optimizer state (keyed by its parameters' order): this stage's part."""
-        names, mine = self.full_names, {name for name, _ in model.named_parameters()}
-        if sum(len(g["params"]) for g in state["param_groups"]) != len(names):
-            raise ValueError(f"the checkpoint's optimizer holds another parameter count than the model's {len(names)}")
+        """A whole model's optimizer state, keyed by position (group by group, each in the model's
+        order, as the same config groups the whole model): this stage's part."""
+        current = cast(dict[str, Any], get_optimizer_state_dict(model, optimizer))
+        whole = self._whole_groups(current["param_groups"])
+        saved = [len(g["params"]) for g in state["param_groups"]]
+        if saved != [len(g["params"]) for g in whole]:
+            raise ValueError(
+                f"the checkpoint's optimizer groups hold {saved} parameters, this model's "
+                f"{[len(g['params']) for g in whole]}"
+            )
+        names = [name for group in whole for name in group["params"]]
+        mine = {name for name, _ in model.named_parameters()}
         groups = [{**g, "params": [names[i] for i in g["params"] if names[i] in mine]} for g in state["param_groups"]]
         named = {
             "state": {names[int(i)]: s for i, s in state["state"].items() if names[int(i)] in mine},
