@@ -360,3 +360,34 @@ def test_exclude_drains_the_stragglers_node_and_the_run_finishes_on_the_other(
         f"\nexclude: {named[0].text}; first step on the node left {first['time/unix'] - slowed['at']:.1f} s "
         f"after the duty cycle began; restarts {summary['restarts']}, recovery_s {summary['recovery_s']}"
     )
+
+
+def test_an_elastic_restart_sees_a_lost_node_gone_at_once(two_nodes: Cluster) -> None:
+    """Ray Train's elastic policy sizes a new group from Ray Data's AutoscalingCoordinator, whose
+    view of the nodes is refreshed every 20 s; driver/elastic.FreshNodesCallback refreshes it as
+    the controller restarts, so the node just lost no longer counts (the preemption test above
+    measures the restart it makes: the next step on the node left)."""
+    from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
+        get_or_create_autoscaling_coordinator,
+    )
+
+    from trainforge.driver.elastic import FreshNodesCallback
+
+    coordinator = get_or_create_autoscaling_coordinator()
+    requester = "trainforge-test-elastic"
+    ray.get(coordinator.request_resources.remote(requester, [{"CPU": 1}] * 2, expire_after_s=120))
+
+    def reserved() -> set[str]:
+        return set(ray.get(coordinator.get_reserved_resources.remote(requester, recompute=True)))
+
+    both = wait_until(lambda: reserved() if len(reserved()) == 2 else None, 30, "both worker nodes reserved")
+    lost = next(n for n in two_nodes.worker_nodes if n.node_id in both)
+    two_nodes.remove_node(lost)
+    wait_until(lambda: not any(n["NodeID"] == lost.node_id and n["Alive"] for n in ray.nodes()), 30, "the node dead")
+    refresh = FreshNodesCallback()
+    refresh.requester = requester
+    refresh.refresh()
+    assert not refresh.warned
+    now = set(ray.get(coordinator.get_reserved_resources.remote(requester)))  # no recompute: what the policy reads
+    assert lost.node_id not in now and now, now
+    ray.get(coordinator.cancel_request.remote(requester))

@@ -36,6 +36,7 @@ from trainforge.data.registry import check_local_paths, open_stream, source_of
 from trainforge.data.stream import StreamShape, check_stream_config, ordered_split_config
 from trainforge.data.tokens import prepare_or_verify
 from trainforge.driver.cost import CostMeter
+from trainforge.driver.elastic import FreshNodesCallback
 from trainforge.driver.events import ForwardingCallback, Pump, StartupCallback, start_mailbox
 from trainforge.driver.hangs import HangDoctor
 from trainforge.driver.ray_session import ray_logs_to, ray_session, resolve_address
@@ -112,6 +113,8 @@ def build_trainer(
             stream.origin,
         )
     payload = make_payload(config, mailbox, stream.shape if stream is not None else None, local_ray=local_ray)
+    # An elastic group is sized from Ray Data's view of the nodes, refreshed at each restart (driver/elastic.py).
+    elastic = [FreshNodesCallback()] if isinstance(scaling.num_workers, tuple) else []
     return TorchTrainer(
         train_loop_per_worker,
         train_loop_config={PAYLOAD_KEY: payload},
@@ -134,7 +137,7 @@ def build_trainer(
             # Ray's own checkpoint registry stays empty.
             # StartupCallback is one of Ray Train's internal callback kinds, which RunConfig accepts
             # beside UserCallbacks (its annotation names only those).
-            callbacks=[ForwardingCallback(mailbox), StartupCallback(mailbox), *callbacks],  # type: ignore[list-item]
+            callbacks=[ForwardingCallback(mailbox), StartupCallback(mailbox), *elastic, *callbacks],  # type: ignore[list-item]
             worker_runtime_env={"env_vars": env},
         ),
         **streamed,
