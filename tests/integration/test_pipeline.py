@@ -4,8 +4,9 @@ global batch), a run crashed and restarted ends bit-identical to the uninterrupt
 checkpoints resume under FSDP and DDP, and theirs under the pipeline.
 
 The runs of one world size share one start-up of their processes (tests/helpers/sessions.py):
-the uninterrupted (1f1b and gpipe), the crashed and the restarted pipelines in 4 ranks; DDP, FSDP, and both from the
-pipeline's checkpoint in 2; then the pipeline from FSDP's and from DDP's checkpoints in 4.
+the uninterrupted (1f1b, gpipe, 1f1b over accumulated micro-batches), the crashed and the
+restarted pipelines in 4 ranks; DDP, FSDP, and both from the pipeline's checkpoint in 2; then the
+pipeline from FSDP's and from DDP's checkpoints in 4.
 """
 
 from __future__ import annotations
@@ -22,19 +23,22 @@ from tests.helpers.runs import tiny_run
 from tests.helpers.sessions import Outcome, sessions
 from tests.unit.test_session import final_state
 
-pytestmark = pytest.mark.slow  # about 50 s: three start-ups of 2-4 gloo ranks, ten short runs
+pytestmark = pytest.mark.slow  # about 50 s: three start-ups of 2-4 gloo ranks, eleven short runs
 
 STEPS, CRASH, SAVED = 16, 12, 8
 
 
-def lm_config(tmp: Path, workers: int, parallel: dict[str, Any], **checkpoint: Any) -> dict[str, Any]:
+def lm_config(
+    tmp: Path, workers: int, parallel: dict[str, Any], batch: int = 8, accum: int = 1, **checkpoint: Any
+) -> dict[str, Any]:
     return tiny_run(
         tmp,
         model={"name": "llama_tiny", "kwargs": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2}},
         data={"name": "synthetic", "kind": "tokens", "seq_len": 16, "vocab_size": 64, "num_samples": 1024},
         train={
             "max_steps": STEPS,
-            "batch_size": 8,
+            "batch_size": batch,
+            "grad_accum_steps": accum,
             "log_every_n_steps": 1,
             "eval_every_n_steps": 8,
             "grad_clip_norm": 0.5,  # below the gradients' norm: the clipping by the global norm is exercised
@@ -66,6 +70,8 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "pipeline": lm_config(tmp / "pipeline", 4, PIPELINE),
         "crashed": lm_config(tmp / "crashed", 4, PIPELINE),
         "gpipe": lm_config(tmp / "gpipe", 4, {"pipeline": {**PIPELINE["pipeline"], "schedule": "gpipe"}}),
+        # The same global batch of 16 as two accumulated micro-batches of 4 per replica.
+        "accumulated": lm_config(tmp / "accumulated", 4, PIPELINE, batch=4, accum=2),
         "ddp": lm_config(tmp / "ddp", 2, {"strategy": "ddp"}),
         "fsdp": lm_config(tmp / "fsdp", 2, {"strategy": "fsdp"}),
     }
@@ -82,13 +88,14 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     configs["pipeline-from-ddp"] = lm_config(
         tmp / "pipeline-from-ddp", 4, PIPELINE, resume=saved_at(configs["ddp"], SAVED)
     )
-    pipeline, crashed, restarted, gpipe = run_all(
+    pipeline, crashed, restarted, gpipe, accumulated = run_all(
         4,
         [
             (configs["pipeline"], None),
             (configs["crashed"], CRASH),
             (configs["crashed"], None),
             (configs["gpipe"], None),
+            (configs["accumulated"], None),
         ],
     )
     ddp, fsdp, fsdp_from_pipeline, ddp_from_pipeline = run_all(
@@ -102,6 +109,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "crashed": crashed,
         "restarted": restarted,
         "gpipe": gpipe,
+        "accumulated": accumulated,
         "ddp": ddp,
         "fsdp": fsdp,
         "fsdp-from-pipeline": fsdp_from_pipeline,
@@ -116,7 +124,7 @@ def largest_gap(a: dict[int, float], b: dict[int, float], steps: range) -> float
     return max(abs(a[step] - b[step]) / abs(a[step]) for step in steps)
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "accumulated"])
 def test_pipelined_losses_equal_ddp_for_the_same_global_batch(trained: dict[str, Any], schedule: str) -> None:
     pipeline, ddp = trained["outcomes"]["pipeline" if schedule == "1f1b" else schedule], trained["outcomes"]["ddp"]
     assert pipeline.final["status"] == "finished"
