@@ -371,7 +371,7 @@ def test_an_elastic_restart_sees_a_lost_node_gone_at_once(two_nodes: Cluster) ->
         get_or_create_autoscaling_coordinator,
     )
 
-    from trainforge.driver.elastic import FreshNodesCallback
+    from trainforge.driver.elastic import FreshNodesCallback, answers_knock
 
     coordinator = get_or_create_autoscaling_coordinator()
     requester = "trainforge-test-elastic"
@@ -382,7 +382,11 @@ def test_an_elastic_restart_sees_a_lost_node_gone_at_once(two_nodes: Cluster) ->
 
     both = wait_until(lambda: reserved() if len(reserved()) == 2 else None, 30, "both worker nodes reserved")
     lost = next(n for n in two_nodes.worker_nodes if n.node_id in both)
+    listed = {n["NodeID"]: n for n in ray.nodes()}
     two_nodes.remove_node(lost)
+    # A killed raylet refuses the knock at once, before the GCS has noticed; a live one answers.
+    assert not answers_knock(listed[lost.node_id])
+    assert all(answers_knock(listed[n.node_id]) for n in two_nodes.worker_nodes)
     wait_until(lambda: not any(n["NodeID"] == lost.node_id and n["Alive"] for n in ray.nodes()), 30, "the node dead")
     refresh = FreshNodesCallback()
     refresh.requester = requester

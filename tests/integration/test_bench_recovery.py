@@ -1,5 +1,6 @@
 """``trainforge bench recovery``: a killed worker through both peers via the real CLI, and its flags.
-(The frozen-worker rows take minutes: their path is tests/faults/test_hang.py's.)"""
+(The frozen-worker rows take minutes: their path is tests/faults/test_hang.py's; a lost node's is
+tests/faults/test_nodes.py's.)"""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)  # about 60 s on a quiet 2-core machine: two runs with a restart each
+@pytest.mark.timeout(900)  # about 90 s on a quiet 2-core machine: three runs with a restart each
 def test_a_killed_worker_is_measured_for_trainforge_and_ray_train_alone(tmp_path: Path) -> None:
     out = tmp_path / "recovery.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "TERM": "dumb"}
@@ -34,8 +35,12 @@ def test_a_killed_worker_is_measured_for_trainforge_and_ray_train_alone(tmp_path
     )
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(out.read_text())
-    rows = {(row["fault"], row["peer"]): row for row in report["rows"]}
-    assert set(rows) == {("killed", "trainforge"), ("killed", "Ray Train alone")}
+    rows = {(row["fault"], row["peer"], row["setting"]): row for row in report["rows"]}
+    assert set(rows) == {
+        ("killed", "trainforge", ""),
+        ("killed", "trainforge", "failure.replace: worker"),
+        ("killed", "Ray Train alone", ""),
+    }
     for row in rows.values():
         # A restart starts new worker processes: more than an interpreter's start, and a step came.
         assert row["runs"] == 1 and row["without_a_next_step"] == 0, row
@@ -48,8 +53,8 @@ def test_a_killed_worker_is_measured_for_trainforge_and_ray_train_alone(tmp_path
 @pytest.mark.parametrize(
     ("args", "expected"),
     [
-        (["--faults", "melted"], "--faults 'melted': a comma-separated list of killed, frozen"),
-        (["--faults", ""], "--faults '': a comma-separated list of killed, frozen"),
+        (["--faults", "melted"], "--faults 'melted': a comma-separated list of killed, frozen, lost"),
+        (["--faults", ""], "--faults '': a comma-separated list of killed, frozen, lost"),
         (["--repeats", "0"], "--repeats 0: must be 1-100"),
     ],
 )

@@ -226,7 +226,7 @@ def _run_script(command: list[str], workload: Workload, scratch: Path, *, thread
     shutdown) is run once more, with its error on stderr; a second crash fails the benchmark."""
     scratch.mkdir(parents=True, exist_ok=True)
     out = scratch / "result.json"
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": _python_path()}
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": python_path()}
     for attempt in (1, 2):
         out.unlink(missing_ok=True)
         done = subprocess.run(
@@ -254,7 +254,7 @@ def crash_lines(stderr: str) -> str:
     return " | ".join(picked) or "no output"
 
 
-def _python_path() -> str:
+def python_path() -> str:
     """PYTHONPATH that lets a child process import this trainforge, installed or from a source tree."""
     source_root = str(Path(trainforge.__file__).resolve().parents[1])
     return os.pathsep.join(filter(None, [source_root, os.environ.get("PYTHONPATH")]))
@@ -273,22 +273,22 @@ def local_ray() -> Iterator[None]:
 
     saved = {name: os.environ.get(name) for name in (POLL_ENV, "PYTHONPATH")}
     os.environ[POLL_ENV] = POLL_INTERVAL_S
-    os.environ["PYTHONPATH"] = _python_path()  # Ray's worker processes inherit it
+    os.environ["PYTHONPATH"] = python_path()  # Ray's worker processes inherit it
     # address="local": always a fresh instance, never a cluster someone else started on this machine.
     try:
         with bound_to(LOOPBACK):  # on loopback, as every trainforge run's local Ray (docs/security.md)
             ray.init(address="local", num_cpus=RAY_CPUS, include_dashboard=False, log_to_driver=False)
     except Exception as err:  # Ray raises bare Exceptions, e.g. when its node times out on a busy machine
-        _restore_env(saved)
+        restore_env(saved)
         raise PeerFailed(f"could not start a local Ray for peers (c) and (d): {err}") from err
     try:
         yield
     finally:
         ray.shutdown()
-        _restore_env(saved)
+        restore_env(saved)
 
 
-def _restore_env(saved: dict[str, str | None]) -> None:
+def restore_env(saved: dict[str, str | None]) -> None:
     for name, value in saved.items():
         if value is None:
             os.environ.pop(name, None)

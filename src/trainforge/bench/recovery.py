@@ -29,12 +29,13 @@ import contextlib
 import io
 import json
 import os
+import shutil
 import signal
 import statistics
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -47,17 +48,28 @@ from rich.table import Table
 from torch.utils.data import DataLoader
 
 import trainforge
-from trainforge.bench.peers import local_ray, machine
+from trainforge.bench.peers import POLL_ENV, POLL_INTERVAL_S, local_ray, machine, python_path, restore_env
 from trainforge.bench.workload import Workload, build, make_optimizer
+from trainforge.errors import TrainforgeError
 
-FAULTS = ("killed", "frozen")
+FAULTS = ("killed", "frozen", "lost")
 CHECKPOINT_EVERY = 10
 FAULT_AFTER = 20
 TOTAL_STEPS = 60
 WORKERS = 2
 FAULT_WAIT_S = 300.0  # for the step the fault follows
+WHAT = {"killed": "killed worker", "frozen": "frozen worker", "lost": "lost node"}
 WORKLOAD = Workload(batch_size=32, steps=TOTAL_STEPS, num_samples=4096)
 SIGNALS = {"killed": signal.SIGKILL, "frozen": signal.SIGSTOP}
+# A lost node: Ray's GCS declares a node dead after these missed health checks (period x threshold),
+# what a cluster operator sets in ray start's _system_config (Ray's defaults take about 15 s).
+FAST_NODE_DEATH = {
+    "health_check_initial_delay_ms": 0,
+    "health_check_period_ms": 500,
+    "health_check_timeout_ms": 500,
+    "health_check_failure_threshold": 3,
+}
+ELASTIC = (1, WORKERS)  # a lost node's runs: they continue on the node left
 
 
 @dataclass
@@ -77,11 +89,13 @@ class Variant:
 
 
 class Fault:
-    """A thread that signals one training worker of this process's Ray once ``due()`` holds."""
+    """A thread that signals one training worker of this process's Ray once ``due()`` holds, or
+    (``lost``) kills every process of a ``cluster`` node that hosts one."""
 
-    def __init__(self, kind: str, due: Callable[[], bool]) -> None:
+    def __init__(self, kind: str, due: Callable[[], bool], cluster: Any = None) -> None:
         self.kind = kind
         self.due = due
+        self.cluster = cluster
         self.at: float | None = None
         self.pid: int | None = None
         self.thread = threading.Thread(target=self._inject, name="trainforge-fault", daemon=True)
@@ -93,6 +107,12 @@ class Fault:
             if time.monotonic() > deadline:
                 return
             time.sleep(0.02)
+        if self.kind == "lost":
+            node = node_with_a_training_worker(self.cluster)
+            if node is not None:
+                self.at = time.time()
+                self.cluster.remove_node(node, allow_graceful=False)  # SIGKILL of its raylet and workers
+            return
         pids = training_workers()
         if not pids:
             return
@@ -118,13 +138,66 @@ def training_workers() -> list[int]:
     return found
 
 
+def node_with_a_training_worker(cluster: Any) -> Any:
+    """A worker node of ``cluster`` whose raylet runs a Ray Train worker (None: none does)."""
+    for node in cluster.worker_nodes:
+        raylet = node.all_processes["raylet"][0].process.pid
+        with contextlib.suppress(psutil.Error):
+            if any(
+                "RayTrainWorker" in " ".join(child.cmdline())
+                for child in psutil.Process(raylet).children(recursive=True)
+            ):
+                return node
+    return None
+
+
+@contextlib.contextmanager
+def node_cluster() -> Iterator[Any]:
+    """A Ray cluster of nodes on this machine (``ray.cluster_utils.Cluster``): a head without CPUs
+    (the driver's, where no training worker lands) and, per measurement, two 1-CPU worker nodes.
+    Its files live in a temporary directory of its own, so no other ``ray.init`` here joins it."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    temp_dir = tempfile.mkdtemp(prefix="tfbench-", dir="/tmp")  # short: Ray's socket paths live under it
+    saved = {name: os.environ.get(name) for name in ("RAY_TMPDIR", POLL_ENV, "PYTHONPATH")}
+    os.environ.update(RAY_TMPDIR=temp_dir, PYTHONPATH=python_path())
+    os.environ[POLL_ENV] = POLL_INTERVAL_S
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 0, "include_dashboard": False, "_system_config": FAST_NODE_DEATH},
+    )
+    try:
+        ray.init(address=cluster.address, log_to_driver=False)
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+        restore_env(saved)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def two_nodes(cluster: Any) -> None:
+    """Two live, idle 1-CPU worker nodes (a lost node is added back for the next measurement)."""
+    import ray
+
+    while len(cluster.worker_nodes) < WORKERS:
+        cluster.add_node(num_cpus=1)
+    cluster.wait_for_nodes()
+    deadline = time.monotonic() + FAULT_WAIT_S
+    while ray.available_resources().get("CPU", 0) < WORKERS:  # the last run's workers, released late
+        if time.monotonic() > deadline:
+            raise TrainforgeError(f"bench recovery: the node cluster did not free {WORKERS} CPUs")
+        time.sleep(0.2)
+
+
 # ---------------------------------------------------------------------------------------------
 # trainforge
 
 
-def trainforge_run(failure: dict[str, Any]) -> Callable[[str, Path, Fault], float | None]:
+def trainforge_run(failure: dict[str, Any], workers: Any = WORKERS) -> Callable[[str, Path, Fault], float | None]:
     def run(kind: str, scratch: Path, fault: Fault) -> float | None:
-        config = WORKLOAD.trainforge_config(WORKERS, "recovery", str(scratch))
+        config = WORKLOAD.trainforge_config(workers, "recovery", str(scratch))
         config["train"] = {**config["train"], "max_steps": TOTAL_STEPS}
         config["checkpoint"] = {"every_n_steps": CHECKPOINT_EVERY, "keep_last": 3}
         config["failure"] = {"max_failures": 2, **failure}
@@ -210,7 +283,7 @@ def report_checkpoint(step: int, model: torch.nn.Module, optimizer: torch.optim.
         ray.train.report({"step": step}, checkpoint=ray.train.Checkpoint.from_directory(folder))
 
 
-def ray_train_run(timeout_s: int) -> Callable[[str, Path, Fault], float | None]:
+def ray_train_run(timeout_s: int, workers: Any = WORKERS) -> Callable[[str, Path, Fault], float | None]:
     def run(kind: str, scratch: Path, fault: Fault) -> float | None:
         import ray.train
         from ray.train.torch import TorchConfig, TorchTrainer
@@ -220,7 +293,7 @@ def ray_train_run(timeout_s: int) -> Callable[[str, Path, Fault], float | None]:
             ray_train_recovery_loop,
             train_loop_config={"workload": WORKLOAD.to_json(), "steps_file": str(steps_file)},
             torch_config=TorchConfig(timeout_s=timeout_s),
-            scaling_config=ray.train.ScalingConfig(num_workers=WORKERS),
+            scaling_config=ray.train.ScalingConfig(num_workers=workers),
             run_config=ray.train.RunConfig(
                 name="recovery",
                 storage_path=str(scratch / "ray"),
@@ -244,11 +317,19 @@ def logged_step(steps_file: Path, step: int) -> Callable[[], bool]:
 
 
 def next_logged_step(steps_file: Path, fault_at: float | None) -> float | None:
+    """Seconds from the fault to the restarted group's first step: the first step after the fault
+    that goes back (the new group redoes the steps since the checkpoint), else the first after it
+    (rank 0 may finish a step in flight when another node goes, before its group fails)."""
     if fault_at is None or not steps_file.is_file():
         return None
-    times = [float(line.split()[1]) for line in steps_file.read_text().splitlines() if line.strip()]
-    after = [at for at in times if at > fault_at]
-    return min(after) - fault_at if after else None
+    logged = [
+        (int(step), float(at)) for step, at in (line.split() for line in steps_file.read_text().splitlines() if line)
+    ]
+    after = [(i, at) for i, (_, at) in enumerate(logged) if at > fault_at]
+    if not after:
+        return None
+    again = [at for i, at in after if i > 0 and logged[i][0] <= logged[i - 1][0]]
+    return (again[0] if again else after[0][1]) - fault_at
 
 
 # ---------------------------------------------------------------------------------------------
@@ -256,6 +337,11 @@ def next_logged_step(steps_file: Path, fault_at: float | None) -> float | None:
 
 
 def variants(kind: str) -> list[Variant]:
+    if kind == "lost":
+        return [
+            Variant("trainforge", "elastic [1, 2]", trainforge_run({}, list(ELASTIC))),
+            Variant("Ray Train alone", "elastic (1, 2)", ray_train_run(timeout_s=300, workers=ELASTIC)),
+        ]
     if kind == "killed":
         return [
             Variant("trainforge", "", trainforge_run({})),
@@ -284,13 +370,15 @@ def variants(kind: str) -> list[Variant]:
     ]
 
 
-def measure(kind: str, variant: Variant, scratch: Path) -> Measurement:
+def measure(kind: str, variant: Variant, scratch: Path, cluster: Any = None) -> Measurement:
     scratch.mkdir(parents=True, exist_ok=True)
     if variant.peer == "trainforge":
         due = checkpointed(scratch / "recovery", FAULT_AFTER)
     else:
         due = logged_step(scratch / "steps.txt", FAULT_AFTER)
-    fault = Fault(kind, due)
+    if cluster is not None:
+        two_nodes(cluster)
+    fault = Fault(kind, due, cluster)
     try:
         seconds = variant.run(kind, scratch, fault)
     finally:
@@ -302,15 +390,21 @@ def run_bench(
     faults: list[str], repeats: int, output: Path | None, console: Console, progress: Callable[[str], None]
 ) -> list[dict[str, Any]]:
     measurements: list[Measurement] = []
-    with tempfile.TemporaryDirectory(prefix="trainforge-recovery-") as root, local_ray():
-        for repeat in range(repeats):
-            for kind in faults:
-                for index, variant in enumerate(variants(kind)):
-                    label = f"{kind} worker, {variant.peer}{f' ({variant.setting})' if variant.setting else ''}"
-                    progress(f"[{repeat + 1}/{repeats}] {label} ...")
-                    found = measure(kind, variant, Path(root) / f"{kind}-{index}-{repeat}")
-                    progress(f"    {found.seconds if found.seconds is not None else 'no step'} s")
-                    measurements.append(found)
+    on_one_node = [kind for kind in faults if kind != "lost"]
+    with tempfile.TemporaryDirectory(prefix="trainforge-recovery-") as root:
+        # A worker's faults in one local Ray; a lost node's in a cluster of nodes on this machine.
+        for kinds, place in ((on_one_node, local_ray), (["lost"] if "lost" in faults else [], node_cluster)):
+            if not kinds:
+                continue
+            with place() as cluster:
+                for repeat in range(repeats):
+                    for kind in kinds:
+                        for index, variant in enumerate(variants(kind)):
+                            label = f"{WHAT[kind]}, {variant.peer}{f' ({variant.setting})' if variant.setting else ''}"
+                            progress(f"[{repeat + 1}/{repeats}] {label} ...")
+                            found = measure(kind, variant, Path(root) / f"{kind}-{index}-{repeat}", cluster)
+                            progress(f"    {found.seconds if found.seconds is not None else 'no step'} s")
+                            measurements.append(found)
     rows = summarise(measurements)
     console.print(table(rows))
     if output is not None:
@@ -346,5 +440,5 @@ def table(rows: list[dict[str, Any]]) -> Table:
         shown.add_column(column, justify="right" if column in ("seconds", "runs") else "left")
     for row in rows:
         seconds = f"{row['seconds']:.1f}" if row["seconds"] is not None else "no step"
-        shown.add_row(f"{row['fault']} worker", row["peer"], row["setting"] or "-", seconds, str(row["runs"]))
+        shown.add_row(WHAT[row["fault"]], row["peer"], row["setting"] or "-", seconds, str(row["runs"]))
     return shown

@@ -43,10 +43,10 @@ import trainforge
 from trainforge.bench.peers import (
     SUBPROCESS_TIMEOUT_S,
     PeerFailed,
-    _python_path,
     crash_lines,
     local_ray,
     machine,
+    python_path,
     ray_train_figures,
 )
 from trainforge.bench.workload import WARMUP_STEPS, Workload
@@ -115,7 +115,7 @@ def measure_cold(peer: str, workload: Workload, workers: int, scratch: Path, rep
     """A new process tree, as the user's command: its first step and its exit, from its launch."""
     scratch.mkdir(parents=True, exist_ok=True)
     out = scratch / "result.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": _python_path()}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": python_path()}
     env.pop("RAY_ADDRESS", None)
     args = ["--workload", workload.to_json(), "--out", str(out)]
     if peer == "torchrun":

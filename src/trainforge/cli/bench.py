@@ -96,12 +96,17 @@ def bench_startup(
 @app.command("recovery")
 def bench_recovery(
     faults: Annotated[
-        str, typer.Option(help="Comma-separated: killed (SIGKILL of a worker), frozen (SIGSTOP of one).")
-    ] = "killed,frozen",
+        str,
+        typer.Option(
+            help="Comma-separated: killed (SIGKILL of a worker), frozen (SIGSTOP of one), lost (every "
+            "process of a node that runs one, on a cluster of Ray nodes on this machine)."
+        ),
+    ] = "killed,frozen,lost",
     repeats: Annotated[int, typer.Option(help="Measurements per fault and peer; the median is shown.")] = 1,
     output: Annotated[Path | None, typer.Option(help="Also write every raw figure as JSON here.")] = None,
 ) -> None:
-    """Seconds from a killed or frozen worker to the next training step: trainforge beside Ray Train alone."""
+    """Seconds from a killed or frozen worker, or a lost node, to the next training step: trainforge beside
+    Ray Train alone."""
     from trainforge.bench.recovery import FAULTS
 
     chosen = [fault.strip() for fault in faults.split(",") if fault.strip()]

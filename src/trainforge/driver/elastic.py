@@ -10,35 +10,65 @@ recompute at once (``get_reserved_resources(recompute=True)``, the call Ray Data
 pins work to nodes) each time the controller goes to restart or reschedule, so the next decision
 sees the node gone as soon as Ray's GCS declares it dead. Failing to reach the coordinator (a Ray
 without it) costs nothing but the old wait, logged once.
+
+A node killed outright is still alive to the GCS for a moment after its workers' peers fail (until
+its health checks have failed ``health_check_failure_threshold`` times), and a decision taken then
+would count it. So before refreshing, the callback knocks on the node manager of every node the
+failed group ran on; a node whose raylet does not answer is waited for, up to the GCS's own window
+for declaring it dead, and the refresh follows. A worker killed on a live node costs no wait.
 """
 
 from __future__ import annotations
 
 import logging
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import ray
-from ray.train.v2._internal.execution.callback import ControllerCallback
+from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
 
 log = logging.getLogger("trainforge")
 
 COORDINATOR = ("AutoscalingCoordinator", "AutoscalingCoordinator")  # Ray Data's actor: name, namespace
 REFRESH_TIMEOUT_S = 10.0
+KNOCK_TIMEOUT_S = 0.5  # a raylet that does not accept a connection in this long is taken for gone
+MAX_DEATH_WAIT_S = 60.0
 
 
-class FreshNodesCallback(ControllerCallback):
+class FreshNodesCallback(ControllerCallback, WorkerGroupCallback):
     """Refreshes the coordinator's view of the nodes when an elastic group must be sized again."""
 
     def __init__(self) -> None:
         self.requester = "trainforge"
         self.warned = False
+        self.group_nodes: set[str] = set()  # the node ids the running group's workers are on
 
     def after_controller_start(self, train_run_context: Any) -> None:
         self.requester = f"train-{train_run_context.run_id}"  # the policy's id (ray.train's ScalingPolicy)
 
+    def after_worker_group_start(self, worker_group: Any) -> None:
+        self.group_nodes = {worker.metadata.node_id for worker in worker_group.get_workers()}
+
     def after_controller_state_update(self, previous_state: Any, current_state: Any) -> None:
         if type(current_state).__name__ in ("RestartingState", "ReschedulingState"):
+            self.wait_for_lost_nodes()
             self.refresh()
+
+    def wait_for_lost_nodes(self) -> None:
+        """Until the GCS has declared dead every node of the group whose raylet does not answer
+        (at most its own window for that)."""
+        nodes = {n["NodeID"]: n for n in ray.nodes() if n["Alive"] and n["NodeID"] in self.group_nodes}
+        if not nodes:
+            return
+        with ThreadPoolExecutor(max_workers=min(len(nodes), 16)) as pool:
+            answers = dict(zip(nodes, pool.map(answers_knock, nodes.values()), strict=True))
+        silent = {node for node, answered in answers.items() if not answered}
+        deadline = time.monotonic() + death_window_s()
+        while silent and time.monotonic() < deadline:
+            time.sleep(0.1)
+            silent &= {n["NodeID"] for n in ray.nodes() if n["Alive"]}
 
     def refresh(self) -> None:
         try:
@@ -50,3 +80,21 @@ class FreshNodesCallback(ControllerCallback):
             if not self.warned:
                 log.warning("could not refresh Ray's view of the nodes for the elastic restart: %s", err)
                 self.warned = True
+
+
+def answers_knock(node: dict[str, Any]) -> bool:
+    """Whether the node's raylet accepts a TCP connection (a killed one refuses, a lost host is silent)."""
+    try:
+        with socket.create_connection((node["NodeManagerAddress"], node["NodeManagerPort"]), KNOCK_TIMEOUT_S):
+            return True
+    except OSError:
+        return False
+
+
+def death_window_s() -> float:
+    """How long the GCS takes at most to declare a silent node dead: its health checks' period times
+    their failure threshold, plus one check's timeout (Ray's _system_config, the same in every process)."""
+    from ray._raylet import Config  # type: ignore[attr-defined]  # Cython, no stubs
+
+    period, threshold = Config.health_check_period_ms(), Config.health_check_failure_threshold()
+    return min(MAX_DEATH_WAIT_S, (period * threshold + Config.health_check_timeout_ms()) / 1000 + 1.0)
