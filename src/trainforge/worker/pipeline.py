@@ -24,12 +24,9 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_optimizer_state_dict,
-    set_optimizer_state_dict,
-)
 
+# torch.distributed.pipelining and the checkpoint state-dict API are imported where they are used
+# (as in worker/plan.py): every worker imports this module, few run a pipeline.
 from trainforge.config import PipelineConfig
 from trainforge.errors import ConfigError
 from trainforge.models import Task
@@ -320,6 +317,8 @@ class PipelinePlan(ParallelPlan):
         """The stage's moments by the whole model's names, and parameter groups that list every
         stage's parameters: torch.distributed.checkpoint keeps one copy of the groups (they are
         keyed by position), which then reads as an unpipelined model's."""
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
         state = cast(dict[str, Any], get_optimizer_state_dict(model, optimizer))
         state["param_groups"] = self._whole_groups(state["param_groups"])
         return state
@@ -336,6 +335,8 @@ class PipelinePlan(ParallelPlan):
 
     def load_optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
         """A sharded checkpoint's optimizer state: this stage's moments and its part of each group."""
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
         mine = {name for name, _ in model.named_parameters()}
         groups = [{**g, "params": [n for n in g["params"] if n in mine]} for g in state["param_groups"]]
         own = {"state": state["state"], "param_groups": [g for g in groups if g["params"]]}
@@ -346,6 +347,12 @@ class PipelinePlan(ParallelPlan):
     ) -> None:
         """A whole model's optimizer state, keyed by position (group by group, each in the model's
         order, as the same config groups the whole model): this stage's part."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_optimizer_state_dict,
+            set_optimizer_state_dict,
+        )
+
         current = cast(dict[str, Any], get_optimizer_state_dict(model, optimizer))
         whole = self._whole_groups(current["param_groups"])
         saved = [len(g["params"]) for g in state["param_groups"]]
