@@ -1,7 +1,8 @@
 """One rank of a process group that loses a peer (tests/unit/test_rejoin.py): ``python -m
-tests.helpers.rejoining RENDEZVOUS RANK DIE_AT_STEP OUT`` all-reduces a tensor STEPS times in
+tests.helpers.rejoining RENDEZVOUS RANK DIE_AT_STEP OUT [UNFIT]`` all-reduces a tensor STEPS times in
 generations of worker/rejoin.py; with DIE_AT_STEP >= 0 this process SIGKILLs itself at that step of
-its first generation. It writes the generation it finished in, its pid and the sum to OUT."""
+its first generation; with UNFIT its reset says the process cannot be vouched for. It writes the
+generation it finished in, its pid and the sum to OUT."""
 
 from __future__ import annotations
 
@@ -25,7 +26,12 @@ def main() -> None:
         int(sys.argv[3]),
         sys.argv[4],
     )
-    resets = []
+    unfit = sys.argv[5] if len(sys.argv) > 5 else None  # what the reset says of the process
+    resets: list[int] = []
+
+    def reset() -> str | None:
+        resets.append(1)
+        return unfit
 
     def run(generation: int) -> dict[str, float]:
         total = torch.ones(1)
@@ -35,7 +41,7 @@ def main() -> None:
             dist.all_reduce(total)
         return {"generation": generation, "sum": total.item(), "pid": os.getpid(), "resets": len(resets)}
 
-    result = run_rejoining(rendezvous, rank, run, max_rejoins=1, reset=lambda: resets.append(1))
+    result = run_rejoining(rendezvous, rank, run, max_rejoins=1, reset=reset)
     with open(out, "w") as f:
         json.dump(result, f)
 

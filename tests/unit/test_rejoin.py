@@ -22,11 +22,21 @@ from trainforge.worker.rejoin import Rendezvous, lost_peer
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def rank_process(rendezvous: Rendezvous, rank: int, die_at: int, out: Path) -> subprocess.Popen[bytes]:
-    command = [sys.executable, "-m", "tests.helpers.rejoining", rendezvous.to_env(), str(rank), str(die_at), str(out)]
-    return subprocess.Popen(
-        command, cwd=ROOT, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
-    )
+def rank_process(
+    rendezvous: Rendezvous, rank: int, die_at: int, out: Path, *unfit: str, stderr: int | None = None
+) -> subprocess.Popen[bytes]:
+    command = [
+        sys.executable,
+        "-m",
+        "tests.helpers.rejoining",
+        rendezvous.to_env(),
+        str(rank),
+        str(die_at),
+        str(out),
+        *unfit,
+    ]
+    env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(command, cwd=ROOT, env=env, stderr=stderr)
 
 
 def test_a_survivor_keeps_its_process_and_finishes_with_the_replacement_of_a_killed_peer(tmp_path: Path) -> None:
@@ -46,6 +56,21 @@ def test_a_survivor_keeps_its_process_and_finishes_with_the_replacement_of_a_kil
     assert kept["sum"] == new["sum"] == 2.0**STEPS  # a whole run of collectives in the new group
     assert not (tmp_path / "doomed.json").exists()
     assert store.add("run1/joins", 0) == 4  # two first joins, the survivor's rejoin, the replacement's
+
+
+def test_a_survivor_whose_process_cannot_be_vouched_for_fails_instead_of_rejoining(tmp_path: Path) -> None:
+    store = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=60)
+    )
+    rendezvous = Rendezvous("127.0.0.1", store.port, "run2", world=2, backend="gloo", timeout_s=60)
+    unfit = "a C extension loaded from outside the libraries"
+    survivor = rank_process(rendezvous, 0, -1, tmp_path / "survivor.json", unfit, stderr=subprocess.PIPE)
+    doomed = rank_process(rendezvous, 1, 2, tmp_path / "doomed.json")
+    assert doomed.wait(timeout=120) == -9
+    _, err = survivor.communicate(timeout=120)
+    assert survivor.returncode != 0 and not (tmp_path / "survivor.json").exists()
+    assert f"rank 0 lost a peer and cannot rejoin: this process is not as a new one ({unfit})" in err.decode()
+    assert store.add("run2/joins", 0) == 2  # it never joined a second generation
 
 
 def test_only_a_collective_that_lost_a_peer_is_a_lost_peer() -> None:

@@ -85,8 +85,14 @@ def train_loop_per_worker(train_loop_config: dict[str, Payload]) -> Report | Use
             rank,
             lambda generation: run_worker(payload, {"train_fn": entered} if rank == 0 and not generation else None),
             payload.config.failure.max_failures,
-            lambda: reset(baseline),
+            lambda: rejoin_reset(baseline),
         )
+
+
+def rejoin_reset(baseline: Baseline) -> str | None:
+    """A survivor's process put back as before its first run; why it cannot be vouched for, if so."""
+    reset(baseline)
+    return baseline.problem()
 
 
 def run_worker(

@@ -117,10 +117,12 @@ def run_rejoining(
     rank: int,
     run: Callable[[int], T],
     max_rejoins: int,
-    reset: Callable[[], None],
+    reset: Callable[[], str | None],
 ) -> T:
     """``run(generation)`` in process groups of successive generations: after a lost peer, leave the
-    group, ``reset`` the process and join the next one, at most ``max_rejoins`` times (-1: no limit)."""
+    group, ``reset`` the process and join the next one, at most ``max_rejoins`` times (-1: no limit).
+    ``reset`` returns why the process cannot be vouched for as a fresh worker's (worker/fresh.py's
+    ``Baseline.problem``): then this worker fails instead, and Ray Train replaces it too."""
     rejoins = 0
     while True:
         generation = rendezvous.join(rank)
@@ -140,5 +142,7 @@ def run_rejoining(
                 str(err).splitlines()[0][:200] if str(err) else type(err).__name__,
             )
         dist.destroy_process_group()
-        reset()
+        unfit = reset()
+        if unfit is not None:
+            raise RuntimeError(f"rank {rank} lost a peer and cannot rejoin: this process is not as a new one ({unfit})")
         log.info("rank %d: left the lost group in %.2f s", rank, time.monotonic() - lost_at)
