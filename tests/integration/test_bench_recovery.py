@@ -60,3 +60,16 @@ def test_a_killed_worker_is_measured_for_trainforge_and_ray_train_alone(tmp_path
 )
 def test_bad_flags_are_one_line(args: list[str], expected: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert_user_error(in_process("bench", "recovery", *args, capsys=capsys), expected)
+
+
+def test_ray_train_alones_next_step_is_the_restarted_groups(tmp_path: Path) -> None:
+    """A step rank 0 finished after the fault, before its group failed, is not recovery: the next
+    step is the first that goes back (the new group redoes the steps since the checkpoint)."""
+    from trainforge.bench.recovery import next_logged_step
+
+    steps = tmp_path / "steps.txt"
+    steps.write_text("19 100.0\n20 100.1\n21 100.3\n21 106.0\n22 106.1\n")  # fault at 100.2
+    assert next_logged_step(steps, 100.2) == pytest.approx(5.8)
+    steps.write_text("19 100.0\n20 100.1\n21 106.0\n")  # nothing in flight: the first step after it
+    assert next_logged_step(steps, 100.2) == pytest.approx(5.8)
+    assert next_logged_step(steps, 200.0) is None and next_logged_step(steps, None) is None
