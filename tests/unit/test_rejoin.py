@@ -39,6 +39,7 @@ def rank_process(
     return subprocess.Popen(command, cwd=ROOT, env=env, stderr=stderr)
 
 
+@pytest.mark.slow  # real processes start torch: out of the fast subset
 def test_a_survivor_keeps_its_process_and_finishes_with_the_replacement_of_a_killed_peer(tmp_path: Path) -> None:
     store = dist.TCPStore(
         "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=60)
@@ -58,6 +59,7 @@ def test_a_survivor_keeps_its_process_and_finishes_with_the_replacement_of_a_kil
     assert store.add("run1/joins", 0) == 4  # two first joins, the survivor's rejoin, the replacement's
 
 
+@pytest.mark.slow  # real processes start torch: out of the fast subset
 def test_a_survivor_whose_process_cannot_be_vouched_for_fails_instead_of_rejoining(tmp_path: Path) -> None:
     store = dist.TCPStore(
         "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=60)

@@ -227,6 +227,7 @@ def test_restart_raises_on_every_rank_at_the_same_report(tmp_path: Path) -> None
     assert [(e["rank"], e["action"]) for e in named] == [(1, "restart")]  # reported before the raise
 
 
+@pytest.mark.slow  # real processes start torch: out of the fast subset
 def test_exclude_in_ranks_without_ray_names_the_straggler_keeps_its_node_and_finishes(tmp_path: Path) -> None:
     config = slow_config(tmp_path, "exclude")
     config["scaling"] = {"num_workers": [1, 2]}
