@@ -39,7 +39,7 @@ CASES: dict[str, tuple[DataSpec, int]] = {
     "llama_10m": (TOKENS, 2),
 }
 # too big to build for real in a unit test; their shapes are checked on the meta device below
-META_ONLY = {"llama_125m", "llama_1b", "llama_7b", "llama_10b"}
+META_ONLY = {"llama_125m", "llama_1b", "llama_7b", "llama_10b", "llama_70b"}
 
 
 def batch(spec: DataSpec, size: int) -> torch.Tensor:
@@ -348,6 +348,8 @@ def test_build_task_follows_data_kind_unless_set() -> None:
         ("llama_1b", 32000, 1_104_218_112),
         ("llama_7b", 32000, 6_738_415_616),
         ("llama_10b", 32000, 10_237_096_960),
+        ("llama_70b", 32000, 68_976_648_192),
+        ("llama_70b", 128256, 70_553_706_496),  # Llama-3-70B as published
     ],
 )
 def test_llama_sizes_on_meta(name: str, vocab: int, params: int) -> None:

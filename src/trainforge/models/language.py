@@ -3,7 +3,7 @@
 GPT-2, BERT and Llama come from transformers' model classes with random init; BERT runs as a decoder
 (``is_decoder=True``) so each position only attends to earlier ones and it trains like GPT-2.
 The Llama sizes run from a CPU test model (``llama_tiny``) to shapes only the memory planner builds,
-on the meta device (``llama_7b``, ``llama_10b``).
+on the meta device (``llama_7b``, ``llama_10b``, ``llama_70b``).
 """
 
 from __future__ import annotations
@@ -174,3 +174,10 @@ def llama_7b(spec: DataSpec, **overrides: Any) -> nn.Module:
 def llama_10b(spec: DataSpec, **overrides: Any) -> nn.Module:
     """Llama-2-13B's width (5120, 40 heads, MLP 13824) with 8 KV heads and 36 layers: 10.24B parameters."""
     return hf_llama("llama_10b", spec, llama_arch(5120, 13824, 36, 40, 8), overrides)
+
+
+@register("llama_70b")
+def llama_70b(spec: DataSpec, **overrides: Any) -> nn.Module:
+    """Llama-3-70B's shape (80 layers, 8192 wide, 64 heads, 8 KV heads, MLP 28672): 68.98B parameters
+    at vocab 32000, 70.55B at Llama-3's 128256; for the planner on the meta device."""
+    return hf_llama("llama_70b", spec, llama_arch(8192, 28672, 80, 64, 8), overrides)
