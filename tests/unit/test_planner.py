@@ -70,11 +70,15 @@ def test_plan_json_has_every_strategy_its_terms_and_a_recommendation(
     assert report["model"] == {"name": "llama_tiny", "parameters": numel}
     assert report["gpus"] == 2 and report["gpu_memory_gb"] == 2.0 and report["micro_batch"] == 2
     names = [row["name"] for row in report["strategies"]]
-    assert names == ["ddp", "fsdp", "fsdp+ac", "fsdp+tp2", "fsdp+tp2+ac"]
+    assert names == ["ddp", "fsdp", "fsdp+ac", "fsdp+tp2", "fsdp+tp2+ac", "pp2+ddp", "pp2+ddp+ac"]
     assert [s["name"] for s in report["skipped"]] == ["fsdp+tp4", "fsdp+tp8"]  # 2 GPUs: no 4-way groups
     rows = {row["name"]: row for row in report["strategies"]}
     for row in report["strategies"]:
         assert set(row) >= {"name", "tensor_parallel", "activation_checkpointing", "per_gpu_gb", "fits"}
+        assert set(row) >= {"mesh", "bytes_per_rank", "bubble", "crosses_nodes", "estimate", "runs", "settings"}
+        assert row["mesh"]["pp"] * row["mesh"]["dp"] * row["mesh"]["tp"] == 2
+        assert row["bytes_per_rank"] / GIB == pytest.approx(row["per_gpu_gb"]["total"], abs=1e-3)
+        assert row["crosses_nodes"] == "nothing" and row["estimate"]["network_s"] == 0  # one node
         assert isinstance(row["max_micro_batch"], int) and row["max_micro_batch"] > 0
         parts = row["per_gpu_gb"]
         assert set(parts) >= {"params", "grads", "optimizer", "activations", "total"}
@@ -89,6 +93,10 @@ def test_plan_json_has_every_strategy_its_terms_and_a_recommendation(
     assert rows["fsdp+ac"]["per_gpu_gb"]["activations"] < rows["fsdp"]["per_gpu_gb"]["activations"]
     assert rows["fsdp+tp2"]["tensor_parallel"] == 2 and rows["fsdp+ac"]["activation_checkpointing"] is True
     assert report["recommended"] == "ddp" and report["settings"]["parallel.strategy"] == "ddp"
+    assert report["why"].startswith("ddp fits") and "fsdp" in report["why"]  # against the next that fits
+    assert rows["pp2+ddp"]["bubble"] == pytest.approx(1 / 3)  # (P - 1) / (M + P - 1): 2 stages, 2 micro-batches
+    assert rows["pp2+ddp"]["settings"]["parallel.pipeline"] == {"stages": 2, "schedule": "1f1b", "microbatches": 2}
+    assert rows["pp2+ddp"]["runs"] and rows["pp2+ddp"]["not_yet"] is None
 
 
 def test_max_micro_batch_is_the_boundary_of_the_estimate() -> None:
@@ -253,3 +261,176 @@ def test_a_10b_llama_on_8_x_80_gb_needs_fsdp_and_activation_checkpointing(
     code = run_cli(monkeypatch, "plan", config_file(tmp_path, LLAMA_10B), "--gpus", "8", "--gpu-memory-gb", "80")
     out = capsys.readouterr().out
     assert code == 0 and "recommended: fsdp+ac" in out and "llama_10b (10.24B parameters)" in out, out
+
+
+# ---------------------------------------------------------------------------------------------
+# Pipelined layouts
+
+
+def pipelined(batch_size: int, stages: int, schedule: str) -> dict[str, Any]:
+    return {
+        **SMALL,
+        "train": {"max_steps": 2, "batch_size": batch_size},
+        "parallel": {"pipeline": {"stages": stages, "schedule": schedule, "microbatches": batch_size}},
+    }
+
+
+def test_a_stage_holds_its_blocks_and_the_embeddings_on_the_first_the_head_on_the_last() -> None:
+    import torch
+
+    from trainforge.config import load_config
+    from trainforge.data import build_datasets
+    from trainforge.models import build_model
+    from trainforge.worker.capacity.estimate import profile_model, stage_breakdowns
+
+    config = load_config(pipelined(2, 2, "1f1b"))
+    spec = build_datasets(config.data, 0)[2]
+    with torch.device("meta"):
+        model = build_model(config.model, spec)
+    numel = {name: p.numel() for name, p in model.named_parameters()}
+    first = sum(
+        n for name, n in numel.items() if "embed_tokens" in name or ".layers.0." in name or ".layers.1." in name
+    )
+    stages = stage_breakdowns(config, 2, profile=profile_model(config))
+    assert [stage.params for stage in stages] == [4 * first, 4 * (sum(numel.values()) - first)]  # fp32
+    for stage in stages:  # one rank per stage: no data-parallel buffer
+        assert stage.grads == stage.params and stage.buffers == 0
+        assert stage.optimizer >= 2 * stage.params  # AdamW's moments (and its step counters)
+
+
+def test_gpipe_holds_every_micro_batch_and_1f1b_at_most_the_stages() -> None:
+    from trainforge.config import load_config
+    from trainforge.worker.capacity.estimate import Strategy, profile_model, stage_breakdowns
+
+    gpipe, one_f_one_b = (load_config(pipelined(8, 2, schedule)) for schedule in ("gpipe", "1f1b"))
+    profile = profile_model(gpipe)
+    held = {
+        name: [stage.activations for stage in stage_breakdowns(config, 2, profile=profile)]
+        for name, config in (("gpipe", gpipe), ("1f1b", one_f_one_b))
+    }
+    # 8 micro-batches in flight under GPipe, 2 on 1F1B's first stage: a quarter of the block's share
+    assert held["1f1b"][0] < held["gpipe"][0] / 2
+    assert held["1f1b"][1] < held["gpipe"][1] / 4  # the last stage: one at a time, against 8
+    strategy = Strategy("pp4", False, pipeline=4, microbatches=4)
+    assert [strategy.in_flight(stage) for stage in range(4)] == [4, 3, 2, 1]
+    assert strategy.bubble == pytest.approx(3 / 7)
+    assert Strategy("pp4", False, pipeline=4, microbatches=4, schedule="gpipe").in_flight(3) == 4
+
+
+def test_what_crosses_nodes_follows_the_mesh() -> None:
+    from trainforge.config import load_config
+    from trainforge.worker.capacity.estimate import Strategy, profile_model
+    from trainforge.worker.capacity.layouts import CROSSING, traffic
+
+    config = load_config(SMALL)
+    profile = profile_model(config)
+
+    def crossing(strategy: Strategy) -> str:
+        return CROSSING[traffic(config, profile, strategy, 16, 2).crossing]
+
+    assert crossing(Strategy("ddp", False)) == "replica all-reduces"
+    assert crossing(Strategy("fsdp", True)) == "sharded all-gathers"
+    assert crossing(Strategy("hsdp", True, replicate=2)) == "replica all-reduces"  # shard groups of one node
+    assert crossing(Strategy("pp2+ddp", False, pipeline=2)) == "point-to-point activations"  # a stage per node
+    assert traffic(config, profile, Strategy("ddp", False), 8, 2).bytes_per_step == 0  # one node
+    # DDP all-reduces every gradient: 2 (nodes - 1) / nodes of them leave each node, shared by its 8 GPUs
+    grads = 4 * profile.parameters
+    assert traffic(config, profile, Strategy("ddp", False), 16, 2).bytes_per_step == pytest.approx(16 * grads / 8)
+
+
+LLAMA_70B = {
+    "model": {"name": "llama_70b"},
+    "data": {"name": "synthetic", "kind": "tokens", "seq_len": 2048, "vocab_size": 128256},
+    "train": {"max_steps": 1000, "batch_size": 4},
+    "parallel": {"strategy": "fsdp", "fsdp": {"mixed_precision": "bf16"}},
+}
+
+
+def test_a_70b_llama_on_64_x_80_gb_gets_a_pipelined_or_hsdp_layout_that_fits_and_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from trainforge.config import Config
+
+    code = run_cli(
+        monkeypatch, "plan", config_file(tmp_path, LLAMA_70B), "--gpus", "64", "--gpu-memory-gb", "80", "--json"
+    )
+    assert code == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["model"]["parameters"] == 70_553_706_496
+    rows = {row["name"]: row for row in report["strategies"]}
+    assert not rows["ddp"]["fits"] and not rows["fsdp"]["fits"]  # 1.1 TB of state; activations of 80 blocks
+    proposed = [row for row in rows.values() if row["fits"] and (row["pipeline"] > 1 or row["replicate"] > 1)]
+    assert any(row["pipeline"] > 1 for row in proposed) and any(row["replicate"] > 1 for row in proposed)
+    best = rows[report["recommended"]]
+    assert best["fits"] and best["runs"] and (best["pipeline"] > 1 or best["replicate"] > 1)
+    assert report["why"].startswith(f"{best['name']} fits") and "samples/s" in report["why"]
+    assert "best pipelined layout that fits" in report["why"] or best["pipeline"] > 1  # the other kind's best, compared
+    # what it recommends runs: the settings validate as a config for 64 workers
+    raw = {**LLAMA_70B, "scaling": {"num_workers": 64}, "parallel": {"fsdp": {"mixed_precision": "bf16"}}}
+    for key, value in report["settings"].items():
+        *path, leaf = key.split(".")
+        section = raw
+        for part in path:
+            section = section.setdefault(part, {})
+        section[leaf] = value
+    Config.model_validate(raw)
+
+    def lost(row: dict[str, Any]) -> float:  # to the network and the bubble, per sample
+        estimate = row["estimate"]
+        return float((estimate["network_s"] + estimate["bubble_s"]) / estimate["samples"])
+
+    assert lost(best) == pytest.approx(min(lost(row) for row in rows.values() if row["fits"] and row["runs"]), rel=1e-3)
+    for row in rows.values():
+        stages = row["pipeline"]
+        assert row["bubble"] == pytest.approx((stages - 1) / (row["microbatches"] + stages - 1) if stages > 1 else 0)
+        assert row["runs"] == (row["not_yet"] is None)
+
+
+def test_on_a_slow_network_a_pipeline_beats_data_parallel_and_says_so() -> None:
+    from trainforge.config import load_config
+    from trainforge.worker.capacity.layouts import Cluster
+    from trainforge.worker.capacity.render import plan_memory
+
+    report = plan_memory(load_config(SMALL), 16, 2, Cluster(link_Bps=100e6 / 8))
+    rows = {row["name"]: row for row in report["strategies"]}
+    best = rows[report["recommended"]]
+    assert best["pipeline"] > 1 and best["crosses_nodes"] == "point-to-point activations"
+    assert "pipeline bubble" in report["why"] and "unpipelined layout that fits" in report["why"]
+    # it sends less between nodes per sample than the data-parallel layouts it beats
+    assert best["cross_node_bytes_per_sample"] < rows["ddp"]["cross_node_bytes_per_sample"] / 4
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "says"),
+    [
+        ("--link", "fast", "--link 'fast': one of"),
+        ("--link", "measured", "--link measured: trainforge predict's"),
+        ("--nics-per-node", "0", "--nics-per-node 0: from 1 to"),
+        ("--gpu-tflops", "0", "--gpu-tflops 0.0: must be"),
+    ],
+)
+def test_bad_cluster_flags_exit_2_with_one_line(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    flag: str,
+    value: str,
+    says: str,
+) -> None:
+    code = run_cli(monkeypatch, "plan", config_file(tmp_path, SMALL), flag, value)
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1 and says in err, err
+
+
+def test_a_faster_link_and_more_nics_shorten_the_network_share_of_the_estimate(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = config_file(tmp_path, SMALL)
+
+    def network_s(*flags: str) -> float:
+        assert run_cli(monkeypatch, "plan", path, "--gpus", "16", "--gpu-memory-gb", "2", "--json", *flags) == 0
+        report = json.loads(capsys.readouterr().out)
+        return float({row["name"]: row for row in report["strategies"]}["ddp"]["estimate"]["network_s"])
+
+    slow, fast, wide = network_s("--link", "eth25"), network_s("--link", "ib400"), network_s("--nics-per-node", "8")
+    assert fast == pytest.approx(slow * 3.125 / 50) and wide == pytest.approx(network_s() / 8)

@@ -22,25 +22,46 @@ def plan(
     config: ConfigArg,
     gpus: Annotated[int | None, typer.Option(help="GPUs to plan for; default scaling.num_workers.")] = None,
     gpu_memory_gb: Annotated[float, typer.Option(help="Memory of one GPU in GiB (2^30 bytes).")] = 80.0,
+    link: Annotated[
+        str,
+        typer.Option(
+            help="Link between nodes of 8 GPUs: nvlink, ib200, ib400, eth25, eth50, eth100, or a rate (100gbit)."
+        ),
+    ] = "ib200",
+    nics_per_node: Annotated[int, typer.Option(help="Links of --link per node (8: a NIC per GPU).")] = 1,
+    gpu_tflops: Annotated[
+        float, typer.Option(help="TFLOP/s one GPU sustains on the model (default: a bf16 H100 at about 40%).")
+    ] = 400.0,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead.")] = False,
     set_: SetOpt = None,
 ) -> None:
-    """Memory per GPU of each parallel strategy for CONFIG, whether it fits, and a recommendation.
+    """Memory per GPU of each layout for CONFIG (data, tensor and pipeline parallel), whether it
+    fits, its estimated speed, and a recommendation with the reason.
 
     The model is built on fake (meta) tensors: nothing is allocated, a 10B model plans in seconds.
     """
     import math
 
     from trainforge.config import MAX_WORKERS, load_config
+    from trainforge.predict.links import resolve_link
 
     if gpus is not None and not 1 <= gpus <= MAX_WORKERS:
         raise TrainforgeError(f"--gpus {gpus}: from 1 to {MAX_WORKERS}")
     if not (math.isfinite(gpu_memory_gb) and 0 < gpu_memory_gb <= 1e6):
         raise TrainforgeError(f"--gpu-memory-gb {gpu_memory_gb}: must be a number of GiB > 0 (e.g. 80)")
+    if not 1 <= nics_per_node <= 1024:
+        raise TrainforgeError(f"--nics-per-node {nics_per_node}: from 1 to 1024")
+    if not (math.isfinite(gpu_tflops) and 0 < gpu_tflops <= 1e6):
+        raise TrainforgeError(f"--gpu-tflops {gpu_tflops}: must be a number of TFLOP/s > 0 (e.g. 400)")
+    if link == "measured":
+        raise TrainforgeError("--link measured: trainforge predict's; plan takes a preset or a rate (100gbit)")
+    chosen = resolve_link(link, None)
     resolved = load_config(resolve_config_path(config), set_ or [])
+    from trainforge.worker.capacity.layouts import Cluster
     from trainforge.worker.capacity.render import plan_memory, render_plan
 
-    result = plan_memory(resolved, gpus or resolved.scaling.max_workers, gpu_memory_gb)
+    cluster = Cluster(link_Bps=chosen.bandwidth_Bps, nics_per_node=nics_per_node, gpu_flops=gpu_tflops * 1e12)
+    result = plan_memory(resolved, gpus or resolved.scaling.max_workers, gpu_memory_gb, cluster)
     if as_json:
         typer.echo(json_text(result, indent=1))
     else:

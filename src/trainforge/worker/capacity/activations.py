@@ -7,6 +7,8 @@ attributed to the repeated block that was running, or to what runs before the bl
 or after them (final norm, head, loss); each block's inputs are recorded (what activation
 checkpointing keeps instead), and the largest tensor any module returns is noted (at the start of
 backward its gradient exists beside the saved ones).
+The same forward counts its floating-point operations (``FlopCounterMode``, from the shapes: fake
+tensors compute nothing), which the planner's time estimate reads.
 Measured at micro-batch 2 and 4 (not 1: batch norm cannot train on one sample), each figure
 becomes a fixed part plus a per-sample part.
 """
@@ -21,6 +23,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import FlopCounterMode
 
 from trainforge.data import DataSpec
 from trainforge.models import Task
@@ -66,6 +69,7 @@ class Saved:
     blocks: list[int] = field(default_factory=list)
     inputs: list[int] = field(default_factory=list)
     largest: int = 0
+    flops: int = 0  # of the forward and loss
 
 
 @dataclass(frozen=True)
@@ -75,6 +79,7 @@ class ActivationProfile:
     largest: PerBatch
     blocks: tuple[PerBatch, ...]
     inputs: tuple[PerBatch, ...]
+    flops: PerBatch = PerBatch(0.0, 0.0)  # of the forward and loss
 
     @property
     def total(self) -> PerBatch:
@@ -101,6 +106,7 @@ def measure_activations(
         largest=PerBatch.fit(one.largest, two.largest),
         blocks=tuple(PerBatch.fit(a, b) for a, b in zip(one.blocks, two.blocks, strict=True)),
         inputs=tuple(PerBatch.fit(a, b) for a, b in zip(one.inputs, two.inputs, strict=True)),
+        flops=PerBatch.fit(one.flops, two.flops),
     )
 
 
@@ -198,11 +204,16 @@ def saved_bytes(
         handles.append(block.register_forward_pre_hook(enter(index), with_kwargs=True))  # type: ignore[arg-type]
         handles.append(block.register_forward_hook(leave))
     try:
+        counter = FlopCounterMode(display=False)
         with mode, unpacked_sequences(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             inputs, targets = fake_batch(spec, batch)
-            with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+            with (
+                counter,
+                torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None),
+            ):
                 task.loss(model(inputs), targets)
     finally:
         for handle in handles:
             handle.remove()
+    record.flops = counter.get_total_flops()
     return record

@@ -7,6 +7,10 @@ measured, not guessed: one fake forward and loss at micro-batches 2 and 4 under
 ``saved_tensors_hooks`` sums the bytes autograd keeps for backward, by repeated block, and the two
 points give a fixed part and a per-sample part (activations are linear in the micro-batch).
 
+Under pipeline parallelism each stage is estimated apart (its blocks, the embeddings on the
+first, the final norm and head on the last; the activations of the pipeline micro-batches it
+holds at once) and the stage that holds the most is the rank that must fit.
+
 ``max_micro_batch(config, world_size, memory_bytes)`` is what a worker asks ("how large a
 micro-batch fits in this rank's memory"); ``rank_breakdown`` gives the terms for one strategy.
 Both are pure functions of the config: no process group, no device.
@@ -29,6 +33,7 @@ from trainforge.errors import ModelError, TrainforgeError
 from trainforge.models import build_model, build_task
 from trainforge.worker.blocks import repeated_blocks
 from trainforge.worker.capacity.activations import ActivationProfile, PerBatch, measure_activations
+from trainforge.worker.pipeline import DECODERS, causal_lm_of, split_blocks
 from trainforge.worker.tp import COLWISE, ROWWISE, check_tensor_parallel, tp_styles
 
 GIB = 1 << 30
@@ -60,7 +65,9 @@ def reserve_for(config: Config) -> Reserve:
 class Strategy:
     """How the model is spread: ``sharded`` (FSDP over the data-parallel ranks) or replicated (DDP),
     ``tensor_parallel`` ways of tensor parallelism first, and activation checkpointing. HSDP
-    (``replicate`` > 1) shards over groups of ``data-parallel ranks / replicate`` only."""
+    (``replicate`` > 1) shards over groups of ``data-parallel ranks / replicate`` only.
+    ``pipeline`` > 1 cuts the model into that many stages (``schedule`` over ``microbatches``
+    pipeline micro-batches per micro-batch); the data-parallel ranks are the rest."""
 
     name: str
     sharded: bool
@@ -68,12 +75,34 @@ class Strategy:
     activation_checkpointing: Literal["none", "full", "every_n"] = "none"
     every_n: int = 2
     replicate: int = 1
+    pipeline: int = 1
+    schedule: Literal["gpipe", "1f1b"] = "1f1b"
+    microbatches: int = 1
+
+    def data_parallel(self, world_size: int) -> int:
+        """Ranks that read different batches: the world over pipeline stages and tensor-parallel groups."""
+        return max(1, world_size // self.tensor_parallel // self.pipeline)
 
     def shards(self, world_size: int) -> int:
         """How many ways each parameter is sharded (FSDP's dim-0 split): 1 replicated (DDP)."""
         if not self.sharded:
             return 1
-        return max(1, world_size // self.tensor_parallel // self.replicate)
+        return max(1, self.data_parallel(world_size) // self.replicate)
+
+    def in_flight(self, stage: int) -> int:
+        """Pipeline micro-batches whose activations ``stage`` holds at once: GPipe runs every
+        forward before any backward (all of them); 1F1B starts backward after the pipeline fills,
+        so stage ``s`` of ``P`` holds ``P - s`` (at most all of them)."""
+        if self.pipeline == 1:
+            return 1
+        if self.schedule == "gpipe":
+            return self.microbatches
+        return min(self.microbatches, self.pipeline - stage)
+
+    @property
+    def bubble(self) -> float:
+        """The pipeline's idle share of a step, ``(P - 1) / (M + P - 1)`` for GPipe and 1F1B."""
+        return (self.pipeline - 1) / (self.microbatches + self.pipeline - 1)
 
 
 def strategy_of(config: Config) -> Strategy:
@@ -82,7 +111,9 @@ def strategy_of(config: Config) -> Strategy:
     tp = int(getattr(par, "tensor_parallel", 1) or 1)
     replicate = par.fsdp.replicate if par.strategy == "fsdp" else 1
     kind = "hsdp" if replicate > 1 else par.strategy
-    name = kind + (f"+tp{tp}" if tp > 1 else "") + ("+ac" if par.activation_checkpointing != "none" else "")
+    pipe = par.pipeline
+    stages = f"pp{pipe.stages}+" if pipe is not None else ""
+    name = stages + kind + (f"+tp{tp}" if tp > 1 else "") + ("+ac" if par.activation_checkpointing != "none" else "")
     return Strategy(
         name=name,
         sharded=par.strategy == "fsdp",
@@ -90,6 +121,9 @@ def strategy_of(config: Config) -> Strategy:
         activation_checkpointing=par.activation_checkpointing,
         every_n=par.activation_checkpointing_every_n,
         replicate=replicate,
+        pipeline=pipe.stages if pipe is not None else 1,
+        schedule="gpipe" if pipe is not None and pipe.schedule == "gpipe" else "1f1b",
+        microbatches=pipe.microbatches if pipe is not None else 1,
     )
 
 
@@ -129,13 +163,17 @@ TP_SIZES = (2, 4, 8)
 @dataclass(frozen=True)
 class ModelProfile:
     """What the estimate needs from the model: parameter shapes by FSDP unit, why tensor
-    parallelism of each size does not apply (None where it does), and the activation profile."""
+    parallelism of each size does not apply (None where it does), the activation profile, and
+    for pipelining the parameters outside the blocks that sit on the first stage (the rest sit on
+    the last) or why the model cannot be pipelined."""
 
     params: tuple[ParamShape, ...]
     blocks: int
     tp_problems: dict[int, str | None]
     activations: ActivationProfile
     sample_shape: tuple[int, ...]  # one sample's input, e.g. (seq_len,)
+    first_stage: frozenset[str] = frozenset()
+    pipeline_problem: str | None = "not profiled for pipelining"
 
     @property
     def parameters(self) -> int:
@@ -209,7 +247,20 @@ def profile_model(config: Config) -> ModelProfile:
         if compute_mode(config) == "bf16_params":
             cast_parameters(model, torch.bfloat16)  # FSDP's bf16 policy computes with bf16 parameters
         profile = measure_activations(mode, model, blocks, task, spec, autocast_dtype(config))
-    return ModelProfile(params, len(blocks), problems, profile, tuple(spec.input_shape))
+        first, pipeline_problem = first_stage_names(model)
+    return ModelProfile(params, len(blocks), problems, profile, tuple(spec.input_shape), first, pipeline_problem)
+
+
+def first_stage_names(model: nn.Module) -> tuple[frozenset[str], str | None]:
+    """The parameters a pipeline's first stage holds outside the blocks (the embeddings), and why
+    the model cannot be pipelined (``worker/pipeline.py``'s checks), or None."""
+    try:
+        lm = causal_lm_of(model)
+    except TrainforgeError as err:
+        return frozenset(), str(err)
+    decoder = DECODERS[type(lm).__name__]
+    prefixes = tuple(f"model.{decoder.base}.{name}." for name in decoder.first)
+    return frozenset(name for name, _ in model.named_parameters() if name.startswith(prefixes)), None
 
 
 def cast_parameters(model: nn.Module, dtype: torch.dtype) -> None:
@@ -290,12 +341,73 @@ def rank_breakdown(
     """This config's bytes per rank under ``strategy`` (default: the config's own ``parallel``) on
     ``world_size`` ranks at ``micro_batch`` (default ``train.batch_size``). Pass a ``profile`` to
     estimate several strategies from one measurement."""
+    return max(stage_breakdowns(config, world_size, strategy, micro_batch, profile), key=lambda parts: parts.total)
+
+
+def stage_breakdowns(
+    config: Config,
+    world_size: int,
+    strategy: Strategy | None = None,
+    micro_batch: int | None = None,
+    profile: ModelProfile | None = None,
+) -> list[Breakdown]:
+    """``rank_breakdown`` of each pipeline stage's ranks, first to last (one entry unpipelined)."""
     strategy = strategy or strategy_of(config)
     profile = profile or profile_model(config)
     batch = configured_micro_batch(config) if micro_batch is None else micro_batch
-    fixed = fixed_bytes(config, world_size, strategy, profile)
-    acts = activation_bytes(profile, strategy)
-    return replace(fixed, activations=int(acts.at(batch)))
+    return [
+        replace(fixed, activations=int(acts.at(batch))) for fixed, acts in ranks(config, world_size, strategy, profile)
+    ]
+
+
+def ranks(
+    config: Config, world_size: int, strategy: Strategy, profile: ModelProfile
+) -> list[tuple[Breakdown, PerBatch]]:
+    """Each kind of rank's fixed bytes and activations: one kind, or one per pipeline stage."""
+    if strategy.pipeline == 1:
+        return [(fixed_bytes(config, world_size, strategy, profile), activation_bytes(profile, strategy))]
+    return [
+        (fixed_bytes(config, world_size, strategy, stage_profile(profile, strategy.pipeline, index)), acts)
+        for index, acts in enumerate(stage_activations(profile, strategy))
+    ]
+
+
+def stage_blocks(profile: ModelProfile, stages: int) -> list[range]:
+    """The blocks of each stage, as ``worker/pipeline.py`` splits them (equal counts)."""
+    return split_blocks(profile.blocks, stages)
+
+
+def stage_profile(profile: ModelProfile, stages: int, index: int) -> ModelProfile:
+    """``profile`` with the parameters stage ``index`` of ``stages`` holds: its blocks, and the
+    embeddings on the first stage, the final norm and head on the last."""
+    blocks = stage_blocks(profile, stages)[index]
+
+    def held(param: ParamShape) -> bool:
+        if param.unit >= 0:
+            return param.unit in blocks
+        return index == 0 if param.name in profile.first_stage else index == stages - 1
+
+    return replace(profile, params=tuple(p for p in profile.params if held(p)))
+
+
+def stage_activations(profile: ModelProfile, strategy: Strategy) -> list[PerBatch]:
+    """Each stage's activation bytes at a training micro-batch: what one pipeline micro-batch
+    (``1 / microbatches`` of its samples) saves on the stage, times the micro-batches the
+    schedule keeps in flight there; one micro-batch's logits' gradient on the last stage."""
+    acts = profile.activations
+    share = 1 / strategy.microbatches
+    result = []
+    stages = stage_blocks(profile, strategy.pipeline)
+    for index, blocks in enumerate(stages):
+        first, last = index == 0, index == len(stages) - 1
+        saved, recompute = kept_by_blocks(profile, strategy, blocks, acts.before if first else PerBatch(0.0, 0.0))
+        if last:
+            saved = saved + acts.after
+        one = saved.max(recompute)
+        held = PerBatch(one.fixed, one.per_sample * share).scaled(strategy.in_flight(index))
+        largest = PerBatch(acts.largest.fixed, acts.largest.per_sample * share) if last else PerBatch(0.0, 0.0)
+        result.append(held + largest)
+    return result
 
 
 def configured_micro_batch(config: Config) -> int:
@@ -307,7 +419,7 @@ def configured_micro_batch(config: Config) -> int:
 def fixed_bytes(config: Config, world_size: int, strategy: Strategy, profile: ModelProfile) -> Breakdown:
     """Every term but activations (which grow with the micro-batch)."""
     tp = strategy.tensor_parallel
-    dp = max(1, world_size // tp)
+    dp = strategy.data_parallel(world_size)
     shards = strategy.shards(world_size)  # HSDP: a shard group's ranks, not every data-parallel rank
     states, per_tensor = optimizer_states(config)
     params = sum(local_numel(p, tp, shards) * p.itemsize for p in profile.params)
@@ -356,17 +468,27 @@ def activation_bytes(profile: ModelProfile, strategy: Strategy) -> PerBatch:
     ``tp`` (attention and MLP intermediates are split; the norms' inputs are replicated, so this
     is optimistic by their share); block inputs, embeddings, head and loss are replicated."""
     acts = profile.activations
+    kept, recompute = kept_by_blocks(profile, strategy, range(len(acts.blocks)), acts.before)
+    return (kept + acts.after + acts.largest).max(recompute)
+
+
+def kept_by_blocks(
+    profile: ModelProfile, strategy: Strategy, blocks: range, kept: PerBatch
+) -> tuple[PerBatch, PerBatch]:
+    """What ``kept`` grows to through ``blocks`` (checkpointed ones keep their inputs only), and
+    the peak of recomputing a checkpointed block."""
+    acts = profile.activations
     tp = strategy.tensor_parallel
     step = {"none": 0, "full": 1, "every_n": strategy.every_n}[strategy.activation_checkpointing]
-    kept = acts.before
     recompute = PerBatch(0.0, 0.0)
-    for i, saved in enumerate(acts.blocks):
+    for i in blocks:
+        saved = acts.blocks[i]
         if step and i % step == 0:
             recompute = recompute.max(kept + acts.inputs[i] + acts.inputs[i] + saved.scaled(1 / tp))
             kept = kept + acts.inputs[i]
         else:
             kept = kept + saved.scaled(1 / tp)
-    return (kept + acts.after + acts.largest).max(recompute)
+    return kept, recompute
 
 
 def max_micro_batch(
@@ -383,8 +505,11 @@ def max_micro_batch(
     strategy = strategy or strategy_of(config)
     profile = profile or profile_model(config)
     usable = memory_bytes - (reserve or reserve_for(config)).of(memory_bytes)
-    fixed = fixed_bytes(config, world_size, strategy, profile).total
-    acts = activation_bytes(profile, strategy)
+    return min(largest_batch(usable, fixed.total, acts) for fixed, acts in ranks(config, world_size, strategy, profile))
+
+
+def largest_batch(usable: int, fixed: int, acts: PerBatch) -> int:
+    """The largest micro-batch with ``fixed + acts`` within ``usable`` bytes (0: none)."""
     room = usable - fixed - acts.fixed
     if room < acts.per_sample:
         return 0
