@@ -364,3 +364,70 @@ def test_the_training_set_is_built_once_and_a_missing_one_says_what_works_withou
         with pytest.raises(TrainforgeError, match=re.escape(f"({otherwise})")):
             missing.get(otherwise)
     assert train_samples(missing.config, missing) is None
+
+
+# ---------------------------------------------------------------------------------------------
+# Pipelines: the bubble and the point-to-point sends
+
+
+def test_a_pipeline_idles_in_the_bubble_and_waits_for_each_send() -> None:
+    from dataclasses import replace
+
+    from trainforge.predict.model import pipeline_step
+
+    # 2 stages over 2 pipeline micro-batches: 3 slots of 0.8 / 2 / 2 = 0.2 s of compute, each with two
+    # sends of 1 MB at 1e7 B/s (one GPU per node: every send crosses nodes) = 0.2 s
+    work = Workload("ddp", compute_s=0.8, samples_per_gpu=4, grad_bytes=1_000_000, stages=2, pipeline_microbatches=2)
+    sending = replace(work, p2p_bytes=1_000_000)
+    assert work.bubble == pytest.approx(1 / 3)
+    assert pipeline_step(sending, 2, flat(SLOW)) == pytest.approx((1.2, 0.6, 0.2))
+    # 4 GPUs: two replicas, whose stages all-reduce their 0.5 MB of gradients after the last backward
+    assert pipeline_step(sending, 4, flat(SLOW))[0] == pytest.approx(1.2 + 2 * 0.25e6 / 1e7)
+    two, four = predict_points(sending, [2, 3, 4], flat(SLOW))  # 3 GPUs: no whole pipeline, left out
+    assert (two.gpus, four.gpus) == (2, 4)
+    assert two.efficiency == pytest.approx(0.4 / 1.2) and two.samples_per_s == pytest.approx(4 / 1.2)
+    assert (two.bubble_s, two.comm_exposed_s) == pytest.approx((0.2, 0.6))
+    # without sends, on one replica, the efficiency is what the bubble leaves: M / (M + P - 1)
+    longer = replace(work, stages=3, pipeline_microbatches=6)
+    (point,) = predict_points(longer, [3], flat(SLOW))
+    assert point.efficiency == pytest.approx(6 / 8) and point.comm_total_s == 0
+
+
+def test_a_pipeline_sends_over_nvlink_inside_a_node_and_over_the_link_across_nodes() -> None:
+    from trainforge.predict.model import point_to_point_time
+
+    intra, inter = Link("in", 1e-6, 100e9, "test"), Link("out", 1e-5, 10e9, "test")
+    topology = Topology(gpus_per_node=8, intra=intra, inter=inter, nics_per_node=2)
+    assert point_to_point_time(1e6, 4, 8, topology) == pytest.approx(1e-6 + 1e6 / 100e9)  # 4 stages in a node
+    # 4 stages of 4 replicas on 16 GPUs: stages 4 ranks apart cross nodes; 4 GPUs of a node send at once on 2 NICs
+    assert point_to_point_time(1e6, 4, 16, topology) == pytest.approx(1e-5 + 1e6 / (10e9 * 2 / 4))
+
+
+def test_a_pipelined_config_predicts_with_its_stages_and_what_they_send(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pipelined = {
+        "model": {"name": "llama_tiny"},
+        "data": {"name": "synthetic", "kind": "tokens", "seq_len": 32, "vocab_size": 1000},
+        "train": {"max_steps": 2, "batch_size": 4},
+        "scaling": {"num_workers": 2},
+        "parallel": {"pipeline": {"stages": 2, "microbatches": 4, "schedule": "gpipe"}},
+    }
+    path = tmp_path / "pp.yaml"
+    path.write_text(yaml.safe_dump(pipelined))
+    done = run(capsys, "predict", str(path), "--gpus", "1,2,16", "--step-time", "0.2", "--json")
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    given = report["inputs"]["pipeline"]
+    # one sample per pipeline micro-batch: 32 tokens x llama_tiny's 128 wide hidden states in float32
+    assert given == {"stages": 2, "microbatches": 4, "bubble": 0.2, "p2p_bytes": 32 * 128 * 4, "schedule": "gpipe"}
+    assert [p["gpus"] for p in report["points"]] == [2, 16] and report["left_out_gpus"] == [1]
+    assert report["points"][0]["bubble_s"] == pytest.approx(0.2 / 2 / 4)  # one of 5 slots of 0.025 s idle
+    assert any(line.startswith("pipeline (parallel.pipeline): 2 stages") for line in report["assumptions"])
+    assert not any(line.startswith("DDP:") for line in report["assumptions"])
+    table = run(capsys, "predict", str(path), "--gpus", "1,2", "--step-time", "0.2")
+    assert "bubble (ms)" in table.stdout and "left out: 1 GPUs" in table.stdout, table.stdout
+    refused = run(capsys, "predict", str(path), "--gpus", "2", "--step-time", "0.2", "--model-params", "1000000")
+    assert refused.returncode == 2 and "drop --model-params" in refused.stderr, refused.stderr
+    odd = run(capsys, "predict", str(path), "--gpus", "3", "--step-time", "0.2")
+    assert odd.returncode == 2 and "multiples of 2 GPUs" in odd.stderr, odd.stderr

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from trainforge.config import Config
 from trainforge.data import DataSpec, PairDataset, build_datasets, collate_of
@@ -35,6 +36,8 @@ class ModelBytes:
     param_bytes: int  # FSDP: gathered per pass
     units: int  # FSDP units: repeated blocks plus the root
     source: str  # "config model <name>" or "--model-params"
+    # the hidden states of one sample between pipeline stages (float32: pipelines run in fp32); 0 unknown
+    stage_bytes_per_sample: int = 0
 
 
 class TrainingSet:
@@ -82,6 +85,11 @@ def model_bytes(config: Config, model_params: int | None, data: TrainingSet | No
     halved = parallel.strategy == "ddp" and parallel.grad_compression in ("bf16", "fp16")
     gathered = 2 if parallel.strategy == "fsdp" and parallel.fsdp.mixed_precision == "bf16" else None
     if model_params is not None:
+        if parallel.pipeline is not None:
+            raise TrainforgeError(
+                "parallel.pipeline: predict reads what a stage sends from the config's model (its width); "
+                "drop --model-params"
+            )
         grad = model_params * FP32_BYTES
         return ModelBytes(
             model_params,
@@ -103,7 +111,16 @@ def model_bytes(config: Config, model_params: int | None, data: TrainingSet | No
         numel * gathered if gathered else grad,
         units,
         f"config model {config.model.name or config.model.factory}",
+        stage_bytes(model, spec),
     )
+
+
+def stage_bytes(model: nn.Module, spec: DataSpec) -> int:
+    """A built-in decoder's hidden states for one sample (width x tokens, float32), what a
+    pipeline stage sends to the next; 0 for another model."""
+    width = int(getattr(getattr(getattr(model, "model", None), "config", None), "hidden_size", 0) or 0)
+    tokens = spec.seq_len or (spec.input_shape[-1] if spec.input_shape else 0)
+    return width * tokens * FP32_BYTES if spec.kind == "tokens" else 0
 
 
 def measure_compute(config: Config, steps: int = 3, data: TrainingSet | None = None) -> float:
@@ -166,7 +183,18 @@ def workload_of(config: Config, model: ModelBytes, compute_s: float) -> Workload
         reshard_after_forward=config.parallel.fsdp.reshard_after_forward,
         sync_every_n_steps=sync.every_n_steps if sync is not None else 0,
         shard_group=shard_group(config),
+        **pipeline_of(config, model, micro),
     )
+
+
+def pipeline_of(config: Config, model: ModelBytes, micro: int) -> dict[str, int]:
+    """The Workload's pipeline fields: stages, pipeline micro-batches, and the bytes of the hidden
+    states one pipeline micro-batch sends to the next stage."""
+    pipeline = config.parallel.pipeline
+    if pipeline is None:
+        return {}
+    sent = micro // pipeline.microbatches * model.stage_bytes_per_sample
+    return {"stages": pipeline.stages, "pipeline_microbatches": pipeline.microbatches, "p2p_bytes": sent}
 
 
 def shard_group(config: Config) -> int:

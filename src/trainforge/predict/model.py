@@ -21,7 +21,15 @@ Assumptions, each a choice a reader may disagree with (docs/benchmarks.md repeat
 * FSDP: the model is ``units`` equal units. Every micro-batch's forward all-gathers each unit's
   parameters, one unit ahead of compute; the backward all-gathers them again when the forward
   resharded them, and the last micro-batch reduce-scatters each unit's gradients after its
-  backward, all on one stream in issue order (next unit's gather before this unit's scatter).
+  backward, all on one stream in issue order (next unit's gather before this unit's scatter);
+* a pipeline (``parallel.pipeline``): P stages, each 1/P of the compute, over M pipeline
+  micro-batches per micro-batch; GPipe and 1F1B both take ``M + P - 1`` slots of one pipeline
+  micro-batch's forward and backward, so ``(P - 1) / (M + P - 1)`` of the time is the bubble.
+  Each slot also waits for the activations from the previous stage and their gradient from the
+  next (point-to-point, over the inter-node link when the pipeline spans nodes, the node's
+  sending GPUs sharing its NICs). A stage's gradients are all-reduced over its replicas after
+  the last backward, not overlapped (as ``PipelinePlan`` does). A pipeline of P stages runs on
+  a multiple of P GPUs, one replica per P.
 """
 
 from __future__ import annotations
@@ -60,6 +68,14 @@ class Workload:
     reshard_after_forward: bool = True
     sync_every_n_steps: int = 0  # parallel.sync: parameters averaged every H steps instead (0: off)
     shard_group: int = 0  # HSDP (parallel.fsdp.replicate): GPUs per shard group (0: FSDP over all of them)
+    stages: int = 1  # parallel.pipeline.stages (1: not pipelined)
+    pipeline_microbatches: int = 1  # parallel.pipeline.microbatches per micro-batch
+    p2p_bytes: int = 0  # the activations one pipeline micro-batch sends from a stage to the next
+
+    @property
+    def bubble(self) -> float:
+        """The pipeline's idle share, ``(P - 1) / (M + P - 1)`` (0 unpipelined)."""
+        return (self.stages - 1) / (self.pipeline_microbatches + self.stages - 1)
 
 
 @dataclass(frozen=True)
@@ -70,6 +86,7 @@ class Point:
     efficiency: float
     comm_exposed_s: float
     comm_total_s: float  # every collective's time, hidden or not
+    bubble_s: float = 0.0  # of the step, idle in the pipeline bubble
 
 
 def ring_time(kind: Collective, nbytes: float, ranks: int, link: Link, links: float = 1) -> float:
@@ -179,22 +196,60 @@ class Streams:
                 self._send(self.compute, scatter)
 
 
+def point_to_point_time(nbytes: float, stages: int, gpus: int, topology: Topology) -> float:
+    """One send between consecutive stages (``gpus / stages`` ranks apart): over the intra-node
+    link while the whole pipeline is inside a node, else over the nodes' links, shared by the
+    node's GPUs that send at once."""
+    replicas = gpus // stages
+    per_node = max(1, min(gpus, topology.gpus_per_node))
+    if (stages - 1) * replicas < per_node:
+        link, share = topology.intra, 1.0
+    else:
+        link, share = topology.inter, topology.nics_per_node / min(per_node, replicas)
+    return link.alpha_s + nbytes / (link.bandwidth_Bps * share)
+
+
+def pipeline_step(work: Workload, gpus: int, topology: Topology) -> tuple[float, float, float]:
+    """(step time, communication time, bubble time) of a pipeline: per micro-batch ``M + P - 1``
+    slots of a pipeline micro-batch's forward and backward on one stage and its two sends, then
+    the stage's gradients all-reduced over its ``gpus / P`` replicas."""
+    stages, microbatches = work.stages, work.pipeline_microbatches
+    slot = work.compute_s / work.micro_batches / stages / microbatches
+    send = point_to_point_time(work.p2p_bytes, stages, gpus, topology) if work.p2p_bytes else 0.0
+    slots = microbatches + stages - 1
+    per_micro_batch = slots * (slot + 2 * send)
+    replicas = gpus // stages
+    reduce = collective_time("all_reduce", work.grad_bytes / stages, replicas, topology) if replicas > 1 else 0.0
+    step = work.micro_batches * per_micro_batch + reduce
+    bubble = work.micro_batches * (stages - 1) * slot
+    return step, work.micro_batches * slots * 2 * send + reduce, bubble
+
+
 def predict_points(work: Workload, gpu_counts: list[int], topology: Topology) -> list[Point]:
-    """One point per GPU count; efficiency against linear scaling of the 1-GPU step."""
+    """One point per GPU count; efficiency against linear scaling of the 1-GPU step. A pipeline's
+    GPU counts are multiples of its stages (others are left out)."""
     step_of = fsdp_step if work.strategy == "fsdp" else ddp_step
     if work.sync_every_n_steps:
         step_of = local_sgd_step
     points = []
     for gpus in gpu_counts:
-        step, comm = step_of(work, gpus, topology)
+        bubble = 0.0
+        if work.stages > 1:
+            if gpus % work.stages:
+                continue
+            step, comm, bubble = pipeline_step(work, gpus, topology)
+        else:
+            step, comm = step_of(work, gpus, topology)
+        ideal = work.compute_s / work.stages  # one GPU's share of a replica's step
         points.append(
             Point(
                 gpus=gpus,
                 step_time_s=step,
-                samples_per_s=gpus * work.samples_per_gpu / step,
-                efficiency=work.compute_s / step,
-                comm_exposed_s=step - work.compute_s,
+                samples_per_s=gpus // work.stages * work.samples_per_gpu / step,
+                efficiency=ideal / step,
+                comm_exposed_s=step - ideal - bubble,
                 comm_total_s=comm,
+                bubble_s=bubble,
             )
         )
     return points

@@ -10,9 +10,10 @@ from rich.console import Console
 from rich.table import Table
 
 from trainforge.config import Config
+from trainforge.errors import TrainforgeError
 from trainforge.predict import inputs as measured
 from trainforge.predict.links import GB, INTRA_NODE, Link
-from trainforge.predict.model import BACKWARD_SHARE, Topology, predict_points
+from trainforge.predict.model import BACKWARD_SHARE, Topology, Workload, predict_points
 
 COMMON_ASSUMPTIONS = (
     "per-GPU batch fixed: the global batch grows with the GPUs (weak scaling); efficiency = 1-GPU step / N-GPU step",
@@ -32,11 +33,24 @@ HSDP_ASSUMPTION = (
     "then each unit's reduced shard all-reduced across the groups on the same stream, a node's GPUs sharing its NICs"
 )
 
+PIPELINE_ASSUMPTION = (
+    "pipeline (parallel.pipeline): {stages} stages over {microbatches} pipeline micro-batches, {bubble:.0%} of the "
+    "compute idle in the bubble ((P - 1) / (M + P - 1)); each slot waits for one send from the previous stage and "
+    "one from the next; a stage's gradients all-reduced over its replicas after the last backward, not overlapped"
+)
 
-def assumptions_for(strategy: str, sync_every_n_steps: int | None, shard_group: int = 0) -> list[str]:
-    """The assumptions that apply to this run: the common ones and its strategy's."""
+
+def assumptions_for(
+    strategy: str, sync_every_n_steps: int | None, shard_group: int = 0, pipeline: Workload | None = None
+) -> list[str]:
+    """The assumptions that apply to this run: the common ones and its strategy's (a pipeline's
+    instead of DDP's buckets)."""
     key = "sync" if sync_every_n_steps else strategy
     own = STRATEGY_ASSUMPTIONS.get(key)
+    if pipeline is not None and pipeline.stages > 1:
+        own = PIPELINE_ASSUMPTION.format(
+            stages=pipeline.stages, microbatches=pipeline.pipeline_microbatches, bubble=pipeline.bubble
+        )
     hsdp = [HSDP_ASSUMPTION.format(group=shard_group)] if shard_group else []
     return [*COMMON_ASSUMPTIONS[:3], *([own] if own else []), *hsdp, COMMON_ASSUMPTIONS[3]]
 
@@ -75,6 +89,11 @@ def run_predict(
     work = measured.workload_of(config, sizes, compute_s)
     topology = Topology(gpus_per_node, INTRA_NODE, link, nics_per_node)
     points = [asdict(p) for p in predict_points(work, gpu_counts, topology)]
+    if not points:
+        raise TrainforgeError(
+            f"--gpus {','.join(map(str, gpu_counts))}: a pipeline of {work.stages} stages runs on multiples of "
+            f"{work.stages} GPUs"
+        )
     report: dict[str, Any] = {
         "points": points,
         "inputs": {
@@ -88,6 +107,15 @@ def run_predict(
             "units": work.units,
             "sync_every_n_steps": work.sync_every_n_steps,
             "shard_group": work.shard_group,
+            "pipeline": {
+                "stages": work.stages,
+                "microbatches": work.pipeline_microbatches,
+                "bubble": work.bubble,
+                "p2p_bytes": work.p2p_bytes,
+                "schedule": config.parallel.pipeline.schedule,
+            }
+            if config.parallel.pipeline is not None
+            else None,
             "micro_batch": micro,
             "micro_batches": accumulate,
             "samples_per_gpu": work.samples_per_gpu,
@@ -98,7 +126,8 @@ def run_predict(
             "intra_node_link": link_record(INTRA_NODE),
             "link": link_record(link),
         },
-        "assumptions": assumptions_for(work.strategy, work.sync_every_n_steps, work.shard_group),
+        "assumptions": assumptions_for(work.strategy, work.sync_every_n_steps, work.shard_group, work),
+        "left_out_gpus": [count for count in gpu_counts if count % work.stages],  # not a multiple of the stages
     }
     price = config.cost.price_per_gpu_hour
     samples = measured.train_samples(config, data) if price is not None else None
@@ -114,7 +143,8 @@ def render(report: dict[str, Any], console: Console) -> None:
     given = report["inputs"]
     link, intra = given["link"], given["intra_node_link"]
     console.print(
-        f"predict {given['config']}: {given['strategy']}, {given['parameters'] / 1e6:.2f} M parameters "
+        f"predict {given['config']}: {given['strategy']}{pipeline_words(given.get('pipeline'))}, "
+        f"{given['parameters'] / 1e6:.2f} M parameters "
         f"({given['model']}), {given['grad_bytes'] / 1e6:.1f} MB of gradients per step, "
         f"{given['samples_per_gpu']} samples per GPU per step, compute {given['compute_s'] * 1e3:.1f} ms "
         f"({given['compute_source']})",
@@ -131,6 +161,9 @@ def render(report: dict[str, Any], console: Console) -> None:
     cost = report.get("cost")
     table = Table(title="Predicted scaling (per-GPU batch fixed; efficiency against linear from 1 GPU)")
     columns = ["GPUs", "step (ms)", "samples/s", "efficiency", "comm exposed (ms)", "comm total (ms)"]
+    pipelined = given.get("pipeline") is not None
+    if pipelined:
+        columns.append("bubble (ms)")
     if cost:
         columns += ["epoch (h)", f"cost/epoch ({cost['currency']})"]
     for column in columns:
@@ -144,9 +177,24 @@ def render(report: dict[str, Any], console: Console) -> None:
             f"{point['comm_exposed_s'] * 1e3:.2f}",
             f"{point['comm_total_s'] * 1e3:.2f}",
         ]
+        if pipelined:
+            cells.append(f"{point['bubble_s'] * 1e3:.2f}")
         if cost:
             cells += [f"{point['epoch_s'] / 3600:.3f}", f"{point['cost_per_epoch']:,.2f}"]
         table.add_row(*cells)
     console.print(table)
+    if report.get("left_out_gpus"):
+        stages = given["pipeline"]["stages"]
+        left = ", ".join(map(str, report["left_out_gpus"]))
+        console.print(f"left out: {left} GPUs (not a multiple of the {stages} pipeline stages)", highlight=False)
     for line in report["assumptions"]:
         console.print(f"  assumes {line}", highlight=False, soft_wrap=True)
+
+
+def pipeline_words(pipeline: dict[str, Any] | None) -> str:
+    if pipeline is None:
+        return ""
+    return (
+        f" x {pipeline['stages']} pipeline stages ({pipeline['schedule']}, {pipeline['microbatches']} micro-batches, "
+        f"bubble {pipeline['bubble']:.0%}, {pipeline['p2p_bytes'] / 1e6:.3g} MB sent per micro-batch and stage)"
+    )
