@@ -208,7 +208,7 @@ def settings_of(strategy: Strategy) -> dict[str, Any]:
     return settings
 
 
-def not_yet(config: Config, strategy: Strategy, gpus: int) -> str | None:
+def why_not(config: Config, strategy: Strategy, gpus: int) -> str | None:
     """Why trainforge does not run ``strategy`` on ``gpus`` workers with this config (the config
     checks ``trainforge train`` makes), or None when it does."""
     raw = config.to_dict()
@@ -241,29 +241,26 @@ def recommend(rows: list[dict[str, Any]]) -> tuple[dict[str, Any] | None, str, d
         return None, "no layout that trainforge runs fits", fitting[0] if fitting else None
     best = running[0]
     better = fitting[0] if fitting[0] is not best else None
-    others = running[1:]
     why = (
         f"{best['name']} fits ({best['per_gpu_gb']['total']:.1f} GiB per GPU) and "
         f"loses the least time per sample to the network and the pipeline bubble by the plan's estimate: "
         f"{describe(best)}"
     )
-    if others:
+    others = running[1:]
+    if not others:
+        why += "; no other layout that trainforge runs fits"
+    else:
         why += f"; the next that fits, {others[0]['name']}: {describe(others[0])}"
         if rank_key(others[0])[0] == rank_key(best)[0]:
             why += f"; as little, and {best['name']} {tie_break(best, others[0])}"
     pipelined = best["pipeline"] > 1
-    other_kind = [row for row in fitting if (row["pipeline"] > 1) != pipelined]
-    if other_kind and (not others or other_kind[0] is not others[0]):
-        rival = other_kind[0]
+    rival = next((row for row in fitting if (row["pipeline"] > 1) != pipelined), None)
+    if rival is not None and rival is not better and (not others or rival is not others[0]):
         kind = "unpipelined" if pipelined else "pipelined"
-        runs = "" if rival["runs"] else " (trainforge does not run it yet)"
+        runs = "" if rival["runs"] else f" (trainforge does not run it: {rival['why_not']})"
         why += f"; the best {kind} layout that fits, {rival['name']}{runs}: {describe(rival)}"
-    else:
-        why += "; no other layout that trainforge runs fits"
     if better is not None:
-        why += (
-            f"; {better['name']} would win ({describe(better)}) but trainforge does not run it yet: {better['not_yet']}"
-        )
+        why += f"; {better['name']} would win ({describe(better)}) but trainforge does not run it: {better['why_not']}"
     return best, why, better
 
 

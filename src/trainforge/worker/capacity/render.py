@@ -33,12 +33,12 @@ from trainforge.worker.capacity.layouts import (
     CROSSING,
     GPUS_PER_NODE,
     Cluster,
-    not_yet,
     pipelined_strategies,
     recommend,
     settings_of,
     step_time,
     traffic,
+    why_not,
 )
 
 __all__ = ["candidate_strategies", "plan_memory", "render_plan", "settings_of", "with_hsdp"]
@@ -124,7 +124,7 @@ def plan_memory(config: Config, gpus: int, gpu_memory_gb: float, cluster: Cluste
         "recommended": best["name"] if best is not None else "none",
         "settings": best["settings"] if best is not None else {},
         "why": why,
-        "not_yet_better": better["name"] if better is not None else None,
+        "better_not_run": better["name"] if better is not None else None,
     }
 
 
@@ -139,7 +139,7 @@ def layout_row(
     held = {**{name: getattr(parts, name) for name in PARTS[:5]}, "reserve": reserve, "total": total}
     sent = traffic(config, profile, strategy, gpus, micro_batch)
     estimate = step_time(profile, strategy, sent, gpus, micro_batch, cluster)
-    reason = not_yet(config, strategy, gpus)
+    reason = why_not(config, strategy, gpus)
     dp = strategy.data_parallel(gpus)
     return {
         "name": strategy.name,
@@ -168,7 +168,7 @@ def layout_row(
             "samples_per_s": estimate.samples_per_s,
         },
         "runs": reason is None,
-        "not_yet": reason,
+        "why_not": reason,
         "settings": settings_of(strategy),
         "order": order,
     }
@@ -203,7 +203,7 @@ def plan_table(report: dict[str, Any]) -> Table:
             f"{row['bubble']:.0%}" if row["pipeline"] > 1 else "",
             f"{row['cross_node_bytes_per_sample'] / 1e6:,.1f}",
             f"{row['estimate']['samples_per_s']:,.3g}",
-            "yes" if row["runs"] else "not yet",
+            "yes" if row["runs"] else "no",
         )
     return table
 
