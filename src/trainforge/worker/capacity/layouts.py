@@ -32,21 +32,13 @@ from typing import Any, Literal
 from pydantic import ValidationError
 
 from trainforge.config import Config
-from trainforge.worker.capacity.estimate import (
-    FP32,
-    ModelProfile,
-    ParamShape,
-    Strategy,
-    compute_mode,
-    local_numel,
-    stage_blocks,
-    stage_profile,
-)
+from trainforge.worker.capacity.estimate import FP32, Strategy, local_numel, stage_blocks, stage_profile
+from trainforge.worker.capacity.profile import ModelProfile, ParamShape, compute_mode
 
 GPUS_PER_NODE = 8
 GB = 1e9
 PIPELINE_STAGES = (2, 4, 8, 16, 32, 64)
-# What crosses nodes, from the least to the most: the first key of the recommendation.
+# What crosses nodes, from the least to the most (a row's ``crosses_nodes``).
 CROSSING = ("nothing", "point-to-point activations", "replica all-reduces", "sharded all-gathers")
 
 

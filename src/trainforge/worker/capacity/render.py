@@ -21,12 +21,9 @@ from trainforge.config import Config
 from trainforge.worker.capacity.estimate import (
     GIB,
     GPU_RESERVE,
-    ModelProfile,
     Strategy,
-    compute_mode,
     configured_micro_batch,
     max_micro_batch,
-    profile_model,
     rank_breakdown,
 )
 from trainforge.worker.capacity.layouts import (
@@ -40,6 +37,7 @@ from trainforge.worker.capacity.layouts import (
     traffic,
     why_not,
 )
+from trainforge.worker.capacity.profile import ModelProfile, compute_mode, profile_model
 
 __all__ = ["candidate_strategies", "plan_memory", "render_plan", "settings_of", "with_hsdp"]
 
