@@ -461,3 +461,15 @@ def test_a_faster_link_and_more_nics_shorten_the_network_share_of_the_estimate(
 
     slow, fast, wide = network_s("--link", "eth25"), network_s("--link", "ib400"), network_s("--nics-per-node", "8")
     assert fast == pytest.approx(slow * 3.125 / 50) and wide == pytest.approx(network_s() / 8)
+
+
+def test_a_model_that_cannot_be_pipelined_gets_no_pipelined_rows_and_says_why(tmp_path: Path) -> None:
+    from tests.helpers.runs import tiny_run
+    from trainforge.config import load_config
+    from trainforge.worker.capacity.render import plan_memory
+
+    report = plan_memory(load_config(tiny_run(tmp_path)), 16, 2)
+    assert not any(row["pipeline"] > 1 for row in report["strategies"])
+    (skipped,) = [entry for entry in report["skipped"] if entry["name"] == "pp"]
+    assert "built-in decoders" in skipped["reason"]
+    assert report["forward_flops_per_sample"] > 0  # the MLP's matrix products, counted on fake tensors
