@@ -287,6 +287,8 @@ def tie_break(best: dict[str, Any], other: dict[str, Any]) -> str:
     if other["tensor_parallel"] > best["tensor_parallel"]:
         less = "no" if best["tensor_parallel"] == 1 else "less"
         return f"uses {less} tensor parallelism (collectives in every block, which the estimate leaves out)"
+    if other["data_parallel"] != "ddp" and best["data_parallel"] == "ddp":
+        return "keeps whole copies (no all-gathers)"
     if best["replicate"] > other["replicate"]:
         return f"all-gathers over {best['shards']} GPUs rather than {other['shards']}"
     return "comes first in the plan's order (less recompute and tensor parallelism)"
