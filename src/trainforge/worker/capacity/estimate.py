@@ -254,8 +254,10 @@ def stage_activations(profile: ModelProfile, strategy: Strategy) -> list[PerBatc
         saved, recompute = kept_by_blocks(profile, strategy, blocks, acts.before if first else PerBatch(0.0, 0.0))
         if last:
             saved = saved + acts.after
-        one = saved.max(recompute)
-        held = PerBatch(one.fixed, one.per_sample * share).scaled(strategy.in_flight(index))
+        saved, recompute = (PerBatch(part.fixed, part.per_sample * share) for part in (saved, recompute))
+        # the other micro-batches in flight keep what they saved while one recomputes a block
+        others = strategy.in_flight(index) - 1
+        held = (saved + saved.scaled(others)).max(recompute + saved.scaled(others))
         largest = PerBatch(acts.largest.fixed, acts.largest.per_sample * share) if last else PerBatch(0.0, 0.0)
         result.append(held + largest)
     return result
