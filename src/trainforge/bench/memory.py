@@ -57,7 +57,10 @@ def held_bytes(rank: int, world: int, config_dict: dict[str, Any]) -> dict[str, 
     batches = iter(loader)
     run.runner.run(batches, 1, MetricSums(run.device))
     inputs, targets = next(batches)
-    run.task.loss(run.model(inputs), targets).backward()
+    if run.plan.pipelined:  # the stages' forward and backward, through the schedule
+        run.plan.forward_backward(run.model, run.task, (inputs, targets), 1)
+    else:
+        run.task.loss(run.model(inputs), targets).backward()
     return run.plan.tensor_bytes(run.model, run.runner.optimizer)
 
 
