@@ -32,6 +32,13 @@ if "PYTEST_XDIST_WORKER" in os.environ and "RAY_TMPDIR" not in os.environ:
     _ray_tmp.mkdir(parents=True, exist_ok=True)
     os.environ["RAY_TMPDIR"] = str(_ray_tmp)  # short: Ray's socket paths live under it
 
+# Every process a worker starts (Ray nodes, servers, CLI runs) inherits this mark of its owner, so
+# that if the worker itself dies mid-test, the controller can end what it left running (see
+# pytest_testnodedown): orphaned Ray nodes would otherwise load the machine for the rest of the run.
+OWNER_ENV = "TRAINFORGE_TEST_OWNER"
+if "PYTEST_XDIST_WORKER" in os.environ:
+    os.environ.setdefault(OWNER_ENV, f"{os.getppid()}-{os.environ['PYTEST_XDIST_WORKER']}")
+
 
 # Files that take minutes, longest first: seconds of test time in a full run under `-n 2` on a fresh
 # clone, quiet 2-core machine, 2026-11-27 (`PYTEST_ADDOPTS=--durations=0`; the container tests with
@@ -99,6 +106,25 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         base = float(marker.args[0] if marker.args else marker.kwargs.get("timeout", default)) if marker else default
         if base > 0:
             item.add_marker(pytest.mark.timeout(base * factor), append=False)
+
+
+def pytest_testnodedown(node: Any, error: object | None) -> None:
+    """pytest-xdist's controller, when a worker went down: after a crash, kill the processes the
+    dead worker left behind (marked with its OWNER_ENV), before a replacement worker starts."""
+    if error is None or not sys.platform.startswith("linux"):
+        return
+    import psutil
+
+    mark = f"{OWNER_ENV}={os.getpid()}-{node.gateway.id}".encode()
+    left = []
+    for proc in psutil.process_iter():
+        with contextlib.suppress(OSError, psutil.Error):
+            if mark in Path(f"/proc/{proc.pid}/environ").read_bytes().split(b"\0"):
+                proc.kill()
+                left.append(proc)
+    psutil.wait_procs(left, timeout=10)
+    if left:
+        print(f"\n[{node.gateway.id}] killed {len(left)} process(es) the crashed worker left running", file=sys.stderr)
 
 
 def pytest_report_header(config: pytest.Config) -> str:

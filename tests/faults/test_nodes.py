@@ -174,25 +174,43 @@ def recovery_line(label: str, summary: dict[str, Any], run_dir: Path, fault: dic
     )
 
 
-def fit_in_background(config: dict[str, Any]) -> Future[trainforge.RunResult]:
+@contextlib.contextmanager
+def fit_in_background(config: dict[str, Any]) -> Iterator[Future[trainforge.RunResult]]:
     """Run ``trainforge.fit`` on a thread: the test's main thread must add and remove nodes, since a
-    Ray node object installs signal handlers, which Python allows only on the main thread."""
-    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="fit").submit(trainforge.fit, config)
+    Ray node object installs signal handlers, which Python allows only on the main thread.
+
+    A test that fails while the run goes on must not leave it running: the next test would share
+    the cluster with it, and the module's teardown would shut Ray down under the thread's feet
+    (which can abort this whole process). So the run's controller and workers are killed, and the
+    thread is waited for."""
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fit")
+    running = pool.submit(trainforge.fit, config)
+    try:
+        yield running
+    finally:
+        if not running.done():
+            for proc in psutil.Process().children(recursive=True):
+                with contextlib.suppress(psutil.Error):
+                    if any("TrainController" in part or "RayTrainWorker" in part for part in proc.cmdline()):
+                        proc.kill()
+            with contextlib.suppress(Exception):
+                running.result(timeout=scaled(120))
+        pool.shutdown(wait=False)
 
 
 def test_fixed_size_run_waits_for_a_node_then_resumes(two_nodes: Cluster, tmp_path: Path) -> None:
     run_dir = tmp_path / "t"
-    running = fit_in_background(node_config(tmp_path, 2))
-    wait_until(lambda: checkpoints(run_dir) or running.done(), 240, "the first checkpoint")
-    killed = kill_a_training_node(two_nodes)
-    # One node short, the run cannot place 2 workers: it must wait, neither fail nor train on.
-    wait_until(lambda: any(r.get("event") == "worker_error" for r in reports(run_dir)), 60, "the worker error")
-    time.sleep(5)
-    assert not running.done(), "the run ended with a node missing"
-    assert not steps_after(run_dir, killed["at"] + 1), "trained on with a missing worker"
-    added_at = time.time()
-    two_nodes.add_node(num_cpus=1)
-    result = running.result(timeout=scaled(300))
+    with fit_in_background(node_config(tmp_path, 2)) as running:
+        wait_until(lambda: checkpoints(run_dir) or running.done(), 240, "the first checkpoint")
+        killed = kill_a_training_node(two_nodes)
+        # One node short, the run cannot place 2 workers: it must wait, neither fail nor train on.
+        wait_until(lambda: any(r.get("event") == "worker_error" for r in reports(run_dir)), 60, "the worker error")
+        time.sleep(5)
+        assert not running.done(), "the run ended with a node missing"
+        assert not steps_after(run_dir, killed["at"] + 1), "trained on with a missing worker"
+        added_at = time.time()
+        two_nodes.add_node(num_cpus=1)
+        result = running.result(timeout=scaled(300))
 
     summary = result.summary
     assert summary["status"] == "finished" and summary["global_step"] == 80
@@ -255,24 +273,24 @@ def test_a_preemption_notice_checkpoints_at_once_and_the_run_continues_on_the_no
     config["checkpoint"] = {**config["checkpoint"], "every_n_steps": 10_000}  # the notice's is the only one
     config["failure"] = {**config["failure"], "preemption": {"notice": "aws", "url": endpoints.base, "poll_s": 0.2}}
     try:
-        running = fit_in_background(config)
-        wait_until(lambda: steps_after(run_dir, 0) or running.done(), 240, "the first report")
-        hosting = [n for n in two_nodes.worker_nodes if any("RayTrainWorker" in t for t in processes_on(n))]
-        assert len(hosting) == 2, "the elastic run did not start on both nodes"
-        noticed_at = time.time()
-        window_s = 60.0
-        endpoints.notify(hosting[0].node_id, noticed_at + window_s)
+        with fit_in_background(config) as running:
+            wait_until(lambda: steps_after(run_dir, 0) or running.done(), 240, "the first report")
+            hosting = [n for n in two_nodes.worker_nodes if any("RayTrainWorker" in t for t in processes_on(n))]
+            assert len(hosting) == 2, "the elastic run did not start on both nodes"
+            noticed_at = time.time()
+            window_s = 60.0
+            endpoints.notify(hosting[0].node_id, noticed_at + window_s)
 
-        def preemption_checkpoint() -> Path | None:
-            said = [e for e in events(run_dir) if "notice of preemption" in e]
-            return checkpoints(run_dir)[0] if said and checkpoints(run_dir) else None
+            def preemption_checkpoint() -> Path | None:
+                said = [e for e in events(run_dir) if "notice of preemption" in e]
+                return checkpoints(run_dir)[0] if said and checkpoints(run_dir) else None
 
-        saved = wait_until(preemption_checkpoint, window_s, "the checkpoint the notice asks for")
-        saved_after_s = saved.stat().st_mtime - noticed_at
-        assert not running.done()
-        two_nodes.remove_node(hosting[0], allow_graceful=False)  # the cloud takes the node back
-        removed_at = time.time()
-        result = running.result(timeout=scaled(300))
+            saved = wait_until(preemption_checkpoint, window_s, "the checkpoint the notice asks for")
+            saved_after_s = saved.stat().st_mtime - noticed_at
+            assert not running.done()
+            two_nodes.remove_node(hosting[0], allow_graceful=False)  # the cloud takes the node back
+            removed_at = time.time()
+            result = running.result(timeout=scaled(300))
     finally:
         endpoints.close()
     summary = result.summary
@@ -313,25 +331,25 @@ def test_exclude_drains_the_stragglers_node_and_the_run_finishes_on_the_other(
     config["model"]["kwargs"] = {"delay_s": 0.02}
     config["checkpoint"] = {**config["checkpoint"], "every_n_steps": 10_000}  # exclude's is the only one
     config["failure"] = {**config["failure"], "straggler": {"threshold": 1.5, "window_steps": 10, "action": "exclude"}}
-    running = fit_in_background(config)
     excluded = None
     try:
-        wait_until(lambda: steps_after(run_dir, 0) or running.done(), 240, "the first report")
-        pids = worker_pids()
-        assert len(pids) == 2, "the elastic run did not start 2 workers"
-        pid = max(pids)
-        excluded = node_hosting(two_nodes, pid)
-        other = next(node for node in two_nodes.worker_nodes if node is not excluded)
-        slowed = duty_cycle(pid)  # until the group restarts without it
+        with fit_in_background(config) as running:
+            wait_until(lambda: steps_after(run_dir, 0) or running.done(), 240, "the first report")
+            pids = worker_pids()
+            assert len(pids) == 2, "the elastic run did not start 2 workers"
+            pid = max(pids)
+            excluded = node_hosting(two_nodes, pid)
+            other = next(node for node in two_nodes.worker_nodes if node is not excluded)
+            slowed = duty_cycle(pid)  # until the group restarts without it
 
-        def restarted() -> bool:
-            return running.done() or any(isinstance(e, Resumed) for r in reports(run_dir) for e in events_of(r))
+            def restarted() -> bool:
+                return running.done() or any(isinstance(e, Resumed) for r in reports(run_dir) for e in events_of(r))
 
-        wait_until(restarted, 120, "the restarted group")
-        if not running.done():
-            hosts = {node_hosting(two_nodes, worker).node_id for worker in worker_pids()}
-            assert hosts == {other.node_id}, "the restarted group is not on the other node alone"
-        result = running.result(timeout=scaled(300))
+            wait_until(restarted, 120, "the restarted group")
+            if not running.done():
+                hosts = {node_hosting(two_nodes, worker).node_id for worker in worker_pids()}
+                assert hosts == {other.node_id}, "the restarted group is not on the other node alone"
+            result = running.result(timeout=scaled(300))
     finally:
         if excluded is not None:
             two_nodes.remove_node(excluded, allow_graceful=False)  # gone already: its processes are reaped

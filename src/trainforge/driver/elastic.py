@@ -8,8 +8,9 @@ start timeout (``RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S``, 60 s by default) and 
 the nodes left. ``FreshNodesCallback`` (in the Ray Train controller) asks the coordinator to
 recompute at once (``get_reserved_resources(recompute=True)``, the call Ray Data makes before it
 pins work to nodes) each time the controller goes to restart or reschedule, so the next decision
-sees the node gone as soon as Ray's GCS declares it dead. Failing to reach the coordinator (a Ray
-without it) costs nothing but the old wait, logged once.
+sees the node gone as soon as Ray's GCS declares it dead, and once before the first group (a
+coordinator an earlier run left in the same Ray may not yet count a node added since). Failing to
+reach the coordinator (a Ray without it) costs nothing but the old wait, logged once.
 
 A node killed outright is still alive to the GCS for a moment after its workers' peers fail (until
 its health checks have failed ``health_check_failure_threshold`` times), and a decision taken then
@@ -47,6 +48,9 @@ class FreshNodesCallback(ControllerCallback, WorkerGroupCallback):
 
     def after_controller_start(self, train_run_context: Any) -> None:
         self.requester = f"train-{train_run_context.run_id}"  # the policy's id (ray.train's ScalingPolicy)
+        # The first group too: a coordinator an earlier run left in this Ray may not have seen a
+        # node added since its last tick, and the run would start smaller than the cluster allows.
+        self.refresh(missing_is_fine=True)
 
     def after_worker_group_start(self, worker_group: Any) -> None:
         self.group_nodes = {worker.metadata.node_id for worker in worker_group.get_workers()}
@@ -70,16 +74,26 @@ class FreshNodesCallback(ControllerCallback, WorkerGroupCallback):
             time.sleep(0.1)
             silent &= {n["NodeID"] for n in ray.nodes() if n["Alive"]}
 
-    def refresh(self) -> None:
+    def refresh(self, missing_is_fine: bool = False) -> None:
+        """``missing_is_fine``: before the first group, no coordinator yet means the policy creates
+        one, whose first view is current."""
         try:
             coordinator = ray.get_actor(COORDINATOR[0], namespace=COORDINATOR[1])
+        except ValueError as err:  # none in this Ray
+            if not missing_is_fine:
+                self.warn(err)
+            return
+        try:
             ray.get(
                 coordinator.get_reserved_resources.remote(self.requester, recompute=True), timeout=REFRESH_TIMEOUT_S
             )
         except Exception as err:  # an internal of Ray Data's: the old wait, not a failed run
-            if not self.warned:
-                log.warning("could not refresh Ray's view of the nodes for the elastic restart: %s", err)
-                self.warned = True
+            self.warn(err)
+
+    def warn(self, err: Exception) -> None:
+        if not self.warned:
+            log.warning("could not refresh Ray's view of the nodes for the elastic restart: %s", err)
+            self.warned = True
 
 
 def answers_knock(node: dict[str, Any]) -> bool:
