@@ -40,38 +40,50 @@ if "PYTEST_XDIST_WORKER" in os.environ:
     os.environ.setdefault(OWNER_ENV, f"{os.getppid()}-{os.environ['PYTEST_XDIST_WORKER']}")
 
 
-# Files that take minutes, longest first: seconds of test time in a full run under `-n 2` on a fresh
-# clone, quiet 2-core machine, 2026-11-27 (`PYTEST_ADDOPTS=--durations=0`; the container tests with
-# their images already built: a cold build adds about 3 minutes to the first of them). With
-# `--dist loadfile` xdist hands whole files out in collection order, so the longest start first and
-# the short files fill the gaps at the end: a long file that starts last runs alone and idles the
-# other core. xdist's own reordering (by number of tests, not time) is switched off for this.
+# Files that take minutes, longest first: seconds of test time (the 120 longest tests' share) in a
+# full run under `-n 2` on a fresh clone, 2-core machine, 2026-11-28 (`PYTEST_ADDOPTS=--durations=120`;
+# the container tests with their images already built: a cold build adds about 3 minutes to the
+# first of them). With `--dist loadfile` xdist hands whole files out in collection order, so the
+# longest start first and the short files fill the gaps at the end: a long file that starts last
+# runs alone and idles the other core. xdist's own reordering (by number of tests, not time) is
+# switched off for this.
 LONGEST_FIRST = (
-    "faults/test_exact_resume.py",  # 376
-    "deploy/test_compose.py",  # 195
-    "cluster/test_multinode.py",  # 188
-    "integration/test_stream.py",  # 177
-    "cluster/test_tls.py",  # 137
-    "integration/test_s3.py",  # 136
-    "integration/test_tune.py",  # 128
-    "integration/test_tune_faults.py",  # 113
-    "integration/test_bench_startup.py",  # 110
+    "faults/test_exact_resume.py",  # 409
+    "cluster/test_multinode.py",  # 236
+    "deploy/test_compose.py",  # 235
+    "deploy/test_images.py",  # 92 on 2026-11-27 (the image the compose test uses too)
+    "integration/test_fsdp.py",  # 196
+    "integration/test_s3.py",  # 195
+    "integration/test_bench_startup.py",  # 184
+    "integration/test_ckpt_cli.py",  # 183
+    "integration/test_stream.py",  # 182
+    "cluster/test_tls.py",  # 172
+    "integration/test_warm.py",  # 167
+    "integration/test_tune_faults.py",  # 166
+    "integration/test_tune.py",  # 158
+    "integration/test_tls_local.py",  # 142
+    "integration/test_bench_peers.py",  # 129
+    "integration/test_bench_recovery.py",  # 128
+    "cluster/test_scaling.py",  # 117
+    "faults/test_nodes.py",  # 113
+    "faults/test_pipeline_kill.py",  # 112
+    "integration/test_resume_modes.py",  # 110
+    "faults/test_mnist_example.py",  # 101
+    "unit/test_session.py",  # 98
+    "integration/test_lm.py",  # 95
     "integration/test_mlflow.py",  # 93
-    "deploy/test_images.py",  # 92
-    "integration/test_cli.py",  # 90
-    "integration/test_fsdp.py",  # 88
-    "cluster/test_scaling.py",  # 83
-    "faults/test_hang.py",  # 81
-    "integration/test_bench_peers.py",  # 76
-    "integration/test_submit.py",  # 69
-    "integration/test_lm.py",  # 62
-    "unit/test_fsdp.py",  # 61
-    "integration/test_warm.py",  # 60
-    "integration/test_engine.py",  # 53
-    "unit/test_communication.py",  # 51
-    "integration/test_ckpt_cli.py",  # 50
-    "unit/test_session.py",  # 48
-    "unit/test_finetune.py",  # 46
+    "unit/test_hsdp.py",  # 66
+    "unit/test_fsdp.py",  # 62
+    "integration/test_cli.py",  # 62
+    "integration/test_submit.py",  # 59
+    "faults/test_hang.py",  # 56
+    "unit/test_communication.py",  # 55
+    "integration/test_pipeline.py",  # 55
+    "integration/test_hf_models.py",  # 55
+    "integration/test_passed_objects.py",  # 51
+    "faults/test_straggler.py",  # 47
+    "cluster/test_encrypted_network.py",  # 46
+    "integration/test_engine.py",  # 45
 )
 
 
