@@ -32,7 +32,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         )
         loader = DataLoader(dataset, batch_size=workload.batch_size, sampler=sampler, drop_last=True)
         clock = StepClock(workload.batch_size * world)
-        run_steps(ddp, loader, make_optimizer(ddp), workload.total_steps, clock, set_epoch=sampler.set_epoch)
+        optimizer = make_optimizer(ddp, workload.kind)
+        run_steps(ddp, loader, optimizer, workload.total_steps, clock, set_epoch=sampler.set_epoch)
         if rank == 0:
             write_result(args.out, clock.result())
     finally:

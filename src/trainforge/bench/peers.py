@@ -1,12 +1,14 @@
-"""``trainforge bench peers``: the same training job in five implementations, samples/s side by side.
+"""``trainforge bench peers``: the same training job in up to seven implementations, side by side.
 
 (a) plain PyTorch in one process, (b) torchrun + DDP, (c) plain Ray Train, (d) trainforge with its
 defaults (MLflow tracking, Prometheus metrics, system sampling on), (e) trainforge with tracking and
-metrics off: d/e is what observing a run costs. Every
-peer trains the :class:`~trainforge.bench.workload.Workload` and reports samples per second over
-all workers from the end of step 5 to the end of the last step. Measurements are interleaved
-(a b c d, then d c b a) and the median of the repeats is quoted, because a small shared machine
-drifts over minutes.
+metrics off (d/e is what observing a run costs), (f) PyTorch Lightning's DDP strategy and (g)
+Hugging Face Accelerate (both with the ``bench`` extra). Every peer trains the
+:class:`~trainforge.bench.workload.Workload` (``cnn`` or ``lm``) and reports samples per second over
+all workers from the end of step 5 to the end of the last step (the ``lm`` table quotes tokens/s),
+and the seconds from its launch to the end of its first step. Measurements are interleaved (a b c
+d, then d c b a) and the median of the repeats is quoted, because a small shared machine drifts
+over minutes.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import io
 import json
 import os
 import platform
+import socket
 import statistics
 import subprocess
 import sys
@@ -32,25 +35,12 @@ from rich.table import Table
 
 import trainforge
 from trainforge.bench.machine import cpu_model
+from trainforge.bench.roster import HEADERS, PEERS, missing_note
 from trainforge.bench.workload import WARMUP_STEPS, Workload
 from trainforge.consoles import make_console
 from trainforge.errors import TrainforgeError
 
-PEERS: dict[str, str] = {
-    "a": "(a) PyTorch, 1 process",
-    "b": "(b) torchrun + DDP",
-    "c": "(c) Ray Train",
-    "d": "(d) trainforge",
-    "e": "(e) trainforge, unobserved",
-}
-HEADERS: dict[str, str] = {  # two-line table headers, so the table fits 80 columns
-    "a": "(a) PyTorch\n1 process",
-    "b": "(b) torchrun\n+ DDP",
-    "c": "(c) Ray\nTrain",
-    "d": "(d)\ntrainforge",
-    "e": "(e) trainforge\nno tracking",
-}
-GOALS: dict[str, float] = {"d/c": 0.97, "d/b": 0.93, "d/e": 0.98}
+GOALS: dict[str, float] = {"d/c": 0.97, "d/b": 0.93, "d/e": 0.98, "d/f": 1.00, "d/g": 1.00}
 RAY_CPUS = 4
 POLL_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
 POLL_INTERVAL_S = "0.2"
@@ -71,36 +61,52 @@ class Measurement:
     samples_per_s: float
     wall_s: float  # the whole measurement, start-up included
     load_1min: float  # the machine's load average when it started: the bench shares the machine
+    first_step_s: float = 0.0  # from the command's launch (or the call, in the running Ray) to its first step's end
 
 
 def run_peers(
     counts: Sequence[int],
     *,
-    steps: int = 100,
-    batch_size: int = 64,
+    kind: str = "cnn",
+    steps: int | None = None,
+    batch_size: int | None = None,
     repeats: int = 2,
     peers: Sequence[str] = tuple(PEERS),
     output: Path | None = None,
     console: Console | None = None,
 ) -> dict[str, Any]:
-    """Measure the ``peers`` at every worker count ``repeats`` times; print the table, return the report."""
+    """Measure the ``peers`` at every worker count ``repeats`` times; print the tables, return the report.
+    ``steps`` and ``batch_size``: the workload kind's defaults where None."""
     shown = console or make_console()
     peers = [peer for peer in PEERS if peer in peers]
-    workload = Workload.sized_for(steps, batch_size, max(counts))
+    workload = Workload(kind=kind)
+    batch = batch_size or workload.spec.batch_size
+    workload = Workload.sized_for(steps or workload.spec.steps, batch, max(counts), kind)
+    model = workload.model_config()
     shown.print(
-        f"bench peers: {workload.model_config().name} {workload.model_kwargs} on synthetic 3x32x32 images, "
-        f"batch {batch_size} per worker, {WARMUP_STEPS} warm-up + {steps} timed steps, "
+        f"bench peers --workload {kind}: {model.name} {model.kwargs or ''} on {workload.spec.what}, "
+        f"batch {batch} per worker, {WARMUP_STEPS} warm-up + {workload.steps} timed steps, "
         f"workers {', '.join(map(str, counts))}, {repeats} repeat(s), peers {''.join(peers)}",
         highlight=False,
     )
+    note = missing_note(peers)
+    if note:
+        shown.print(note, highlight=False)
     measurements = measure_all(workload, counts, repeats, peers, shown)
-    rows = summarise(measurements, counts, peers)
-    shown.print(results_table(rows, repeats, peers))
+    rows = summarise(measurements, counts, peers, workload.spec.per_sample)
+    shown.print(results_table(rows, repeats, peers, workload.spec.unit))
+    shown.print(startup_table(rows, peers))
     for line in [*goal_lines(rows), spread_line(measurements)]:
         shown.print(line, highlight=False)
     report = {
         "machine": machine(),
-        "workload": {**asdict(workload), "warmup_steps": WARMUP_STEPS, "repeats": repeats},
+        "workload": {
+            **asdict(workload),
+            "model": model.model_dump(mode="json"),
+            "unit": workload.spec.unit,
+            "warmup_steps": WARMUP_STEPS,
+            "repeats": repeats,
+        },
         "goals": GOALS,
         "rows": rows,
         "measurements": [asdict(m) for m in measurements],
@@ -126,33 +132,37 @@ def measure_all(
                 for peer in order:
                     load = os.getloadavg()[0]
                     started = time.monotonic()
-                    rate = MEASURES[peer](workload, workers, Path(scratch) / f"{peer}-{workers}w-r{repeat}")
-                    found = Measurement(peer, workers, repeat, rate, round(time.monotonic() - started, 1), load)
+                    rate, first = MEASURES[peer](workload, workers, Path(scratch) / f"{peer}-{workers}w-r{repeat}")
+                    wall = round(time.monotonic() - started, 1)
+                    found = Measurement(peer, workers, repeat, rate, wall, load, round(first, 2))
                     measurements.append(found)
                     shown.print(progress_line(found, repeats), highlight=False)
     return measurements
 
 
 def progress_line(found: Measurement, repeats: int) -> str:
-    """``  2 workers 1/2  (c) Ray Train            1496.1 samples/s   29 s  load 4.5``"""
+    """``  2 workers 1/2  (c) Ray Train            1496.1 samples/s  first step  6.1 s   29 s  load 4.5``"""
     workers = f"{found.workers} worker" + ("s" if found.workers > 1 else "")
     return (
         f"  {workers:<9} {found.repeat + 1}/{repeats}  {PEERS[found.peer]:<27}{found.samples_per_s:8.1f} samples/s"
-        f"  {found.wall_s:4.0f} s  load {found.load_1min:.1f}"
+        f"  first step {found.first_step_s:4.1f} s  {found.wall_s:4.0f} s  load {found.load_1min:.1f}"
     )
 
 
 # ---------------------------------------------------------------------------------------------
-# The four peers: each returns samples/s over all workers
+# The peers: each returns samples/s over all workers and seconds from its start to its first step
 
 
-def measure_plain(workload: Workload, workers: int, scratch: Path) -> float:
+Figures = tuple[float, float]  # samples/s over all workers, seconds to the end of the first step
+
+
+def measure_plain(workload: Workload, workers: int, scratch: Path) -> Figures:
     """(a) One process, ``workers`` intra-op threads, batch ``workers * b``."""
     command = [sys.executable, "-m", "trainforge.bench.workload", "--threads", str(workers)]
     return _run_script(command, workload, scratch, threads=workers, what=PEERS["a"])
 
 
-def measure_torchrun(workload: Workload, workers: int, scratch: Path) -> float:
+def measure_torchrun(workload: Workload, workers: int, scratch: Path) -> Figures:
     """(b) ``workers`` torchrun processes with one thread each."""
     command = [
         sys.executable,
@@ -167,9 +177,11 @@ def measure_torchrun(workload: Workload, workers: int, scratch: Path) -> float:
     return _run_script(command, workload, scratch, threads=1, what=PEERS["b"])
 
 
-def measure_ray_train(workload: Workload, workers: int, scratch: Path) -> float:
+def measure_ray_train(workload: Workload, workers: int, scratch: Path) -> Figures:
     """(c) A TorchTrainer around an ordinary Ray Train loop; rank 0 returns its figure."""
-    return float(ray_train_figures(workload, workers, scratch, PEERS["c"])["samples_per_s"])
+    called = time.time()
+    figures = ray_train_figures(workload, workers, scratch, PEERS["c"])
+    return float(figures["samples_per_s"]), float(figures["first_step_unix"]) - called
 
 
 def ray_train_figures(workload: Workload, workers: int, scratch: Path, peer: str) -> dict[str, float]:
@@ -192,35 +204,84 @@ def ray_train_figures(workload: Workload, workers: int, scratch: Path, peer: str
     return returned
 
 
-def measure_trainforge(workload: Workload, workers: int, scratch: Path, *, observed: bool = True) -> float:
+def measure_trainforge(workload: Workload, workers: int, scratch: Path, *, observed: bool = True) -> Figures:
     """(d) ``trainforge.fit``; its progress display goes to a buffer so the bench output stays readable."""
     config = workload.trainforge_config(workers, name=scratch.name, output_dir=str(scratch.parent))
     config["tracking"] = {"enabled": observed}
     config["metrics"] = {"enabled": observed, "comm_timing": observed}
+    called = time.time()
     result = trainforge.fit(config, console=Console(file=io.StringIO()))
     rate = float(result.summary["throughput_samples_per_s"])
     if rate <= 0:
         peer = PEERS["d" if observed else "e"]
         raise PeerFailed(f"{peer} reported throughput {rate} (summary in {result.run_dir})")
-    return rate
+    first, _ = trainforge_first_step(result.run_dir / "summary.json")
+    return rate, first - called
 
 
-def measure_trainforge_unobserved(workload: Workload, workers: int, scratch: Path) -> float:
+def measure_trainforge_unobserved(workload: Workload, workers: int, scratch: Path) -> Figures:
     """(e) As (d) with MLflow tracking and Prometheus metrics off."""
     return measure_trainforge(workload, workers, scratch, observed=False)
 
 
-MEASURES: dict[str, Callable[[Workload, int, Path], float]] = {
+def measure_lightning(workload: Workload, workers: int, scratch: Path) -> Figures:
+    """(f) ``python script.py``, a Lightning Trainer with ``strategy="ddp"``, ``devices=workers``:
+    Lightning starts the other processes itself; 1 thread each."""
+    command = [sys.executable, "-m", "trainforge.bench._lightning_worker", "--devices", str(workers)]
+    return _run_script(command, workload, scratch, threads=1, what=PEERS["f"])
+
+
+def measure_accelerate(workload: Workload, workers: int, scratch: Path) -> Figures:
+    """(g) ``accelerate launch`` (the module its console script runs), 1 thread per process."""
+    return _run_script(accelerate_command(workers), workload, scratch, threads=1, what=PEERS["g"])
+
+
+def accelerate_command(workers: int) -> list[str]:
+    """``accelerate launch`` with every setting given (so it warns of no defaults): its ``--cpu``
+    launcher for one process; for more, its torchrun launcher (``--multi_gpu``, the only one that
+    starts several processes without mpirun), the script choosing the CPU and gloo itself."""
+    launcher = ["--cpu"] if workers == 1 else ["--multi_gpu", "--main_process_port", str(free_port())]
+    settings = ["--num_processes", str(workers), "--num_machines", "1", "--mixed_precision", "no"]
+    settings += ["--dynamo_backend", "no"]
+    return [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        *launcher,
+        *settings,
+        "-m",
+        "trainforge.bench._accelerate_worker",
+    ]
+
+
+def free_port() -> int:
+    """A loopback port free now: torchrun's fixed default (29500) may be another run's."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+MEASURES: dict[str, Callable[[Workload, int, Path], Figures]] = {
     "a": measure_plain,
     "b": measure_torchrun,
     "c": measure_ray_train,
     "d": measure_trainforge,
     "e": measure_trainforge_unobserved,
+    "f": measure_lightning,
+    "g": measure_accelerate,
 }
 
 
-def _run_script(command: list[str], workload: Workload, scratch: Path, *, threads: int, what: str) -> float:
-    """Run a peer's script in a fresh process tree and read the figure it writes as JSON.
+def trainforge_first_step(summary_path: Path) -> tuple[float, dict[str, float]]:
+    """A trainforge run's first step (unix time at its end) and its start by phase, from summary.json."""
+    startup = json.loads(summary_path.read_text()).get("startup") or {}
+    if "to_first_step_s" not in startup:
+        raise PeerFailed(f"{summary_path} has no startup timing")
+    return float(startup["start_unix"]) + float(startup["to_first_step_s"]), dict(startup["phases"])
+
+
+def _run_script(command: list[str], workload: Workload, scratch: Path, *, threads: int, what: str) -> Figures:
+    """Run a peer's script in a fresh process tree and read the figures it writes as JSON.
 
     A peer that crashes (a reference script, not trainforge: e.g. gloo aborting a process at
     shutdown) is run once more, with its error on stderr; a second crash fails the benchmark."""
@@ -229,16 +290,19 @@ def _run_script(command: list[str], workload: Workload, scratch: Path, *, thread
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": python_path()}
     for attempt in (1, 2):
         out.unlink(missing_ok=True)
+        launched = time.time()
         done = subprocess.run(
             [*command, "--workload", workload.to_json(), "--out", str(out)],
             env=env,
+            cwd=scratch,  # Lightning writes its logs and checkpoint under the working directory
             capture_output=True,
             text=True,
             timeout=SUBPROCESS_TIMEOUT_S,
             check=False,
         )
         if done.returncode == 0 and out.is_file():
-            return float(json.loads(out.read_text())["samples_per_s"])
+            figures = json.loads(out.read_text())
+            return float(figures["samples_per_s"]), float(figures["first_step_unix"]) - launched
         failure = f"{what} exited with code {done.returncode}: {crash_lines(done.stderr)}"
         if attempt == 1:
             print(f"warning: {failure}; measuring it again", file=sys.stderr)
@@ -301,18 +365,21 @@ def restore_env(saved: dict[str, str | None]) -> None:
 
 
 def summarise(
-    measurements: Sequence[Measurement], counts: Sequence[int], peers: Sequence[str] = tuple(PEERS)
+    measurements: Sequence[Measurement],
+    counts: Sequence[int],
+    peers: Sequence[str] = tuple(PEERS),
+    per_sample: int = 1,
 ) -> list[dict[str, Any]]:
-    """One row per worker count: the median samples/s of each peer and the ratios both of whose
-    peers were measured."""
+    """One row per worker count: each peer's median throughput (samples/s times ``per_sample``:
+    tokens/s for the ``lm`` workload), the ratios both of whose peers were measured, and each
+    peer's median seconds to its first step."""
     rows = []
     for workers in counts:
-        medians = {
-            peer: statistics.median(m.samples_per_s for m in measurements if m.peer == peer and m.workers == workers)
-            for peer in peers
-        }
+        mine = {peer: [m for m in measurements if m.peer == peer and m.workers == workers] for peer in peers}
+        medians = {peer: statistics.median(m.samples_per_s for m in mine[peer]) * per_sample for peer in peers}
         ratios = {name: _ratio(medians[name[0]], medians[name[2]]) for name in ratios_of(peers)}
-        rows.append({"workers": workers, **medians, **ratios})
+        first = {peer: statistics.median(m.first_step_s for m in mine[peer]) for peer in peers}
+        rows.append({"workers": workers, **medians, **ratios, "first_step_s": first})
     return rows
 
 
@@ -325,8 +392,10 @@ def _ratio(numerator: float, denominator: float) -> float:
     return numerator / denominator if denominator > 0 else 0.0
 
 
-def results_table(rows: Sequence[dict[str, Any]], repeats: int, peers: Sequence[str] = tuple(PEERS)) -> Table:
-    table = Table(title=f"samples/s over all workers, median of {repeats}", box=box.SIMPLE_HEAD)
+def results_table(
+    rows: Sequence[dict[str, Any]], repeats: int, peers: Sequence[str] = tuple(PEERS), unit: str = "samples/s"
+) -> Table:
+    table = Table(title=f"{unit} over all workers, median of {repeats}", box=box.SIMPLE_HEAD)
     table.add_column("workers", justify="right")
     for peer in peers:
         table.add_column(HEADERS[peer], justify="right")
@@ -338,6 +407,19 @@ def results_table(rows: Sequence[dict[str, Any]], repeats: int, peers: Sequence[
             *(f"{row[peer]:.1f}" for peer in peers),
             *(f"{row[ratio]:.3f}" for ratio in ratios_of(peers)),
         )
+    return table
+
+
+def startup_table(rows: Sequence[dict[str, Any]], peers: Sequence[str] = tuple(PEERS)) -> Table:
+    """Seconds to the first step: (a), (b), (f) and (g) from their command's launch, a new process
+    tree each; (c), (d) and (e) from their call in the bench's Ray, already running."""
+    title = "seconds to the first step, median (c, d, e: in a running Ray; bench startup: cold)"
+    table = Table(title=title, box=box.SIMPLE_HEAD)
+    table.add_column("workers", justify="right")
+    for peer in peers:
+        table.add_column(HEADERS[peer], justify="right")
+    for row in rows:
+        table.add_row(str(row["workers"]), *(f"{row['first_step_s'][peer]:.1f}" for peer in peers))
     return table
 
 

@@ -48,6 +48,7 @@ from trainforge.bench.peers import (
     machine,
     python_path,
     ray_train_figures,
+    trainforge_first_step,
 )
 from trainforge.bench.workload import WARMUP_STEPS, Workload
 from trainforge.driver.startup import PHASES
@@ -141,13 +142,6 @@ def measure_cold(peer: str, workload: Workload, workers: int, scratch: Path, rep
     else:
         first, phases = float(json.loads(out.read_text())["first_step_unix"]), {}
     return Start(peer, "cold", repeat, round(first - launched, 3), round(ended - launched, 3), phases)
-
-
-def trainforge_first_step(summary_path: Path) -> tuple[float, dict[str, float]]:
-    startup = json.loads(summary_path.read_text()).get("startup") or {}
-    if "to_first_step_s" not in startup:
-        raise PeerFailed(f"{summary_path} has no startup timing")
-    return float(startup["start_unix"]) + float(startup["to_first_step_s"]), dict(startup["phases"])
 
 
 def measure_running(

@@ -1,8 +1,10 @@
-"""The one workload every peer trains, the step loop the hand-written peers share, and their clock.
+"""The workload every peer trains, the step loop the hand-written peers share, and their clock.
 
-Peers (a), (b) and (c) run :func:`run_steps` with the same model, data set type, optimizer and
-:class:`StepClock`; only the distribution layer around it differs. Peer (d) is trainforge itself,
-configured by :func:`Workload.trainforge_config` and measured by trainforge's own ``Throughput``.
+Two kinds (:data:`KINDS`): ``cnn``, a small CNN on synthetic images (samples/s), and ``lm``, the
+Llama-style ``llama_tiny`` on synthetic token sequences (tokens/s). Peers (a), (b), (c) and (g)
+run :func:`run_steps`, and (f) Lightning's own loop, with the same model, data set type, optimizer
+and :class:`StepClock`; only the distribution layer around it differs. Peer (d) is trainforge
+itself, configured by :func:`Workload.trainforge_config` and measured by trainforge's own ``Throughput``.
 
 ``python -m trainforge.bench.workload --workload JSON --threads K --out PATH`` runs peer (a), plain
 PyTorch in one process, and writes its figure to PATH as JSON.
@@ -14,61 +16,99 @@ import argparse
 import json
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from trainforge.config import DataConfig, ModelConfig
 
 WARMUP_STEPS = 5  # the same as trainforge.worker.metrics.WARMUP_STEPS: these steps are not timed
-MODEL_NAME = "small_cnn"
-# Narrower than small_cnn's default (32, 64, 128): about 80 ms of forward+backward per batch of 64
-# on one core, so compute dominates per-step framework overhead without making runs long.
-MODEL_KWARGS: dict[str, Any] = {"channels": [16, 32, 64]}
-LEARNING_RATE = 0.01
-MOMENTUM = 0.9
-IMAGE_SHAPE = [3, 32, 32]
-NUM_CLASSES = 10
 
 AfterStep = Callable[[int, torch.Tensor], None]
 
 
 @dataclass(frozen=True)
+class Kind:
+    """One workload kind: the model, the synthetic data, the optimizer (as trainforge's ``optim``
+    section) and the unit its throughput is quoted in."""
+
+    model: str
+    model_kwargs: dict[str, Any]
+    data: dict[str, Any]  # data.name synthetic's keys, less num_samples and val_fraction
+    optim: dict[str, Any]
+    batch_size: int  # per worker, the default
+    steps: int  # timed steps, the default
+    unit: str
+    per_sample: int  # how many of ``unit``'s items one sample holds
+    what: str
+
+
+SEQ_LEN = 128
+KINDS: dict[str, Kind] = {
+    # small_cnn narrower than its default (32, 64, 128): about 80 ms of forward+backward per batch
+    # of 64 on one core, so compute dominates per-step framework overhead without making runs long.
+    "cnn": Kind(
+        model="small_cnn",
+        model_kwargs={"channels": [16, 32, 64]},
+        data={"kind": "image", "input_shape": [3, 32, 32], "num_classes": 10},
+        optim={"name": "sgd", "lr": 0.01, "momentum": 0.9},
+        batch_size=64,
+        steps=100,
+        unit="samples/s",
+        per_sample=1,
+        what="synthetic 3x32x32 images",
+    ),
+    # configs/lm_stdlib.yaml's model, vocabulary size, window and optimizer, on synthetic token
+    # sequences (data/synthetic.py: generated per index, nothing to prepare or download).
+    "lm": Kind(
+        model="llama_tiny",
+        model_kwargs={},
+        data={"kind": "tokens", "vocab_size": 4096, "seq_len": SEQ_LEN},
+        optim={"name": "adamw", "lr": 0.003, "weight_decay": 0.1},
+        batch_size=16,
+        steps=40,
+        unit="tokens/s",
+        per_sample=SEQ_LEN,
+        what=f"synthetic token sequences of {SEQ_LEN} (vocabulary 4096)",
+    ),
+}
+
+
+@dataclass(frozen=True)
 class Workload:
-    """What every peer trains: per-worker batch, timed steps, data set size and seed."""
+    """What every peer trains: the kind, per-worker batch, timed steps, data set size and seed."""
 
     batch_size: int = 64
     steps: int = 150
     num_samples: int = 20_000
     seed: int = 0
-    model_kwargs: dict[str, Any] = field(default_factory=lambda: dict(MODEL_KWARGS))
+    kind: str = "cnn"
 
     @property
     def total_steps(self) -> int:
         return WARMUP_STEPS + self.steps
 
+    @property
+    def spec(self) -> Kind:
+        return KINDS[self.kind]
+
     @classmethod
-    def sized_for(cls, steps: int, batch_size: int, max_workers: int) -> Workload:
+    def sized_for(cls, steps: int, batch_size: int, max_workers: int, kind: str = "cnn") -> Workload:
         """A workload whose data set holds exactly one epoch at the largest worker count, so no
         peer crosses an epoch boundary inside the timed window."""
-        return cls(batch_size=batch_size, steps=steps, num_samples=(WARMUP_STEPS + steps) * batch_size * max_workers)
+        samples = (WARMUP_STEPS + steps) * batch_size * max_workers
+        return cls(batch_size=batch_size, steps=steps, num_samples=samples, kind=kind)
 
     def data_config(self) -> DataConfig:
-        return DataConfig(
-            name="synthetic",
-            kind="image",
-            input_shape=list(IMAGE_SHAPE),
-            num_classes=NUM_CLASSES,
-            num_samples=self.num_samples,
-            val_fraction=0.0,
-        )
+        return DataConfig(name="synthetic", **self.spec.data, num_samples=self.num_samples, val_fraction=0.0)
 
     def model_config(self) -> ModelConfig:
-        return ModelConfig(name=MODEL_NAME, kwargs=dict(self.model_kwargs))
+        return ModelConfig(name=self.spec.model, kwargs=dict(self.spec.model_kwargs))
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -85,7 +125,7 @@ class Workload:
             "model": self.model_config().model_dump(mode="json"),
             "data": self.data_config().model_dump(mode="json"),
             "train": {"max_steps": self.total_steps, "batch_size": self.batch_size},
-            "optim": {"name": "sgd", "lr": LEARNING_RATE, "momentum": MOMENTUM},
+            "optim": dict(self.spec.optim),
             "scaling": {"num_workers": workers},
             "failure": {"max_failures": 0},
             "seed": self.seed,
@@ -102,8 +142,26 @@ def build(workload: Workload) -> tuple[Dataset[Any], nn.Module]:
     return train_set, build_model(workload.model_config(), spec)
 
 
-def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.SGD(model.parameters(), lr=LEARNING_RATE, momentum=MOMENTUM)
+OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW}
+
+
+def make_optimizer(model: nn.Module, kind: str = "cnn") -> torch.optim.Optimizer:
+    """The kind's optimizer as trainforge builds it from the same ``optim`` section: weight decay on
+    matrices and kernels, none on biases and norms."""
+    settings = dict(KINDS[kind].optim)
+    optimizer = OPTIMIZERS[settings.pop("name")]
+    decay = settings.pop("weight_decay", 0.0)
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    return optimizer([group for group in groups if group["params"]], **settings)
+
+
+def loss_of(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy over every prediction: one per image, or one per token position (B, T, V)."""
+    return F.cross_entropy(output.reshape(-1, output.shape[-1]).float(), targets.reshape(-1))
 
 
 class StepClock:
@@ -154,9 +212,9 @@ def run_steps(
     *,
     set_epoch: Callable[[int], None] | None = None,
     after_step: AfterStep | None = None,
+    backward: Callable[[torch.Tensor], None] = torch.Tensor.backward,
 ) -> None:
     """An ordinary training loop: epochs of shuffled batches, cross-entropy, backward, step."""
-    loss_fn = nn.CrossEntropyLoss()
     model.train()
     step = epoch = 0
     while step < total_steps:
@@ -164,8 +222,8 @@ def run_steps(
             set_epoch(epoch)
         for inputs, targets in loader:
             optimizer.zero_grad(set_to_none=True)
-            loss = loss_fn(model(inputs), targets)
-            loss.backward()  # under DDP, gradients are all-reduced here
+            loss = loss_of(model(inputs), targets)
+            backward(loss)  # under DDP, gradients are all-reduced here
             optimizer.step()
             step += 1
             clock.step_done()
@@ -183,7 +241,7 @@ def run_plain(workload: Workload, threads: int) -> dict[str, float]:
     batch = workload.batch_size * threads
     loader = DataLoader(dataset, batch_size=batch, shuffle=True, drop_last=True)
     clock = StepClock(batch)
-    run_steps(model, loader, make_optimizer(model), workload.total_steps, clock)
+    run_steps(model, loader, make_optimizer(model, workload.kind), workload.total_steps, clock)
     return clock.result()
 
 
@@ -211,7 +269,8 @@ def ray_train_loop(config: dict[str, Any]) -> dict[str, float] | None:
             ray.train.report({"step": step, "loss": loss.item()})
 
     clock = StepClock(workload.batch_size * ctx.get_world_size())
-    run_steps(model, loader, make_optimizer(model), workload.total_steps, clock, set_epoch=set_epoch, after_step=report)
+    optimizer = make_optimizer(model, workload.kind)
+    run_steps(model, loader, optimizer, workload.total_steps, clock, set_epoch=set_epoch, after_step=report)
     return clock.result() if ctx.get_world_rank() == 0 else None
 
 
@@ -224,6 +283,7 @@ def parse_args(argv: Sequence[str] | None, description: str) -> argparse.Namespa
     parser.add_argument("--workload", required=True, help="The Workload as JSON.")
     parser.add_argument("--out", required=True, help="Where to write the measured figure as JSON.")
     parser.add_argument("--threads", type=int, default=1, help="Intra-op threads (peer a only).")
+    parser.add_argument("--devices", type=int, default=1, help="Lightning's DDP processes (peer f only).")
     return parser.parse_args(argv)
 
 

@@ -27,23 +27,34 @@ app = typer.Typer(help="Benchmarks that print figures.", no_args_is_help=True)
 @app.command("peers")
 def bench_peers(
     workers: Annotated[str, typer.Option(help="Comma-separated worker counts.")] = "1,2",
-    steps: Annotated[int, typer.Option(help="Timed steps per measurement, after 5 warm-up steps (>= 10).")] = 100,
-    batch_size: Annotated[int, typer.Option(help="Per-worker batch size.")] = 64,
+    workload: Annotated[
+        str, typer.Option(help="cnn (a small CNN on images, samples/s) or lm (llama_tiny on tokens, tokens/s).")
+    ] = "cnn",
+    steps: Annotated[
+        int | None, typer.Option(help="Timed steps per measurement, after 5 warm-up steps (>= 10; cnn 100, lm 40).")
+    ] = None,
+    batch_size: Annotated[int | None, typer.Option(help="Per-worker batch size (cnn 64, lm 16).")] = None,
     repeats: Annotated[int, typer.Option(help="Measurements per peer and worker count; the median is shown.")] = 2,
     peers: Annotated[
-        str,
-        typer.Option(help="Peers: a PyTorch, b torchrun, c Ray Train, d trainforge, e trainforge unobserved."),
-    ] = "abcde",
+        str | None,
+        typer.Option(
+            help="Peers, letters (abcdefg) or comma-separated names: a pytorch, b torchrun, c ray_train, "
+            "d trainforge, e unobserved (trainforge without tracking), f lightning, g accelerate. "
+            "Default: all whose packages are installed (f, g: pip install 'trainforge[bench]')."
+        ),
+    ] = None,
     output: Annotated[Path | None, typer.Option(help="Also write every raw figure as JSON here.")] = None,
 ) -> None:
-    """Samples/s of plain PyTorch, torchrun+DDP, plain Ray Train and trainforge (observed and not) on one workload."""
+    """Throughput and time to the first step of plain PyTorch, torchrun+DDP, plain Ray Train, trainforge
+    (observed and not), Lightning and Accelerate on one workload."""
+    from trainforge.bench.roster import parse_peers, parse_workload
     from trainforge.config import MAX_WORKERS
 
     counts = parse_counts("--workers", workers, MAX_WORKERS, "1,2")
-    if not peers or set(peers) - set("abcde"):
-        raise TrainforgeError(f"--peers {peers!r}: letters from abcde, e.g. --peers de")
+    kind = parse_workload(workload)
+    chosen = parse_peers(peers)
     for flag, value, least in (("--steps", steps, 10), ("--batch-size", batch_size, 1), ("--repeats", repeats, 1)):
-        if value < least:
+        if value is not None and value < least:
             raise TrainforgeError(f"{flag} {value}: must be >= {least}")
     check_output_folder(output)
     from trainforge.bench.peers import run_peers
@@ -52,7 +63,14 @@ def bench_peers(
     # The peers' runs live in a temporary folder: trainforge's "run report: PATH" lines would point nowhere.
     logging.getLogger("trainforge").setLevel(logging.WARNING)
     run_peers(
-        counts, steps=steps, batch_size=batch_size, repeats=repeats, peers=peers, output=output, console=wide_console()
+        counts,
+        kind=kind,
+        steps=steps,
+        batch_size=batch_size,
+        repeats=repeats,
+        peers=chosen,
+        output=output,
+        console=wide_console(),
     )
 
 
