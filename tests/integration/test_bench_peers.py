@@ -52,6 +52,7 @@ def test_ci_sized_run_measures_every_peer_and_prints_the_table(tmp_path: Path) -
         assert row["d/c"] == pytest.approx(row["d"] / row["c"])
         assert row["d/b"] == pytest.approx(row["d"] / row["b"])
         assert row["d/e"] == pytest.approx(row["d"] / row["e"])
+        assert row["d/a"] == pytest.approx(row["d"] / row["a"])
         # One repeat: the median is the measurement itself.
         for peer in MEASURED:
             (only,) = [m for m in report["measurements"] if m["peer"] == peer and m["workers"] == row["workers"]]
@@ -61,7 +62,8 @@ def test_ci_sized_run_measures_every_peer_and_prints_the_table(tmp_path: Path) -
     assert report["workload"]["kind"] == "cnn" and report["workload"]["unit"] == "samples/s"
 
     table = result.stdout[result.stdout.index("samples/s over all workers, median of 1") :]
-    for header in ("(a) PyTorch", "(b) torchrun", "(c) Ray", "trainforge", "(e) trainforge", "d/c", "d/b", "d/e"):
+    headers = ("(a) PyTorch", "(b) torchrun", "(c) Ray", "trainforge", "(e) trainforge", "d/a", "d/c", "d/b", "d/e")
+    for header in headers:
         assert header in table, result.stdout
     for row in report["rows"]:
         assert f"{row['d/c']:.3f}" in table and f"{row['d/b']:.3f}" in table, result.stdout
@@ -140,7 +142,7 @@ def test_rows_quote_medians_and_goals_say_pass_or_miss() -> None:
     (row,) = summarise(measurements, [2], "abcd")
     # Peers (e), (f) and (g) were not measured: no d/e, d/f or d/g ratio, and no goal line for them.
     first_steps = {"a": 0.0, "b": 0.0, "c": 0.0, "d": 0.0}
-    expected = {"a": 20.0, "b": 100.0, "c": 95.0, "d": 96.0, "d/c": 96.0 / 95.0, "d/b": 0.96}
+    expected = {"a": 20.0, "b": 100.0, "c": 95.0, "d": 96.0, "d/a": 4.8, "d/b": 0.96, "d/c": 96.0 / 95.0}
     assert row == {"workers": 2, **expected, "first_step_s": first_steps}
     assert goal_lines([row]) == [
         "goal d/c >= 0.97: pass at 2 worker(s) (1.011)",

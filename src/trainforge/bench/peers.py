@@ -40,6 +40,8 @@ from trainforge.bench.workload import WARMUP_STEPS, Workload
 from trainforge.consoles import make_console
 from trainforge.errors import TrainforgeError
 
+# trainforge's throughput over each other peer's; (a), one process with k threads, has no goal
+RATIOS = ("d/a", "d/b", "d/c", "d/e", "d/f", "d/g")
 GOALS: dict[str, float] = {"d/c": 0.97, "d/b": 0.93, "d/e": 0.98, "d/f": 1.00, "d/g": 1.00}
 RAY_CPUS = 4
 POLL_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
@@ -384,8 +386,8 @@ def summarise(
 
 
 def ratios_of(peers: Sequence[str]) -> list[str]:
-    """The goal ratios (``d/c``, ...) whose two peers are both among ``peers``."""
-    return [name for name in GOALS if name[0] in peers and name[2] in peers]
+    """The ratios (``d/a``, ``d/b``, ...) whose two peers are both among ``peers``."""
+    return [name for name in RATIOS if name[0] in peers and name[2] in peers]
 
 
 def _ratio(numerator: float, denominator: float) -> float:
