@@ -9,6 +9,7 @@ figure to the ``--out`` PATH as JSON.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import torch
@@ -23,6 +24,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     workload = Workload.from_json(args.workload)
     torch.set_num_threads(1)
     accelerator = Accelerator(cpu=True)
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if accelerator.num_processes != launched:  # the processes would train apart and the figure mean nothing
+        raise SystemExit(f"accelerate made a group of {accelerator.num_processes} of the {launched} processes started")
     dataset, model = build(workload)
     optimizer = make_optimizer(model, workload.kind)
     loader = DataLoader(dataset, batch_size=workload.batch_size, shuffle=True, drop_last=True)
