@@ -93,7 +93,7 @@ def run_peers(
     )
     note = missing_note(peers)
     if note:
-        shown.print(note, highlight=False)
+        shown.print(note, highlight=False, markup=False)  # "[bench]" is no markup
     measurements = measure_all(workload, counts, repeats, peers, shown)
     rows = summarise(measurements, counts, peers, workload.spec.per_sample)
     shown.print(results_table(rows, repeats, peers, workload.spec.unit))

@@ -40,7 +40,7 @@ def bench_peers(
         typer.Option(
             help="Peers, letters (abcdefg) or comma-separated names: a pytorch, b torchrun, c ray_train, "
             "d trainforge, e unobserved (trainforge without tracking), f lightning, g accelerate. "
-            "Default: all whose packages are installed (f, g: pip install 'trainforge[bench]')."
+            "Default: all whose packages are installed (f, g: the bench extra)."
         ),
     ] = None,
     output: Annotated[Path | None, typer.Option(help="Also write every raw figure as JSON here.")] = None,
