@@ -59,9 +59,7 @@ class MlflowServer:
             # No Huey job consumers (seven processes MLflow 3 starts for its GenAI jobs): the runs
             # trainforge logs need none, and on 2 cores they slow everything beside them.
             env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
-            self.proc = subprocess.Popen(
-                command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env
-            )
+            self.proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
         return self
 
     def healthy(self) -> bool:
