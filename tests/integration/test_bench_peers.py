@@ -71,7 +71,7 @@ def test_ci_sized_run_measures_every_peer_and_prints_the_table(tmp_path: Path) -
     assert "goal d/b >= 0.93:" in result.stdout
     assert "goal d/e >= 0.98:" in result.stdout
     assert "repeats: 1, so no spread" in result.stdout
-    assert "seconds to the first step, median" in result.stdout
+    assert "seconds to the first step, median" in result.stdout and "from the command's launch" in result.stdout
     # Progress: a line per measurement while it runs.
     progress = r"^  2 workers\s+1/1  \(\w\) .* samples/s  first step .* load"
     assert len(re.findall(progress, result.stdout, re.M)) == len(MEASURED)

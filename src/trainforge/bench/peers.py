@@ -98,6 +98,7 @@ def run_peers(
     rows = summarise(measurements, counts, peers, workload.spec.per_sample)
     shown.print(results_table(rows, repeats, peers, workload.spec.unit))
     shown.print(startup_table(rows, peers))
+    shown.print(STARTUP_NOTE, highlight=False)
     for line in [*goal_lines(rows), spread_line(measurements)]:
         shown.print(line, highlight=False)
     report = {
@@ -412,11 +413,16 @@ def results_table(
     return table
 
 
+STARTUP_NOTE = (
+    "first step: from the command's launch, a new process tree, for (a), (b), (f) and (g); from the call "
+    "in the bench's running Ray for (c), (d) and (e) (bench startup times them cold)"
+)
+
+
 def startup_table(rows: Sequence[dict[str, Any]], peers: Sequence[str] = tuple(PEERS)) -> Table:
     """Seconds to the first step: (a), (b), (f) and (g) from their command's launch, a new process
     tree each; (c), (d) and (e) from their call in the bench's Ray, already running."""
-    title = "seconds to the first step, median (c, d, e: in a running Ray; bench startup: cold)"
-    table = Table(title=title, box=box.SIMPLE_HEAD)
+    table = Table(title="seconds to the first step, median", box=box.SIMPLE_HEAD)
     table.add_column("workers", justify="right")
     for peer in peers:
         table.add_column(HEADERS[peer], justify="right")
