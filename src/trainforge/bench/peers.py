@@ -85,8 +85,9 @@ def run_peers(
     batch = batch_size or workload.spec.batch_size
     workload = Workload.sized_for(steps or workload.spec.steps, batch, max(counts), kind)
     model = workload.model_config()
+    named = f"{model.name} {model.kwargs}" if model.kwargs else model.name
     shown.print(
-        f"bench peers --workload {kind}: {model.name} {model.kwargs or ''} on {workload.spec.what}, "
+        f"bench peers --workload {kind}: {named} on {workload.spec.what}, "
         f"batch {batch} per worker, {WARMUP_STEPS} warm-up + {workload.steps} timed steps, "
         f"workers {', '.join(map(str, counts))}, {repeats} repeat(s), peers {''.join(peers)}",
         highlight=False,
@@ -441,7 +442,7 @@ def goal_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
             f"{'pass' if row[ratio] >= goal else 'miss'} at {row['workers']} worker(s) ({row[ratio]:.3f})"
             for row in rows
         ]
-        lines.append(f"goal {ratio} >= {goal}: {', '.join(verdicts)}")
+        lines.append(f"goal {ratio} >= {goal:.2f}: {', '.join(verdicts)}")
     return lines
 
 
