@@ -232,7 +232,14 @@ def test_hsdp_shards_over_the_smallest_group_of_nodes_that_fits() -> None:
 
 @pytest.mark.parametrize(
     ("flag", "value", "says"),
-    [("--gpus", "0", "--gpus 0: from 1 to"), ("--gpu-memory-gb", "-1", "--gpu-memory-gb -1.0: must be")],
+    [
+        ("--gpus", "0", "--gpus 0: from 1 to"),
+        ("--gpu-memory-gb", "-1", "--gpu-memory-gb -1.0: must be"),
+        ("--link", "fast", "--link 'fast': one of"),
+        ("--link", "measured", "--link measured: trainforge predict's"),
+        ("--nics-per-node", "0", "--nics-per-node 0: from 1 to"),
+        ("--gpu-tflops", "0", "--gpu-tflops 0.0: must be"),
+    ],
 )
 def test_bad_flags_exit_2_with_one_line(
     tmp_path: Path,
@@ -425,28 +432,6 @@ def test_on_a_slow_network_a_pipeline_beats_data_parallel_and_says_so() -> None:
     assert "pipeline bubble" in report["why"] and "unpipelined layout that fits" in report["why"]
     # it sends less between nodes per sample than the data-parallel layouts it beats
     assert best["cross_node_bytes_per_sample"] < rows["ddp"]["cross_node_bytes_per_sample"] / 4
-
-
-@pytest.mark.parametrize(
-    ("flag", "value", "says"),
-    [
-        ("--link", "fast", "--link 'fast': one of"),
-        ("--link", "measured", "--link measured: trainforge predict's"),
-        ("--nics-per-node", "0", "--nics-per-node 0: from 1 to"),
-        ("--gpu-tflops", "0", "--gpu-tflops 0.0: must be"),
-    ],
-)
-def test_bad_cluster_flags_exit_2_with_one_line(
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
-    capsys: pytest.CaptureFixture[str],
-    flag: str,
-    value: str,
-    says: str,
-) -> None:
-    code = run_cli(monkeypatch, "plan", config_file(tmp_path, SMALL), flag, value)
-    err = capsys.readouterr().err
-    assert code == 2 and len(err.strip().splitlines()) == 1 and says in err, err
 
 
 def test_a_faster_link_and_more_nics_shorten_the_network_share_of_the_estimate(
