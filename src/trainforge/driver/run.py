@@ -35,6 +35,7 @@ from trainforge.data.factory import check_data_factory
 from trainforge.data.registry import check_local_paths, open_stream, source_of
 from trainforge.data.stream import StreamShape, check_stream_config, ordered_split_config
 from trainforge.data.tokens import prepare_or_verify
+from trainforge.driver.cleaner import RunTrainer
 from trainforge.driver.cost import CostMeter
 from trainforge.driver.elastic import FreshNodesCallback
 from trainforge.driver.events import ForwardingCallback, Pump, StartupCallback, start_mailbox
@@ -115,7 +116,7 @@ def build_trainer(
     payload = make_payload(config, mailbox, stream.shape if stream is not None else None, local_ray=local_ray)
     # An elastic group is sized from Ray Data's view of the nodes, refreshed at each restart (driver/elastic.py).
     elastic = [FreshNodesCallback()] if isinstance(scaling.num_workers, tuple) else []
-    return TorchTrainer(
+    return RunTrainer(
         train_loop_per_worker,
         train_loop_config={PAYLOAD_KEY: payload},
         # The process group's timeout (gloo and NCCL collectives); rounded up, as 0 s would make
