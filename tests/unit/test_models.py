@@ -17,6 +17,7 @@ from trainforge.config import ModelConfig
 from trainforge.data.spec import DataSpec
 from trainforge.errors import ModelError
 from trainforge.models import BUILTIN_MODELS, CausalLMTask, ClassificationTask, build_model, build_task
+from trainforge.models.tasks import IGNORE_INDEX
 
 DIGITS = DataSpec(kind="image", input_shape=(1, 8, 8), num_classes=10)
 CIFAR = DataSpec(kind="image", input_shape=(3, 32, 32), num_classes=10)
@@ -307,6 +308,21 @@ def test_causal_lm_metrics_by_hand() -> None:
     assert (stats["correct"].item(), stats["count"].item()) == (1.0, 2.0)
     metrics = task.finalize({"loss_sum": loss.item() * 2, "correct": 1.0, "count": 2.0})
     assert metrics == pytest.approx({"loss": math.log(10) / 2, "accuracy": 0.5, "perplexity": math.sqrt(10)})
+
+
+def test_correct_is_argmax_without_ties_and_a_tie_with_the_target_counts() -> None:
+    torch.manual_seed(0)
+    output = torch.randn(4, 16, 97)
+    target = torch.randint(0, 97, (4, 16))
+    target[0, :8] = output[0, :8].argmax(dim=-1)  # some right, the rest mostly wrong
+    target[1, 3] = IGNORE_INDEX
+    counted = target != IGNORE_INDEX
+    by_argmax = ((output.argmax(dim=-1) == target) & counted).sum()
+    stats = CausalLMTask().stats(output, target)
+    assert stats["correct"].item() == by_argmax.item() >= 8
+    assert stats["count"].item() == 4 * 16 - 1
+    tied = torch.tensor([[1.0, 1.0, 0.0]])
+    assert ClassificationTask().stats(tied, torch.tensor([1]))["correct"].item() == 1.0
 
 
 def test_perplexity_is_capped_and_empty_sums_are_nan() -> None:

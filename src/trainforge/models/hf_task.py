@@ -22,7 +22,7 @@ from torch import nn
 from trainforge.data.spec import DataSpec
 from trainforge.errors import ModelError
 from trainforge.models.outputs import describe, find_logits, logits_of, loss_of
-from trainforge.models.tasks import IGNORE_INDEX, Stats, Task, batch_size, first_input, traced_output
+from trainforge.models.tasks import IGNORE_INDEX, Stats, Task, batch_size, first_input, top_is_target, traced_output
 
 CAUSAL_LM_SUFFIXES = ("ForCausalLM", "LMHeadModel")
 
@@ -78,7 +78,7 @@ class HFTask(Task):
         if classes(labels, logits):
             assert isinstance(labels, torch.Tensor) and logits is not None
             counted = labels != IGNORE_INDEX
-            sums["correct"] = ((logits.detach().argmax(dim=-1) == labels) & counted).sum().float()
+            sums["correct"] = (top_is_target(logits.detach(), labels) & counted).sum().float()
             sums["counted"] = counted.sum().float()
         return sums
 
