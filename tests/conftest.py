@@ -32,6 +32,14 @@ if "PYTEST_XDIST_WORKER" in os.environ and "RAY_TMPDIR" not in os.environ:
     _ray_tmp.mkdir(parents=True, exist_ok=True)
     os.environ["RAY_TMPDIR"] = str(_ray_tmp)  # short: Ray's socket paths live under it
 
+# Ray Train's own placement group cleaner (in the plain Ray Train runs that benchmarks and peers
+# start: trainforge's runs have driver/cleaner.py's) asks Ray's state API whether its controller
+# lives, and without a dashboard in its own Ray that API answers from http://127.0.0.1:8265: another
+# test's Ray with a dashboard there (a plain script's ray.init, with this machine's token) says "no
+# such actor" and the cleaner removes a live run's placement group. A port nobody serves instead:
+# the cleaner's question fails, which it takes for "no answer".
+os.environ.setdefault("RAY_API_SERVER_ADDRESS", "http://127.0.0.1:9")
+
 # Every process a worker starts (Ray nodes, servers, CLI runs) inherits this mark of its owner, so
 # that if the worker itself dies mid-test, the controller can end what it left running (see
 # pytest_testnodedown): orphaned Ray nodes would otherwise load the machine for the rest of the run.

@@ -29,7 +29,7 @@ STOP_STEP, BEST_STEP = 396, 308  # 44 steps an epoch; the stall this seed gives 
 def mnist_config(tmp: Path) -> dict[str, Any]:
     config = tiny_run(
         tmp,
-        model={"name": None, "factory": "tests.helpers.mnist_example:mnist_net", "kwargs": {"delay_s": 0.02}},
+        model={"name": None, "factory": "tests.helpers.mnist_example:mnist_net"},
         train={
             "epochs": 14,
             "batch_size": 16,

@@ -5,11 +5,14 @@ the controller die without shutting down, the cleaner removes the run's placemen
 resources come back. It asks whether the controller lives through Ray's state API, and that API
 finds "the" cluster from machine-wide guesses: ``RAY_API_SERVER_ADDRESS`` or ``RAY_ADDRESS``, the
 address file of the newest ``ray start``, a scan of the machine's GCS processes, the dashboard URL
-recorded in the GCS found. When the server that answers is another cluster's (a second Ray on the
-laptop, a dashboard forwarded to 127.0.0.1:8265 with the same token), it has never heard of the
-controller, and Ray's cleaner reads "no such actor" as "dead": it removes the placement group of a
-run that is training. Ray then destroys every worker ("Destroying worker since its placement group
-was removed") and the run fails its health checks at once.
+recorded in the GCS found, which is http://127.0.0.1:8265 for a Ray started without a dashboard
+(trainforge's local Ray). When the server that answers is another cluster's (a plain ``ray.init()``
+on the same machine, whose dashboard takes that port and shares the machine's token in
+~/.ray/auth_token; a dashboard forwarded there), it has never heard of the controller, and Ray's
+cleaner reads "no such actor" as "dead": it removes the placement group of a run that is training.
+Ray then destroys every worker ("Destroying worker since its placement group was removed") and the
+run fails its health checks at once. (Seen in CI: a test's run failed at step 0 seconds after
+another test's plain Ray Train script started its Ray.)
 
 ``OwnClusterCleanerCallback`` takes its place (``RunTrainer`` swaps it in): the cleaner asks the
 GCS it is connected to, which is the run's own, and removes the group only when that GCS records
