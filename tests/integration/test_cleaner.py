@@ -20,7 +20,8 @@ from ray.util.placement_group import PlacementGroup, placement_group, placement_
 
 from tests.helpers.faults import wait_until
 from tests.helpers.timing import scaled
-from trainforge.driver.cleaner import OwnClusterCleaner, OwnClusterCleanerCallback, RunTrainer, controller_state
+from trainforge.driver.cleaner import OwnClusterCleaner, controller_state
+from trainforge.driver.trainer import OwnClusterCleanerCallback, RunTrainer
 
 pytestmark = [pytest.mark.usefixtures("ray_local"), pytest.mark.slow]
 

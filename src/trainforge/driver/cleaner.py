@@ -14,24 +14,22 @@ Ray then destroys every worker ("Destroying worker since its placement group was
 run fails its health checks at once. (Seen in CI: a test's run failed at step 0 seconds after
 another test's plain Ray Train script started its Ray.)
 
-``OwnClusterCleanerCallback`` takes its place (``RunTrainer`` swaps it in): the cleaner asks the
+``OwnClusterCleaner`` takes its place (driver/trainer.py swaps it in): the cleaner asks the
 GCS it is connected to, which is the run's own, and removes the group only when that GCS records
 the controller as DEAD. No answer, or no record, is not death; the group then stays until the
 cluster ends, as it would had the cleaner itself died. The check is one GCS read per interval,
 where Ray's resolves the cluster and makes an HTTP request every second.
+
+The actor's class is all this module holds, with nothing of torch or Ray Train imported: the
+actor's process imports it as it starts, while the run's workers start.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from typing import Any
 
 import ray
-from ray._common.constants import HEAD_NODE_RESOURCE_NAME
-from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
-from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
-from ray.train.v2.torch.torch_trainer import TorchTrainer
 from ray.util.placement_group import PlacementGroup, placement_group_table, remove_placement_group
 
 log = logging.getLogger("trainforge")
@@ -97,66 +95,3 @@ class OwnClusterCleaner:
         if self.thread is not None:
             self.thread.join(timeout=STOP_TIMEOUT_S)
         ray.actor.exit_actor()
-
-
-class OwnClusterCleanerCallback(ControllerCallback, WorkerGroupCallback):
-    """In the controller: starts the run's ``OwnClusterCleaner``, gives it each worker group's
-    placement group, stops it when the controller ends normally."""
-
-    def __init__(self, interval_s: float = CHECK_INTERVAL_S) -> None:
-        self.interval_s = interval_s
-        self.cleaner: Any = None
-
-    def after_controller_start(self, train_run_context: Any) -> None:
-        controller_id = ray.get_runtime_context().get_actor_id()
-        try:
-            self.cleaner = (
-                ray.remote(OwnClusterCleaner)
-                .options(
-                    num_cpus=0,
-                    lifetime="detached",  # it must outlive the controller it watches
-                    resources={HEAD_NODE_RESOURCE_NAME: 0.001},  # and the worker nodes
-                )
-                .remote(controller_id, self.interval_s)
-            )
-            self.cleaner.start_monitoring.remote()
-        except Exception as err:  # a run without the safety net still trains
-            log.warning("could not start the placement group cleaner: %s", err)
-            self.cleaner = None
-
-    def after_worker_group_start(self, worker_group: Any) -> None:
-        if self.cleaner is None:
-            return
-        group = worker_group.get_worker_group_state().placement_group_handle.placement_group
-        try:
-            ray.get(self.cleaner.register_placement_group.remote(group), timeout=STOP_TIMEOUT_S)
-        except Exception as err:
-            log.warning("could not hand the placement group to its cleaner: %s", err)
-
-    async def before_controller_shutdown(self) -> None:
-        self.stop()
-
-    def before_controller_abort(self) -> None:
-        self.stop()
-
-    def stop(self) -> None:
-        if self.cleaner is None:
-            return
-        cleaner, self.cleaner = self.cleaner, None
-        try:
-            ray.get(cleaner.stop.remote(), timeout=STOP_TIMEOUT_S)
-        except ray.exceptions.RayActorError:
-            pass  # exit_actor ends the call this way
-        except Exception as err:
-            log.warning("could not stop the placement group cleaner: %s", err)
-
-
-class RunTrainer(TorchTrainer):
-    """Ray Train's TorchTrainer with ``OwnClusterCleanerCallback`` in place of its placement group
-    cleaner (the module's docstring says why)."""
-
-    def _create_default_callbacks(self) -> list[Any]:
-        return [
-            OwnClusterCleanerCallback() if isinstance(callback, PlacementGroupCleanerCallback) else callback
-            for callback in super()._create_default_callbacks()
-        ]

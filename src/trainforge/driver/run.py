@@ -35,7 +35,6 @@ from trainforge.data.factory import check_data_factory
 from trainforge.data.registry import check_local_paths, open_stream, source_of
 from trainforge.data.stream import StreamShape, check_stream_config, ordered_split_config
 from trainforge.data.tokens import prepare_or_verify
-from trainforge.driver.cleaner import RunTrainer
 from trainforge.driver.cost import CostMeter
 from trainforge.driver.elastic import FreshNodesCallback
 from trainforge.driver.events import ForwardingCallback, Pump, StartupCallback, start_mailbox
@@ -47,6 +46,7 @@ from trainforge.driver.runlock import run_locks
 from trainforge.driver.startup import Timeline
 from trainforge.driver.summary import RunRecord, finish_run_dir
 from trainforge.driver.tls_watch import TlsWatch
+from trainforge.driver.trainer import RunTrainer
 from trainforge.driver.warm import Shape as WarmShape
 from trainforge.driver.warm import WarmGroupFailed, WarmTrainer, process_pool, why_not
 from trainforge.errors import CheckpointError, ConfigError, TrainforgeError, TrainingFailed, UserCodeError
