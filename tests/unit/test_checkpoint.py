@@ -13,6 +13,7 @@ import pickle
 import random
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from collections.abc import Iterator
@@ -217,6 +218,22 @@ def test_inspect_reads_the_safetensors_header_without_loading(checkpoint: Path) 
 
 # ---------------------------------------------------------------------------------------------
 # storage: layout, staging, commit
+
+
+def test_a_writer_on_a_local_store_leaves_nothing_in_the_temporary_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A local store stages beside its checkpoints: no scratch directory is made (every rank of every
+    run used to leave an empty one behind in /tmp)."""
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    writer = CheckpointWriter(CheckpointStore.from_uri(str(tmp_path / "run")), RotationPolicy(keep_last=1))
+    model = small_model()
+    [outcome] = save_all(writer, [snapshot(model, trained(model), 5)])
+    assert outcome.error is None and writer.scratch is None
+    writer.close()
+    assert not [p.name for p in temp.iterdir() if p.name.startswith("trainforge")]
 
 
 def test_inspect_shows_every_component_from_the_checkpoints_own_record(tmp_path: Path) -> None:

@@ -150,7 +150,9 @@ class CheckpointWriter:
     policy: RotationPolicy
     group: Collectives = field(default_factory=Alone)
     schemas: Mapping[str, ComponentSchemas] | None = None
-    scratch: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="trainforge-ckpt-")))
+    # Where an object store's files are written before they are uploaded; made at the first such save
+    # (a local store stages beside its checkpoints and needs none), removed by close.
+    scratch: Path | None = None
     algorithm: str = DEFAULT_HASH
     cipher: FileCipher | None = None  # checkpoint.encryption
     _thread: threading.Thread | None = None
@@ -194,7 +196,15 @@ class CheckpointWriter:
 
     def close(self) -> None:
         self.wait()
-        shutil.rmtree(self.scratch, ignore_errors=True)
+        if self.scratch is not None:
+            shutil.rmtree(self.scratch, ignore_errors=True)
+
+    def _scratch(self) -> Path | None:
+        if self.store.is_local:
+            return None
+        if self.scratch is None:
+            self.scratch = Path(tempfile.mkdtemp(prefix="trainforge-ckpt-"))
+        return self.scratch
 
     # -- the save thread ---------------------------------------------------------------------
 
@@ -229,7 +239,7 @@ class CheckpointWriter:
             str(self.group.broadcast(staging_name(name) if self.rank == 0 else None)),
             self.rank,
             algorithm=self.algorithm,
-            scratch=self.scratch,
+            scratch=self._scratch(),
             cipher=self.cipher,
         )
         files: dict[str, dict[str, Any]] = {}
