@@ -40,6 +40,7 @@ OPERATIONAL: tuple[str, ...] = (
     "train.log_every_n_steps",
     "train.report_min_interval_s",
     "train.threads_per_worker",
+    "train.reuse_freed_memory",
     "train.memory_limit_gb",
     "data.num_workers",
     "data.pin_memory",

@@ -211,6 +211,9 @@ class TrainConfig(Section):
     eval_every_n_steps: Steps | None = None
     sync_batchnorm: bool = False
     threads_per_worker: Annotated[int, Field(ge=1, le=1024)] = 1
+    # Workers keep the large blocks they free for the next step instead of handing them back to the
+    # kernel and faulting them in again (glibc's mmap and trim thresholds; worker/allocator.py).
+    reuse_freed_memory: bool = True
     ema: EmaConfig | None = None
     early_stopping: EarlyStoppingConfig | None = None
     anomaly: AnomalyConfig | None = None  # loss spikes and NaNs: attributed, skipped or rolled back

@@ -37,6 +37,7 @@ from trainforge.models.task_registry import check_fits
 from trainforge.models.tasks import to_device
 from trainforge.protocol import ParameterCounts
 from trainforge.worker import collectives
+from trainforge.worker.allocator import apply as apply_allocator
 from trainforge.worker.anomaly import AnomalyGuard
 from trainforge.worker.blocks import repeated_blocks
 from trainforge.worker.components.base import Component
@@ -117,6 +118,9 @@ def build(
     else:
         rank, world = ranks
     torch.set_num_threads(config.train.threads_per_worker)
+    allocator = apply_allocator(config.train.reuse_freed_memory)
+    if allocator is not None and rank == 0:
+        log.info("allocator: %s", allocator)
     device = torch.device("cpu")
     if config.scaling.use_gpu:  # Ray Train's device, or (outside Ray: a test's own NCCL group) the current one
         device = ray.train.torch.get_device() if ranks is None else torch.device("cuda", torch.cuda.current_device())

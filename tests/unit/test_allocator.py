@@ -1,0 +1,86 @@
+"""``train.reuse_freed_memory``: the page faults a step's large tensors cost, counted by the kernel."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from trainforge.worker.allocator import _libc
+
+needs_glibc = pytest.mark.skipif(_libc() is None, reason="mallopt is glibc's")
+
+# Training steps whose activations (2048 x 8192 floats, 64 MiB) are above glibc's largest dynamic
+# mmap threshold, as a language model's logits are; the minor faults per step, in each setting.
+STEPS = textwrap.dedent(
+    """
+    import json, resource, sys
+    import torch
+    from trainforge.worker.allocator import apply, set_reuse
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 8192), torch.nn.ReLU(), torch.nn.Linear(8192, 8))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(2048, 64)
+
+    def step():
+        model(x).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    def faults_per_step(steps=3):
+        for _ in range(5):  # the heap grows to hold a step (a few steps: its blocks settle)
+            step()
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        for _ in range(steps):
+            step()
+        return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / steps
+
+    out = {}
+    for setting in sys.argv[1:]:
+        said = None if setting == "glibc" else set_reuse(setting == "reuse")
+        out[setting] = {"faults": faults_per_step(), "said": said}
+    print(json.dumps(out))
+    """
+)
+PAGES = 2048 * 8192 * 4 // 4096  # one activation's pages
+
+
+def faults(*settings: str) -> dict[str, dict[str, object]]:
+    result = subprocess.run(
+        [sys.executable, "-c", STEPS, *settings], capture_output=True, text=True, check=True, timeout=300
+    )
+    return json.loads(result.stdout)
+
+
+@needs_glibc
+def test_a_steps_blocks_are_reused_instead_of_faulted_in_again() -> None:
+    glibc, reuse = faults("glibc")["glibc"], faults("reuse")["reuse"]
+    assert glibc["faults"] > PAGES, glibc  # each large block mapped, zeroed and unmapped every step
+    assert reuse["faults"] < PAGES / 4, reuse  # the same heap pages every step
+    assert "keeps freed blocks" in str(reuse["said"])
+
+
+@needs_glibc
+def test_false_sets_thresholds_that_hand_a_steps_blocks_back() -> None:
+    """What a warm worker's next run with ``reuse_freed_memory: false`` sets (glibc cannot go back to
+    its dynamic thresholds): blocks above 32 MiB are mapped anew again."""
+    returned = faults("return")["return"]
+    assert returned["faults"] > PAGES and "returns freed blocks" in str(returned["said"]), returned
+
+
+def test_apply_sets_once_per_setting_and_leaves_glibcs_own_alone() -> None:
+    code = textwrap.dedent(
+        """
+        import json
+        from trainforge.worker import allocator
+        allocator.set_reuse = lambda reuse: f"set {reuse}"
+        print(json.dumps([allocator.apply(r) for r in (False, True, True, False, False, True)]))
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert json.loads(result.stdout) == [None, "set True", None, "set False", None, "set True"]
