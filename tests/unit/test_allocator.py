@@ -82,3 +82,24 @@ def test_apply_sets_once_per_setting_and_leaves_glibcs_own_alone() -> None:
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
     assert json.loads(result.stdout) == [None, "set True", None, "set False", None, "set True"]
+
+
+@pytest.mark.slow  # a benchmark's smoke run: two processes that build the CNN
+@needs_glibc
+def test_the_benchmark_prints_both_settings_for_the_cnn() -> None:
+    """``python -m trainforge.bench.allocator``, CI-sized: a line per setting with its figures."""
+    command = [
+        sys.executable,
+        "-m",
+        "trainforge.bench.allocator",
+        "--workload",
+        "cnn",
+        "--steps",
+        "2",
+        "--repeats",
+        "1",
+    ]
+    result = subprocess.run(command, capture_output=True, text=True, check=True, timeout=300)
+    lines = [line for line in result.stdout.splitlines() if "faults/step" in line]
+    assert len(lines) == 2 and "glibc's defaults" in lines[0] and "thresholds raised" in lines[1], result.stdout
+    assert all("peak RSS" in line and "CPU" in line for line in lines)
