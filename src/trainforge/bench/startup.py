@@ -123,7 +123,9 @@ def measure_cold(peer: str, workload: Workload, workers: int, scratch: Path, rep
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(workers)]
         command += ["-m", "trainforge.bench._torchrun_worker", *args]
     elif peer == "ray_train":
-        command = [sys.executable, "-m", "trainforge.bench.startup", "--workers", str(workers), *args]
+        # A user's script, run by its path: torch and Ray, nothing of trainforge (bench/_plain_ray_train.py).
+        command = [sys.executable, str(Path(__file__).with_name("_plain_ray_train.py")), "--workers", str(workers)]
+        command += ["--batch-size", str(workload.batch_size), "--steps", str(workload.total_steps), "--out", str(out)]
     else:
         config = workload.trainforge_config(workers, name="run", output_dir=str(scratch))
         (scratch / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
@@ -283,22 +285,3 @@ def run_bench(
         output.write_text(json.dumps(report, indent=2))
         console.print(f"wrote {output}")
     return report
-
-
-def main() -> None:
-    """The cold plain-Ray-Train peer: a user's script, whose ``fit`` starts a local Ray itself."""
-    import argparse
-
-    from trainforge.bench.workload import write_result
-
-    parser = argparse.ArgumentParser(description="bench startup's plain Ray Train peer")
-    parser.add_argument("--workload", required=True)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--workers", type=int, required=True)
-    args = parser.parse_args()
-    first = plain_ray_train(Workload.from_json(args.workload), args.workers, Path(args.out).parent / "ray")
-    write_result(args.out, {"first_step_unix": first})
-
-
-if __name__ == "__main__":
-    main()
