@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -103,3 +104,32 @@ def test_the_benchmark_prints_both_settings_for_the_cnn() -> None:
     lines = [line for line in result.stdout.splitlines() if "faults/step" in line]
     assert len(lines) == 2 and "glibc's defaults" in lines[0] and "thresholds raised" in lines[1], result.stdout
     assert all("peak RSS" in line and "CPU" in line for line in lines)
+
+
+@pytest.mark.slow  # two processes that import the worker and build a run
+def test_build_applies_train_reuse_freed_memory() -> None:
+    """The key reaches the worker: ``build`` raises the thresholds by default and leaves glibc's own
+    with ``false`` (each in a new process: the setting is the process's)."""
+    code = textwrap.dedent(
+        """
+        import sys, tempfile
+        from pathlib import Path
+        from tests.helpers.runs import tiny_run
+        from trainforge.config import Config
+        from trainforge.worker import allocator
+        from trainforge.worker.build import build
+
+        reuse = sys.argv[1] == "true"
+        config = tiny_run(Path(tempfile.mkdtemp()), train={"reuse_freed_memory": reuse})
+        build(Config.model_validate(config), ranks=(0, 1))
+        print(allocator._applied)
+        """
+    )
+    root = str(Path(__file__).resolve().parents[2])
+    seen = {}
+    for value in ("true", "false"):
+        done = subprocess.run(
+            [sys.executable, "-c", code, value], capture_output=True, text=True, check=True, timeout=300, cwd=root
+        )
+        seen[value] = done.stdout.strip().splitlines()[-1]
+    assert seen == {"true": "True", "false": "None"}, seen
