@@ -7,7 +7,7 @@ same command. Both on the richest variant (2 workers, accumulation, bf16, loader
 The other layouts resume bit-identical in the worker's Session in gloo ranks without Ray, crashed
 by an exception out of the loop and restarted in new processes (the restore and the arithmetic
 are the same code; Ray would add ~18 s of start-up per run): 1 worker and tensor parallel below,
-FSDP in tests/unit/test_session.py.
+FSDP in tests/unit/test_session.py, a custom step under DDP below (under FSDP through Ray).
 """
 
 from __future__ import annotations
@@ -184,12 +184,12 @@ CUSTOM_STEP = {
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("ray_local")
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_a_custom_step_worker_killed_mid_epoch_resumes_bit_identical(
-    tmp_path: Path, straight: Callable[[str, dict], trainforge.RunResult], strategy: str
+    tmp_path: Path, straight: Callable[[str, dict], trainforge.RunResult]
 ) -> None:
-    sections = {**CUSTOM_STEP, "parallel": {"strategy": strategy}}
-    reference = straight(f"custom-step-{strategy}", sections)
+    """Under FSDP, through Ray; under DDP in gloo ranks without Ray (the session test below)."""
+    sections = {**CUSTOM_STEP, "parallel": {"strategy": "fsdp"}}
+    reference = straight("custom-step-fsdp", sections)
     run_dir = tmp_path / "killed" / "t"
     killed = kill_a_worker_after(run_dir / "checkpoint_000000020")
     resumed = trainforge.fit(paced_config(tmp_path / "killed", **sections))
@@ -262,7 +262,9 @@ def test_driver_stopped_and_rerun_resumes_bit_identical(
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "sections", [{"scaling": {"num_workers": 1}}, TWO_WORKERS_TP], ids=["1-worker", "2-workers-tp2"]
+    "sections",
+    [{"scaling": {"num_workers": 1}}, TWO_WORKERS_TP, {**CUSTOM_STEP, "parallel": {"strategy": "ddp"}}],
+    ids=["1-worker", "2-workers-tp2", "2-workers-custom-step-ddp"],
 )
 def test_session_crashed_mid_epoch_restarts_bit_identical(tmp_path: Path, sections: dict) -> None:
     def config(where: str) -> dict[str, Any]:
