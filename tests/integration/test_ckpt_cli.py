@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -35,10 +36,13 @@ EVERY = 5
 
 
 def run_config(output_dir: Path, max_steps: int, **checkpoint: Any) -> dict[str, Any]:
+    """The module's runs share a warm worker group (the first starts it): what they test is the
+    checkpoints' and the restore's, the same code on Ray Train's own group."""
     return tiny_run(
         output_dir,
         train={"max_steps": max_steps},
         checkpoint={"every_n_steps": EVERY, "keep_last": 10, **checkpoint},
+        scaling={"reuse_workers": True},
     )
 
 
@@ -165,6 +169,10 @@ def test_resume_walks_back_past_a_corrupt_newest_checkpoint_and_rotation_holds_a
     half_written = run_dir / ".tmp-checkpoint_000000025-0badf00d"
     half_written.mkdir()
     (half_written / "model.safetensors").write_bytes(b"\x00" * 1000)
+    # A save that crashed in an earlier run: changed long before this run starts (the writer leaves
+    # alone a staging dir changed within seconds of its start, which may be a save in flight).
+    an_hour_ago = time.time() - 3600
+    os.utime(half_written, (an_hour_ago, an_hour_ago))
 
     result = fit(run_config(tmp_path, 30, **ROTATION))
 
@@ -199,6 +207,7 @@ def test_a_run_whose_checkpoints_do_not_load_into_its_model_stops_once_in_one_li
     config = run_config(tmp_path, 30)
     config["model"] = {"name": "mlp", "kwargs": {"hidden_sizes": [8]}}
     config["failure"] = {"max_failures": 3}
+    config["scaling"] = {"num_workers": 1}  # Ray Train's own group, whose failures Ray would restart
     with pytest.raises(CheckpointError) as caught:
         trainforge.fit(config, console=Console(file=io.StringIO()), resume="auto")
     message = str(caught.value)

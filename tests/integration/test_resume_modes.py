@@ -1,4 +1,10 @@
-"""checkpoint.resume (auto, none, a path) and the save triggers, on a real local Ray."""
+"""checkpoint.resume (auto, none, a path) and the save triggers, on a real local Ray.
+
+Every run here is of one shape, so they share a warm worker group (``scaling.reuse_workers``): the
+first starts it as Ray Train would (~12 s on a quiet machine, 30-45 s loaded), the others start in
+about a second. Resume and the save triggers are the worker's Session's, the same code either way;
+under Ray Train's own worker group they run in test_exact_resume.py, test_mlflow.py and
+test_ckpt_cli.py."""
 
 from __future__ import annotations
 
@@ -15,6 +21,11 @@ from trainforge.errors import CheckpointError
 pytestmark = [pytest.mark.usefixtures("ray_local"), pytest.mark.slow]
 
 
+def warm_run(tmp_path: Path, **sections: dict) -> dict:
+    """``tiny_run`` on this module's warm worker group."""
+    return tiny_run(tmp_path, scaling={"reuse_workers": True}, **sections)
+
+
 def events(run_dir: Path) -> list[str]:
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     return [e.text for line in lines for e in events_of(json.loads(line))]
@@ -25,7 +36,7 @@ def names(run_dir: Path) -> list[str]:
 
 
 def test_auto_continues_none_refuses_and_a_path_starts_from_it(tmp_path: Path) -> None:
-    first = trainforge.fit(tiny_run(tmp_path, train={"max_steps": 10}, checkpoint={"every_n_steps": 5}))
+    first = trainforge.fit(warm_run(tmp_path, train={"max_steps": 10}, checkpoint={"every_n_steps": 5}))
     assert names(first.run_dir) == ["checkpoint_000000005", "checkpoint_000000010"]
     assert first.summary["checkpoint"].endswith("checkpoint_000000010")
 
@@ -33,7 +44,7 @@ def test_auto_continues_none_refuses_and_a_path_starts_from_it(tmp_path: Path) -
     # new checkpoint. (The same run with a longer budget continuing from its newest valid checkpoint,
     # the other half of auto, is test_mlflow.py's resume and test_ckpt_cli.py's walk-back past a
     # corrupt checkpoint: each Ray Train fit costs ~18 s, so this module does not repeat it.)
-    again = trainforge.fit(tiny_run(tmp_path, train={"max_steps": 10}, checkpoint={"every_n_steps": 5}))
+    again = trainforge.fit(warm_run(tmp_path, train={"max_steps": 10}, checkpoint={"every_n_steps": 5}))
     assert again.summary["global_step"] == 10
     assert any(
         e.startswith("resumed from") and e.endswith("checkpoint_000000010 at step 10") for e in events(again.run_dir)
@@ -41,23 +52,23 @@ def test_auto_continues_none_refuses_and_a_path_starts_from_it(tmp_path: Path) -
     assert names(again.run_dir) == ["checkpoint_000000005", "checkpoint_000000010"]
 
     with pytest.raises(CheckpointError, match="already holds 2 checkpoint"):
-        trainforge.fit(tiny_run(tmp_path, checkpoint={"resume": "none"}))
+        trainforge.fit(warm_run(tmp_path, checkpoint={"resume": "none"}))
 
     source = first.run_dir / "checkpoint_000000005"
     branched = trainforge.fit(
-        tiny_run(tmp_path, run={"name": "branch"}, train={"max_steps": 8}, checkpoint={"resume": str(source)})
+        warm_run(tmp_path, run={"name": "branch"}, train={"max_steps": 8}, checkpoint={"resume": str(source)})
     )
     assert branched.summary["global_step"] == 8
     assert any("checkpoint_000000005 at step 5" in e for e in events(branched.run_dir))
 
     # Checked on the driver, before Ray starts (launch.check_resume_path).
     with pytest.raises(CheckpointError, match=r"nowhere is not a checkpoint: no such directory"):
-        trainforge.fit(tiny_run(tmp_path, run={"name": "bad"}, checkpoint={"resume": str(tmp_path / "nowhere")}))
+        trainforge.fit(warm_run(tmp_path, run={"name": "bad"}, checkpoint={"resume": str(tmp_path / "nowhere")}))
 
 
 def test_minutes_and_epoch_end_triggers_and_best_kept(tmp_path: Path) -> None:
     result = trainforge.fit(
-        tiny_run(
+        warm_run(
             tmp_path,
             train={"epochs": 2, "max_steps": None, "batch_size": 256, "log_every_n_steps": 2},
             checkpoint={
