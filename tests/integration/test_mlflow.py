@@ -142,14 +142,16 @@ def test_two_workers_make_one_run_and_a_resume_continues_it_through_a_server_out
 ) -> None:
     """One run of 2 workers, then the same run directory with more steps: the resume continues the
     MLflow run, and the server dying mid-way through it stops nothing (what was buffered arrives
-    when it is back). The resume and the outage share one fit: each Ray Train fit costs ~18 s."""
+    when it is back). The resume and the outage share one fit, on the first fit's warm worker group."""
     tracking = {"uri": server.url, "experiment": "two-workers", "flush_timeout_s": 400}
     # Both fits train held_net: free while `hold` is absent; the resumed run's workers wait at their
     # first step while it exists, so the server dies mid-run however loaded the machine is.
     hold = tmp_path / "hold"
     held_kwargs = {"delay_s": 0.05, "hold_file": str(hold)}
     held = {"factory": "tests.helpers.user_models:held_net", "kwargs": held_kwargs}
-    two = {"scaling": {"num_workers": 2}, "tracking": tracking, "model": held}
+    # The resume runs on the first fit's worker group, kept warm (scaling.reuse_workers): tracking is
+    # the driver's, the same whichever group trains.
+    two = {"scaling": {"num_workers": 2, "reuse_workers": True}, "tracking": tracking, "model": held}
     result = trainforge.fit(paced_run(tmp_path, train={"max_steps": 20}, **two))
     assert result.status == "finished"
     client = MlflowClient(server.url)
