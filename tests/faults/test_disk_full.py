@@ -3,6 +3,9 @@
 With the default ``checkpoint.on_save_error: continue`` every later save fails, training goes on
 to the end with the failures counted and reported, and the checkpoint written before the disk
 filled stays valid and is the one the summary names.
+
+Both runs are of one shape and share a warm worker group (``scaling.reuse_workers``; the first starts
+it): the saves are the checkpoint writer's, the same code under Ray Train's own group.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from trainforge.checkpoint.storage import CheckpointStore
 from trainforge.errors import TrainingFailed
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_local")]
+WARM = {"reuse_workers": True}
 
 
 @pytest.fixture
@@ -52,7 +56,7 @@ def fill(disk: Path) -> dict[str, object]:
 
 def test_disk_full_fails_saves_but_training_goes_on(small_disk: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "t"
-    config = paced_run(tmp_path, checkpoint={"storage_path": str(small_disk)})
+    config = paced_run(tmp_path, checkpoint={"storage_path": str(small_disk)}, scaling=WARM)
     with Fault(lambda: checkpoints(small_disk / "t"), lambda: fill(small_disk)) as fault:
         result = trainforge.fit(config)
         filled = fault.join()
@@ -89,6 +93,7 @@ def test_disk_full_at_the_final_save_with_on_save_error_fail_fails_the_run(small
         tmp_path,
         train={"max_steps": 30},
         checkpoint={"storage_path": str(small_disk), "every_n_steps": None, "on_save_error": "fail"},
+        scaling=WARM,
     )
     # No periodic checkpoints: the only save is the final one, and the disk is full by then.
     with Fault(lambda: reports(run_dir), lambda: fill(small_disk)), pytest.raises(TrainingFailed):
