@@ -70,7 +70,7 @@ def test_ci_sized_run_measures_every_peer_and_prints_the_table(tmp_path: Path) -
         assert header in table, result.stdout
     for row in report["rows"]:
         assert f"{row['d/c']:.3f}" in table and f"{row['d/b']:.3f}" in table, result.stdout
-    assert "goal d/c >= 0.97:" in result.stdout
+    assert "goal d/c >= 1.00:" in result.stdout
     assert "goal d/b >= 0.93:" in result.stdout
     assert "goal d/e" not in result.stdout and "(e) trainforge" not in table, "(e) was not measured"
     assert "repeats: 1, so no spread" in result.stdout
@@ -148,7 +148,7 @@ def test_rows_quote_medians_and_goals_say_pass_or_miss() -> None:
     expected = {"a": 20.0, "b": 100.0, "c": 95.0, "d": 96.0, "d/a": 4.8, "d/b": 0.96, "d/c": 96.0 / 95.0}
     assert row == {"workers": 2, **expected, "first_step_s": first_steps}
     assert goal_lines([row]) == [
-        "goal d/c >= 0.97: pass at 2 worker(s) (1.011)",
+        "goal d/c >= 1.00: pass at 2 worker(s) (1.011)",
         "goal d/b >= 0.93: pass at 2 worker(s) (0.960)",
     ]
     assert goal_lines([{**row, "d/b": 0.9}])[1] == "goal d/b >= 0.93: miss at 2 worker(s) (0.900)"
