@@ -5,7 +5,8 @@ checkpoints resume under FSDP and DDP, and theirs under the pipeline.
 
 The runs of one world size share one start-up of their processes (tests/helpers/sessions.py):
 the uninterrupted (1f1b, gpipe, 1f1b over accumulated micro-batches, GPT-2), the crashed and
-the restarted pipelines in 4 ranks; DDP (llama and GPT-2), FSDP, and both from the pipeline's
+the restarted pipelines, and the same three interleaved (2 workers x 2 stages each of a 4-block
+model), in 4 ranks; DDP (llama and GPT-2), FSDP, and both from the pipeline's
 checkpoint in 2; then the pipeline from FSDP's and from DDP's checkpoints in 4.
 """
 
@@ -29,11 +30,20 @@ STEPS, CRASH, SAVED = 16, 12, 8
 
 
 def lm_config(
-    tmp: Path, workers: int, parallel: dict[str, Any], batch: int = 8, accum: int = 1, **checkpoint: Any
+    tmp: Path,
+    workers: int,
+    parallel: dict[str, Any],
+    batch: int = 8,
+    accum: int = 1,
+    layers: int = 2,
+    **checkpoint: Any,
 ) -> dict[str, Any]:
     return tiny_run(
         tmp,
-        model={"name": "llama_tiny", "kwargs": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2}},
+        model={
+            "name": "llama_tiny",
+            "kwargs": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": layers},
+        },
         data={"name": "synthetic", "kind": "tokens", "seq_len": 16, "vocab_size": 64, "num_samples": 1024},
         train={
             "max_steps": STEPS,
@@ -52,6 +62,8 @@ def lm_config(
 
 
 PIPELINE = {"pipeline": {"stages": 2, "schedule": "1f1b", "microbatches": 4}}
+# Two workers holding two stages each of a 4-block model: stages 0 and 2 on one, 1 and 3 on the other.
+INTERLEAVED = {"pipeline": {"stages": 2, "schedule": "interleaved_1f1b", "microbatches": 4}}
 # GPT-2 with its head untied (a pipeline's first and last stages are different ranks) and without
 # dropout, whose draws a pipeline makes in another order than one process does.
 GPT2 = {
@@ -89,7 +101,13 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "accumulated": lm_config(tmp / "accumulated", 4, PIPELINE, batch=4, accum=2),
         "ddp": lm_config(tmp / "ddp", 2, {"strategy": "ddp"}),
         "fsdp": lm_config(tmp / "fsdp", 2, {"strategy": "fsdp"}),
+        "interleaved": lm_config(tmp / "interleaved", 4, INTERLEAVED, layers=4),
+        "interleaved-crashed": lm_config(tmp / "interleaved-crashed", 4, INTERLEAVED, layers=4),
+        "ddp4": lm_config(tmp / "ddp4", 2, {"strategy": "ddp"}, layers=4),
     }
+    configs["ddp4-from-interleaved"] = lm_config(
+        tmp / "ddp4-from-interleaved", 2, {"strategy": "ddp"}, layers=4, resume=saved_at(configs["interleaved"], SAVED)
+    )
     configs["fsdp-from-pipeline"] = lm_config(
         tmp / "fsdp-from-pipeline", 2, {"strategy": "fsdp"}, resume=saved_at(configs["pipeline"], SAVED)
     )
@@ -103,7 +121,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     configs["pipeline-from-ddp"] = lm_config(
         tmp / "pipeline-from-ddp", 4, PIPELINE, resume=saved_at(configs["ddp"], SAVED)
     )
-    pipeline, crashed, restarted, gpipe, accumulated, gpt2_pipeline = run_all(
+    pipeline, crashed, restarted, gpipe, accumulated, gpt2_pipeline, *interleaved = run_all(
         4,
         [
             (configs["pipeline"], None),
@@ -112,10 +130,15 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             (configs["gpipe"], None),
             (configs["accumulated"], None),
             (configs["gpt2-pipeline"], None),
+            (configs["interleaved"], None),
+            (configs["interleaved-crashed"], CRASH),
+            (configs["interleaved-crashed"], None),
         ],
     )
-    names = ("ddp", "fsdp", "fsdp-from-pipeline", "ddp-from-pipeline", "gpt2-ddp")
-    ddp, fsdp, fsdp_from_pipeline, ddp_from_pipeline, gpt2_ddp = run_all(2, [(configs[n], None) for n in names])
+    names = ("ddp", "fsdp", "fsdp-from-pipeline", "ddp-from-pipeline", "gpt2-ddp", "ddp4", "ddp4-from-interleaved")
+    ddp, fsdp, fsdp_from_pipeline, ddp_from_pipeline, gpt2_ddp, ddp4, ddp4_from_interleaved = run_all(
+        2, [(configs[n], None) for n in names]
+    )
     pipeline_from_fsdp, pipeline_from_ddp = run_all(
         4, [(configs["pipeline-from-fsdp"], None), (configs["pipeline-from-ddp"], None)]
     )
@@ -133,6 +156,9 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "pipeline-from-ddp": pipeline_from_ddp,
         "gpt2-pipeline": gpt2_pipeline,
         "gpt2-ddp": gpt2_ddp,
+        **dict(zip(("interleaved", "interleaved-crashed", "interleaved-restarted"), interleaved, strict=True)),
+        "ddp4": ddp4,
+        "ddp4-from-interleaved": ddp4_from_interleaved,
     }
     return {"configs": configs, "outcomes": outcomes, "tmp": tmp}
 
@@ -141,9 +167,10 @@ def largest_gap(a: dict[int, float], b: dict[int, float], steps: range) -> float
     return max(abs(a[step] - b[step]) / abs(a[step]) for step in steps)
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "accumulated", "gpt2"])
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "accumulated", "gpt2", "interleaved"])
 def test_pipelined_losses_equal_ddp_for_the_same_global_batch(trained: dict[str, Any], schedule: str) -> None:
-    names = {"1f1b": ("pipeline", "ddp"), "gpt2": ("gpt2-pipeline", "gpt2-ddp")}.get(schedule, (schedule, "ddp"))
+    named = {"1f1b": ("pipeline", "ddp"), "gpt2": ("gpt2-pipeline", "gpt2-ddp"), "interleaved": ("interleaved", "ddp4")}
+    names = named.get(schedule, (schedule, "ddp"))
     pipeline, ddp = (trained["outcomes"][name] for name in names)
     assert pipeline.final["status"] == "finished"
     assert sorted(pipeline.losses) == sorted(ddp.losses) == list(range(1, STEPS + 1))
@@ -155,18 +182,25 @@ def test_pipelined_losses_equal_ddp_for_the_same_global_batch(trained: dict[str,
     assert largest_gap(ddp.val_losses, pipeline.val_losses, range(8, 17, 8)) <= 1e-5
 
 
-def test_pipelined_run_crashed_and_restarted_is_bit_identical(trained: dict[str, Any]) -> None:
+@pytest.mark.parametrize(
+    ("straight", "crashed", "restarted"),
+    [("pipeline", "crashed", "restarted"), ("interleaved", "interleaved-crashed", "interleaved-restarted")],
+    ids=["1f1b", "interleaved"],
+)
+def test_pipelined_run_crashed_and_restarted_is_bit_identical(
+    trained: dict[str, Any], straight: str, crashed: str, restarted: str
+) -> None:
     outcomes, configs, tmp = trained["outcomes"], trained["configs"], trained["tmp"]
-    assert outcomes["crashed"].crashed
-    assert outcomes["restarted"].final["status"] == "finished"
-    events = outcomes["restarted"].events
+    assert outcomes[crashed].crashed
+    assert outcomes[restarted].final["status"] == "finished"
+    events = outcomes[restarted].events
     assert any(e.startswith("resumed from") and f"checkpoint_{SAVED:09d}" in e for e in events), events
-    saved = Path(saved_at(configs["crashed"], SAVED))
+    saved = Path(saved_at(configs[crashed], SAVED))
     manifest = json.loads((saved / "manifest.json").read_text())
     assert manifest["layout"] == "sharded" and manifest["world_size"] == 4
     # Every rank wrote its stage's state; the whole model's names are all there, once.
-    a = final_state(Path(configs["pipeline"]["run"]["output_dir"]) / "t", tmp / "a")
-    b = final_state(Path(configs["crashed"]["run"]["output_dir"]) / "t", tmp / "b")
+    a = final_state(Path(configs[straight]["run"]["output_dir"]) / "t", tmp / straight / "a")
+    b = final_state(Path(configs[crashed]["run"]["output_dir"]) / "t", tmp / straight / "b")
     assert a.keys() == b.keys()
     differ = [k for k in a if not (torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k])]
     assert not differ, differ[:5]
@@ -182,8 +216,9 @@ def test_pipelined_run_crashed_and_restarted_is_bit_identical(trained: dict[str,
         ("pipeline-from-fsdp", "fsdp", "fsdp", "ddp x pp2"),
         ("ddp-from-pipeline", "pipeline", "ddp x pp2", "ddp"),
         ("pipeline-from-ddp", "ddp", "ddp", "ddp x pp2"),
+        ("ddp4-from-interleaved", "interleaved", "ddp x pp2", "ddp"),
     ],
-    ids=["pipeline-to-fsdp", "fsdp-to-pipeline", "pipeline-to-ddp", "ddp-to-pipeline"],
+    ids=["pipeline-to-fsdp", "fsdp-to-pipeline", "pipeline-to-ddp", "ddp-to-pipeline", "interleaved-to-ddp"],
 )
 def test_checkpoint_resumes_across_pipelined_and_unpipelined_layouts(
     trained: dict[str, Any], resumed: str, reference: str, written_by: str, uses: str

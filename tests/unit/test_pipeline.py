@@ -18,7 +18,7 @@ from trainforge.data import build_datasets
 from trainforge.errors import ConfigError
 from trainforge.models import build_model
 from trainforge.worker.build import check_block_names
-from trainforge.worker.pipeline import Stage, block_count, check_pipeline, split_blocks
+from trainforge.worker.pipeline import Stage, block_count, check_pipeline, held_by, split_blocks
 from trainforge.worker.tp import Layout
 
 TOKENS = {"name": "synthetic", "kind": "tokens", "seq_len": 16, "vocab_size": 64, "num_samples": 64}
@@ -43,6 +43,11 @@ def error(cfg: dict[str, Any]) -> str:
 def test_pipeline_section_reads_with_its_defaults(tmp_path: Path) -> None:
     cut = Config.model_validate(config(tmp_path, {"stages": 2})).parallel.pipeline
     assert cut is not None and (cut.stages, cut.schedule, cut.microbatches, cut.split) == (2, "1f1b", 1, None)
+    assert (cut.per_worker, cut.parts) == (1, 2)
+    interleaved = Config.model_validate(config(tmp_path, {"stages": 2, "schedule": "interleaved_1f1b"}))
+    assert interleaved.parallel.pipeline is not None and interleaved.parallel.pipeline.parts == 4
+    three = {"stages": 2, "schedule": "interleaved_1f1b", "virtual_stages": 3, "microbatches": 4}
+    assert Config.model_validate(config(tmp_path, three)).parallel.pipeline.parts == 6  # type: ignore[union-attr]
     assert Config.model_validate(config(tmp_path, None)).parallel.stages == 1
 
 
@@ -51,7 +56,17 @@ def test_pipeline_section_reads_with_its_defaults(tmp_path: Path) -> None:
     [
         ({"stages": 3}, {}, "parallel.pipeline.stages 3 must divide a fixed scaling.num_workers"),
         ({"stages": 2, "microbatches": 3}, {}, "parallel.pipeline.microbatches 3 must divide train.batch_size"),
-        ({"stages": 2, "schedule": "interleaved_1f1b"}, {}, "interleaved_1f1b: not yet"),
+        ({"stages": 2, "virtual_stages": 2}, {}, "virtual_stages 2 needs schedule interleaved_1f1b"),
+        (
+            {"stages": 2, "schedule": "interleaved_1f1b", "split": [2, 2]},
+            {},
+            "must give 4 block counts, one per stage (2 x virtual_stages 2)",
+        ),
+        (
+            {"stages": 2, "schedule": "interleaved_1f1b", "microbatches": 5},
+            {"train": {"batch_size": 10}},
+            "microbatches 5 under interleaved_1f1b over 2 stages must be a multiple of 2",
+        ),
         ({"stages": 2, "schedule": "zero_bubble"}, {}, "parallel.pipeline.schedule"),
         ({"stages": 2, "split": [1, 2, 1]}, {}, "must give 2 block counts"),
         ({"stages": 1}, {}, "parallel.pipeline.stages"),
@@ -90,6 +105,17 @@ def test_blocks_split_equally_or_as_given() -> None:
         split_blocks(4, 2, [2, 3])
 
 
+def test_interleaved_stages_go_round_the_workers() -> None:
+    parts = split_blocks(8, 4)
+    assert held_by(0, 2, parts) == {0: range(0, 2), 2: range(4, 6)}
+    assert held_by(1, 2, parts) == {1: range(2, 4), 3: range(6, 8)}
+    assert held_by(1, 2, split_blocks(4, 2)) == {1: range(2, 4)}  # one stage each without interleaving
+    with pytest.raises(
+        ConfigError, match=r"the pipeline's 4 stages \(2 x virtual_stages 2\) must divide the model's 6"
+    ):
+        split_blocks(6, 4, per_worker=2)
+
+
 def test_ranks_of_a_pipeline_are_a_data_parallel_width_apart() -> None:
     places = [(Layout(rank, 4, pp=2).pp_rank, Layout(rank, 4, pp=2).dp_rank) for rank in range(4)]
     assert places == [(0, 0), (0, 1), (1, 0), (1, 1)]  # a replica's stages: ranks 0 and 2, 1 and 3
@@ -115,12 +141,35 @@ def test_stages_one_after_another_are_the_whole_model(
         hidden = tokens
         names: list[str] = []
         for index, blocks in enumerate(split_blocks(block_count(whole), 2, split)):
-            stage = Stage(copy.deepcopy(whole), index, 2, blocks).eval()
+            stage = Stage(copy.deepcopy(whole), {index: blocks}, 2).eval()
             names += list(stage.state_dict())
             hidden = stage(hidden)
     assert torch.equal(hidden, expected)
     # Each stage holds its part under the whole model's names; together, all of them once.
     assert sorted(names) == sorted(whole.state_dict())
+
+
+@pytest.mark.parametrize("model", [LLAMA, GPT2], ids=["llama", "gpt2"])
+def test_interleaved_workers_stages_in_turn_are_the_whole_model(tmp_path: Path, model: dict[str, Any]) -> None:
+    """Two workers, two stages each (of a 4-block model, a block per stage): stage 0 on worker 0,
+    1 on worker 1, 2 on worker 0, 3 on worker 1. Each worker's Stage keeps only its blocks, and the
+    Chunk of each stage has that stage's parameters and no other."""
+    whole = built(tmp_path, model)
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    parts = split_blocks(block_count(whole), 4)
+    workers = [Stage(copy.deepcopy(whole), held_by(w, 2, parts), 4).eval() for w in range(2)]
+    chunks = {chunk.index: chunk for worker in workers for chunk in worker.chunks()}
+    with torch.no_grad():
+        expected, hidden = whole(tokens), tokens
+        for index in range(4):
+            hidden = chunks[index](hidden)
+    assert torch.equal(hidden, expected)
+    names = [name for worker in workers for name in worker.state_dict()]
+    assert sorted(names) == sorted(whole.state_dict())
+    assert workers[0].first and not workers[0].last and workers[1].last and not workers[1].first
+    owned = [{id(p) for p in chunks[index].parameters()} for index in range(4)]
+    assert all(not (owned[a] & owned[b]) for a in range(4) for b in range(a + 1, 4))
+    assert {id(p) for p in workers[0].parameters()} == owned[0] | owned[2]
 
 
 def test_only_built_in_decoders_with_untied_heads_are_split(tmp_path: Path) -> None:

@@ -120,8 +120,16 @@ def test_max_micro_batch_is_the_boundary_of_the_estimate() -> None:
 
 # The parallel sections measured against the plan, one spawn of 2 ranks for all of them.
 MEASURED = {"ddp": {"strategy": "ddp"}, "fsdp": {"strategy": "fsdp"}, "tp2": {"strategy": "ddp", "tensor_parallel": 2}}
-# A pipeline of 2 stages (one rank each: the embeddings and 2 blocks, then 2 blocks, the norm and the head).
-PIPELINED = {"pp2": {"strategy": "ddp", "pipeline": {"stages": 2, "schedule": "1f1b", "microbatches": 2}}}
+# A pipeline of 2 stages (one rank each: the embeddings and 2 blocks, then 2 blocks, the norm and the head),
+# and the same 2 ranks interleaved: 4 stages of a block each, the embeddings and blocks 0 and 2 on rank 0,
+# blocks 1 and 3, the norm and the head on rank 1.
+PIPELINED = {
+    "pp2": {"strategy": "ddp", "pipeline": {"stages": 2, "schedule": "1f1b", "microbatches": 2}},
+    "pp2-interleaved": {
+        "strategy": "ddp",
+        "pipeline": {"stages": 2, "schedule": "interleaved_1f1b", "microbatches": 2},
+    },
+}
 
 
 def held_under_each(rank: int, world: int, configs: dict[str, dict[str, Any]]) -> dict[str, dict[str, int]]:
@@ -157,20 +165,41 @@ def test_planned_bytes_are_within_5_percent_of_what_each_rank_holds(name: str, m
 
 
 @pytest.mark.slow  # shares the spawn above
+@pytest.mark.parametrize("name", list(PIPELINED))
 def test_planned_bytes_of_each_pipeline_stage_are_within_5_percent_of_what_its_rank_holds(
-    measured: dict[str, Any],
+    measured: dict[str, Any], name: str
 ) -> None:
     from trainforge.config import Config
     from trainforge.worker.capacity.estimate import stage_breakdowns
 
-    stages = stage_breakdowns(Config.model_validate(measured["configs"]["pp2"]), 2)
-    assert stages[0].params != stages[1].params  # the embeddings on one, the head and norm on the other
+    stages = stage_breakdowns(Config.model_validate(measured["configs"][name]), 2)
+    assert (
+        len(stages) == 2 and stages[0].params != stages[1].params
+    )  # the embeddings on one, head and norm on the other
     for rank, by_name in enumerate(measured["held"]):
-        held, planned = by_name["pp2"], stages[rank]  # one rank per stage: rank r holds stage r
+        held, planned = by_name[name], stages[rank]  # pipeline rank r: the stages rank r holds
         for part in ("params", "grads", "optimizer"):
             estimate = getattr(planned, part)
-            print(f"\npp2 stage {rank} {part}: planned {estimate} held {held[part]}")
+            print(f"\n{name} rank {rank} {part}: planned {estimate} held {held[part]}")
             assert abs(estimate - held[part]) <= 0.05 * held[part], (rank, part, estimate, held)
+
+
+def test_interleaved_ranks_hold_more_micro_batches_for_a_smaller_bubble() -> None:
+    """torch's interleaved 1F1B on 2 ranks x 2 stages over 4 micro-batches: rank 0 runs 4 forwards
+    before its first backward (a round of 2 micro-batches through each of its stages), rank 1 two;
+    every forward is undone by a backward of the same stage; the bubble is (P - 1) / (V M + P - 1)."""
+    from trainforge.worker.capacity.estimate import Strategy, interleaved_in_flight, rank_stages
+
+    interleaved = Strategy("pp2", False, pipeline=2, schedule="interleaved_1f1b", microbatches=4, virtual=2)
+    assert interleaved.parts == 4 and rank_stages(interleaved, 1) == [1, 3]
+    assert interleaved.bubble == pytest.approx(1 / 9)
+    assert Strategy("pp2", False, pipeline=2, microbatches=4).bubble == pytest.approx(1 / 5)
+    for rank, warmup in ((0, 4), (1, 2)):
+        counts = interleaved_in_flight(interleaved, rank)
+        assert len(counts) == 2 * 4 * 2  # a forward and a backward per micro-batch and stage
+        assert max(sum(live) for live in counts) == warmup + 1 and counts[-1] == [0, 0]
+        assert all(n >= 0 for live in counts for n in live)
+        assert counts[warmup - 1] == [2, warmup - 2]  # a round through the first stage, then the second
 
 
 @pytest.mark.slow

@@ -391,6 +391,11 @@ def test_a_pipeline_idles_in_the_bubble_and_waits_for_each_send() -> None:
     longer = replace(work, stages=3, pipeline_microbatches=6)
     (point,) = predict_points(longer, [3], flat(SLOW))
     assert point.efficiency == pytest.approx(6 / 8) and point.comm_total_s == 0
+    # interleaved, 2 stages per GPU: slots of half the compute, 2 x 2 + 2 - 1 = 5 of them; a bubble of one
+    interleaved = replace(work, virtual_stages=2)
+    assert interleaved.bubble == pytest.approx(1 / 5)
+    assert pipeline_step(interleaved, 2, flat(SLOW)) == pytest.approx((0.5, 0.0, 0.1))
+    assert pipeline_step(replace(interleaved, p2p_bytes=1_000_000), 2, flat(SLOW))[1] == pytest.approx(5 * 2 * 0.1)
 
 
 def test_a_pipeline_sends_over_nvlink_inside_a_node_and_over_the_link_across_nodes() -> None:
@@ -420,7 +425,15 @@ def test_a_pipelined_config_predicts_with_its_stages_and_what_they_send(
     report = json.loads(done.stdout)
     given = report["inputs"]["pipeline"]
     # one sample per pipeline micro-batch: 32 tokens x llama_tiny's 128 wide hidden states in float32
-    assert given == {"stages": 2, "microbatches": 4, "bubble": 0.2, "p2p_bytes": 32 * 128 * 4, "schedule": "gpipe"}
+    sent = 32 * 128 * 4
+    assert given == {
+        "stages": 2,
+        "microbatches": 4,
+        "bubble": 0.2,
+        "p2p_bytes": sent,
+        "schedule": "gpipe",
+        "virtual_stages": 1,
+    }
     assert [p["gpus"] for p in report["points"]] == [2, 16] and report["left_out_gpus"] == [1]
     assert report["points"][0]["bubble_s"] == pytest.approx(0.2 / 2 / 4)  # one of 5 slots of 0.025 s idle
     assert any(line.startswith("pipeline (parallel.pipeline): 2 stages") for line in report["assumptions"])

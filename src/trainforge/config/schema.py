@@ -459,26 +459,48 @@ class SyncConfig(Section):
 
 
 class PipelineConfig(Section):
-    """``parallel.pipeline``: a built-in decoder cut into ``stages`` at block boundaries, one stage
-    per worker of a pipeline, run by a torch.distributed.pipelining schedule (worker/pipeline.py)."""
+    """``parallel.pipeline``: a built-in decoder cut at block boundaries into ``stages`` x
+    ``virtual_stages`` parts, each worker of a pipeline holding ``virtual_stages`` of them (one,
+    except under interleaved_1f1b), run by a torch.distributed.pipelining schedule (worker/pipeline.py)."""
 
     stages: Annotated[int, Field(ge=2, le=64)]
     schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b"
     microbatches: Annotated[int, Field(ge=1, le=1024)] = 1  # pipeline micro-batches per training micro-batch
-    # The blocks of each stage (default: equal counts; embeddings on the first, norm and head on the last).
-    split: Annotated[list[Annotated[int, Field(ge=1)]], Field(min_length=2, max_length=64)] | None = None
+    # Parts per worker under interleaved_1f1b (Megatron's virtual pipeline stages): worker r of a
+    # pipeline holds parts r, r + stages, r + 2 x stages, ... (default 2 there; 1 for gpipe and 1f1b).
+    virtual_stages: Annotated[int, Field(ge=1, le=16)] | None = None
+    # The blocks of each part (default: equal counts; embeddings on the first, norm and head on the last).
+    split: Annotated[list[Annotated[int, Field(ge=1)]], Field(min_length=2, max_length=1024)] | None = None
 
-    @field_validator("schedule")
-    @classmethod
-    def _implemented(cls, value: str) -> str:
-        if value == "interleaved_1f1b":
-            raise ValueError("interleaved_1f1b: not yet (use gpipe or 1f1b)")
-        return value
+    @property
+    def per_worker(self) -> int:
+        """Parts (stages of the model) each worker of the pipeline holds."""
+        if self.virtual_stages is not None:
+            return self.virtual_stages
+        return 2 if self.schedule == "interleaved_1f1b" else 1
+
+    @property
+    def parts(self) -> int:
+        """The model's stages: ``stages`` workers x ``per_worker`` each."""
+        return self.stages * self.per_worker
 
     @model_validator(mode="after")
     def _split_stages(self) -> PipelineConfig:
-        if self.split is not None and len(self.split) != self.stages:
-            raise ValueError(f"split {self.split} must give {self.stages} block counts, one per stage")
+        if self.virtual_stages is not None and self.virtual_stages > 1 and self.schedule != "interleaved_1f1b":
+            raise ValueError(
+                f"virtual_stages {self.virtual_stages} needs schedule interleaved_1f1b "
+                f"({self.schedule} runs one stage per worker)"
+            )
+        if self.split is not None and len(self.split) != self.parts:
+            per = f" ({self.stages} x virtual_stages {self.per_worker})" if self.per_worker > 1 else ""
+            raise ValueError(f"split {self.split} must give {self.parts} block counts, one per stage{per}")
+        if self.schedule == "interleaved_1f1b":
+            rounds = max(1, self.microbatches // self.stages)
+            if self.microbatches % rounds:
+                raise ValueError(
+                    f"microbatches {self.microbatches} under interleaved_1f1b over {self.stages} stages must be a "
+                    f"multiple of {rounds} (microbatches // stages), or fewer than the stages"
+                )
         return self
 
 

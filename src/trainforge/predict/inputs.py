@@ -188,13 +188,18 @@ def workload_of(config: Config, model: ModelBytes, compute_s: float) -> Workload
 
 
 def pipeline_of(config: Config, model: ModelBytes, micro: int) -> dict[str, int]:
-    """The Workload's pipeline fields: stages, pipeline micro-batches, and the bytes of the hidden
-    states one pipeline micro-batch sends to the next stage."""
+    """The Workload's pipeline fields: stages, pipeline micro-batches, the bytes of the hidden
+    states one pipeline micro-batch sends to the next stage, and the stages each GPU holds."""
     pipeline = config.parallel.pipeline
     if pipeline is None:
         return {}
     sent = micro // pipeline.microbatches * model.stage_bytes_per_sample
-    return {"stages": pipeline.stages, "pipeline_microbatches": pipeline.microbatches, "p2p_bytes": sent}
+    return {
+        "stages": pipeline.stages,
+        "pipeline_microbatches": pipeline.microbatches,
+        "p2p_bytes": sent,
+        "virtual_stages": pipeline.per_worker,
+    }
 
 
 def shard_group(config: Config) -> int:

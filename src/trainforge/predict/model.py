@@ -25,6 +25,8 @@ Assumptions, each a choice a reader may disagree with (docs/benchmarks.md repeat
 * a pipeline (``parallel.pipeline``): P stages, each 1/P of the compute, over M pipeline
   micro-batches per micro-batch; GPipe and 1F1B both take ``M + P - 1`` slots of one pipeline
   micro-batch's forward and backward, so ``(P - 1) / (M + P - 1)`` of the time is the bubble.
+  Interleaved 1F1B (V stages per GPU, each 1/(P V) of the compute) takes ``V M + P - 1`` slots
+  of one such stage: a bubble of ``(P - 1) / (V M + P - 1)``, for V times the sends.
   Each slot also waits for the activations from the previous stage and their gradient from the
   next (point-to-point, over the inter-node link when the pipeline spans nodes, the node's
   sending GPUs sharing its NICs). A stage's gradients are all-reduced over its replicas after
@@ -71,11 +73,12 @@ class Workload:
     stages: int = 1  # parallel.pipeline.stages (1: not pipelined)
     pipeline_microbatches: int = 1  # parallel.pipeline.microbatches per micro-batch
     p2p_bytes: int = 0  # the activations one pipeline micro-batch sends from a stage to the next
+    virtual_stages: int = 1  # stages per GPU (interleaved_1f1b)
 
     @property
     def bubble(self) -> float:
-        """The pipeline's idle share, ``(P - 1) / (M + P - 1)`` (0 unpipelined)."""
-        return (self.stages - 1) / (self.pipeline_microbatches + self.stages - 1)
+        """The pipeline's idle share, ``(P - 1) / (V M + P - 1)`` (0 unpipelined)."""
+        return (self.stages - 1) / (self.virtual_stages * self.pipeline_microbatches + self.stages - 1)
 
 
 @dataclass(frozen=True)
@@ -210,13 +213,13 @@ def point_to_point_time(nbytes: float, stages: int, gpus: int, topology: Topolog
 
 
 def pipeline_step(work: Workload, gpus: int, topology: Topology) -> tuple[float, float, float]:
-    """(step time, communication time, bubble time) of a pipeline: per micro-batch ``M + P - 1``
-    slots of a pipeline micro-batch's forward and backward on one stage and its two sends, then
-    the stage's gradients all-reduced over its ``gpus / P`` replicas."""
-    stages, microbatches = work.stages, work.pipeline_microbatches
-    slot = work.compute_s / work.micro_batches / stages / microbatches
+    """(step time, communication time, bubble time) of a pipeline: per micro-batch ``V M + P - 1``
+    slots of a pipeline micro-batch's forward and backward on one stage (of ``P V``) and its two
+    sends, then the GPU's stages' gradients all-reduced over its ``gpus / P`` replicas."""
+    stages, microbatches, virtual = work.stages, work.pipeline_microbatches, work.virtual_stages
+    slot = work.compute_s / work.micro_batches / stages / microbatches / virtual
     send = point_to_point_time(work.p2p_bytes, stages, gpus, topology) if work.p2p_bytes else 0.0
-    slots = microbatches + stages - 1
+    slots = virtual * microbatches + stages - 1
     per_micro_batch = slots * (slot + 2 * send)
     replicas = gpus // stages
     reduce = collective_time("all_reduce", work.grad_bytes / stages, replicas, topology) if replicas > 1 else 0.0

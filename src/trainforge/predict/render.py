@@ -34,9 +34,10 @@ HSDP_ASSUMPTION = (
 )
 
 PIPELINE_ASSUMPTION = (
-    "pipeline (parallel.pipeline): {stages} stages over {microbatches} pipeline micro-batches, {bubble:.0%} of the "
-    "compute idle in the bubble ((P - 1) / (M + P - 1)); each slot waits for one send from the previous stage and "
-    "one from the next; a stage's gradients all-reduced over its replicas after the last backward, not overlapped"
+    "pipeline (parallel.pipeline): {stages} stages{virtual} over {microbatches} pipeline micro-batches, "
+    "{bubble:.0%} of the compute idle in the bubble ((P - 1) / (V M + P - 1), V stages per GPU); each slot "
+    "waits for one send from the previous stage and one from the next; a stage's gradients all-reduced over "
+    "its replicas after the last backward, not overlapped"
 )
 
 
@@ -49,7 +50,10 @@ def assumptions_for(
     own = STRATEGY_ASSUMPTIONS.get(key)
     if pipeline is not None and pipeline.stages > 1:
         own = PIPELINE_ASSUMPTION.format(
-            stages=pipeline.stages, microbatches=pipeline.pipeline_microbatches, bubble=pipeline.bubble
+            stages=pipeline.stages,
+            virtual=f" x {pipeline.virtual_stages} per GPU" if pipeline.virtual_stages > 1 else "",
+            microbatches=pipeline.pipeline_microbatches,
+            bubble=pipeline.bubble,
         )
     hsdp = [HSDP_ASSUMPTION.format(group=shard_group)] if shard_group else []
     return [*COMMON_ASSUMPTIONS[:3], *([own] if own else []), *hsdp, COMMON_ASSUMPTIONS[3]]
@@ -113,6 +117,7 @@ def run_predict(
                 "bubble": work.bubble,
                 "p2p_bytes": work.p2p_bytes,
                 "schedule": config.parallel.pipeline.schedule,
+                "virtual_stages": work.virtual_stages,
             }
             if config.parallel.pipeline is not None
             else None,

@@ -224,7 +224,7 @@ def check_block_names(config: Config) -> None:
     if parallel.tensor_parallel > 1:
         check_tensor_parallel(model, parallel.tensor_parallel, parallel.tp_plan)
     if parallel.pipeline is not None:
-        check_pipeline(model, parallel.pipeline.stages, parallel.pipeline.split)
+        check_pipeline(model, parallel.pipeline.parts, parallel.pipeline.split, parallel.pipeline.per_worker)
 
 
 def check_model_output(config: Config) -> None:

@@ -1,11 +1,15 @@
-"""Pipeline parallelism: a built-in decoder cut at block boundaries into stages, one stage per
-worker of a pipeline group, run by a ``torch.distributed.pipelining`` schedule.
+"""Pipeline parallelism: a built-in decoder cut at block boundaries into stages, held by the
+workers of a pipeline group and run by a ``torch.distributed.pipelining`` schedule.
 
 The split (``split_blocks``): equal blocks per stage (``parallel.pipeline.split`` gives the
 counts instead), the embeddings on the first stage, the final norm and the output head on the
-last. A stage keeps the whole model's module tree with the other stages' parts removed, so its
+last. Under gpipe and 1f1b each worker holds one stage; under interleaved_1f1b the model is cut
+into ``stages x virtual_stages`` stages and worker ``r`` of the pipeline holds stages ``r``,
+``r + stages``, ... (the placement torch's interleaved schedule runs). A worker's ``Stage`` keeps
+the whole model's module tree with the parts of stages it does not hold removed, so its
 parameters carry the whole model's names: its state is a slice of the unpipelined model's, and
 checkpoints move between pipelined and unpipelined layouts (worker/plan.py's ``PipelinePlan``).
+Each stage the worker holds runs as a ``Chunk``: a view of its blocks in the worker's Stage.
 
 Each training micro-batch (``train.batch_size`` samples) runs as one schedule step over
 ``parallel.pipeline.microbatches`` pipeline micro-batches; the loss of each is divided by their
@@ -78,8 +82,14 @@ def block_count(model: nn.Module) -> int:
     return len(getattr(getattr(lm, decoder.base), decoder.blocks))
 
 
-def split_blocks(blocks: int, stages: int, split: list[int] | None = None) -> list[range]:
-    """The blocks of each stage: ``split`` counts when given, else ``blocks / stages`` each."""
+def split_blocks(blocks: int, stages: int, split: list[int] | None = None, per_worker: int = 1) -> list[range]:
+    """The blocks of each of the model's ``stages``: ``split`` counts when given, else ``blocks /
+    stages`` each. ``per_worker``: stages each worker holds (interleaved_1f1b), for the message."""
+    named = (
+        f"parallel.pipeline.stages {stages}"
+        if per_worker == 1
+        else f"the pipeline's {stages} stages ({stages // per_worker} x virtual_stages {per_worker})"
+    )
     if split is not None:
         if len(split) != stages or sum(split) != blocks:
             raise ConfigError(
@@ -90,7 +100,7 @@ def split_blocks(blocks: int, stages: int, split: list[int] | None = None) -> li
     else:
         if blocks % stages:
             raise ConfigError(
-                f"parallel.pipeline.stages {stages} must divide the model's {blocks} blocks "
+                f"{named} must divide the model's {blocks} blocks "
                 "(or give parallel.pipeline.split, the blocks of each stage)"
             )
         counts = [blocks // stages] * stages
@@ -98,25 +108,36 @@ def split_blocks(blocks: int, stages: int, split: list[int] | None = None) -> li
     return [range(start, start + count) for start, count in zip(starts, counts, strict=True)]
 
 
-def check_pipeline(model: nn.Module, stages: int, split: list[int] | None) -> None:
-    """Before Ray starts: a built-in decoder whose blocks the stages divide. One-line ConfigError."""
-    split_blocks(block_count(model), stages, split)
+def check_pipeline(model: nn.Module, stages: int, split: list[int] | None, per_worker: int = 1) -> None:
+    """Before Ray starts: a built-in decoder whose blocks the model's ``stages`` (``parallel.pipeline
+    .stages x virtual_stages``) divide. One-line ConfigError."""
+    split_blocks(block_count(model), stages, split, per_worker)
+
+
+def held_by(worker: int, workers: int, parts: list[range]) -> dict[int, range]:
+    """The stages (index: blocks) worker ``worker`` of a pipeline of ``workers`` holds: ``worker``,
+    ``worker + workers``, ... (one stage each unless the model has more stages than workers)."""
+    return {index: parts[index] for index in range(worker, len(parts), workers)}
 
 
 class Stage(nn.Module):
-    """One stage of a built-in decoder. ``model`` is the transformers model with the other stages'
-    parts removed, under the name the built-ins' wrapper (``HFLogits``) gives it: the parameter
-    names are the whole model's."""
+    """The stages of a built-in decoder one worker holds (``held``: index -> blocks, out of
+    ``stages`` in all). ``model`` is the transformers model with the parts of the other stages
+    removed, under the name the built-ins' wrapper (``HFLogits``) gives it: the parameter names
+    are the whole model's."""
 
-    def __init__(self, wrapped: nn.Module, index: int, stages: int, blocks: range) -> None:
+    def __init__(self, wrapped: nn.Module, held: dict[int, range], stages: int) -> None:
         super().__init__()
         self.model = causal_lm_of(wrapped)
         self.decoder = DECODERS[type(self.model).__name__]
-        self.index, self.first, self.last = index, index == 0, index == stages - 1
+        self.held, self.stages = dict(sorted(held.items())), stages
+        self.index = next(iter(self.held))
+        self.first, self.last = 0 in self.held, stages - 1 in self.held
         base = getattr(self.model, self.decoder.base)
         every = getattr(base, self.decoder.blocks)
+        kept = sorted(i for blocks in self.held.values() for i in blocks)
         # A ModuleDict keyed by the block's index in the whole model keeps its parameters' names.
-        setattr(base, self.decoder.blocks, nn.ModuleDict({str(i): every[i] for i in blocks}))
+        setattr(base, self.decoder.blocks, nn.ModuleDict({str(i): every[i] for i in kept}))
         if not self.first:
             for name in self.decoder.first:
                 setattr(base, name, None)
@@ -125,24 +146,58 @@ class Stage(nn.Module):
             self.model.register_module("lm_head", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Token ids (first stage) or the previous stage's hidden states -> hidden states, or
-        the logits on the last stage."""
+        """The worker's one stage (gpipe, 1f1b): see ``run``."""
+        return self.run(x, self.index)
+
+    def run(self, x: torch.Tensor, index: int) -> torch.Tensor:
+        """Stage ``index`` (one this worker holds): token ids (the first stage) or the previous
+        stage's hidden states -> hidden states, or the logits on the last stage."""
         base = getattr(self.model, self.decoder.base)
+        first, last = index == 0, index == self.stages - 1
         positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
-        blocks = getattr(base, self.decoder.blocks).values()
+        every = getattr(base, self.decoder.blocks)
+        blocks = [every[str(i)] for i in self.held[index]]
         if self.decoder.base == "model":  # Llama: rotary positions in every block, causal attention
-            hidden = base.embed_tokens(x) if self.first else x
+            hidden = base.embed_tokens(x) if first else x
             rotary = base.rotary_emb(hidden, position_ids=positions)
             for block in blocks:
                 hidden = block(hidden, attention_mask=None, position_embeddings=rotary, position_ids=positions)
         else:  # GPT-2: learned positions added to the first stage's embeddings
-            hidden = base.drop(base.wte(x) + base.wpe(positions)) if self.first else x
+            hidden = base.drop(base.wte(x) + base.wpe(positions)) if first else x
             for block in blocks:
                 hidden = block(hidden, None, None)
-        if not self.last:
+        if not last:
             return hidden
         head = cast(nn.Module, self.model.lm_head)
         return cast(torch.Tensor, head(getattr(base, self.decoder.norm)(hidden)))
+
+    def chunks(self) -> list[Chunk]:
+        """A module per stage held, in order, for the schedule."""
+        return [Chunk(self, index) for index in self.held]
+
+
+class Chunk(nn.Module):
+    """One stage of a worker's ``Stage``, as the schedule's ``PipelineStage`` wants it: its forward
+    is that stage's, its parameters those of that stage's blocks (and the embeddings, or the norm
+    and head, on the first and last). The modules are the Stage's own, shared, not copied; the
+    Stage is kept outside this module's tree, so nothing is registered twice under it."""
+
+    def __init__(self, stage: Stage, index: int) -> None:
+        super().__init__()
+        object.__setattr__(self, "stage", stage)
+        self.index = index
+        base = getattr(stage.model, stage.decoder.base)
+        every = getattr(base, stage.decoder.blocks)
+        self.blocks = nn.ModuleList([every[str(i)] for i in stage.held[index]])
+        ends: list[nn.Module] = []
+        if index == 0:
+            ends += [getattr(base, name) for name in stage.decoder.first]
+        if index == stage.stages - 1:
+            ends += [getattr(base, stage.decoder.norm), cast(nn.Module, stage.model.lm_head)]
+        self.ends = nn.ModuleList(ends)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return cast(Stage, self.__dict__["stage"]).run(x, self.index)
 
 
 class Pipeline:
@@ -159,7 +214,12 @@ class Pipeline:
         device: torch.device,
         task: Task,
     ) -> None:
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+        from torch.distributed.pipelining import (
+            PipelineStage,
+            Schedule1F1B,
+            ScheduleGPipe,
+            ScheduleInterleaved1F1B,
+        )
 
         self.stage = stage
         self.microbatches = microbatches
@@ -170,10 +230,16 @@ class Pipeline:
         self.metric_names = sorted(task.sums(torch.zeros(()), *one))
         self.scale = 1.0  # 1 / (microbatches x accumulation steps), set per call
         self._stats: list[Stats] = []
-        kinds: dict[str, Callable[..., Any]] = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
-        runner = PipelineStage(stage, stage.index, stages, device, group=group)
+        runners: list[Any] = [
+            PipelineStage(chunk, chunk.index, stages, device, group=group) for chunk in stage.chunks()
+        ]
         # scale_grads=False: the loss carries the scale, so accumulated gradients are not rescaled.
-        self.schedule = kinds[schedule](runner, microbatches, loss_fn=self._loss, scale_grads=False)
+        if schedule == "interleaved_1f1b":
+            self.schedule: Any = ScheduleInterleaved1F1B(runners, microbatches, loss_fn=self._loss, scale_grads=False)
+        else:
+            kinds: dict[str, Callable[..., Any]] = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+            (runner,) = runners
+            self.schedule = kinds[schedule](runner, microbatches, loss_fn=self._loss, scale_grads=False)
 
     def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         loss = self.task.loss(output, target)
@@ -234,11 +300,13 @@ class PipelinePlan(ParallelPlan):
         model = model.to(self.device)
         layout, cut = self.layout, self.cut
         self.mesh = init_device_mesh(self.device.type, (layout.pp, layout.dp), mesh_dim_names=("pp", "dp"))
-        blocks = split_blocks(block_count(model), layout.pp, cut.split)[layout.pp_rank]
-        stage = Stage(model, layout.pp_rank, layout.pp, blocks)
+        parts = split_blocks(block_count(model), cut.parts, cut.split, cut.per_worker)
+        held = held_by(layout.pp_rank, layout.pp, parts)
+        stage = Stage(model, held, cut.parts)
         self.stage = stage
+        said = ", ".join(f"{index + 1} (blocks {b.start}-{b.stop - 1})" for index, b in held.items())
         self.notes.append(
-            f"pipeline: stage {layout.pp_rank + 1} of {layout.pp} (blocks {blocks.start}-{blocks.stop - 1}), "
+            f"pipeline: stage{'s' if len(held) > 1 else ''} {said} of {cut.parts}, "
             f"{cut.schedule} over {cut.microbatches} micro-batches; ddp over {layout.dp} replicas"
         )
         if self.cfg.activation_checkpointing != "none":
@@ -254,7 +322,7 @@ class PipelinePlan(ParallelPlan):
             cut = self.cut
             group = self.mesh["pp"].get_group()
             self.pipeline = Pipeline(
-                cast(Stage, model), self.layout.pp, cut.schedule, cut.microbatches, group, self.device, task
+                cast(Stage, model), cut.parts, cut.schedule, cut.microbatches, group, self.device, task
             )
         return self.pipeline.step(batch, accum)
 
@@ -281,20 +349,21 @@ class PipelinePlan(ParallelPlan):
         return True  # a forward passes through every stage
 
     def eval_step(self, model: nn.Module, task: Task, batch: Any) -> Stats:
-        """A validation batch through the stages one after another (whole, no micro-batches): the
-        metric sums on the last stage, none elsewhere."""
+        """A validation batch through the stages one after another (whole, no micro-batches), each
+        on the worker that holds it: the metric sums on the last stage's worker, none elsewhere."""
         stage = cast(Stage, model)
         inputs, targets = batch
-        group, here = self.mesh["pp"].get_group(), self.layout.pp_rank
-        if stage.first:
-            hidden = stage(inputs)
-        else:
-            width = int(cast(Any, stage.model).config.hidden_size)
-            received = torch.empty((*inputs.shape, width), device=self.device)
-            dist.recv(received, group=group, group_src=here - 1)
-            hidden = stage(received)
+        group, pp = self.mesh["pp"].get_group(), self.layout.pp
+        hidden = inputs
+        for index in stage.held:
+            if index > 0:  # the previous stage is the previous worker's (stages go round the workers)
+                width = int(cast(Any, stage.model).config.hidden_size)
+                hidden = torch.empty((*inputs.shape, width), device=self.device)
+                dist.recv(hidden, group=group, group_src=(index - 1) % pp)
+            hidden = stage.run(hidden, index)
+            if index < stage.stages - 1:
+                dist.send(hidden.float().contiguous(), group=group, group_dst=(index + 1) % pp)
         if not stage.last:
-            dist.send(hidden.float().contiguous(), group=group, group_dst=here + 1)
             return {}
         return task.sums(task.loss(hidden, targets), hidden, targets)
 

@@ -9,7 +9,9 @@ points give a fixed part and a per-sample part (activations are linear in the mi
 
 Under pipeline parallelism each stage is estimated apart (its blocks, the embeddings on the
 first, the final norm and head on the last; the activations of the pipeline micro-batches it
-holds at once) and the stage that holds the most is the rank that must fit.
+holds at once) and the stage that holds the most is the rank that must fit. Under interleaved
+1F1B a rank holds several stages (``r, r + P, ...``): their parameters together, and the
+activations its stages hold at the schedule's peak (``interleaved_in_flight``).
 
 ``max_micro_batch(config, world_size, memory_bytes)`` is what a worker asks ("how large a
 micro-batch fits in this rank's memory"); ``rank_breakdown`` gives the terms for one strategy.
@@ -19,6 +21,7 @@ Both are pure functions of the config: no process group, no device.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -58,7 +61,8 @@ class Strategy:
     ``tensor_parallel`` ways of tensor parallelism first, and activation checkpointing. HSDP
     (``replicate`` > 1) shards over groups of ``data-parallel ranks / replicate`` only.
     ``pipeline`` > 1 cuts the model into that many stages (``schedule`` over ``microbatches``
-    pipeline micro-batches per micro-batch); the data-parallel ranks are the rest."""
+    pipeline micro-batches per micro-batch), ``virtual`` each under interleaved_1f1b (then the
+    model has ``pipeline x virtual`` stages); the data-parallel ranks are the rest."""
 
     name: str
     sharded: bool
@@ -67,8 +71,14 @@ class Strategy:
     every_n: int = 2
     replicate: int = 1
     pipeline: int = 1
-    schedule: Literal["gpipe", "1f1b"] = "1f1b"
+    schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b"
     microbatches: int = 1
+    virtual: int = 1
+
+    @property
+    def parts(self) -> int:
+        """The model's stages: ``pipeline`` ranks x ``virtual`` stages each."""
+        return self.pipeline * self.virtual
 
     def data_parallel(self, world_size: int) -> int:
         """Ranks that read different batches: the world over pipeline stages and tensor-parallel groups."""
@@ -92,8 +102,8 @@ class Strategy:
 
     @property
     def bubble(self) -> float:
-        """The pipeline's idle share of a step, ``(P - 1) / (M + P - 1)`` for GPipe and 1F1B."""
-        return (self.pipeline - 1) / (self.microbatches + self.pipeline - 1)
+        """The pipeline's idle share of a step, ``(P - 1) / (V M + P - 1)`` (V = 1 for GPipe and 1F1B)."""
+        return (self.pipeline - 1) / (self.virtual * self.microbatches + self.pipeline - 1)
 
 
 def strategy_of(config: Config) -> Strategy:
@@ -113,8 +123,9 @@ def strategy_of(config: Config) -> Strategy:
         every_n=par.activation_checkpointing_every_n,
         replicate=replicate,
         pipeline=pipe.stages if pipe is not None else 1,
-        schedule="gpipe" if pipe is not None and pipe.schedule == "gpipe" else "1f1b",
+        schedule=pipe.schedule if pipe is not None else "1f1b",
         microbatches=pipe.microbatches if pipe is not None else 1,
+        virtual=pipe.per_worker if pipe is not None else 1,
     )
 
 
@@ -218,7 +229,7 @@ def per_stage(
     if strategy.pipeline == 1:
         return [(fixed_bytes(config, world_size, strategy, profile), activation_bytes(profile, strategy))]
     return [
-        (fixed_bytes(config, world_size, strategy, stage_profile(profile, strategy.pipeline, index)), acts)
+        (fixed_bytes(config, world_size, strategy, rank_profile(profile, strategy, index)), acts)
         for index, acts in enumerate(stage_activations(profile, strategy))
     ]
 
@@ -228,39 +239,108 @@ def stage_blocks(profile: ModelProfile, stages: int) -> list[range]:
     return split_blocks(profile.blocks, stages)
 
 
-def stage_profile(profile: ModelProfile, stages: int, index: int) -> ModelProfile:
-    """``profile`` with the parameters stage ``index`` of ``stages`` holds: its blocks, and the
-    embeddings on the first stage, the final norm and head on the last."""
-    blocks = stage_blocks(profile, stages)[index]
+def stage_profile(profile: ModelProfile, stages: int, index: int | Sequence[int]) -> ModelProfile:
+    """``profile`` with the parameters stage ``index`` of ``stages`` holds (or stages, all of
+    them): its blocks, and the embeddings on the first stage, the final norm and head on the last."""
+    indices = {index} if isinstance(index, int) else set(index)
+    parts = stage_blocks(profile, stages)
+    blocks = {block for i in indices for block in parts[i]}
 
     def held(param: ParamShape) -> bool:
         if param.unit >= 0:
             return param.unit in blocks
-        return index == 0 if param.name in profile.first_stage else index == stages - 1
+        return 0 in indices if param.name in profile.first_stage else stages - 1 in indices
 
     return replace(profile, params=tuple(p for p in profile.params if held(p)))
 
 
+def rank_stages(strategy: Strategy, rank: int) -> list[int]:
+    """The stages pipeline rank ``rank`` holds: ``rank``, ``rank + P``, ... (one unless interleaved)."""
+    return list(range(rank, strategy.parts, strategy.pipeline))
+
+
+def rank_profile(profile: ModelProfile, strategy: Strategy, rank: int) -> ModelProfile:
+    """``profile`` with the parameters pipeline rank ``rank`` holds (all of its stages')."""
+    return stage_profile(profile, strategy.parts, rank_stages(strategy, rank))
+
+
+def interleaved_in_flight(strategy: Strategy, rank: int) -> list[list[int]]:
+    """Pipeline micro-batches whose activations each of ``rank``'s stages holds, after each of
+    its operations under torch's interleaved 1F1B (``ScheduleInterleaved1F1B``): ``warmup``
+    forwards, then a forward and a backward each, then the remaining backwards; forwards go
+    through its stages a round of micro-batches at a time, backwards the other way."""
+    pp, local, m = strategy.pipeline, strategy.virtual, strategy.microbatches
+    per_round = m // max(1, m // pp)
+    warmup = min((local - 1) * per_round + 2 * (pp - 1 - rank), m * local)
+    live, seen = [0] * local, []
+    forwards = backwards = 0
+
+    def forward() -> None:
+        nonlocal forwards
+        live[(forwards // per_round) % local] += 1
+        forwards += 1
+        seen.append(list(live))
+
+    def backward() -> None:
+        nonlocal backwards
+        live[local - 1 - (backwards // per_round) % local] -= 1
+        backwards += 1
+        seen.append(list(live))
+
+    for _ in range(warmup):
+        forward()
+    for _ in range(m * local - warmup):
+        forward()
+        backward()
+    for _ in range(warmup):
+        backward()
+    return seen
+
+
 def stage_activations(profile: ModelProfile, strategy: Strategy) -> list[PerBatch]:
-    """Each stage's activation bytes at a training micro-batch: what one pipeline micro-batch
-    (``1 / microbatches`` of its samples) saves on the stage, times the micro-batches the
-    schedule keeps in flight there; one micro-batch's logits' gradient on the last stage."""
+    """Each pipeline rank's activation bytes at a training micro-batch: what one pipeline
+    micro-batch (``1 / microbatches`` of its samples) saves on each stage the rank holds, times
+    the micro-batches the schedule keeps in flight there; one micro-batch's logits' gradient on
+    the last stage's rank."""
     acts = profile.activations
     share = 1 / strategy.microbatches
-    result = []
-    stages = stage_blocks(profile, strategy.pipeline)
-    for index, blocks in enumerate(stages):
-        first, last = index == 0, index == len(stages) - 1
+    parts = stage_blocks(profile, strategy.parts)
+    kept: list[tuple[PerBatch, PerBatch]] = []
+    for index, blocks in enumerate(parts):
+        first, last = index == 0, index == len(parts) - 1
         saved, recompute = kept_by_blocks(profile, strategy, blocks, acts.before if first else PerBatch(0.0, 0.0))
         if last:
             saved = saved + acts.after
-        saved, recompute = (PerBatch(part.fixed, part.per_sample * share) for part in (saved, recompute))
-        # the other micro-batches in flight keep what they saved while one recomputes a block
-        others = strategy.in_flight(index) - 1
-        held = (saved + saved.scaled(others)).max(recompute + saved.scaled(others))
-        largest = PerBatch(acts.largest.fixed, acts.largest.per_sample * share) if last else PerBatch(0.0, 0.0)
+        kept.append((saved.scaled(share), recompute.scaled(share)))
+    result = []
+    for rank in range(strategy.pipeline):
+        stages = rank_stages(strategy, rank)
+        if strategy.schedule == "interleaved_1f1b":
+            held = interleaved_peak([kept[i] for i in stages], interleaved_in_flight(strategy, rank))
+        else:
+            # the other micro-batches in flight keep what they saved while one recomputes a block
+            saved, recompute = kept[rank]
+            others = strategy.in_flight(rank) - 1
+            held = (saved + saved.scaled(others)).max(recompute + saved.scaled(others))
+        has_last = strategy.parts - 1 in stages
+        largest = PerBatch(acts.largest.fixed, acts.largest.per_sample * share) if has_last else PerBatch(0.0, 0.0)
         result.append(held + largest)
     return result
+
+
+def interleaved_peak(kept: list[tuple[PerBatch, PerBatch]], counts: list[list[int]]) -> PerBatch:
+    """A rank's activations at the schedule's fullest moment (by bytes per sample): each of its
+    stages' saved bytes times the micro-batches in flight there, and, when a stage recomputes a
+    block, that block's recompute over one of its micro-batches' saved bytes."""
+    fullest = max(counts, key=lambda live: sum(n * saved.per_sample for n, (saved, _) in zip(live, kept, strict=True)))
+    held = PerBatch(0.0, 0.0)
+    for n, (saved, _) in zip(fullest, kept, strict=True):
+        held = held + saved.scaled(n)
+    extra = PerBatch(0.0, 0.0)
+    for n, (saved, recompute) in zip(fullest, kept, strict=True):
+        if n:
+            extra = extra.max(PerBatch(recompute.fixed - saved.fixed, recompute.per_sample - saved.per_sample))
+    return held + extra
 
 
 def configured_micro_batch(config: Config) -> int:

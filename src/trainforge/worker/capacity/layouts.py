@@ -32,7 +32,7 @@ from typing import Any, Literal
 from pydantic import ValidationError
 
 from trainforge.config import Config
-from trainforge.worker.capacity.estimate import FP32, Strategy, local_numel, stage_blocks, stage_profile
+from trainforge.worker.capacity.estimate import FP32, Strategy, local_numel, rank_profile, stage_blocks
 from trainforge.worker.capacity.profile import ModelProfile, ParamShape, compute_mode
 
 GPUS_PER_NODE = 8
@@ -104,12 +104,14 @@ def pipelined_strategies(
 ) -> tuple[list[Strategy], list[dict[str, str]]]:
     """Each base layout (ddp, fsdp, with checkpointing and tensor parallelism) cut into 2, 4, 8 ...
     stages that divide both the GPUs (with the tensor-parallel groups) and the blocks. The
-    schedule and pipeline micro-batches are the config's ``parallel.pipeline``'s when it has one,
-    else 1F1B over one sample each (the smallest bubble a micro-batch allows)."""
+    schedule and pipeline micro-batches are the config's ``parallel.pipeline``'s when it has one
+    (with interleaved_1f1b, where the blocks divide into its stages per rank too), else 1F1B over
+    one sample each (the smallest bubble a micro-batch allows)."""
     if profile.pipeline_problem is not None:
         return [], [{"name": "pp", "reason": profile.pipeline_problem}]
     own = config.parallel.pipeline
-    schedule: Literal["gpipe", "1f1b"] = "gpipe" if own is not None and own.schedule == "gpipe" else "1f1b"
+    schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = own.schedule if own is not None else "1f1b"
+    virtual = own.per_worker if own is not None else 1
     microbatches = own.microbatches if own is not None else micro_batch
     # trainforge's pipeline runs with ddp (and checkpointing) on the data dimension today
     unsharded = [base for base in bases if not base.sharded]
@@ -123,7 +125,10 @@ def pipelined_strategies(
             if gpus % (stages * tp) or (base.sharded and gpus // (stages * tp) < 2):
                 continue  # FSDP over one rank is DDP
             name = f"pp{stages}+{base.name}"
-            chosen.append(replace(base, name=name, pipeline=stages, schedule=schedule, microbatches=microbatches))
+            # too few blocks to interleave them over the stages: one stage a rank
+            interleaves = profile.blocks % (stages * virtual) == 0
+            cut = replace(base, name=name, pipeline=stages, microbatches=microbatches)
+            chosen.append(replace(cut, schedule=schedule, virtual=virtual) if interleaves else cut)
     return chosen, []
 
 
@@ -170,17 +175,20 @@ def traffic(config: Config, profile: ModelProfile, strategy: Strategy, gpus: int
     total = per_gpu * gpus
     samples = dp * micro_batch
     if stages > 1:
-        hidden = [profile.activations.inputs[blocks.start].at(micro_batch) for blocks in stage_blocks(profile, stages)]
+        parts = stage_blocks(profile, strategy.parts)  # interleaved: every stage's hand-over to the next rank's
+        hidden = [profile.activations.inputs[blocks.start].at(micro_batch) for blocks in parts]
         stride = dp * tp  # consecutive stages of one replica are this many ranks apart
-        for index in range(1, stages):
-            if (index * stride) // GPUS_PER_NODE != ((index - 1) * stride) // GPUS_PER_NODE:
+        for index in range(1, len(parts)):
+            rank, previous = index % stages, (index - 1) % stages
+            if (rank * stride) // GPUS_PER_NODE != (previous * stride) // GPUS_PER_NODE:
                 total += 2 * hidden[index] * dp * tp  # forward activations and their gradients back
                 crossing = max(crossing, 1)
     return Traffic(total, samples, crossing)
 
 
 def stage_params(profile: ModelProfile, strategy: Strategy, index: int) -> tuple[ParamShape, ...]:
-    return stage_profile(profile, strategy.pipeline, index).params if strategy.pipeline > 1 else profile.params
+    """The parameters pipeline rank ``index`` holds (all of them unpipelined)."""
+    return rank_profile(profile, strategy, index).params if strategy.pipeline > 1 else profile.params
 
 
 def settings_of(strategy: Strategy) -> dict[str, Any]:
@@ -197,6 +205,8 @@ def settings_of(strategy: Strategy) -> dict[str, Any]:
             "schedule": strategy.schedule,
             "microbatches": strategy.microbatches,
         }
+        if strategy.virtual > 1:
+            settings["parallel.pipeline"]["virtual_stages"] = strategy.virtual
     return settings
 
 

@@ -149,6 +149,7 @@ def layout_row(
         "pipeline": strategy.pipeline,
         "schedule": strategy.schedule if strategy.pipeline > 1 else None,
         "microbatches": strategy.microbatches if strategy.pipeline > 1 else None,
+        "virtual_stages": strategy.virtual if strategy.pipeline > 1 else None,
         "bubble": strategy.bubble,
         "activation_checkpointing": strategy.activation_checkpointing != "none",
         "per_gpu_gb": {name: gib(value) for name, value in held.items()},
