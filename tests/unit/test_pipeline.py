@@ -48,6 +48,7 @@ def test_pipeline_section_reads_with_its_defaults(tmp_path: Path) -> None:
     assert interleaved.parallel.pipeline is not None and interleaved.parallel.pipeline.parts == 4
     three = {"stages": 2, "schedule": "interleaved_1f1b", "virtual_stages": 3, "microbatches": 4}
     assert Config.model_validate(config(tmp_path, three)).parallel.pipeline.parts == 6  # type: ignore[union-attr]
+    assert Config.model_validate(config(tmp_path, {"stages": 2}, precision="bf16")).precision == "bf16"
     assert Config.model_validate(config(tmp_path, None)).parallel.stages == 1
 
 
@@ -79,6 +80,11 @@ def test_pipeline_section_reads_with_its_defaults(tmp_path: Path) -> None:
             "built-in decoders (llama_*, gpt2_*) only; model is bert_small",
         ),
         ({"stages": 2}, {"train": {"ema": {"decay": 0.9}}}, "parallel.pipeline does not run with train.ema"),
+        (
+            {"stages": 2},
+            {"precision": "fp16", "scaling": {"num_workers": 4, "use_gpu": True}},
+            "parallel.pipeline does not run with precision fp16",
+        ),
         ({"stages": 2}, {"scaling": {"num_workers": [2, 4]}}, "must divide a fixed scaling.num_workers"),
     ],
 )

@@ -956,7 +956,7 @@ class Config(Section):
             "model.pretrained": self.model.pretrained is not None,
             "train.ema": self.train.ema is not None,
             "train.anomaly": self.train.anomaly is not None,
-            "precision bf16/fp16": self.precision != "fp32",
+            "precision fp16": self.precision == "fp16",  # its grad scaler's skip would have to agree across stages
         }
         for key, used in unsupported.items():
             if used:
