@@ -77,6 +77,11 @@ def gpt2_config(tmp: Path, workers: int, parallel: dict[str, Any]) -> dict[str, 
     return {**lm_config(tmp, workers, parallel), "model": GPT2}
 
 
+def with_ema(config: dict[str, Any]) -> dict[str, Any]:
+    """``train.ema`` every step, validated with the averaged weights too (val_ema/...)."""
+    return {**config, "train": {**config["train"], "ema": {"decay": 0.9}}}
+
+
 def run_all(world: int, runs: list[tuple[dict[str, Any], int | None]]) -> list[Outcome]:
     """The runs one after another in the same ``world`` ranks; rank 0's outcome of each."""
     return spawn_ranks(sessions, world, runs)[0]
@@ -105,6 +110,9 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "interleaved-crashed": lm_config(tmp / "interleaved-crashed", 4, INTERLEAVED, layers=4),
         "ddp4": lm_config(tmp / "ddp4", 2, {"strategy": "ddp"}, layers=4),
         "pipeline-bf16": {**lm_config(tmp / "pipeline-bf16", 4, PIPELINE), "precision": "bf16"},
+        "pipeline-ema": with_ema(lm_config(tmp / "pipeline-ema", 4, PIPELINE)),
+        "pipeline-ema-crashed": with_ema(lm_config(tmp / "pipeline-ema-crashed", 4, PIPELINE)),
+        "ddp-ema": with_ema(lm_config(tmp / "ddp-ema", 2, {"strategy": "ddp"})),
         "ddp-bf16": {**lm_config(tmp / "ddp-bf16", 2, {"strategy": "ddp"}), "precision": "bf16"},
     }
     configs["ddp4-from-interleaved"] = lm_config(
@@ -123,57 +131,41 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     configs["pipeline-from-ddp"] = lm_config(
         tmp / "pipeline-from-ddp", 4, PIPELINE, resume=saved_at(configs["ddp"], SAVED)
     )
-    pipeline, crashed, restarted, gpipe, accumulated, gpt2_pipeline, *interleaved, pipeline_bf16 = run_all(
-        4,
-        [
-            (configs["pipeline"], None),
-            (configs["crashed"], CRASH),
-            (configs["crashed"], None),
-            (configs["gpipe"], None),
-            (configs["accumulated"], None),
-            (configs["gpt2-pipeline"], None),
-            (configs["interleaved"], None),
-            (configs["interleaved-crashed"], CRASH),
-            (configs["interleaved-crashed"], None),
-            (configs["pipeline-bf16"], None),
-        ],
-    )
-    names = (
-        "ddp",
-        "fsdp",
-        "fsdp-from-pipeline",
-        "ddp-from-pipeline",
-        "gpt2-ddp",
-        "ddp4",
-        "ddp4-from-interleaved",
-        "ddp-bf16",
-    )
-    ddp, fsdp, fsdp_from_pipeline, ddp_from_pipeline, gpt2_ddp, ddp4, ddp4_from_interleaved, ddp_bf16 = run_all(
-        2, [(configs[n], None) for n in names]
-    )
-    pipeline_from_fsdp, pipeline_from_ddp = run_all(
-        4, [(configs["pipeline-from-fsdp"], None), (configs["pipeline-from-ddp"], None)]
-    )
-    outcomes = {
-        "pipeline": pipeline,
-        "crashed": crashed,
-        "restarted": restarted,
-        "gpipe": gpipe,
-        "accumulated": accumulated,
-        "ddp": ddp,
-        "fsdp": fsdp,
-        "fsdp-from-pipeline": fsdp_from_pipeline,
-        "pipeline-from-fsdp": pipeline_from_fsdp,
-        "ddp-from-pipeline": ddp_from_pipeline,
-        "pipeline-from-ddp": pipeline_from_ddp,
-        "gpt2-pipeline": gpt2_pipeline,
-        "gpt2-ddp": gpt2_ddp,
-        **dict(zip(("interleaved", "interleaved-crashed", "interleaved-restarted"), interleaved, strict=True)),
-        "ddp4": ddp4,
-        "ddp4-from-interleaved": ddp4_from_interleaved,
-        "pipeline-bf16": pipeline_bf16,
-        "ddp-bf16": ddp_bf16,
-    }
+    # (outcome's name, config's name, the step it crashes at): in 4 ranks, then 2, then 4 again
+    in_four = [
+        ("pipeline", "pipeline", None),
+        ("crashed", "crashed", CRASH),
+        ("restarted", "crashed", None),
+        ("gpipe", "gpipe", None),
+        ("accumulated", "accumulated", None),
+        ("gpt2-pipeline", "gpt2-pipeline", None),
+        ("interleaved", "interleaved", None),
+        ("interleaved-crashed", "interleaved-crashed", CRASH),
+        ("interleaved-restarted", "interleaved-crashed", None),
+        ("pipeline-bf16", "pipeline-bf16", None),
+        ("pipeline-ema", "pipeline-ema", None),
+        ("pipeline-ema-crashed", "pipeline-ema-crashed", CRASH),
+        ("pipeline-ema-restarted", "pipeline-ema-crashed", None),
+    ]
+    in_two = [
+        (name, name, None)
+        for name in (
+            "ddp",
+            "fsdp",
+            "fsdp-from-pipeline",
+            "ddp-from-pipeline",
+            "gpt2-ddp",
+            "ddp4",
+            "ddp4-from-interleaved",
+            "ddp-bf16",
+            "ddp-ema",
+        )
+    ]
+    in_four_again = [(name, name, None) for name in ("pipeline-from-fsdp", "pipeline-from-ddp")]
+    outcomes = {}
+    for world, runs in ((4, in_four), (2, in_two), (4, in_four_again)):
+        found = run_all(world, [(configs[config], crash) for _, config, crash in runs])
+        outcomes.update(zip((name for name, _, _ in runs), found, strict=True))
     return {"configs": configs, "outcomes": outcomes, "tmp": tmp}
 
 
@@ -208,6 +200,29 @@ def test_a_bf16_pipeline_has_the_losses_of_bf16_ddp(trained: dict[str, Any]) -> 
     print(f"\nbf16 pipeline vs bf16 ddp: largest relative gap {gap:.2e} (bf16 ddp vs fp32 ddp: {bf16_itself:.2e})")
     assert bf16_itself > 0 and gap <= 2 * bf16_itself  # a wrong scale or order would be 1e-2 or more
     assert pipeline.losses[STEPS] < pipeline.losses[1]
+
+
+def test_a_pipelines_ema_is_ddps_and_resumes_bit_identical(trained: dict[str, Any]) -> None:
+    """train.ema under the pipeline: each stage averages its own weights; the final checkpoint's
+    whole average (the run's model_ema.safetensors) gathers every stage's and is DDP's; a crashed
+    run restarted from step 8 ends with the same average, bit for bit."""
+    from safetensors.torch import load_file
+
+    outcomes, configs = trained["outcomes"], trained["configs"]
+
+    def averaged(name: str) -> dict[str, torch.Tensor]:
+        final = Path(configs[name]["run"]["output_dir"]) / "t" / f"checkpoint_{STEPS:09d}"
+        return load_file(str(final / "ema.safetensors"))  # what the driver exports as model_ema.safetensors
+
+    pipeline, ddp = averaged("pipeline-ema"), averaged("ddp-ema")
+    assert pipeline.keys() == ddp.keys() and "model.lm_head.weight" in pipeline
+    gap = max(float((pipeline[k] - ddp[k]).norm() / ddp[k].norm()) for k in ddp)  # per tensor, relative
+    val = largest_gap(*({0: outcomes[name].final["val_ema/loss"]} for name in ("ddp-ema", "pipeline-ema")), range(1))
+    print(f"\nema: pipeline vs ddp, largest relative weight gap {gap:.2e}, val_ema/loss gap {val:.2e}")
+    assert gap <= 1e-5 and val <= 1e-5
+    assert outcomes["pipeline-ema-crashed"].crashed and outcomes["pipeline-ema-restarted"].final["status"] == "finished"
+    restarted = averaged("pipeline-ema-crashed")
+    assert all(torch.equal(restarted[k], pipeline[k]) for k in pipeline)
 
 
 @pytest.mark.parametrize(

@@ -79,7 +79,7 @@ def test_pipeline_section_reads_with_its_defaults(tmp_path: Path) -> None:
             {"model": {"name": "bert_small"}},
             "built-in decoders (llama_*, gpt2_*) only; model is bert_small",
         ),
-        ({"stages": 2}, {"train": {"ema": {"decay": 0.9}}}, "parallel.pipeline does not run with train.ema"),
+        ({"stages": 2}, {"train": {"anomaly": {}}}, "parallel.pipeline does not run with train.anomaly"),
         (
             {"stages": 2},
             {"precision": "fp16", "scaling": {"num_workers": 4, "use_gpu": True}},

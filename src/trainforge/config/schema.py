@@ -954,7 +954,6 @@ class Config(Section):
             f"model.task {self.model.task}": self.model.task not in (None, "causal_lm"),
             "model.lora": self.model.lora is not None,
             "model.pretrained": self.model.pretrained is not None,
-            "train.ema": self.train.ema is not None,
             "train.anomaly": self.train.anomaly is not None,
             "precision fp16": self.precision == "fp16",  # its grad scaler's skip would have to agree across stages
         }

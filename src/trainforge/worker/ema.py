@@ -97,9 +97,9 @@ class Ema(Component):
         restore.notes.append("train.ema: the checkpoint holds no averaged weights; the average starts here")
 
     def full_weights(self) -> dict[str, torch.Tensor]:
-        """Rank 0: the whole averaged weights (gathered from the shards under a sharded plan)."""
-        whole = {name: tensor.full_tensor() if is_dtensor(tensor) else tensor for name, tensor in self.average.items()}
-        return whole if self.plan.layout.rank == 0 else {}
+        """Rank 0: the whole averaged weights (gathered from the shards, or the stages, of a sharded
+        or pipelined plan)."""
+        return self.plan.gathered(self.average)
 
     def evaluations(self) -> Iterator[tuple[str, contextlib.AbstractContextManager[Any]]]:
         if self.cfg.evaluate:

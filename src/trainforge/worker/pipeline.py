@@ -369,7 +369,11 @@ class PipelinePlan(ParallelPlan):
 
     def full_model_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """Every stage's weights gathered to rank 0 (empty elsewhere): the whole model."""
-        mine = {k: v.detach().cpu() for k, v in model.state_dict().items()} if self.layout.dp_rank == 0 else {}
+        return self.gathered(dict(model.state_dict()))
+
+    def gathered(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Every stage's tensors (by the whole model's names) gathered to rank 0; empty elsewhere."""
+        mine = {k: v.detach().cpu() for k, v in tensors.items()} if self.layout.dp_rank == 0 else {}
         gathered: list[Any] = [None] * dist.get_world_size() if self.layout.rank == 0 else []
         dist.gather_object(mine, gathered if self.layout.rank == 0 else None, dst=0)
         return {k: v for part in gathered for k, v in part.items()}

@@ -217,6 +217,12 @@ class ParallelPlan:
             return cast(dict[str, torch.Tensor], get_model_state_dict(model, options=options))
         return self._saved(self.eval_model(model))
 
+    def gathered(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Rank 0: whole tensors by name from this rank's (DTensor shards gathered); empty elsewhere.
+        Every rank calls it (gathering a shard is a collective)."""
+        whole = {name: tensor.full_tensor() if is_dtensor(tensor) else tensor for name, tensor in tensors.items()}
+        return whole if self.layout.rank == 0 else {}
+
     def load_full_model_state(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
         """Full weights (every rank holds all of them) into this model, strictly (with adapters,
         strictly the adapters); sharded, each rank keeps its part."""
