@@ -77,6 +77,11 @@ def gpt2_config(tmp: Path, workers: int, parallel: dict[str, Any]) -> dict[str, 
     return {**lm_config(tmp, workers, parallel), "model": GPT2}
 
 
+def crashed_and_restarted(straight: str, crashed: str, restarted: str) -> list[tuple[str, str, int | None]]:
+    """The uninterrupted run, then its copy crashing after step ``CRASH`` and that copy run again."""
+    return [(straight, straight, None), (crashed, crashed, CRASH), (restarted, crashed, None)]
+
+
 def with_ema(config: dict[str, Any]) -> dict[str, Any]:
     """``train.ema`` every step, validated with the averaged weights too (val_ema/...)."""
     return {**config, "train": {**config["train"], "ema": {"decay": 0.9}}}
@@ -133,19 +138,11 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     )
     # (outcome's name, config's name, the step it crashes at): in 4 ranks, then 2, then 4 again
     in_four = [
-        ("pipeline", "pipeline", None),
-        ("crashed", "crashed", CRASH),
-        ("restarted", "crashed", None),
-        ("gpipe", "gpipe", None),
-        ("accumulated", "accumulated", None),
-        ("gpt2-pipeline", "gpt2-pipeline", None),
-        ("interleaved", "interleaved", None),
-        ("interleaved-crashed", "interleaved-crashed", CRASH),
-        ("interleaved-restarted", "interleaved-crashed", None),
+        *crashed_and_restarted("pipeline", "crashed", "restarted"),
+        *((name, name, None) for name in ("gpipe", "accumulated", "gpt2-pipeline")),
+        *crashed_and_restarted("interleaved", "interleaved-crashed", "interleaved-restarted"),
         ("pipeline-bf16", "pipeline-bf16", None),
-        ("pipeline-ema", "pipeline-ema", None),
-        ("pipeline-ema-crashed", "pipeline-ema-crashed", CRASH),
-        ("pipeline-ema-restarted", "pipeline-ema-crashed", None),
+        *crashed_and_restarted("pipeline-ema", "pipeline-ema-crashed", "pipeline-ema-restarted"),
     ]
     in_two = [
         (name, name, None)
