@@ -114,10 +114,15 @@ def check_pipeline(model: nn.Module, stages: int, split: list[int] | None, per_w
     split_blocks(block_count(model), stages, split, per_worker)
 
 
+def stages_of(worker: int, workers: int, stages: int) -> list[int]:
+    """The stages worker ``worker`` of a pipeline of ``workers`` holds, of the model's ``stages``:
+    ``worker``, ``worker + workers``, ... (one each unless the model has more stages than workers)."""
+    return list(range(worker, stages, workers))
+
+
 def held_by(worker: int, workers: int, parts: list[range]) -> dict[int, range]:
-    """The stages (index: blocks) worker ``worker`` of a pipeline of ``workers`` holds: ``worker``,
-    ``worker + workers``, ... (one stage each unless the model has more stages than workers)."""
-    return {index: parts[index] for index in range(worker, len(parts), workers)}
+    """``stages_of`` with each stage's blocks (index: blocks)."""
+    return {index: parts[index] for index in stages_of(worker, workers, len(parts))}
 
 
 class Stage(nn.Module):

@@ -28,7 +28,7 @@ from typing import Literal
 from trainforge.config import MAX_BATCH, Config
 from trainforge.worker.capacity.activations import PerBatch
 from trainforge.worker.capacity.profile import ModelProfile, ParamShape, compute_mode, profile_model
-from trainforge.worker.pipeline import split_blocks
+from trainforge.worker.pipeline import split_blocks, stages_of
 
 GIB = 1 << 30
 FP32 = 4
@@ -256,7 +256,7 @@ def stage_profile(profile: ModelProfile, stages: int, index: int | Sequence[int]
 
 def rank_stages(strategy: Strategy, rank: int) -> list[int]:
     """The stages pipeline rank ``rank`` holds: ``rank``, ``rank + P``, ... (one unless interleaved)."""
-    return list(range(rank, strategy.parts, strategy.pipeline))
+    return stages_of(rank, strategy.pipeline, strategy.parts)
 
 
 def rank_profile(profile: ModelProfile, strategy: Strategy, rank: int) -> ModelProfile:
