@@ -48,50 +48,54 @@ if "PYTEST_XDIST_WORKER" in os.environ:
     os.environ.setdefault(OWNER_ENV, f"{os.getppid()}-{os.environ['PYTEST_XDIST_WORKER']}")
 
 
-# Files that take minutes, longest first: seconds of test time (the 120 longest tests' share) in a
-# full run under `-n 2` on a fresh clone, 2-core machine, 2026-11-28 (`PYTEST_ADDOPTS=--durations=120`;
-# the container tests with their images already built: a cold build adds about 3 minutes to the
-# first of them). With `--dist loadfile` xdist hands whole files out in collection order, so the
-# longest start first and the short files fill the gaps at the end: a long file that starts last
-# runs alone and idles the other core. xdist's own reordering (by number of tests, not time) is
-# switched off for this.
+# Files that take minutes, longest first: seconds of test time (the longest tests' share) in a full
+# run under `-n 2` on a fresh clone, 2-core machine, load average 6-7 (2026-11-29,
+# `PYTEST_ADDOPTS=--durations=80`), or the figure of the run before (2026-11-28) where it was larger.
+# With `--dist loadfile` xdist hands whole files out in this order, so the longest start first and
+# the short files fill the gaps at the end: a long file that starts last runs alone and idles the
+# other core (test_lm's one test, listed at 95 s, took 218 s and started late). xdist's own
+# reordering (by number of tests, not time) is switched off for this.
 LONGEST_FIRST = (
     "faults/test_exact_resume.py",  # 409
+    "integration/test_stream.py",  # 239
     "cluster/test_multinode.py",  # 236
     "deploy/test_compose.py",  # 235
-    "deploy/test_images.py",  # 92 on 2026-11-27 (the image the compose test uses too)
+    "deploy/test_images.py",  # 131 (builds the image test_compose.py uses: kept beside it)
+    "integration/test_lm.py",  # 218
+    "integration/test_tune.py",  # 212
+    "integration/test_s3.py",  # 202
     "integration/test_fsdp.py",  # 196
-    "integration/test_s3.py",  # 195
     "integration/test_bench_startup.py",  # 184
     "integration/test_ckpt_cli.py",  # 183
-    "integration/test_stream.py",  # 182
+    "faults/test_nodes.py",  # 172
     "cluster/test_tls.py",  # 172
     "integration/test_warm.py",  # 167
     "integration/test_tune_faults.py",  # 166
-    "integration/test_tune.py",  # 158
+    "integration/test_pipeline.py",  # 150 (its module set-up alone 73)
     "integration/test_tls_local.py",  # 142
+    "integration/test_bench_recovery.py",  # 141
     "integration/test_bench_peers.py",  # 129
-    "integration/test_bench_recovery.py",  # 128
+    "faults/test_pipeline_kill.py",  # 120
     "cluster/test_scaling.py",  # 117
-    "faults/test_nodes.py",  # 113
-    "faults/test_pipeline_kill.py",  # 112
     "integration/test_resume_modes.py",  # 110
+    "faults/test_hang.py",  # 102
     "faults/test_mnist_example.py",  # 101
     "unit/test_session.py",  # 98
-    "integration/test_lm.py",  # 95
     "integration/test_mlflow.py",  # 93
+    "integration/test_hf_models.py",  # 89
     "unit/test_hsdp.py",  # 66
+    "integration/test_passed_objects.py",  # 64
     "unit/test_fsdp.py",  # 62
     "integration/test_cli.py",  # 62
+    "integration/test_notebook.py",  # 61
     "integration/test_submit.py",  # 59
-    "faults/test_hang.py",  # 56
     "unit/test_communication.py",  # 55
-    "integration/test_pipeline.py",  # 55
-    "integration/test_hf_models.py",  # 55
-    "integration/test_passed_objects.py",  # 51
-    "faults/test_straggler.py",  # 47
+    "faults/test_straggler.py",  # 52
+    "integration/test_engine.py",  # 47
     "cluster/test_encrypted_network.py",  # 46
-    "integration/test_engine.py",  # 45
+    "unit/test_blocks.py",  # 46
+    "deploy/test_containers.py",  # 44
+    "integration/test_bench_data.py",  # 40
 )
 
 
