@@ -1,13 +1,14 @@
 """Pipeline parallelism in the worker's Session, in gloo ranks without Ray (CPU): a llama_tiny cut
 into 2 stages x 2 data-parallel replicas on 4 workers has the losses of DDP on 2 workers (the same
-global batch), a run crashed and restarted ends bit-identical to the uninterrupted one, and its
-checkpoints resume under FSDP and DDP, and theirs under the pipeline.
+global batch), with each stage replicated (ddp) or sharded over its replicas (fsdp); a run crashed
+and restarted ends bit-identical to the uninterrupted one, and its checkpoints resume under FSDP
+and DDP, and theirs under the pipeline.
 
 The runs of one world size share one start-up of their processes (tests/helpers/sessions.py):
 the uninterrupted (1f1b, gpipe, 1f1b over accumulated micro-batches, GPT-2), the crashed and
-the restarted pipelines, and the same three interleaved (2 workers x 2 stages each of a 4-block
-model), in 4 ranks; DDP (llama and GPT-2), FSDP, and both from the pipeline's
-checkpoint in 2; then the pipeline from FSDP's and from DDP's checkpoints in 4.
+the restarted pipelines, the same three interleaved (2 workers x 2 stages each of a 4-block
+model), bf16, EMA and sharded (fsdp) pipelines, in 4 ranks; DDP (llama and GPT-2), FSDP, and
+both from the pipelines' checkpoints in 2; then the pipelines from FSDP's and DDP's checkpoints in 4.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from tests.helpers.runs import tiny_run
 from tests.helpers.sessions import Outcome, sessions
 from tests.unit.test_session import final_state
 
-pytestmark = pytest.mark.slow  # 50-90 s: three start-ups of 2-4 gloo ranks, thirteen short runs
+pytestmark = pytest.mark.slow  # 80-160 s: three start-ups of 2-4 gloo ranks, thirty-two short runs
 
 STEPS, CRASH, SAVED = 16, 12, 8
 
@@ -62,6 +63,9 @@ def lm_config(
 
 
 PIPELINE = {"pipeline": {"stages": 2, "schedule": "1f1b", "microbatches": 4}}
+# The same pipeline with each stage sharded over its 2 replicas (pipeline x FSDP).
+SHARDED = {**PIPELINE, "strategy": "fsdp"}
+BF16_PARAMETERS = {"mixed_precision": "bf16"}  # FSDP's: bf16 compute, fp32 reductions
 # Two workers holding two stages each of a 4-block model: stages 0 and 2 on one, 1 and 3 on the other.
 INTERLEAVED = {"pipeline": {"stages": 2, "schedule": "interleaved_1f1b", "microbatches": 4}}
 # GPT-2 with its head untied (a pipeline's first and last stages are different ranks) and without
@@ -119,6 +123,11 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "pipeline-ema-crashed": with_ema(lm_config(tmp / "pipeline-ema-crashed", 4, PIPELINE)),
         "ddp-ema": with_ema(lm_config(tmp / "ddp-ema", 2, {"strategy": "ddp"})),
         "ddp-bf16": {**lm_config(tmp / "ddp-bf16", 2, {"strategy": "ddp"}), "precision": "bf16"},
+        "pipeline-fsdp": lm_config(tmp / "pipeline-fsdp", 4, SHARDED),
+        "pipeline-fsdp-crashed": lm_config(tmp / "pipeline-fsdp-crashed", 4, SHARDED),
+        "interleaved-fsdp": lm_config(tmp / "interleaved-fsdp", 4, {**INTERLEAVED, "strategy": "fsdp"}, layers=4),
+        "pipeline-fsdp-bf16": lm_config(tmp / "pipeline-fsdp-bf16", 4, {**SHARDED, "fsdp": BF16_PARAMETERS}),
+        "fsdp-bf16": lm_config(tmp / "fsdp-bf16", 2, {"strategy": "fsdp", "fsdp": BF16_PARAMETERS}),
     }
     configs["ddp4-from-interleaved"] = lm_config(
         tmp / "ddp4-from-interleaved", 2, {"strategy": "ddp"}, layers=4, resume=saved_at(configs["interleaved"], SAVED)
@@ -136,6 +145,13 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     configs["pipeline-from-ddp"] = lm_config(
         tmp / "pipeline-from-ddp", 4, PIPELINE, resume=saved_at(configs["ddp"], SAVED)
     )
+    configs["fsdp-from-pipeline-fsdp"] = lm_config(
+        tmp / "fsdp-from-pipeline-fsdp", 2, {"strategy": "fsdp"}, resume=saved_at(configs["pipeline-fsdp"], SAVED)
+    )
+    # DDP's whole tensors into shards of stages: the full-state load of both the weights and the moments.
+    configs["pipeline-fsdp-from-ddp"] = lm_config(
+        tmp / "pipeline-fsdp-from-ddp", 4, SHARDED, resume=saved_at(configs["ddp"], SAVED)
+    )
     # (outcome's name, config's name, the step it crashes at): in 4 ranks, then 2, then 4 again
     in_four = [
         *crashed_and_restarted("pipeline", "crashed", "restarted"),
@@ -143,6 +159,9 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         *crashed_and_restarted("interleaved", "interleaved-crashed", "interleaved-restarted"),
         ("pipeline-bf16", "pipeline-bf16", None),
         *crashed_and_restarted("pipeline-ema", "pipeline-ema-crashed", "pipeline-ema-restarted"),
+        *crashed_and_restarted("pipeline-fsdp", "pipeline-fsdp-crashed", "pipeline-fsdp-restarted"),
+        ("interleaved-fsdp", "interleaved-fsdp", None),
+        ("pipeline-fsdp-bf16", "pipeline-fsdp-bf16", None),
     ]
     in_two = [
         (name, name, None)
@@ -156,9 +175,13 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             "ddp4-from-interleaved",
             "ddp-bf16",
             "ddp-ema",
+            "fsdp-from-pipeline-fsdp",
+            "fsdp-bf16",
         )
     ]
-    in_four_again = [(name, name, None) for name in ("pipeline-from-fsdp", "pipeline-from-ddp")]
+    in_four_again = [
+        (name, name, None) for name in ("pipeline-from-fsdp", "pipeline-from-ddp", "pipeline-fsdp-from-ddp")
+    ]
     outcomes = {}
     for world, runs in ((4, in_four), (2, in_two), (4, in_four_again)):
         found = run_all(world, [(configs[config], crash) for _, config, crash in runs])
@@ -170,9 +193,17 @@ def largest_gap(a: dict[int, float], b: dict[int, float], steps: range) -> float
     return max(abs(a[step] - b[step]) / abs(a[step]) for step in steps)
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "accumulated", "gpt2", "interleaved"])
+@pytest.mark.parametrize(
+    "schedule", ["1f1b", "gpipe", "accumulated", "gpt2", "interleaved", "1f1b-fsdp", "interleaved-fsdp"]
+)
 def test_pipelined_losses_equal_ddp_for_the_same_global_batch(trained: dict[str, Any], schedule: str) -> None:
-    named = {"1f1b": ("pipeline", "ddp"), "gpt2": ("gpt2-pipeline", "gpt2-ddp"), "interleaved": ("interleaved", "ddp4")}
+    named = {
+        "1f1b": ("pipeline", "ddp"),
+        "gpt2": ("gpt2-pipeline", "gpt2-ddp"),
+        "interleaved": ("interleaved", "ddp4"),
+        "1f1b-fsdp": ("pipeline-fsdp", "ddp"),  # each stage sharded over its 2 replicas
+        "interleaved-fsdp": ("interleaved-fsdp", "ddp4"),
+    }
     names = named.get(schedule, (schedule, "ddp"))
     pipeline, ddp = (trained["outcomes"][name] for name in names)
     assert pipeline.final["status"] == "finished"
@@ -185,16 +216,23 @@ def test_pipelined_losses_equal_ddp_for_the_same_global_batch(trained: dict[str,
     assert largest_gap(ddp.val_losses, pipeline.val_losses, range(8, 17, 8)) <= 1e-5
 
 
-def test_a_bf16_pipeline_has_the_losses_of_bf16_ddp(trained: dict[str, Any]) -> None:
-    """precision: bf16 (autocast over the schedule's forwards and the loss): the same global batch
-    under DDP on 2 workers. Not to 1e-5: a pipeline micro-batch of 2 rounds its bf16 products
-    apart from DDP's batch of 8: the gap is held to twice what bf16 itself moves DDP's losses from fp32."""
-    pipeline, ddp, fp32 = (trained["outcomes"][name] for name in ("pipeline-bf16", "ddp-bf16", "ddp"))
+@pytest.mark.parametrize(
+    "names",
+    [("pipeline-bf16", "ddp-bf16", "ddp"), ("pipeline-fsdp-bf16", "fsdp-bf16", "fsdp")],
+    ids=["precision-bf16", "fsdp-mixed-precision-bf16"],
+)
+def test_a_bf16_pipeline_has_the_losses_of_its_bf16_peer(trained: dict[str, Any], names: tuple[str, str, str]) -> None:
+    """precision: bf16 (autocast over the schedule's forwards and the loss) against DDP on 2
+    workers, and FSDP's bf16 parameters (parallel.fsdp.mixed_precision) in stages against FSDP on
+    2: the same global batch. Not to 1e-5: a pipeline micro-batch of 2 rounds its bf16 products
+    apart from the peer's batch of 8: the gap is held to twice what bf16 itself moves the peer's
+    losses from fp32."""
+    pipeline, peer, fp32 = (trained["outcomes"][name] for name in names)
     assert pipeline.final["status"] == "finished"
-    assert sorted(pipeline.losses) == sorted(ddp.losses) == list(range(1, STEPS + 1))
-    gap = largest_gap(ddp.losses, pipeline.losses, range(1, STEPS + 1))
-    bf16_itself = largest_gap(fp32.losses, ddp.losses, range(1, STEPS + 1))
-    print(f"\nbf16 pipeline vs bf16 ddp: largest relative gap {gap:.2e} (bf16 ddp vs fp32 ddp: {bf16_itself:.2e})")
+    assert sorted(pipeline.losses) == sorted(peer.losses) == list(range(1, STEPS + 1))
+    gap = largest_gap(peer.losses, pipeline.losses, range(1, STEPS + 1))
+    bf16_itself = largest_gap(fp32.losses, peer.losses, range(1, STEPS + 1))
+    print(f"\n{names[0]} vs {names[1]}: largest relative gap {gap:.2e} ({names[1]} vs {names[2]}: {bf16_itself:.2e})")
     assert bf16_itself > 0 and gap <= 2 * bf16_itself  # a wrong scale or order would be 1e-2 or more
     assert pipeline.losses[STEPS] < pipeline.losses[1]
 
@@ -224,8 +262,12 @@ def test_a_pipelines_ema_is_ddps_and_resumes_bit_identical(trained: dict[str, An
 
 @pytest.mark.parametrize(
     ("straight", "crashed", "restarted"),
-    [("pipeline", "crashed", "restarted"), ("interleaved", "interleaved-crashed", "interleaved-restarted")],
-    ids=["1f1b", "interleaved"],
+    [
+        ("pipeline", "crashed", "restarted"),
+        ("interleaved", "interleaved-crashed", "interleaved-restarted"),
+        ("pipeline-fsdp", "pipeline-fsdp-crashed", "pipeline-fsdp-restarted"),
+    ],
+    ids=["1f1b", "interleaved", "1f1b-fsdp"],
 )
 def test_pipelined_run_crashed_and_restarted_is_bit_identical(
     trained: dict[str, Any], straight: str, crashed: str, restarted: str
@@ -257,8 +299,18 @@ def test_pipelined_run_crashed_and_restarted_is_bit_identical(
         ("ddp-from-pipeline", "pipeline", "ddp x pp2", "ddp"),
         ("pipeline-from-ddp", "ddp", "ddp", "ddp x pp2"),
         ("ddp4-from-interleaved", "interleaved", "ddp x pp2", "ddp"),
+        ("fsdp-from-pipeline-fsdp", "pipeline-fsdp", "fsdp x pp2", "fsdp"),
+        ("pipeline-fsdp-from-ddp", "ddp", "ddp", "fsdp x pp2"),
     ],
-    ids=["pipeline-to-fsdp", "fsdp-to-pipeline", "pipeline-to-ddp", "ddp-to-pipeline", "interleaved-to-ddp"],
+    ids=[
+        "pipeline-to-fsdp",
+        "fsdp-to-pipeline",
+        "pipeline-to-ddp",
+        "ddp-to-pipeline",
+        "interleaved-to-ddp",
+        "sharded-pipeline-to-fsdp",
+        "ddp-to-sharded-pipeline",
+    ],
 )
 def test_checkpoint_resumes_across_pipelined_and_unpipelined_layouts(
     trained: dict[str, Any], resumed: str, reference: str, written_by: str, uses: str

@@ -72,7 +72,19 @@ def test_pipeline_section_reads_with_its_defaults(tmp_path: Path) -> None:
         ({"stages": 2, "split": [1, 2, 1]}, {}, "must give 2 block counts"),
         ({"stages": 1}, {}, "parallel.pipeline.stages"),
         ({"stages": 2}, {"parallel": {"tensor_parallel": 2}}, "parallel.pipeline does not run with parallel.tensor"),
-        ({"stages": 2}, {"parallel": {"strategy": "fsdp"}}, "parallel.pipeline does not run with parallel.strategy"),
+        (
+            {"stages": 2},
+            {"parallel": {"strategy": "fsdp", "fsdp": {"replicate": 2}}, "scaling": {"num_workers": 8}},
+            "parallel.pipeline does not run with parallel.fsdp.replicate > 1",
+        ),
+        (
+            {"stages": 2},
+            {
+                "parallel": {"strategy": "fsdp", "fsdp": {"cpu_offload": True}},
+                "scaling": {"num_workers": 4, "use_gpu": True},
+            },
+            "parallel.pipeline does not run with parallel.fsdp.cpu_offload",
+        ),
         ({"stages": 2}, {"parallel": {"grad_compression": "bf16"}}, "does not run with parallel.grad_compression"),
         (
             {"stages": 2},

@@ -396,6 +396,13 @@ def test_a_pipeline_idles_in_the_bubble_and_waits_for_each_send() -> None:
     assert interleaved.bubble == pytest.approx(1 / 5)
     assert pipeline_step(interleaved, 2, flat(SLOW)) == pytest.approx((0.5, 0.0, 0.1))
     assert pipeline_step(replace(interleaved, p2p_bytes=1_000_000), 2, flat(SLOW))[1] == pytest.approx(5 * 2 * 0.1)
+    # fsdp stages on 4 GPUs: each stage's 0.5 MB sharded over its 2 replicas, gathered (0.025 s each) for
+    # both pipeline micro-batches' forward and backward, its gradients reduce-scattered (0.025 s) once
+    sharded = replace(sending, strategy="fsdp", param_bytes=1_000_000)
+    assert pipeline_step(sharded, 4, flat(SLOW)) == pytest.approx((1.2 + 4 * 0.025 + 0.025, 0.6 + 0.125, 0.2))
+    kept = replace(sharded, reshard_after_forward=False)  # gathered once, kept until the last backward
+    assert pipeline_step(kept, 4, flat(SLOW))[0] == pytest.approx(1.2 + 0.025 + 0.025)
+    assert pipeline_step(sharded, 2, flat(SLOW)) == pipeline_step(sending, 2, flat(SLOW))  # one replica: no shards
 
 
 def test_a_pipeline_sends_over_nvlink_inside_a_node_and_over_the_link_across_nodes() -> None:

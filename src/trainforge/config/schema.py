@@ -945,7 +945,11 @@ class Config(Section):
             )
         unsupported = {
             "parallel.tensor_parallel > 1": parallel.tensor_parallel > 1,
-            "parallel.strategy fsdp": parallel.strategy != "ddp",
+            # FSDP shards each stage over its data-parallel group; HSDP's replica groups and host
+            # offload are not run with stages yet.
+            "parallel.fsdp.replicate > 1": parallel.strategy == "fsdp" and parallel.fsdp.replicate > 1,
+            "parallel.fsdp.cpu_offload": parallel.strategy == "fsdp" and parallel.fsdp.cpu_offload,
+            "parallel.fsdp.wrap": parallel.strategy == "fsdp" and parallel.fsdp.wrap is not None,
             "parallel.grad_compression": parallel.grad_compression != "none",
             "parallel.bucket_cap_mb": parallel.bucket_cap_mb is not None,
             "parallel.static_graph": parallel.static_graph,

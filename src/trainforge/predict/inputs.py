@@ -194,6 +194,8 @@ def pipeline_of(config: Config, model: ModelBytes, micro: int) -> dict[str, int]
     if pipeline is None:
         return {}
     sent = micro // pipeline.microbatches * model.stage_bytes_per_sample
+    if config.parallel.strategy == "fsdp" and config.parallel.fsdp.mixed_precision == "bf16":
+        sent //= 2  # the stages compute, and so send, in bf16
     return {
         "stages": pipeline.stages,
         "pipeline_microbatches": pipeline.microbatches,

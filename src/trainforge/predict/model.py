@@ -29,9 +29,11 @@ Assumptions, each a choice a reader may disagree with (docs/benchmarks.md repeat
   of one such stage: a bubble of ``(P - 1) / (V M + P - 1)``, for V times the sends.
   Each slot also waits for the activations from the previous stage and their gradient from the
   next (point-to-point, over the inter-node link when the pipeline spans nodes, the node's
-  sending GPUs sharing its NICs). A stage's gradients are all-reduced over its replicas after
-  the last backward, not overlapped (as ``PipelinePlan`` does). A pipeline of P stages runs on
-  a multiple of P GPUs, one replica per P.
+  sending GPUs sharing its NICs). Under ddp a stage's gradients are all-reduced over its replicas
+  after the last backward, not overlapped (as ``PipelinePlan`` does); under fsdp each stage is
+  sharded over its replicas: its parameters all-gathered for the pipeline micro-batches' passes and
+  its gradients reduce-scattered after each micro-batch, not overlapped. A pipeline of P stages runs
+  on a multiple of P GPUs, one replica per P.
 """
 
 from __future__ import annotations
@@ -215,17 +217,28 @@ def point_to_point_time(nbytes: float, stages: int, gpus: int, topology: Topolog
 def pipeline_step(work: Workload, gpus: int, topology: Topology) -> tuple[float, float, float]:
     """(step time, communication time, bubble time) of a pipeline: per micro-batch ``V M + P - 1``
     slots of a pipeline micro-batch's forward and backward on one stage (of ``P V``) and its two
-    sends, then the GPU's stages' gradients all-reduced over its ``gpus / P`` replicas."""
+    sends, then the GPU's stages' gradients all-reduced over its ``gpus / P`` replicas (ddp), or
+    (fsdp: each stage sharded over its replicas) per micro-batch the stages' parameters gathered
+    for every pipeline micro-batch's forward and backward (once when ``reshard_after_forward`` is
+    off: they stay gathered until the last backward) and their gradients reduce-scattered (torch's
+    pipeline stage reduces after each schedule step); none of it overlapped."""
     stages, microbatches, virtual = work.stages, work.pipeline_microbatches, work.virtual_stages
     slot = work.compute_s / work.micro_batches / stages / microbatches / virtual
     send = point_to_point_time(work.p2p_bytes, stages, gpus, topology) if work.p2p_bytes else 0.0
     slots = virtual * microbatches + stages - 1
     per_micro_batch = slots * (slot + 2 * send)
     replicas = gpus // stages
-    reduce = collective_time("all_reduce", work.grad_bytes / stages, replicas, topology) if replicas > 1 else 0.0
+    reduce = 0.0
+    if replicas > 1 and work.strategy == "fsdp":
+        gathers = 2 * microbatches if work.reshard_after_forward else 1
+        gather = collective_time("all_gather", work.param_bytes / stages, replicas, topology)
+        scatter = collective_time("reduce_scatter", work.grad_bytes / stages, replicas, topology)
+        per_micro_batch += gathers * gather + scatter
+    elif replicas > 1:
+        reduce = collective_time("all_reduce", work.grad_bytes / stages, replicas, topology)
     step = work.micro_batches * per_micro_batch + reduce
     bubble = work.micro_batches * (stages - 1) * slot
-    return step, work.micro_batches * slots * 2 * send + reduce, bubble
+    return step, step - work.micro_batches * slots * slot, bubble
 
 
 def predict_points(work: Workload, gpu_counts: list[int], topology: Topology) -> list[Point]:

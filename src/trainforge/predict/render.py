@@ -36,9 +36,16 @@ HSDP_ASSUMPTION = (
 PIPELINE_ASSUMPTION = (
     "pipeline (parallel.pipeline): {stages} stages{virtual} over {microbatches} pipeline micro-batches, "
     "{bubble:.0%} of the compute idle in the bubble ((P - 1) / (V M + P - 1), V stages per GPU); each slot "
-    "waits for one send from the previous stage and one from the next; a stage's gradients all-reduced over "
-    "its replicas after the last backward, not overlapped"
+    "waits for one send from the previous stage and one from the next; {reduced}, not overlapped"
 )
+PIPELINE_REDUCED = {
+    "ddp": "a stage's gradients all-reduced over its replicas after the last backward",
+    "fsdp": (
+        "each stage sharded over its replicas: its parameters all-gathered for every pipeline micro-batch's "
+        "forward and backward (once a micro-batch without reshard_after_forward) and its gradients "
+        "reduce-scattered after each micro-batch"
+    ),
+}
 
 
 def assumptions_for(
@@ -54,6 +61,7 @@ def assumptions_for(
             virtual=f" x {pipeline.virtual_stages} per GPU" if pipeline.virtual_stages > 1 else "",
             microbatches=pipeline.pipeline_microbatches,
             bubble=pipeline.bubble,
+            reduced=PIPELINE_REDUCED[pipeline.strategy],
         )
     hsdp = [HSDP_ASSUMPTION.format(group=shard_group)] if shard_group else []
     return [*COMMON_ASSUMPTIONS[:3], *([own] if own else []), *hsdp, COMMON_ASSUMPTIONS[3]]

@@ -10,6 +10,8 @@ the whole model's module tree with the parts of stages it does not hold removed,
 parameters carry the whole model's names: its state is a slice of the unpipelined model's, and
 checkpoints move between pipelined and unpipelined layouts (worker/plan.py's ``PipelinePlan``).
 Each stage the worker holds runs as a ``Chunk``: a view of its blocks in the worker's Stage.
+Under ``parallel.strategy: fsdp`` each block and each Chunk is an FSDP2 unit over the stage's
+data-parallel replicas (``PipelinePlan._shard``).
 
 Each training micro-batch (``train.batch_size`` samples) runs as one schedule step over
 ``parallel.pipeline.microbatches`` pipeline micro-batches; the loss of each is divided by their
@@ -31,12 +33,13 @@ from torch import nn
 
 # torch.distributed.pipelining and the checkpoint state-dict API are imported where they are used
 # (as in worker/plan.py): every worker imports this module, few run a pipeline.
+from trainforge.checkpoint.state import is_dtensor
 from trainforge.config import PipelineConfig
 from trainforge.errors import ConfigError
 from trainforge.models import Task
 from trainforge.worker import collectives
 from trainforge.worker.blocks import apply_activation_checkpointing
-from trainforge.worker.plan import ParallelPlan
+from trainforge.worker.plan import ParallelPlan, local
 
 Stats = dict[str, torch.Tensor]
 
@@ -177,8 +180,10 @@ class Stage(nn.Module):
         return cast(torch.Tensor, head(getattr(base, self.decoder.norm)(hidden)))
 
     def chunks(self) -> list[Chunk]:
-        """A module per stage held, in order, for the schedule."""
-        return [Chunk(self, index) for index in self.held]
+        """A module per stage held, in order, for the schedule (built once: FSDP wraps them)."""
+        if "_chunks" not in self.__dict__:
+            object.__setattr__(self, "_chunks", [Chunk(self, index) for index in self.held])
+        return cast(list[Chunk], self.__dict__["_chunks"])
 
 
 class Chunk(nn.Module):
@@ -274,13 +279,15 @@ class Pipeline:
 class PipelinePlan(ParallelPlan):
     """Pipeline stages x data parallel: the workers form a ``("pp", "dp")`` mesh, the ranks of a
     stages of a replica ``world / pp`` ranks apart; each rank holds one stage of one replica.
-    A stage's gradients are averaged over its data-parallel group after the last micro-batch's
-    backward (one buffer per dtype, as for tensor-parallel replicas: the schedule drives the
-    backward, not DDP); the gradient norm is summed over the stages. A stage's state is keyed by
+    Under ``strategy: ddp`` a stage's gradients are averaged over its data-parallel group after
+    the last micro-batch's backward (one buffer per dtype, as for tensor-parallel replicas: the
+    schedule drives the backward, not DDP). Under ``strategy: fsdp`` each stage is sharded over
+    its data-parallel group (FSDP2: a unit per block, and each chunk the schedule runs for the
+    embeddings, norm and head); the schedule's stage reduce-scatters the gradients after the
+    last micro-batch. The gradient norm is summed over the stages. A stage's state is keyed by
     the whole model's names and written by every rank through torch.distributed.checkpoint, so
     it loads into any layout and any layout's checkpoint loads into it."""
 
-    name = "ddp"
     pipelined = True
     stage: Stage | None = None
     pipeline: Pipeline | None = None
@@ -290,8 +297,13 @@ class PipelinePlan(ParallelPlan):
         return True
 
     @property
+    def fsdp(self) -> bool:
+        """Whether each stage is sharded over its data-parallel group (``strategy: fsdp``)."""
+        return self.cfg.strategy == "fsdp"
+
+    @property
     def layout_name(self) -> str:
-        return f"{self.name} x pp{self.layout.pp}"
+        return f"{self.cfg.strategy} x pp{self.layout.pp}"
 
     @property
     def cut(self) -> PipelineConfig:
@@ -312,15 +324,36 @@ class PipelinePlan(ParallelPlan):
         said = ", ".join(f"{index + 1} (blocks {b.start}-{b.stop - 1})" for index, b in held.items())
         self.notes.append(
             f"pipeline: stage{'s' if len(held) > 1 else ''} {said} of {cut.parts}, "
-            f"{cut.schedule} over {cut.microbatches} micro-batches; ddp over {layout.dp} replicas"
+            f"{cut.schedule} over {cut.microbatches} micro-batches; {self.cfg.strategy} over {layout.dp} replicas"
         )
+        found = list(getattr(getattr(stage.model, stage.decoder.base), stage.decoder.blocks).values())
         if self.cfg.activation_checkpointing != "none":
-            found = list(getattr(getattr(stage.model, stage.decoder.base), stage.decoder.blocks).values())
             count = apply_activation_checkpointing(
                 found, self.cfg.activation_checkpointing, self.cfg.activation_checkpointing_every_n
             )
             self.notes.append(f"activation checkpointing on {count} of {len(found)} blocks")
+        if self.fsdp and layout.dp > 1:
+            self._shard(stage, found)
         return stage
+
+    def _shard(self, stage: Stage, blocks: list[nn.Module]) -> None:
+        """FSDP2 over the data-parallel group: a unit per block, then one per chunk (the schedule
+        calls the chunks: the embeddings, norm and head are their own parameters). The same seed
+        built the same weights on every replica; each keeps its slice."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        options: dict[str, Any] = {
+            "mesh": self.mesh["dp"],
+            "reshard_after_forward": self.cfg.fsdp.reshard_after_forward,
+        }
+        if self.cfg.fsdp.mixed_precision == "bf16":  # bf16 compute and activations between stages
+            options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for block in blocks:
+            fully_shard(block, **options)
+        for chunk in stage.chunks():
+            fully_shard(chunk, **options)
+        units = f"{len(blocks)} block units + {len(stage.held)} stage unit{'s' if len(stage.held) > 1 else ''}"
+        self.notes.append(f"fsdp: {units}, sharded over {self.layout.dp} replicas")
 
     def forward_backward(self, model: nn.Module, task: Task, batch: Any, accum: int) -> Stats:
         if self.pipeline is None:
@@ -332,18 +365,21 @@ class PipelinePlan(ParallelPlan):
         return self.pipeline.step(batch, accum)
 
     def gradient_sync(self, model: nn.Module, sync: bool) -> contextlib.AbstractContextManager[object]:
-        if sync and self.layout.dp > 1:
+        # Under fsdp the schedule's stages reduce-scatter after every schedule step themselves.
+        if sync and self.layout.dp > 1 and not self.fsdp:
             return self._all_reduce_after(model)
         return contextlib.nullcontext()
 
     def grad_norm(self, params: list[nn.Parameter], clip: float | None) -> torch.Tensor:
-        """The norm over every stage's gradients (each replica's stages hold the same after the
-        data-parallel mean: the sum of squares is reduced over the pipeline group), clipped by it."""
-        grads = [p.grad for p in params if p.grad is not None]
+        """The norm over every stage's gradients, clipped by it. Under ddp each replica's stages
+        hold the same after the data-parallel mean: the sum of squares is reduced over the
+        pipeline group; under fsdp each rank holds its own shard of its stage's: over every rank."""
+        grads = [local(p.grad) for p in params if p.grad is not None]
         squares = torch.zeros((), dtype=torch.float64, device=self.device)
         if grads:
             squares = torch.stack(torch._foreach_norm(grads)).double().square().sum()
-        dist.all_reduce(squares, group=self.mesh["pp"].get_group())
+        sharded = self.fsdp and self.layout.dp > 1
+        dist.all_reduce(squares, group=None if sharded else self.mesh["pp"].get_group())
         total = squares.sqrt().float()
         if clip is not None and grads:
             torch._foreach_mul_(grads, torch.clamp(clip / (total + 1e-6), max=1.0))
@@ -355,17 +391,19 @@ class PipelinePlan(ParallelPlan):
 
     def eval_step(self, model: nn.Module, task: Task, batch: Any) -> Stats:
         """A validation batch through the stages one after another (whole, no micro-batches), each
-        on the worker that holds it: the metric sums on the last stage's worker, none elsewhere."""
+        on the worker that holds it: the metric sums on the last stage's worker, none elsewhere.
+        Each stage runs as its chunk, whose FSDP unit (under fsdp) gathers its parameters."""
         stage = cast(Stage, model)
         inputs, targets = batch
         group, pp = self.mesh["pp"].get_group(), self.layout.pp
         hidden = inputs
-        for index in stage.held:
+        for chunk in stage.chunks():
+            index = chunk.index
             if index > 0:  # the previous stage is the previous worker's (stages go round the workers)
                 width = int(cast(Any, stage.model).config.hidden_size)
                 hidden = torch.empty((*inputs.shape, width), device=self.device)
                 dist.recv(hidden, group=group, group_src=(index - 1) % pp)
-            hidden = stage.run(hidden, index)
+            hidden = chunk(hidden)
             if index < stage.stages - 1:
                 dist.send(hidden.float().contiguous(), group=group, group_dst=(index + 1) % pp)
         if not stage.last:
@@ -377,19 +415,27 @@ class PipelinePlan(ParallelPlan):
         return self.gathered(dict(model.state_dict()))
 
     def gathered(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Every stage's tensors (by the whole model's names) gathered to rank 0; empty elsewhere."""
-        mine = {k: v.detach().cpu() for k, v in tensors.items()} if self.layout.dp_rank == 0 else {}
+        """Every stage's tensors (by the whole model's names) gathered to rank 0; empty elsewhere.
+        Under fsdp a stage's shards are gathered within its data-parallel group first."""
+        whole = {k: v.full_tensor() if is_dtensor(v) else v for k, v in tensors.items()}
+        mine = {k: v.detach().cpu() for k, v in whole.items()} if self.layout.dp_rank == 0 else {}
         gathered: list[Any] = [None] * dist.get_world_size() if self.layout.rank == 0 else []
         dist.gather_object(mine, gathered if self.layout.rank == 0 else None, dst=0)
         return {k: v for part in gathered for k, v in part.items()}
 
     def load_full_model_state(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
         """The whole model's weights: this stage takes its own, strictly."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
         own = model.state_dict()
         missing = sorted(set(own) - set(state))
         if missing:
             raise ValueError(f"the checkpoint's weights lack this stage's {missing[:3]}")
-        model.load_state_dict({name: state[name] for name in own}, strict=True)
+        mine = {name: state[name] for name in own}
+        if any(is_dtensor(value) for value in own.values()):  # fsdp: each rank keeps its shards
+            set_model_state_dict(model, cast(Any, mine), options=StateDictOptions(full_state_dict=True))
+            return
+        model.load_state_dict(mine, strict=True)
 
     def optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """The stage's moments by the whole model's names, and parameter groups that list every

@@ -113,7 +113,7 @@ def pipelined_strategies(
     schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = own.schedule if own is not None else "1f1b"
     virtual = own.per_worker if own is not None else 1
     microbatches = own.microbatches if own is not None else micro_batch
-    # trainforge's pipeline runs with ddp (and checkpointing) on the data dimension today
+    # ddp rows first (with checkpointing: stages with whole copies need it most), then the sharded ones
     unsharded = [base for base in bases if not base.sharded]
     bases = [*unsharded, Strategy("ddp+ac", False, 1, "full"), *(base for base in bases if base.sharded)]
     chosen = []
