@@ -1,14 +1,16 @@
 """Pipeline parallelism in the worker's Session, in gloo ranks without Ray (CPU): a llama_tiny cut
 into 2 stages x 2 data-parallel replicas on 4 workers has the losses of DDP on 2 workers (the same
-global batch), with each stage replicated (ddp) or sharded over its replicas (fsdp); a run crashed
+global batch), with each stage replicated (ddp) or sharded over its replicas (fsdp), split over
+tensor-parallel ranks, or all three on 8 workers; a run crashed
 and restarted ends bit-identical to the uninterrupted one, and its checkpoints resume under FSDP
 and DDP, and theirs under the pipeline.
 
 The runs of one world size share one start-up of their processes (tests/helpers/sessions.py):
 the uninterrupted (1f1b, gpipe, 1f1b over accumulated micro-batches, GPT-2), the crashed and
 the restarted pipelines, the same three interleaved (2 workers x 2 stages each of a 4-block
-model), bf16, EMA and sharded (fsdp) pipelines, in 4 ranks; DDP (llama and GPT-2), FSDP, and
-both from the pipelines' checkpoints in 2; then the pipelines from FSDP's and DDP's checkpoints in 4.
+model), bf16, EMA, sharded (fsdp) and tensor-parallel pipelines, in 4 ranks; the (pipeline x
+data x tensor) mesh in 8; DDP (llama and GPT-2), FSDP, and both from the pipelines' checkpoints in
+2; then the pipelines from FSDP's and DDP's checkpoints in 4.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from tests.helpers.runs import tiny_run
 from tests.helpers.sessions import Outcome, sessions
 from tests.unit.test_session import final_state
 
-pytestmark = pytest.mark.slow  # 80-160 s: three start-ups of 2-4 gloo ranks, thirty-two short runs
+pytestmark = pytest.mark.slow  # 130-260 s: four start-ups of 2-8 gloo ranks, thirty-seven short runs
 
 STEPS, CRASH, SAVED = 16, 12, 8
 
@@ -66,6 +68,10 @@ PIPELINE = {"pipeline": {"stages": 2, "schedule": "1f1b", "microbatches": 4}}
 # The same pipeline with each stage sharded over its 2 replicas (pipeline x FSDP).
 SHARDED = {**PIPELINE, "strategy": "fsdp"}
 BF16_PARAMETERS = {"mixed_precision": "bf16"}  # FSDP's: bf16 compute, fp32 reductions
+# Each stage split over a tensor-parallel group of 2: on 4 workers one pipeline (its micro-batch of
+# 16 is DDP's global batch on 2), on 8 the (pipeline x data x tensor) mesh with FSDP over 2 replicas.
+SPLIT = {**PIPELINE, "tensor_parallel": 2}
+THREE_D = {**SHARDED, "tensor_parallel": 2}
 # Two workers holding two stages each of a 4-block model: stages 0 and 2 on one, 1 and 3 on the other.
 INTERLEAVED = {"pipeline": {"stages": 2, "schedule": "interleaved_1f1b", "microbatches": 4}}
 # GPT-2 with its head untied (a pipeline's first and last stages are different ranks) and without
@@ -128,6 +134,9 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "interleaved-fsdp": lm_config(tmp / "interleaved-fsdp", 4, {**INTERLEAVED, "strategy": "fsdp"}, layers=4),
         "pipeline-fsdp-bf16": lm_config(tmp / "pipeline-fsdp-bf16", 4, {**SHARDED, "fsdp": BF16_PARAMETERS}),
         "fsdp-bf16": lm_config(tmp / "fsdp-bf16", 2, {"strategy": "fsdp", "fsdp": BF16_PARAMETERS}),
+        "pipeline-tp": lm_config(tmp / "pipeline-tp", 4, SPLIT, batch=16),
+        "pipeline-tp-crashed": lm_config(tmp / "pipeline-tp-crashed", 4, SPLIT, batch=16),
+        "three-d": lm_config(tmp / "three-d", 8, THREE_D),
     }
     configs["ddp4-from-interleaved"] = lm_config(
         tmp / "ddp4-from-interleaved", 2, {"strategy": "ddp"}, layers=4, resume=saved_at(configs["interleaved"], SAVED)
@@ -148,6 +157,9 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     configs["fsdp-from-pipeline-fsdp"] = lm_config(
         tmp / "fsdp-from-pipeline-fsdp", 2, {"strategy": "fsdp"}, resume=saved_at(configs["pipeline-fsdp"], SAVED)
     )
+    configs["fsdp-from-three-d"] = lm_config(
+        tmp / "fsdp-from-three-d", 2, {"strategy": "fsdp"}, resume=saved_at(configs["three-d"], SAVED)
+    )
     # DDP's whole tensors into shards of stages: the full-state load of both the weights and the moments.
     configs["pipeline-fsdp-from-ddp"] = lm_config(
         tmp / "pipeline-fsdp-from-ddp", 4, SHARDED, resume=saved_at(configs["ddp"], SAVED)
@@ -162,7 +174,9 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         *crashed_and_restarted("pipeline-fsdp", "pipeline-fsdp-crashed", "pipeline-fsdp-restarted"),
         ("interleaved-fsdp", "interleaved-fsdp", None),
         ("pipeline-fsdp-bf16", "pipeline-fsdp-bf16", None),
+        *crashed_and_restarted("pipeline-tp", "pipeline-tp-crashed", "pipeline-tp-restarted"),
     ]
+    in_eight = [("three-d", "three-d", None)]
     in_two = [
         (name, name, None)
         for name in (
@@ -177,13 +191,14 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             "ddp-ema",
             "fsdp-from-pipeline-fsdp",
             "fsdp-bf16",
+            "fsdp-from-three-d",
         )
     ]
     in_four_again = [
         (name, name, None) for name in ("pipeline-from-fsdp", "pipeline-from-ddp", "pipeline-fsdp-from-ddp")
     ]
     outcomes = {}
-    for world, runs in ((4, in_four), (2, in_two), (4, in_four_again)):
+    for world, runs in ((4, in_four), (8, in_eight), (2, in_two), (4, in_four_again)):
         found = run_all(world, [(configs[config], crash) for _, config, crash in runs])
         outcomes.update(zip((name for name, _, _ in runs), found, strict=True))
     return {"configs": configs, "outcomes": outcomes, "tmp": tmp}
@@ -194,7 +209,8 @@ def largest_gap(a: dict[int, float], b: dict[int, float], steps: range) -> float
 
 
 @pytest.mark.parametrize(
-    "schedule", ["1f1b", "gpipe", "accumulated", "gpt2", "interleaved", "1f1b-fsdp", "interleaved-fsdp"]
+    "schedule",
+    ["1f1b", "gpipe", "accumulated", "gpt2", "interleaved", "1f1b-fsdp", "interleaved-fsdp", "1f1b-tp", "3-d"],
 )
 def test_pipelined_losses_equal_ddp_for_the_same_global_batch(trained: dict[str, Any], schedule: str) -> None:
     named = {
@@ -203,13 +219,15 @@ def test_pipelined_losses_equal_ddp_for_the_same_global_batch(trained: dict[str,
         "interleaved": ("interleaved", "ddp4"),
         "1f1b-fsdp": ("pipeline-fsdp", "ddp"),  # each stage sharded over its 2 replicas
         "interleaved-fsdp": ("interleaved-fsdp", "ddp4"),
+        "1f1b-tp": ("pipeline-tp", "ddp"),  # each stage split over 2 tensor-parallel ranks, one replica
+        "3-d": ("three-d", "ddp"),  # 2 stages x FSDP over 2 replicas x 2 tensor-parallel ranks on 8
     }
     names = named.get(schedule, (schedule, "ddp"))
     pipeline, ddp = (trained["outcomes"][name] for name in names)
     assert pipeline.final["status"] == "finished"
     assert sorted(pipeline.losses) == sorted(ddp.losses) == list(range(1, STEPS + 1))
     gap = largest_gap(ddp.losses, pipeline.losses, range(1, STEPS + 1))
-    print(f"\n{names[0]} ({schedule}), 2 stages x 2 replicas vs {names[1]} on 2: largest relative gap {gap:.2e}")
+    print(f"\n{names[0]} ({schedule}) vs {names[1]}, the same global batch: largest relative gap {gap:.2e}")
     assert gap <= 1e-5
     # Validation runs through the stages too: the same figures.
     assert sorted(pipeline.val_losses) == sorted(ddp.val_losses) == [8, 16]
@@ -266,8 +284,9 @@ def test_a_pipelines_ema_is_ddps_and_resumes_bit_identical(trained: dict[str, An
         ("pipeline", "crashed", "restarted"),
         ("interleaved", "interleaved-crashed", "interleaved-restarted"),
         ("pipeline-fsdp", "pipeline-fsdp-crashed", "pipeline-fsdp-restarted"),
+        ("pipeline-tp", "pipeline-tp-crashed", "pipeline-tp-restarted"),
     ],
-    ids=["1f1b", "interleaved", "1f1b-fsdp"],
+    ids=["1f1b", "interleaved", "1f1b-fsdp", "1f1b-tp"],
 )
 def test_pipelined_run_crashed_and_restarted_is_bit_identical(
     trained: dict[str, Any], straight: str, crashed: str, restarted: str
@@ -301,6 +320,7 @@ def test_pipelined_run_crashed_and_restarted_is_bit_identical(
         ("ddp4-from-interleaved", "interleaved", "ddp x pp2", "ddp"),
         ("fsdp-from-pipeline-fsdp", "pipeline-fsdp", "fsdp x pp2", "fsdp"),
         ("pipeline-fsdp-from-ddp", "ddp", "ddp", "fsdp x pp2"),
+        ("fsdp-from-three-d", "three-d", "fsdp x pp2 x tp2", "fsdp"),
     ],
     ids=[
         "pipeline-to-fsdp",
@@ -310,6 +330,7 @@ def test_pipelined_run_crashed_and_restarted_is_bit_identical(
         "interleaved-to-ddp",
         "sharded-pipeline-to-fsdp",
         "ddp-to-sharded-pipeline",
+        "3-d-to-fsdp",
     ],
 )
 def test_checkpoint_resumes_across_pipelined_and_unpipelined_layouts(

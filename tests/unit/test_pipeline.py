@@ -71,7 +71,11 @@ def test_pipeline_section_reads_with_its_defaults(tmp_path: Path) -> None:
         ({"stages": 2, "schedule": "zero_bubble"}, {}, "parallel.pipeline.schedule"),
         ({"stages": 2, "split": [1, 2, 1]}, {}, "must give 2 block counts"),
         ({"stages": 1}, {}, "parallel.pipeline.stages"),
-        ({"stages": 2}, {"parallel": {"tensor_parallel": 2}}, "parallel.pipeline does not run with parallel.tensor"),
+        (
+            {"stages": 2},
+            {"parallel": {"tensor_parallel": 2}, "scaling": {"num_workers": 6}},
+            "parallel.pipeline.stages 2 x parallel.tensor_parallel 2 must divide scaling.num_workers 6",
+        ),
         (
             {"stages": 2},
             {"parallel": {"strategy": "fsdp", "fsdp": {"replicate": 2}}, "scaling": {"num_workers": 8}},

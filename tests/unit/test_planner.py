@@ -165,27 +165,30 @@ def test_planned_bytes_are_within_5_percent_of_what_each_rank_holds(name: str, m
 
 
 @pytest.mark.slow  # 10-40 s: a spawn of 4 ranks
-def test_planned_bytes_of_a_sharded_pipeline_are_within_5_percent_of_what_each_rank_holds() -> None:
-    """2 stages x FSDP over 2 replicas on 4 ranks: ranks 0 and 1 hold halves of the first stage,
-    2 and 3 of the second (a pipeline's stages are ``world / stages`` ranks apart)."""
+def test_planned_bytes_of_sharded_and_split_pipelines_are_within_5_percent_of_what_each_rank_holds() -> None:
+    """2 stages on 4 ranks, each stage sharded by FSDP over 2 replicas, or split over 2
+    tensor-parallel ranks: ranks 0 and 1 hold halves of the first stage, 2 and 3 of the second."""
     from trainforge.bench.memory import bench_config
     from trainforge.config import Config
     from trainforge.worker.capacity.estimate import stage_breakdowns
 
-    config = {
-        **bench_config("llama_tiny", {}, "ddp", 4),
-        "parallel": {"strategy": "fsdp", "pipeline": {"stages": 2, "schedule": "1f1b", "microbatches": 2}},
+    cut = {"stages": 2, "schedule": "1f1b", "microbatches": 2}
+    configs = {
+        name: {**bench_config("llama_tiny", {}, "ddp", 4), "parallel": {"pipeline": cut, **parallel}}
+        for name, parallel in {"pp2-fsdp": {"strategy": "fsdp"}, "pp2-tp2": {"tensor_parallel": 2}}.items()
     }
-    held = spawn_ranks(held_under_each, 4, {"pp2-fsdp": config})
-    stages = stage_breakdowns(Config.model_validate(config), 4)
-    unsharded = stage_breakdowns(Config.model_validate({**config, "parallel": PIPELINED["pp2"]}), 2)
-    assert stages[0].params == pytest.approx(unsharded[0].params / 2, rel=0.01)  # each stage's half
-    for rank, by_name in enumerate(held):
-        mine, planned = by_name["pp2-fsdp"], stages[rank // 2]
-        for part in ("params", "grads", "optimizer"):
-            estimate = getattr(planned, part)
-            print(f"\npp2-fsdp rank {rank} {part}: planned {estimate} held {mine[part]}")
-            assert abs(estimate - mine[part]) <= 0.05 * mine[part], (rank, part, estimate, mine)
+    held = spawn_ranks(held_under_each, 4, configs)
+    unsharded = stage_breakdowns(Config.model_validate({**configs["pp2-fsdp"], "parallel": PIPELINED["pp2"]}), 2)
+    for name, config in configs.items():
+        stages = stage_breakdowns(Config.model_validate(config), 4)
+        if name == "pp2-fsdp":
+            assert stages[0].params == pytest.approx(unsharded[0].params / 2, rel=0.01)  # each stage's half
+        for rank, by_name in enumerate(held):
+            mine, planned = by_name[name], stages[rank // 2]
+            for part in ("params", "grads", "optimizer"):
+                estimate = getattr(planned, part)
+                print(f"\n{name} rank {rank} {part}: planned {estimate} held {mine[part]}")
+                assert abs(estimate - mine[part]) <= 0.05 * mine[part], (name, rank, part, estimate, mine)
 
 
 @pytest.mark.slow  # shares the spawn above

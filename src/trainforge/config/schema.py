@@ -934,6 +934,12 @@ class Config(Section):
                 f"parallel.pipeline.stages {pipeline.stages} must divide a fixed scaling.num_workers "
                 f"(it is {list(workers) if isinstance(workers, tuple) else workers})"
             )
+        tp = parallel.tensor_parallel
+        if workers % (pipeline.stages * tp):
+            raise ValueError(
+                f"parallel.pipeline.stages {pipeline.stages} x parallel.tensor_parallel {tp} must divide "
+                f"scaling.num_workers {workers} (each stage is split over a group of {tp})"
+            )
         if not isinstance(batch, int) or batch % pipeline.microbatches:
             raise ValueError(
                 f"parallel.pipeline.microbatches {pipeline.microbatches} must divide train.batch_size "
@@ -944,7 +950,6 @@ class Config(Section):
                 f"parallel.pipeline splits the built-in decoders (llama_*, gpt2_*) only; model is {self.model.name}"
             )
         unsupported = {
-            "parallel.tensor_parallel > 1": parallel.tensor_parallel > 1,
             # FSDP shards each stage over its data-parallel group; HSDP's replica groups and host
             # offload are not run with stages yet.
             "parallel.fsdp.replicate > 1": parallel.strategy == "fsdp" and parallel.fsdp.replicate > 1,

@@ -23,6 +23,7 @@ under the same names, and the report's all-reduce makes them known to every rank
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
@@ -39,7 +40,8 @@ from trainforge.errors import ConfigError
 from trainforge.models import Task
 from trainforge.worker import collectives
 from trainforge.worker.blocks import apply_activation_checkpointing
-from trainforge.worker.plan import ParallelPlan, local
+from trainforge.worker.plan import ParallelPlan, copies, local
+from trainforge.worker.tp import apply_tensor_parallel
 
 Stats = dict[str, torch.Tensor]
 
@@ -303,7 +305,8 @@ class PipelinePlan(ParallelPlan):
 
     @property
     def layout_name(self) -> str:
-        return f"{self.cfg.strategy} x pp{self.layout.pp}"
+        tp = f" x tp{self.layout.tp}" if self.layout.tp > 1 else ""
+        return f"{self.cfg.strategy} x pp{self.layout.pp}{tp}"
 
     @property
     def cut(self) -> PipelineConfig:
@@ -316,7 +319,9 @@ class PipelinePlan(ParallelPlan):
 
         model = model.to(self.device)
         layout, cut = self.layout, self.cut
-        self.mesh = init_device_mesh(self.device.type, (layout.pp, layout.dp), mesh_dim_names=("pp", "dp"))
+        # Row-major as Layout numbers the ranks: stages outermost, a tensor-parallel group's ranks consecutive.
+        dims = {"pp": layout.pp, "dp": layout.dp, **({"tp": layout.tp} if layout.tp > 1 else {})}
+        self.mesh = init_device_mesh(self.device.type, tuple(dims.values()), mesh_dim_names=tuple(dims))
         parts = split_blocks(block_count(model), cut.parts, cut.split, cut.per_worker)
         held = held_by(layout.pp_rank, layout.pp, parts)
         stage = Stage(model, held, cut.parts)
@@ -326,6 +331,9 @@ class PipelinePlan(ParallelPlan):
             f"pipeline: stage{'s' if len(held) > 1 else ''} {said} of {cut.parts}, "
             f"{cut.schedule} over {cut.microbatches} micro-batches; {self.cfg.strategy} over {layout.dp} replicas"
         )
+        if layout.tp > 1:  # the stage's blocks split over its tensor-parallel group first (worker/tp.py)
+            count = apply_tensor_parallel(stage, self.mesh["tp"], self.cfg.tp_plan)
+            self.notes.append(f"tensor parallel: {count} modules split over groups of {layout.tp}")
         found = list(getattr(getattr(stage.model, stage.decoder.base), stage.decoder.blocks).values())
         if self.cfg.activation_checkpointing != "none":
             count = apply_activation_checkpointing(
@@ -373,7 +381,11 @@ class PipelinePlan(ParallelPlan):
     def grad_norm(self, params: list[nn.Parameter], clip: float | None) -> torch.Tensor:
         """The norm over every stage's gradients, clipped by it. Under ddp each replica's stages
         hold the same after the data-parallel mean: the sum of squares is reduced over the
-        pipeline group; under fsdp each rank holds its own shard of its stage's: over every rank."""
+        pipeline group; under fsdp each rank holds its own shard of its stage's: over every rank.
+        With tensor parallelism each rank's squares count once per rank of its stage that holds
+        the same piece (``copies`` within the stage's data x tensor ranks), summed over every rank."""
+        if self.layout.tp > 1:
+            return self._mixed_grad_norm([p.grad for p in params if p.grad is not None], clip)
         grads = [local(p.grad) for p in params if p.grad is not None]
         squares = torch.zeros((), dtype=torch.float64, device=self.device)
         if grads:
@@ -383,6 +395,22 @@ class PipelinePlan(ParallelPlan):
         total = squares.sqrt().float()
         if clip is not None and grads:
             torch._foreach_mul_(grads, torch.clamp(clip / (total + 1e-6), max=1.0))
+        return total
+
+    def _mixed_grad_norm(self, grads: list[torch.Tensor], clip: float | None) -> torch.Tensor:
+        ranks = self.layout.dp * self.layout.tp  # a stage's ranks; the other stages hold other parameters
+        squares = torch.zeros((), dtype=torch.float64, device=self.device)
+        kinds: dict[int, list[torch.Tensor]] = {}
+        for grad in grads:
+            kinds.setdefault(copies(grad, ranks), []).append(local(grad))
+        for count, same in kinds.items():
+            squares += torch.stack(torch._foreach_norm(same)).double().square().sum() / count
+        dist.all_reduce(squares)
+        total = squares.sqrt().float()
+        if clip is not None and grads:
+            coef = torch.clamp(clip / (total + 1e-6), max=1.0)
+            for same in kinds.values():
+                torch._foreach_mul_(same, coef)
         return total
 
     @property
@@ -417,8 +445,16 @@ class PipelinePlan(ParallelPlan):
     def gathered(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Every stage's tensors (by the whole model's names) gathered to rank 0; empty elsewhere.
         Under fsdp a stage's shards are gathered within its data-parallel group first."""
-        whole = {k: v.full_tensor() if is_dtensor(v) else v for k, v in tensors.items()}
-        mine = {k: v.detach().cpu() for k, v in whole.items()} if self.layout.dp_rank == 0 else {}
+        # FSDP over tensor-parallel shards gathers in two steps; torch warns so on every rank, every call.
+        quiet = logging.getLogger("torch.distributed.tensor._redistribute")
+        level = quiet.level
+        quiet.setLevel(logging.ERROR)
+        try:
+            whole = {k: v.full_tensor() if is_dtensor(v) else v for k, v in tensors.items()}
+        finally:
+            quiet.setLevel(level)
+        first = self.layout.dp_rank == 0 and self.layout.tp_rank == 0  # one rank of each stage sends
+        mine = {k: v.detach().cpu() for k, v in whole.items()} if first else {}
         gathered: list[Any] = [None] * dist.get_world_size() if self.layout.rank == 0 else []
         dist.gather_object(mine, gathered if self.layout.rank == 0 else None, dst=0)
         return {k: v for part in gathered for k, v in part.items()}
@@ -449,7 +485,8 @@ class PipelinePlan(ParallelPlan):
 
     def _whole_groups(self, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
         every = cast(list[list[list[str]]], collectives.all_gather_objects([g["params"] for g in groups]))
-        stages = [every[stage * self.layout.dp] for stage in range(self.layout.pp)]  # each stage's first replica
+        per_stage = self.layout.dp * self.layout.tp
+        stages = [every[stage * per_stage] for stage in range(self.layout.pp)]  # each stage's first rank
         if any(len(names) != len(groups) for names in stages):
             raise ValueError(
                 f"parallel.pipeline: the stages' optimizers have {[len(n) for n in stages]} parameter groups; "
