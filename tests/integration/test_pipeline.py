@@ -9,7 +9,7 @@ The runs of one world size share one start-up of their processes (tests/helpers/
 the uninterrupted (1f1b, gpipe, 1f1b over accumulated micro-batches, GPT-2), the crashed and
 the restarted pipelines, the same three interleaved (2 workers x 2 stages each of a 4-block
 model), bf16, EMA, sharded (fsdp) and tensor-parallel pipelines, in 4 ranks; the (pipeline x
-data x tensor) mesh in 8; DDP (llama and GPT-2), FSDP, and both from the pipelines' checkpoints in
+data x tensor) mesh and HSDP stages in 8; DDP (llama and GPT-2), FSDP, and both from the pipelines' checkpoints in
 2; then the pipelines from FSDP's and DDP's checkpoints in 4.
 """
 
@@ -27,7 +27,7 @@ from tests.helpers.runs import tiny_run
 from tests.helpers.sessions import Outcome, sessions
 from tests.unit.test_session import final_state
 
-pytestmark = pytest.mark.slow  # 130-260 s: four start-ups of 2-8 gloo ranks, thirty-seven short runs
+pytestmark = pytest.mark.slow  # 140-280 s: four start-ups of 2-8 gloo ranks, forty short runs
 
 STEPS, CRASH, SAVED = 16, 12, 8
 
@@ -72,6 +72,8 @@ BF16_PARAMETERS = {"mixed_precision": "bf16"}  # FSDP's: bf16 compute, fp32 redu
 # 16 is DDP's global batch on 2), on 8 the (pipeline x data x tensor) mesh with FSDP over 2 replicas.
 SPLIT = {**PIPELINE, "tensor_parallel": 2}
 THREE_D = {**SHARDED, "tensor_parallel": 2}
+# HSDP inside each stage on 8: 2 stages x (2 replica groups x 2 shards), a global batch of 32.
+HYBRID = {**SHARDED, "fsdp": {"replicate": 2}}
 # Two workers holding two stages each of a 4-block model: stages 0 and 2 on one, 1 and 3 on the other.
 INTERLEAVED = {"pipeline": {"stages": 2, "schedule": "interleaved_1f1b", "microbatches": 4}}
 # GPT-2 with its head untied (a pipeline's first and last stages are different ranks) and without
@@ -137,6 +139,8 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "pipeline-tp": lm_config(tmp / "pipeline-tp", 4, SPLIT, batch=16),
         "pipeline-tp-crashed": lm_config(tmp / "pipeline-tp-crashed", 4, SPLIT, batch=16),
         "three-d": lm_config(tmp / "three-d", 8, THREE_D),
+        "pipeline-hsdp": lm_config(tmp / "pipeline-hsdp", 8, HYBRID),
+        "ddp-32": lm_config(tmp / "ddp-32", 2, {"strategy": "ddp"}, batch=16),
     }
     configs["ddp4-from-interleaved"] = lm_config(
         tmp / "ddp4-from-interleaved", 2, {"strategy": "ddp"}, layers=4, resume=saved_at(configs["interleaved"], SAVED)
@@ -160,6 +164,13 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     configs["fsdp-from-three-d"] = lm_config(
         tmp / "fsdp-from-three-d", 2, {"strategy": "fsdp"}, resume=saved_at(configs["three-d"], SAVED)
     )
+    configs["fsdp-from-pipeline-hsdp"] = lm_config(
+        tmp / "fsdp-from-pipeline-hsdp",
+        2,
+        {"strategy": "fsdp"},
+        batch=16,
+        resume=saved_at(configs["pipeline-hsdp"], SAVED),
+    )
     # DDP's whole tensors into shards of stages: the full-state load of both the weights and the moments.
     configs["pipeline-fsdp-from-ddp"] = lm_config(
         tmp / "pipeline-fsdp-from-ddp", 4, SHARDED, resume=saved_at(configs["ddp"], SAVED)
@@ -176,7 +187,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         ("pipeline-fsdp-bf16", "pipeline-fsdp-bf16", None),
         *crashed_and_restarted("pipeline-tp", "pipeline-tp-crashed", "pipeline-tp-restarted"),
     ]
-    in_eight = [("three-d", "three-d", None)]
+    in_eight = [(name, name, None) for name in ("three-d", "pipeline-hsdp")]
     in_two = [
         (name, name, None)
         for name in (
@@ -192,6 +203,8 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             "fsdp-from-pipeline-fsdp",
             "fsdp-bf16",
             "fsdp-from-three-d",
+            "ddp-32",
+            "fsdp-from-pipeline-hsdp",
         )
     ]
     in_four_again = [
@@ -210,7 +223,18 @@ def largest_gap(a: dict[int, float], b: dict[int, float], steps: range) -> float
 
 @pytest.mark.parametrize(
     "schedule",
-    ["1f1b", "gpipe", "accumulated", "gpt2", "interleaved", "1f1b-fsdp", "interleaved-fsdp", "1f1b-tp", "3-d"],
+    [
+        "1f1b",
+        "gpipe",
+        "accumulated",
+        "gpt2",
+        "interleaved",
+        "1f1b-fsdp",
+        "interleaved-fsdp",
+        "1f1b-tp",
+        "3-d",
+        "1f1b-hsdp",
+    ],
 )
 def test_pipelined_losses_equal_ddp_for_the_same_global_batch(trained: dict[str, Any], schedule: str) -> None:
     named = {
@@ -221,6 +245,7 @@ def test_pipelined_losses_equal_ddp_for_the_same_global_batch(trained: dict[str,
         "interleaved-fsdp": ("interleaved-fsdp", "ddp4"),
         "1f1b-tp": ("pipeline-tp", "ddp"),  # each stage split over 2 tensor-parallel ranks, one replica
         "3-d": ("three-d", "ddp"),  # 2 stages x FSDP over 2 replicas x 2 tensor-parallel ranks on 8
+        "1f1b-hsdp": ("pipeline-hsdp", "ddp-32"),  # 2 stages x HSDP (2 groups x 2 shards) on 8
     }
     names = named.get(schedule, (schedule, "ddp"))
     pipeline, ddp = (trained["outcomes"][name] for name in names)
@@ -321,6 +346,7 @@ def test_pipelined_run_crashed_and_restarted_is_bit_identical(
         ("fsdp-from-pipeline-fsdp", "pipeline-fsdp", "fsdp x pp2", "fsdp"),
         ("pipeline-fsdp-from-ddp", "ddp", "ddp", "fsdp x pp2"),
         ("fsdp-from-three-d", "three-d", "fsdp x pp2 x tp2", "fsdp"),
+        ("fsdp-from-pipeline-hsdp", "pipeline-hsdp", "hsdp 2x2 x pp2", "fsdp"),
     ],
     ids=[
         "pipeline-to-fsdp",
@@ -331,6 +357,7 @@ def test_pipelined_run_crashed_and_restarted_is_bit_identical(
         "sharded-pipeline-to-fsdp",
         "ddp-to-sharded-pipeline",
         "3-d-to-fsdp",
+        "hsdp-pipeline-to-fsdp",
     ],
 )
 def test_checkpoint_resumes_across_pipelined_and_unpipelined_layouts(

@@ -78,8 +78,8 @@ def test_pipeline_section_reads_with_its_defaults(tmp_path: Path) -> None:
         ),
         (
             {"stages": 2},
-            {"parallel": {"strategy": "fsdp", "fsdp": {"replicate": 2}}, "scaling": {"num_workers": 8}},
-            "parallel.pipeline does not run with parallel.fsdp.replicate > 1",
+            {"parallel": {"strategy": "fsdp", "fsdp": {"replicate": 3}}, "scaling": {"num_workers": 8}},
+            "parallel.fsdp.replicate 3 must divide the data-parallel workers (scaling.num_workers 8 / pipeline.stages",
         ),
         (
             {"stages": 2},

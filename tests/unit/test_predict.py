@@ -403,6 +403,9 @@ def test_a_pipeline_idles_in_the_bubble_and_waits_for_each_send() -> None:
     kept = replace(sharded, reshard_after_forward=False)  # gathered once, kept until the last backward
     assert pipeline_step(kept, 4, flat(SLOW))[0] == pytest.approx(1.2 + 0.025 + 0.025)
     assert pipeline_step(sharded, 2, flat(SLOW)) == pipeline_step(sending, 2, flat(SLOW))  # one replica: no shards
+    # HSDP stages in shard groups of 1: nothing gathered, the stage's gradients all-reduced across the 2 groups
+    hybrid = replace(sharded, shard_group=1)
+    assert pipeline_step(hybrid, 4, flat(SLOW))[0] == pytest.approx(1.2 + 2 * 0.25e6 / 1e7)
 
 
 def test_a_pipeline_sends_over_nvlink_inside_a_node_and_over_the_link_across_nodes() -> None:

@@ -912,13 +912,15 @@ class Config(Section):
                 "parallel.fsdp.replicate needs a fixed scaling.num_workers (an elastic [min, max] could pick "
                 "a world size that the replica groups do not divide)"
             )
-        data_workers = self.scaling.num_workers // tp
+        stages = self.parallel.stages
+        data_workers = self.scaling.num_workers // tp // stages
         if data_workers % replicate:
             of = f"scaling.num_workers {data_workers}"
-            if tp > 1:
-                of = (
-                    f"the data-parallel workers (scaling.num_workers {self.scaling.num_workers} / tensor_parallel {tp})"
+            if tp > 1 or stages > 1:
+                over = (f" / tensor_parallel {tp}" if tp > 1 else "") + (
+                    f" / pipeline.stages {stages}" if stages > 1 else ""
                 )
+                of = f"the data-parallel workers (scaling.num_workers {self.scaling.num_workers}{over})"
             raise ValueError(f"parallel.fsdp.replicate {replicate} must divide {of}: replicas are groups of equal size")
 
     @model_validator(mode="after")
@@ -950,9 +952,8 @@ class Config(Section):
                 f"parallel.pipeline splits the built-in decoders (llama_*, gpt2_*) only; model is {self.model.name}"
             )
         unsupported = {
-            # FSDP shards each stage over its data-parallel group; HSDP's replica groups and host
-            # offload are not run with stages yet.
-            "parallel.fsdp.replicate > 1": parallel.strategy == "fsdp" and parallel.fsdp.replicate > 1,
+            # FSDP shards each stage over its data-parallel group (HSDP: within its replica groups);
+            # host offload is not run with stages yet.
             "parallel.fsdp.cpu_offload": parallel.strategy == "fsdp" and parallel.fsdp.cpu_offload,
             "parallel.fsdp.wrap": parallel.strategy == "fsdp" and parallel.fsdp.wrap is not None,
             "parallel.grad_compression": parallel.grad_compression != "none",

@@ -205,8 +205,9 @@ def pipeline_of(config: Config, model: ModelBytes, micro: int) -> dict[str, int]
 
 
 def shard_group(config: Config) -> int:
-    """HSDP's GPUs per shard group (``scaling.num_workers / parallel.fsdp.replicate``); 0 without HSDP."""
+    """HSDP's GPUs per shard group (``scaling.num_workers / parallel.fsdp.replicate``, of a stage's
+    under a pipeline); 0 without HSDP."""
     replicate = config.parallel.fsdp.replicate
     if config.parallel.strategy != "fsdp" or replicate == 1:
         return 0
-    return config.scaling.max_workers // replicate
+    return config.scaling.max_workers // config.parallel.stages // replicate

@@ -231,8 +231,11 @@ def pipeline_step(work: Workload, gpus: int, topology: Topology) -> tuple[float,
     reduce = 0.0
     if replicas > 1 and work.strategy == "fsdp":
         gathers = 2 * microbatches if work.reshard_after_forward else 1
-        gather = collective_time("all_gather", work.param_bytes / stages, replicas, topology)
-        scatter = collective_time("reduce_scatter", work.grad_bytes / stages, replicas, topology)
+        group = min(replicas, work.shard_group) if work.shard_group else replicas  # HSDP: a shard group
+        gather = collective_time("all_gather", work.param_bytes / stages, group, topology)
+        scatter = collective_time("reduce_scatter", work.grad_bytes / stages, group, topology)
+        if group < replicas:
+            scatter += replica_all_reduce(work.grad_bytes / stages / group, group, replicas, topology)
         per_micro_batch += gathers * gather + scatter
     elif replicas > 1:
         reduce = collective_time("all_reduce", work.grad_bytes / stages, replicas, topology)

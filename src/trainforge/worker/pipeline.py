@@ -304,9 +304,16 @@ class PipelinePlan(ParallelPlan):
         return self.cfg.strategy == "fsdp"
 
     @property
+    def replicate(self) -> int:
+        return self.cfg.fsdp.replicate if self.fsdp else 1
+
+    @property
     def layout_name(self) -> str:
+        data: str = self.cfg.strategy
+        if self.replicate > 1:
+            data = f"hsdp {self.replicate}x{self.layout.dp // self.replicate}"
         tp = f" x tp{self.layout.tp}" if self.layout.tp > 1 else ""
-        return f"{self.cfg.strategy} x pp{self.layout.pp}{tp}"
+        return f"{data} x pp{self.layout.pp}{tp}"
 
     @property
     def cut(self) -> PipelineConfig:
@@ -320,7 +327,8 @@ class PipelinePlan(ParallelPlan):
         model = model.to(self.device)
         layout, cut = self.layout, self.cut
         # Row-major as Layout numbers the ranks: stages outermost, a tensor-parallel group's ranks consecutive.
-        dims = {"pp": layout.pp, "dp": layout.dp, **({"tp": layout.tp} if layout.tp > 1 else {})}
+        data = {"replicate": self.replicate, "shard": layout.dp // self.replicate} if self.replicate > 1 else {}
+        dims = {"pp": layout.pp, **(data or {"dp": layout.dp}), **({"tp": layout.tp} if layout.tp > 1 else {})}
         self.mesh = init_device_mesh(self.device.type, tuple(dims.values()), mesh_dim_names=tuple(dims))
         parts = split_blocks(block_count(model), cut.parts, cut.split, cut.per_worker)
         held = held_by(layout.pp_rank, layout.pp, parts)
@@ -350,10 +358,9 @@ class PipelinePlan(ParallelPlan):
         built the same weights on every replica; each keeps its slice."""
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        options: dict[str, Any] = {
-            "mesh": self.mesh["dp"],
-            "reshard_after_forward": self.cfg.fsdp.reshard_after_forward,
-        }
+        # HSDP: shard within a replica group, all-reduce the shards across the groups.
+        mesh = self.mesh["replicate", "shard"] if self.replicate > 1 else self.mesh["dp"]
+        options: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": self.cfg.fsdp.reshard_after_forward}
         if self.cfg.fsdp.mixed_precision == "bf16":  # bf16 compute and activations between stages
             options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for block in blocks:
@@ -361,7 +368,10 @@ class PipelinePlan(ParallelPlan):
         for chunk in stage.chunks():
             fully_shard(chunk, **options)
         units = f"{len(blocks)} block units + {len(stage.held)} stage unit{'s' if len(stage.held) > 1 else ''}"
-        self.notes.append(f"fsdp: {units}, sharded over {self.layout.dp} replicas")
+        over = f"{self.layout.dp} replicas"
+        if self.replicate > 1:
+            over = f"groups of {self.layout.dp // self.replicate} replicas, replicated {self.replicate} times"
+        self.notes.append(f"fsdp: {units}, sharded over {over}")
 
     def forward_backward(self, model: nn.Module, task: Task, batch: Any, accum: int) -> Stats:
         if self.pipeline is None:
@@ -382,9 +392,9 @@ class PipelinePlan(ParallelPlan):
         """The norm over every stage's gradients, clipped by it. Under ddp each replica's stages
         hold the same after the data-parallel mean: the sum of squares is reduced over the
         pipeline group; under fsdp each rank holds its own shard of its stage's: over every rank.
-        With tensor parallelism each rank's squares count once per rank of its stage that holds
-        the same piece (``copies`` within the stage's data x tensor ranks), summed over every rank."""
-        if self.layout.tp > 1:
+        With tensor parallelism or HSDP each rank's squares count once per rank of its stage that
+        holds the same piece (``copies`` within the stage's data x tensor ranks), summed over every rank."""
+        if self.layout.tp > 1 or self.replicate > 1:
             return self._mixed_grad_norm([p.grad for p in params if p.grad is not None], clip)
         grads = [local(p.grad) for p in params if p.grad is not None]
         squares = torch.zeros((), dtype=torch.float64, device=self.device)
