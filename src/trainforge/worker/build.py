@@ -173,6 +173,8 @@ def build(
         plan = build_plan(config.parallel, device, sync_batchnorm=config.train.sync_batchnorm, layout=layout)
     plan.adapters_only = config.model.lora is not None
     model = plan.wrap(plain)
+    for note in plan.notes:  # how the model is spread: each rank's own (a pipeline's stages differ)
+        log.info("%s: %s", plan.layout_name, note)
     if config.model.lora is None:
         # After wrapping: each rank reads only the shards it keeps. Before the components: the
         # weights' average (train.ema) starts from the pretrained weights.

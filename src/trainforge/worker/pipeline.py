@@ -337,7 +337,8 @@ class PipelinePlan(ParallelPlan):
         said = ", ".join(f"{index + 1} (blocks {b.start}-{b.stop - 1})" for index, b in held.items())
         self.notes.append(
             f"pipeline: stage{'s' if len(held) > 1 else ''} {said} of {cut.parts}, "
-            f"{cut.schedule} over {cut.microbatches} micro-batches; {self.cfg.strategy} over {layout.dp} replicas"
+            f"{cut.schedule} over {cut.microbatches} micro-batches; "
+            + (f"{self.cfg.strategy} over {layout.dp} replicas" if layout.dp > 1 else "one replica of each stage")
         )
         if layout.tp > 1:  # the stage's blocks split over its tensor-parallel group first (worker/tp.py)
             count = apply_tensor_parallel(stage, self.mesh["tp"], self.cfg.tp_plan)
