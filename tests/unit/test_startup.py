@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 
 import psutil
@@ -57,6 +59,21 @@ def test_the_process_start_is_exact_to_a_tick_not_to_a_second() -> None:
     assert ours <= time.time()
     assert abs(ours - psutil.Process().create_time()) < 1.05
     assert time.time() - ours < 24 * 3600  # this test process did not start yesterday
+
+
+def test_a_command_a_shell_execs_after_waiting_starts_when_python_does() -> None:
+    """``bash -c "slow step && trainforge train"``: bash execs the last command in its own process,
+    whose start is the shell's; the command's clock must not count the wait before it."""
+    probe = (
+        "import time; from trainforge.driver.startup import command_start_time, process_start_time; "
+        "now = time.time(); print(now - command_start_time(waited_s=1.0), now - process_start_time())"
+    )
+    out = subprocess.run(
+        ["bash", "-c", f'sleep 3; exec "{sys.executable}" -c "{probe}"'], capture_output=True, text=True, check=True
+    ).stdout
+    command_age, process_age = (float(value) for value in out.split())
+    assert process_age >= 3.0  # the shell's start, before its sleep
+    assert command_age < process_age - 2.0  # the interpreter's own start-up only
 
 
 def test_the_phase_table_names_every_phase_once() -> None:

@@ -48,8 +48,21 @@ _command: dict[str, float] = {}
 
 def command_started() -> None:
     """The CLI's entry: the run's clock starts when this process started, and its first phase ends now."""
-    _command["start"] = process_start_time()
+    _command["start"] = command_start_time()
     _command["cli"] = time.time()
+
+
+# A process this much older than the CPU it has used waited before it became Python.
+WAITED_S = 30.0
+
+
+def command_start_time(waited_s: float = WAITED_S) -> float:
+    """When the command started: this process's start, unless the process is far older than the CPU
+    it has used. A shell runs the last command of ``bash -c "pip install ... && trainforge train"``
+    by exec, in its own process, whose start is then the shell's, before the install: an
+    interpreter's start is CPU work, so the CPU used so far stands for it instead."""
+    start, now, cpu = process_start_time(), time.time(), time.process_time()
+    return now - cpu if now - start > cpu + waited_s else start
 
 
 def process_start_time() -> float:
