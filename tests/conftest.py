@@ -96,6 +96,7 @@ LONGEST_FIRST = (
     "unit/test_blocks.py",  # 46
     "deploy/test_containers.py",  # 44
     "integration/test_bench_data.py",  # 40
+    "faults/test_ray_start.py",  # 40 quiet, most of it Ray's 30 s wait
 )
 
 

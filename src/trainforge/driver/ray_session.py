@@ -17,6 +17,7 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlparse
 
 import ray
@@ -191,8 +192,48 @@ def start_local(config: Config, *, verbose: bool) -> str:
     if early is None or not early.take(options):
         check_local_tls(config)
         with bound_to(config.cluster.bind_address):
-            ray.init(**options)  # type: ignore[arg-type]
+            init_local(options)
     return f"a local Ray ({options['num_cpus']} logical CPUs, listening on {config.cluster.bind_address})"
+
+
+# Ray waits a fixed 30 s for a new node's raylet to register with its GCS (ray/_private/node.py);
+# on a machine busy enough that wait runs out, and the run would end before it began.
+STALLED = "timed out during startup"
+
+
+def init_local(options: dict[str, object]) -> None:
+    """``ray.init`` of a local Ray; started once more when its node stalled, the stalled node's
+    processes killed first (nothing else would: they live as long as the thread that started them)."""
+    try:
+        ray.init(**options)  # type: ignore[arg-type]
+    except Exception as err:
+        if STALLED not in str(err):
+            raise
+        node = stalled_node(err)
+        for started in (node.all_processes.values() if node is not None else ()):
+            for info in started:  # ray's ProcessInfo: the Popen of each process the node started
+                with contextlib.suppress(OSError):
+                    info.process.kill()
+                with contextlib.suppress(Exception):
+                    info.process.wait(timeout=10)
+        ray.shutdown()
+        logging.getLogger("trainforge").warning(
+            "the local Ray's node did not start within Ray's 30 s (a busy machine?): starting it again"
+        )
+        ray.init(**options)  # type: ignore[arg-type]
+
+
+def stalled_node(err: BaseException) -> Any:
+    """The ``ray._private.node.Node`` whose start raised ``err`` (its frame's ``self``)."""
+    from ray._private.node import Node
+
+    frame = err.__traceback__
+    while frame is not None:
+        candidate = frame.tb_frame.f_locals.get("self")
+        if isinstance(candidate, Node):
+            return candidate
+        frame = frame.tb_next
+    return None
 
 
 def shutdown() -> None:
@@ -245,7 +286,7 @@ class EarlyRay:
         last_resort, logging.lastResort = logging.lastResort, self.held
         try:
             with bound_to(self.bind_address):
-                ray.init(**self.options)  # type: ignore[arg-type]
+                init_local(self.options)
         except BaseException as err:  # re-raised where the run asks for its Ray
             self.error = err
         finally:
