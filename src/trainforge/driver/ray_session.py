@@ -210,7 +210,7 @@ def init_local(options: dict[str, object]) -> None:
         if STALLED not in str(err):
             raise
         node = stalled_node(err)
-        for started in (node.all_processes.values() if node is not None else ()):
+        for started in node.all_processes.values() if node is not None else ():
             for info in started:  # ray's ProcessInfo: the Popen of each process the node started
                 with contextlib.suppress(OSError):
                     info.process.kill()
