@@ -40,7 +40,7 @@ from trainforge.errors import ConfigError
 from trainforge.models import Task
 from trainforge.worker import collectives
 from trainforge.worker.blocks import apply_activation_checkpointing
-from trainforge.worker.plan import ParallelPlan, copies, local
+from trainforge.worker.plan import ParallelPlan, local, mixed_grad_norm
 from trainforge.worker.tp import apply_tensor_parallel
 
 Stats = dict[str, torch.Tensor]
@@ -395,8 +395,9 @@ class PipelinePlan(ParallelPlan):
         pipeline group; under fsdp each rank holds its own shard of its stage's: over every rank.
         With tensor parallelism or HSDP each rank's squares count once per rank of its stage that
         holds the same piece (``copies`` within the stage's data x tensor ranks), summed over every rank."""
-        if self.layout.tp > 1 or self.replicate > 1:
-            return self._mixed_grad_norm([p.grad for p in params if p.grad is not None], clip)
+        if self.layout.tp > 1 or self.replicate > 1:  # the other stages hold other parameters
+            stage_ranks = self.layout.dp * self.layout.tp
+            return mixed_grad_norm([p.grad for p in params if p.grad is not None], clip, self.device, stage_ranks)
         grads = [local(p.grad) for p in params if p.grad is not None]
         squares = torch.zeros((), dtype=torch.float64, device=self.device)
         if grads:
@@ -406,22 +407,6 @@ class PipelinePlan(ParallelPlan):
         total = squares.sqrt().float()
         if clip is not None and grads:
             torch._foreach_mul_(grads, torch.clamp(clip / (total + 1e-6), max=1.0))
-        return total
-
-    def _mixed_grad_norm(self, grads: list[torch.Tensor], clip: float | None) -> torch.Tensor:
-        ranks = self.layout.dp * self.layout.tp  # a stage's ranks; the other stages hold other parameters
-        squares = torch.zeros((), dtype=torch.float64, device=self.device)
-        kinds: dict[int, list[torch.Tensor]] = {}
-        for grad in grads:
-            kinds.setdefault(copies(grad, ranks), []).append(local(grad))
-        for count, same in kinds.items():
-            squares += torch.stack(torch._foreach_norm(same)).double().square().sum() / count
-        dist.all_reduce(squares)
-        total = squares.sqrt().float()
-        if clip is not None and grads:
-            coef = torch.clamp(clip / (total + 1e-6), max=1.0)
-            for same in kinds.values():
-                torch._foreach_mul_(same, coef)
         return total
 
     @property

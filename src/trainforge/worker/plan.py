@@ -427,15 +427,18 @@ def build_plan(
     return kind(cfg, device, sync_batchnorm, layout=layout or Layout(0, world_size()))
 
 
-def mixed_grad_norm(grads: list[torch.Tensor], clip: float | None, device: torch.device) -> torch.Tensor:
+def mixed_grad_norm(
+    grads: list[torch.Tensor], clip: float | None, device: torch.device, holders: int | None = None
+) -> torch.Tensor:
     """The global norm over gradients that are shards on different meshes and placements (tensor
     parallel: matrices split on "tp", FSDP shards on "dp", or both) or plain replicated tensors,
     in one all-reduce: each rank adds the squares of what it holds, divided by how many ranks
-    hold the same piece. Then clipping by that norm, as ``clip_grad_norm_`` does."""
+    hold the same piece (of ``holders`` ranks that could: all of them, or a pipeline stage's).
+    Then clipping by that norm, as ``clip_grad_norm_`` does."""
     world = world_size()
     kinds: dict[int, list[torch.Tensor]] = {}
     for grad in grads:
-        kinds.setdefault(copies(grad, world), []).append(grad)
+        kinds.setdefault(copies(grad, holders or world), []).append(grad)
     squares = torch.zeros((), dtype=torch.float64, device=device)
     for count, same in kinds.items():
         norms = torch.stack(torch._foreach_norm([local(g) for g in same])).double()
