@@ -182,11 +182,17 @@ def test_two_workers_make_one_run_and_a_resume_continues_it_through_a_server_out
     def resumed_and_training() -> bool:
         return held_marker(hold).exists()
 
+    def said_unreachable() -> list[logging.LogRecord]:
+        return [r for r in caplog.records if "is unreachable" in r.getMessage()]
+
     def kill_and_restart() -> dict[str, Any]:
         server.kill()
         killed = time.time()
         hold.unlink()  # steps 21-70 train after the server died
-        server.start()  # comes back in tens of seconds; training does not wait for it
+        # Started again once trainforge has said it is down: a server back within the HTTP client's
+        # own retries (seconds on a quiet machine) would be an outage nobody saw.
+        wait_until(said_unreachable, 120, "trainforge to say the MLflow server is unreachable")
+        server.start()  # training does not wait for it
         return {"at": killed}
 
     longer = paced_run(tmp_path, train={"max_steps": 70}, **two)
@@ -196,7 +202,7 @@ def test_two_workers_make_one_run_and_a_resume_continues_it_through_a_server_out
         killed_at = fault.join()["at"]
     assert resumed.status == "finished" and resumed.summary["global_step"] == 70
     assert any(r.get("time/unix", 0) > killed_at for r in reports(run_dir)), "training stopped with the server"
-    unreachable = [r for r in caplog.records if "is unreachable" in r.getMessage()]
+    unreachable = said_unreachable()
     assert len(unreachable) == 1, [r.getMessage() for r in unreachable]
     assert "training continues" in unreachable[0].getMessage()
 
