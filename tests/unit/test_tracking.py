@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sqlite3
 import subprocess
 import sys
 import time
@@ -45,7 +46,7 @@ from trainforge.tracking.runs import (
     ensure_experiment,
     open_run,
 )
-from trainforge.tracking.store import local_store_uri, resolve_uri, run_link
+from trainforge.tracking.store import artifact_location, connect, local_store_uri, resolve_uri, run_link
 
 REPORT = {"step": 10, "time/unix": 1_790_000_000.5, "train/loss": 0.5, "epoch": 1, "events": ["x"], "ok": True}
 
@@ -159,6 +160,31 @@ def test_the_default_store_is_sqlite_under_the_output_dir(tmp_path: Path, monkey
         f"mlflow ui --backend-store-uri sqlite:///{tmp_path}/mlflow.db"
     )
     assert run_link("http://tracking:5000/", "1", "abc") == "MLflow run: http://tracking:5000/#/experiments/1/runs/abc"
+
+
+def test_a_new_local_store_is_a_copy_of_one_empty_store_and_takes_runs_and_its_own_default_experiment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The migrations run once per MLflow version (in the cache); each store is a copy of that, opened
+    by MLflow as its own: the default experiment under its own artifact root, runs logged and read back."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    uris = [local_store_uri(tmp_path / name) for name in ("a", "b")]
+    for uri in uris:
+        client = connect(uri)
+        default = client.get_experiment("0")
+        assert default.name == "Default"
+        experiment = client.create_experiment("e", artifact_location=artifact_location(uri))
+        run = client.create_run(experiment)
+        client.log_metric(run.info.run_id, "loss", 0.5, step=3)
+        assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "loss")] == [(3, 0.5)]
+    empty = list((tmp_path / "cache" / "trainforge").glob("mlflow-*-empty.db"))
+    assert len(empty) == 1
+    assert sqlite3.connect(empty[0]).execute("SELECT count(*) FROM experiments").fetchone() == (0,)
+    assert [p.name for p in (tmp_path / "b").iterdir()] == ["mlflow.db"]  # no copy left beside it
+    # A cache that cannot be written: MLflow makes the store itself.
+    (tmp_path / "ro").write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "ro"))
+    assert connect(local_store_uri(tmp_path / "c")).get_experiment("0").name == "Default"
 
 
 @pytest.mark.parametrize("uri", ["/srv/mlruns", "file:///srv/mlruns", "./mlruns"])

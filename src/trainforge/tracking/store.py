@@ -4,14 +4,18 @@ The default store is ``sqlite:///<run.output_dir>/mlflow.db`` with artifacts in
 ``<run.output_dir>/mlartifacts``: no server is needed, every run of that directory lands in one
 store, and ``mlflow ui --backend-store-uri sqlite:///...`` opens it. MLflow 3 refuses its old
 file store (``./mlruns``) unless ``MLFLOW_ALLOW_FILE_STORE`` is set, so sqlite is the local choice;
-creating a new database costs 2-5 s of migrations, paid once per output directory on the
-background thread.
+creating a new database runs MLflow's schema migrations (1-2 s of CPU), so a new store starts
+as a copy of an empty database those migrations made once per MLflow version, kept in
+``~/.cache/trainforge`` (``seed_store``).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
+import sqlite3
+import tempfile
 import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -102,7 +106,48 @@ def connect(uri: str) -> MlflowClient:
     from mlflow import MlflowClient
 
     quiet_mlflow()
+    if db is not None and not db.exists():
+        seed_store(db)
     return MlflowClient(tracking_uri=uri)
+
+
+def seed_store(db: Path) -> None:
+    """Start a new sqlite store as a copy of an empty, migrated one (made once per MLflow version).
+
+    MLflow creates the default experiment on opening it, with this store's artifact root. Any
+    failure (no writable cache, no hard links, a store made meanwhile) leaves the store to MLflow.
+    """
+    try:
+        empty = empty_store()
+        copy = db.with_name(f".{db.name}.{os.getpid()}.{threading.get_ident()}")
+        try:
+            shutil.copyfile(empty, copy)  # the mode a new file gets (umask), as MLflow's own
+            os.link(copy, db)  # never over a store another process made meanwhile
+        finally:
+            copy.unlink(missing_ok=True)
+    except Exception as err:  # an optimisation only: MLflow makes the store as it always did
+        log.debug("new MLflow store %s made by MLflow (%s)", db, err)
+
+
+def empty_store() -> Path:
+    """An empty MLflow database at this MLflow version's schema, under the user's cache; made once
+    (atomically, so concurrent runs never see half of one)."""
+    import mlflow
+    from mlflow import MlflowClient
+
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "trainforge"
+    empty = cache / f"mlflow-{mlflow.__version__}-empty.db"
+    if empty.exists():
+        return empty
+    cache.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache) as scratch:
+        made = Path(scratch) / DB_FILE
+        MlflowClient(tracking_uri=f"sqlite:///{made}").search_experiments(max_results=1)
+        with sqlite3.connect(made) as con:  # the default experiment is made per store, not copied
+            con.execute("DELETE FROM experiments WHERE experiment_id = 0")
+        con.close()
+        os.replace(made, empty)
+    return empty
 
 
 class _MlflowLogs:
