@@ -109,6 +109,10 @@ class ModelConfig(Section):
     # parameters by name held fixed (worker/params.py): not trained, not in the optimizer
     freeze: Globs = Field(default_factory=list)
     lora: LoraConfig | None = None  # low-rank adapters (models/lora.py); the base weights stay fixed
+    # How 4-D weights lie in memory (worker/memory_format.py). auto: channels_last for the built-in
+    # convolutional models (small_cnn) under plain data parallelism, where PyTorch's convolutions
+    # run faster that way; contiguous: as the model was built; channels_last: any model, under ddp.
+    memory_format: Literal["auto", "channels_last", "contiguous"] = "auto"
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelConfig:
@@ -530,6 +534,11 @@ class ParallelConfig(Section):
         """Pipeline stages (1 without ``pipeline``): with tensor_parallel, the workers per batch."""
         return self.pipeline.stages if self.pipeline is not None else 1
 
+    @property
+    def plain_ddp(self) -> bool:
+        """Whole models replicated: DDP, no tensor parallelism, no pipeline."""
+        return self.strategy == "ddp" and self.tensor_parallel == 1 and self.pipeline is None
+
     @model_validator(mode="after")
     def _communication(self) -> ParallelConfig:
         ddp_only = {
@@ -891,6 +900,11 @@ class Config(Section):
                 f"workers form groups of {tp} (e.g. num_workers {tp * max(1, self.scaling.max_workers // tp)})"
             )
         self._check_replicate()
+        if self.model.memory_format == "channels_last" and not self.parallel.plain_ddp:
+            raise ValueError(
+                "model.memory_format channels_last needs plain data parallelism (parallel.strategy ddp, no "
+                "tensor_parallel, no pipeline); use auto or contiguous"
+            )
         if self.parallel.tp_plan is not None and tp == 1:
             raise ValueError("parallel.tp_plan needs parallel.tensor_parallel > 1")
         if self.parallel.fsdp.mixed_precision != "none" and self.precision != "fp32":

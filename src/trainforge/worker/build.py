@@ -43,6 +43,7 @@ from trainforge.worker.blocks import repeated_blocks
 from trainforge.worker.components.base import Component
 from trainforge.worker.components.data import DataSource
 from trainforge.worker.components.training import Progress
+from trainforge.worker.memory_format import apply_memory_format
 from trainforge.worker.optim import build_optimizer, effective_lr, group_parameters
 from trainforge.worker.params import freeze
 from trainforge.worker.pipeline import PipelinePlan, check_pipeline
@@ -161,6 +162,9 @@ def build(
         adapted = apply_lora(plain, config.model.lora)
         log.info("rank %d: model.lora: adapters on %d layers", rank, adapted)
     parameters = freeze(plain, config.model.freeze)  # before wrapping: DDP and FSDP see what trains
+    laid_out = apply_memory_format(plain, config)
+    if laid_out is not None and rank == 0:
+        log.info("model: %s", laid_out)
     if data.feed is None:  # a map-style set: its first sample, read with every generator kept
         drawn = capture_rng()
         try:
