@@ -55,6 +55,7 @@ class Outcome:
     parameters: dict[str, int] | None = None  # the final report's trainable and frozen counts
     report: dict[str, Any] = field(default_factory=dict)  # the final report, as metrics.jsonl has it
     val_losses: dict[int, float] = field(default_factory=dict)  # val/loss by step
+    notes: list[str] = field(default_factory=list)  # how the parallel plan laid the model out
 
 
 def session(rank: int, world: int, config_dict: dict[str, Any], crash_at: int | None = None) -> Outcome:
@@ -98,6 +99,7 @@ def session(rank: int, world: int, config_dict: dict[str, Any], crash_at: int | 
         parameters=final.get("parameters"),
         report=final,
         val_losses=val_losses,
+        notes=list(run.plan.notes),
     )
 
 

@@ -109,10 +109,6 @@ class ModelConfig(Section):
     # parameters by name held fixed (worker/params.py): not trained, not in the optimizer
     freeze: Globs = Field(default_factory=list)
     lora: LoraConfig | None = None  # low-rank adapters (models/lora.py); the base weights stay fixed
-    # How 4-D weights lie in memory (worker/memory_format.py). auto: channels_last for the built-in
-    # convolutional models (small_cnn) under plain data parallelism, where PyTorch's convolutions
-    # run faster that way; contiguous: as the model was built; channels_last: any model, under ddp.
-    memory_format: Literal["auto", "channels_last", "contiguous"] = "auto"
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelConfig:
@@ -520,7 +516,9 @@ class ParallelConfig(Section):
     activation_checkpointing: Literal["none", "full", "every_n"] = "none"
     activation_checkpointing_every_n: Annotated[int, Field(ge=1, le=1024)] = 2
     compile: bool = False
-    channels_last: bool = False
+    # Convolution weights and image batches channels-last (NHWC): PyTorch's convolutions run faster
+    # that way. auto: on for the built-in CNNs under plain DDP (worker/blocks.channels_last_wanted).
+    channels_last: bool | Literal["auto"] = "auto"
     # DDP communication (worker/compression.py): the gradient all-reduce's hook, bucket size, graph.
     grad_compression: Literal["none", "bf16", "fp16", "powersgd"] = "none"
     powersgd: PowerSGDConfig = Field(default_factory=PowerSGDConfig)
@@ -900,11 +898,6 @@ class Config(Section):
                 f"workers form groups of {tp} (e.g. num_workers {tp * max(1, self.scaling.max_workers // tp)})"
             )
         self._check_replicate()
-        if self.model.memory_format == "channels_last" and not self.parallel.plain_ddp:
-            raise ValueError(
-                "model.memory_format channels_last needs plain data parallelism (parallel.strategy ddp, no "
-                "tensor_parallel, no pipeline); use auto or contiguous"
-            )
         if self.parallel.tp_plan is not None and tp == 1:
             raise ValueError("parallel.tp_plan needs parallel.tensor_parallel > 1")
         if self.parallel.fsdp.mixed_precision != "none" and self.precision != "fp32":

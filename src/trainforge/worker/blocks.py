@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from trainforge.config import Config
 from trainforge.errors import ConfigError
 
 CHECKPOINT_MODES = ("none", "full", "every_n")
@@ -150,6 +151,20 @@ def compile_blocks(blocks: Sequence[nn.Module], root: nn.Module) -> int:
     for module in targets:
         module.compile()
     return len(targets)
+
+
+# Built-in models whose code runs on channels-last tensors and whose step is faster that way (a
+# model's own code may ``.view`` a convolution's output, which fails on them: opt in with ``true``).
+CHANNELS_LAST_MODELS = frozenset({"small_cnn"})
+
+
+def channels_last_wanted(config: Config) -> bool:
+    """``parallel.channels_last`` resolved: ``auto`` is on for the built-in CNNs above, under plain
+    DDP (whole models, no shards or stages: the layout of FSDP's flat shards is its own)."""
+    wanted = config.parallel.channels_last
+    if wanted == "auto":
+        return config.model.name in CHANNELS_LAST_MODELS and config.parallel.plain_ddp and config.model.lora is None
+    return wanted
 
 
 def to_channels_last(model: nn.Module) -> bool:

@@ -39,11 +39,10 @@ from trainforge.protocol import ParameterCounts
 from trainforge.worker import collectives
 from trainforge.worker.allocator import apply as apply_allocator
 from trainforge.worker.anomaly import AnomalyGuard
-from trainforge.worker.blocks import repeated_blocks
+from trainforge.worker.blocks import channels_last_wanted, repeated_blocks
 from trainforge.worker.components.base import Component
 from trainforge.worker.components.data import DataSource
 from trainforge.worker.components.training import Progress
-from trainforge.worker.memory_format import apply_memory_format
 from trainforge.worker.optim import build_optimizer, effective_lr, group_parameters
 from trainforge.worker.params import freeze
 from trainforge.worker.pipeline import PipelinePlan, check_pipeline
@@ -162,19 +161,18 @@ def build(
         adapted = apply_lora(plain, config.model.lora)
         log.info("rank %d: model.lora: adapters on %d layers", rank, adapted)
     parameters = freeze(plain, config.model.freeze)  # before wrapping: DDP and FSDP see what trains
-    laid_out = apply_memory_format(plain, config)
-    if laid_out is not None and rank == 0:
-        log.info("model: %s", laid_out)
     if data.feed is None:  # a map-style set: its first sample, read with every generator kept
         drawn = capture_rng()
         try:
             check_fits(plain, config.model, data.spec, data.train_set[0], task)
         finally:
             restore_rng(drawn)
-    if config.parallel.pipeline is not None:
-        plan: ParallelPlan = PipelinePlan(config.parallel, device, layout=layout)
+    # parallel.channels_last: auto resolved for this model and layout
+    parallel = config.parallel.model_copy(update={"channels_last": channels_last_wanted(config)})
+    if parallel.pipeline is not None:
+        plan: ParallelPlan = PipelinePlan(parallel, device, layout=layout)
     else:
-        plan = build_plan(config.parallel, device, sync_batchnorm=config.train.sync_batchnorm, layout=layout)
+        plan = build_plan(parallel, device, sync_batchnorm=config.train.sync_batchnorm, layout=layout)
     plan.adapters_only = config.model.lora is not None
     model = plan.wrap(plain)
     for note in plan.notes:  # how the model is spread: each rank's own (a pipeline's stages differ)
@@ -204,7 +202,7 @@ def build(
         precision=config.precision,
         grad_clip_norm=config.train.grad_clip_norm,
         plan=plan,
-        channels_last=config.parallel.channels_last,
+        channels_last=parallel.channels_last is True,
     )
     runner.augmenter = build_augmenter(augment_of(config.data), data.spec)
     run = WorkerRun(config, rank, world, device, model, task, runner, data, total_steps, plan, parameters=parameters)

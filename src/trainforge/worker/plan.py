@@ -100,7 +100,7 @@ class ParallelPlan:
                 found, self.cfg.activation_checkpointing, self.cfg.activation_checkpointing_every_n
             )
             self.notes.append(f"activation checkpointing on {count} of {len(found)} blocks")
-        if self.cfg.channels_last and to_channels_last(model):
+        if self.cfg.channels_last is True and to_channels_last(model):  # auto: resolved by worker/build.py
             self.notes.append("channels-last memory format")
         if self.cfg.compile:
             compile_blocks(found, model)
