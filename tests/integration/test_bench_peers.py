@@ -93,6 +93,8 @@ def test_ci_sized_run_measures_every_peer_and_prints_the_table(tmp_path: Path) -
         (["--output", "/nonexistent-dir/out.json"], "folder /nonexistent-dir does not exist"),
         (["--peers", "dx"], "--peers 'dx': letters from abcdefg or names pytorch"),
         (["--workload", "gpt"], "--workload 'gpt': cnn or lm"),
+        (["--set", "parallel.channels_lst=false"], "unknown key parallel.channels_lst"),
+        (["--set", "train"], "--set 'train': expected key=value"),
     ],
 )
 def test_bad_values_are_one_line_and_exit_code_2(tmp_path: Path, args: list[str], expected: str) -> None:
@@ -175,3 +177,16 @@ def test_spread_line_names_the_noisiest_measurement() -> None:
     assert line.startswith("spread between repeats: median 30%, largest 50% ((c) Ray Train at 1 worker(s))"), line
     assert "load average 0.5-2.0" in line
     assert "no spread" in spread_line(measurements[::2])
+
+
+def test_set_overrides_only_trainforges_config_and_travels_with_the_workload() -> None:
+    """``--set``: the (d) and (e) runs' config gets it; the workload the script peers read keeps it too."""
+    from trainforge.bench.workload import Workload
+
+    plain = Workload(kind="cnn").trainforge_config(2, "n", "/tmp/out")
+    assert "parallel" not in plain
+    workload = Workload(kind="cnn", overrides=("parallel.channels_last=false", "train.log_every_n_steps=7"))
+    config = workload.trainforge_config(2, "n", "/tmp/out")
+    assert config["parallel"] == {"channels_last": False} and config["train"]["log_every_n_steps"] == 7
+    assert config["model"] == plain["model"] and config["train"]["batch_size"] == plain["train"]["batch_size"]
+    assert Workload.from_json(workload.to_json()) == workload

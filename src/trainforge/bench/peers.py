@@ -14,6 +14,7 @@ over minutes.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
 import os
@@ -76,20 +77,24 @@ def run_peers(
     peers: Sequence[str] = tuple(PEERS),
     output: Path | None = None,
     console: Console | None = None,
+    overrides: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Measure the ``peers`` at every worker count ``repeats`` times; print the tables, return the report.
-    ``steps`` and ``batch_size``: the workload kind's defaults where None."""
+    ``steps`` and ``batch_size``: the workload kind's defaults where None; ``overrides``: ``key=value``
+    for trainforge's runs (d) and (e) only."""
     shown = console or make_console()
     peers = [peer for peer in PEERS if peer in peers]
     workload = Workload(kind=kind)
     batch = batch_size or workload.spec.batch_size
     workload = Workload.sized_for(steps or workload.spec.steps, batch, max(counts), kind)
+    workload = dataclasses.replace(workload, overrides=tuple(overrides))
     model = workload.model_config()
     named = f"{model.name} {model.kwargs}" if model.kwargs else model.name
     shown.print(
         f"bench peers --workload {kind}: {named} on {workload.spec.what}, "
         f"batch {batch} per worker, {WARMUP_STEPS} warm-up + {workload.steps} timed steps, "
-        f"workers {', '.join(map(str, counts))}, {repeats} repeat(s), peers {''.join(peers)}",
+        f"workers {', '.join(map(str, counts))}, {repeats} repeat(s), peers {''.join(peers)}"
+        + "".join(f", trainforge with --set {item}" for item in overrides),
         highlight=False,
     )
     note = missing_note(peers)

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from trainforge.config import DataConfig, ModelConfig
+from trainforge.config import DataConfig, ModelConfig, parse_override, set_dotted
 
 WARMUP_STEPS = 5  # the same as trainforge.worker.metrics.WARMUP_STEPS: these steps are not timed
 
@@ -88,6 +88,7 @@ class Workload:
     num_samples: int = 20_000
     seed: int = 0
     kind: str = "cnn"
+    overrides: tuple[str, ...] = ()  # ``--set key=value`` for trainforge's runs, (d) and (e)
 
     @property
     def total_steps(self) -> int:
@@ -115,12 +116,13 @@ class Workload:
 
     @classmethod
     def from_json(cls, text: str) -> Workload:
-        return cls(**json.loads(text))
+        fields = json.loads(text)
+        return cls(**{**fields, "overrides": tuple(fields.get("overrides", ()))})
 
     def trainforge_config(self, workers: int, name: str, output_dir: str) -> dict[str, Any]:
         """The trainforge run that trains this workload: no validation, default reporting and
-        checkpointing (one checkpoint, at the end)."""
-        return {
+        checkpointing (one checkpoint, at the end); then the ``--set`` overrides."""
+        config = {
             "run": {"name": name, "output_dir": output_dir},
             "model": self.model_config().model_dump(mode="json"),
             "data": self.data_config().model_dump(mode="json"),
@@ -130,6 +132,10 @@ class Workload:
             "failure": {"max_failures": 0},
             "seed": self.seed,
         }
+        for item in self.overrides:
+            key, value = parse_override(item)
+            set_dotted(config, key, value, origin=f"--set {item}")
+        return config
 
 
 def build(workload: Workload) -> tuple[Dataset[Any], nn.Module]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -44,6 +45,14 @@ def bench_peers(
         ),
     ] = None,
     output: Annotated[Path | None, typer.Option(help="Also write every raw figure as JSON here.")] = None,
+    overrides: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--set",
+            "-s",
+            help="Override a key of trainforge's runs, (d) and (e) only: --set parallel.channels_last=false.",
+        ),
+    ] = None,
 ) -> None:
     """Throughput and time to the first step of plain PyTorch, torchrun+DDP, plain Ray Train, trainforge
     (observed and not), Lightning and Accelerate on one workload."""
@@ -57,6 +66,13 @@ def bench_peers(
         if value is not None and value < least:
             raise TrainforgeError(f"{flag} {value}: must be >= {least}")
     check_output_folder(output)
+    if overrides:  # refused now, in one line, not after the other peers' measurements
+        from trainforge.bench.workload import Workload
+        from trainforge.config import validate
+
+        validate(
+            dataclasses.replace(Workload(kind=kind), overrides=tuple(overrides)).trainforge_config(1, "check", ".")
+        )
     from trainforge.bench.peers import run_peers
 
     setup_logging(False)
@@ -71,6 +87,7 @@ def bench_peers(
         peers=chosen,
         output=output,
         console=wide_console(),
+        overrides=overrides or (),
     )
 
 
