@@ -51,15 +51,18 @@ def test_auto_is_on_for_the_built_in_cnn_under_plain_ddp_only(
     assert channels_last_wanted(config) is expected
 
 
-@pytest.mark.slow  # four 24-step runs in one gloo rank: about 15 s
+@pytest.mark.slow  # six 24-step runs in one gloo rank: about 15 s
 def test_a_channels_last_run_trains_like_the_contiguous_one_and_resumes_bit_identical(tmp_path: Path) -> None:
     runs = [
         (cnn_run(tmp_path / "straight"), None),
         (cnn_run(tmp_path / "crashed"), 12),
         (cnn_run(tmp_path / "crashed"), None),
         (cnn_run(tmp_path / "contiguous", channels_last=False), None),
+        # A contiguous run's checkpoint resumed channels-last: the values load into either layout.
+        (cnn_run(tmp_path / "switched", channels_last=False), 12),
+        (cnn_run(tmp_path / "switched"), None),
     ]
-    straight, crashed, resumed, contiguous = spawn_ranks(sessions, 1, runs)[0]
+    straight, crashed, resumed, contiguous, _, switched = spawn_ranks(sessions, 1, runs)[0]
     assert "channels-last memory format" in straight.notes and "channels-last memory format" in resumed.notes
     assert "channels-last memory format" not in contiguous.notes
     assert crashed.crashed and resumed.final["status"] == "finished"
@@ -71,6 +74,11 @@ def test_a_channels_last_run_trains_like_the_contiguous_one_and_resumes_bit_iden
     assert a.keys() == c.keys()
     for key in a:
         torch.testing.assert_close(a[key], c[key], rtol=1e-4, atol=1e-5, msg=key)
+    assert any(e.startswith("resumed from") and "checkpoint_000000008" in e for e in switched.events)
+    assert "channels-last memory format" in switched.notes
+    s = checkpoint_state(tmp_path / "switched" / "t", STEPS)
+    for key in a:
+        torch.testing.assert_close(s[key], c[key], rtol=1e-4, atol=1e-5, msg=key)
     assert straight.losses.keys() == contiguous.losses.keys()
     for step, loss in straight.losses.items():
         assert loss == pytest.approx(contiguous.losses[step], rel=1e-5)
