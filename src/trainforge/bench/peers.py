@@ -218,6 +218,7 @@ def measure_trainforge(workload: Workload, workers: int, scratch: Path, *, obser
     config = workload.trainforge_config(workers, name=scratch.name, output_dir=str(scratch.parent))
     config["tracking"] = {"enabled": observed}
     config["metrics"] = {"enabled": observed, "comm_timing": observed}
+    workload.with_overrides(config)  # again: a --set of tracking or metrics wins over (d)'s and (e)'s own
     called = time.time()
     result = trainforge.fit(config, console=Console(file=io.StringIO()))
     rate = float(result.summary["throughput_samples_per_s"])

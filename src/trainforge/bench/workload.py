@@ -132,6 +132,10 @@ class Workload:
             "failure": {"max_failures": 0},
             "seed": self.seed,
         }
+        return self.with_overrides(config)
+
+    def with_overrides(self, config: dict[str, Any]) -> dict[str, Any]:
+        """``config`` with the ``--set`` overrides applied (in place; returned): last, so they win."""
         for item in self.overrides:
             key, value = parse_override(item)
             set_dotted(config, key, value, origin=f"--set {item}")
