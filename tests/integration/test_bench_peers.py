@@ -190,5 +190,6 @@ def test_set_overrides_only_trainforges_config_and_travels_with_the_workload() -
     assert config["parallel"] == {"channels_last": False} and config["train"]["log_every_n_steps"] == 7
     assert config["model"] == plain["model"] and config["train"]["batch_size"] == plain["train"]["batch_size"]
     assert Workload.from_json(workload.to_json()) == workload
-    observed = {"tracking": {"enabled": True}, "metrics": {"enabled": True, "comm_timing": True}}
-    assert Workload(overrides=("metrics.enabled=false",)).with_overrides(observed)["metrics"]["enabled"] is False
+    # (d)'s own observation settings come first: a --set of them wins.
+    watched = Workload(overrides=("metrics.enabled=false",)).trainforge_config(2, "n", "/tmp/out", observed=True)
+    assert watched["metrics"] == {"enabled": False, "comm_timing": True} and watched["tracking"] == {"enabled": True}

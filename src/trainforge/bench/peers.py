@@ -215,10 +215,7 @@ def ray_train_figures(workload: Workload, workers: int, scratch: Path, peer: str
 
 def measure_trainforge(workload: Workload, workers: int, scratch: Path, *, observed: bool = True) -> Figures:
     """(d) ``trainforge.fit``; its progress display goes to a buffer so the bench output stays readable."""
-    config = workload.trainforge_config(workers, name=scratch.name, output_dir=str(scratch.parent))
-    config["tracking"] = {"enabled": observed}
-    config["metrics"] = {"enabled": observed, "comm_timing": observed}
-    workload.with_overrides(config)  # again: a --set of tracking or metrics wins over (d)'s and (e)'s own
+    config = workload.trainforge_config(workers, name=scratch.name, output_dir=str(scratch.parent), observed=observed)
     called = time.time()
     result = trainforge.fit(config, console=Console(file=io.StringIO()))
     rate = float(result.summary["throughput_samples_per_s"])

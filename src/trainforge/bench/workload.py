@@ -119,10 +119,13 @@ class Workload:
         fields = json.loads(text)
         return cls(**{**fields, "overrides": tuple(fields.get("overrides", ()))})
 
-    def trainforge_config(self, workers: int, name: str, output_dir: str) -> dict[str, Any]:
+    def trainforge_config(
+        self, workers: int, name: str, output_dir: str, *, observed: bool | None = None
+    ) -> dict[str, Any]:
         """The trainforge run that trains this workload: no validation, default reporting and
-        checkpointing (one checkpoint, at the end); then the ``--set`` overrides."""
-        config = {
+        checkpointing (one checkpoint, at the end); ``observed``: MLflow tracking and Prometheus
+        metrics both on or both off (None: the config's defaults); then the ``--set`` overrides."""
+        config: dict[str, Any] = {
             "run": {"name": name, "output_dir": output_dir},
             "model": self.model_config().model_dump(mode="json"),
             "data": self.data_config().model_dump(mode="json"),
@@ -132,11 +135,10 @@ class Workload:
             "failure": {"max_failures": 0},
             "seed": self.seed,
         }
-        return self.with_overrides(config)
-
-    def with_overrides(self, config: dict[str, Any]) -> dict[str, Any]:
-        """``config`` with the ``--set`` overrides applied (in place; returned): last, so they win."""
-        for item in self.overrides:
+        if observed is not None:
+            config["tracking"] = {"enabled": observed}
+            config["metrics"] = {"enabled": observed, "comm_timing": observed}
+        for item in self.overrides:  # last: a --set wins over everything above
             key, value = parse_override(item)
             set_dotted(config, key, value, origin=f"--set {item}")
         return config
