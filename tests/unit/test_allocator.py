@@ -133,3 +133,27 @@ def test_build_applies_train_reuse_freed_memory() -> None:
         )
         seen[value] = done.stdout.strip().splitlines()[-1]
     assert seen == {"true": "True", "false": "None"}, seen
+
+
+@pytest.mark.slow  # a process that imports torch and builds the bench's CNN twice
+def test_bench_peers_reuse_freed_memory_reaches_the_peers_build() -> None:
+    """``bench peers --peers-reuse-freed-memory``: the flag travels with the workload's JSON (as the
+    script peers read it) and the peers' common ``build`` raises the thresholds in the process that
+    trains; without it the peer keeps glibc's own."""
+    code = textwrap.dedent(
+        """
+        import dataclasses, json
+        from trainforge.bench.workload import Workload, build
+        from trainforge.worker import allocator
+
+        plain = Workload.sized_for(10, 8, 1)
+        equal = Workload.from_json(dataclasses.replace(plain, peers_reuse_freed_memory=True).to_json())
+        build(plain)
+        seen = [allocator._applied]
+        build(equal)
+        seen.append(allocator._applied)
+        print(json.dumps({"seen": seen, "flag": equal.peers_reuse_freed_memory}))
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300)
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == {"seen": [None, True], "flag": True}

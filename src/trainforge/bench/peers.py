@@ -78,23 +78,28 @@ def run_peers(
     output: Path | None = None,
     console: Console | None = None,
     overrides: Sequence[str] = (),
+    peers_reuse_freed_memory: bool = False,
 ) -> dict[str, Any]:
     """Measure the ``peers`` at every worker count ``repeats`` times; print the tables, return the report.
     ``steps`` and ``batch_size``: the workload kind's defaults where None; ``overrides``: ``key=value``
-    for trainforge's runs (d) and (e) only."""
+    for trainforge's runs (d) and (e) only; ``peers_reuse_freed_memory``: the other peers' processes
+    get trainforge's allocator thresholds (worker/allocator.py)."""
     shown = console or make_console()
     peers = [peer for peer in PEERS if peer in peers]
     workload = Workload(kind=kind)
     batch = batch_size or workload.spec.batch_size
     workload = Workload.sized_for(steps or workload.spec.steps, batch, max(counts), kind)
-    workload = dataclasses.replace(workload, overrides=tuple(overrides))
+    workload = dataclasses.replace(
+        workload, overrides=tuple(overrides), peers_reuse_freed_memory=peers_reuse_freed_memory
+    )
     model = workload.model_config()
     named = f"{model.name} {model.kwargs}" if model.kwargs else model.name
     shown.print(
         f"bench peers --workload {kind}: {named} on {workload.spec.what}, "
         f"batch {batch} per worker, {WARMUP_STEPS} warm-up + {workload.steps} timed steps, "
         f"workers {', '.join(map(str, counts))}, {repeats} repeat(s), peers {''.join(peers)}"
-        + "".join(f", trainforge with --set {item}" for item in overrides),
+        + "".join(f", trainforge with --set {item}" for item in overrides)
+        + (", the other peers with trainforge's allocator thresholds" if peers_reuse_freed_memory else ""),
         highlight=False,
     )
     note = missing_note(peers)

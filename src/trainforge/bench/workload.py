@@ -89,6 +89,9 @@ class Workload:
     seed: int = 0
     kind: str = "cnn"
     overrides: tuple[str, ...] = ()  # ``--set key=value`` for trainforge's runs, (d) and (e)
+    # The other peers' processes keep freed memory as trainforge's workers do (train.reuse_freed_memory):
+    # the allocator held equal, so that a comparison shows the training loops alone.
+    peers_reuse_freed_memory: bool = False
 
     @property
     def total_steps(self) -> int:
@@ -145,9 +148,15 @@ class Workload:
 
 
 def build(workload: Workload) -> tuple[Dataset[Any], nn.Module]:
-    """The training set and a freshly initialised model, both from trainforge's own builders."""
+    """The training set and a freshly initialised model, both from trainforge's own builders; every
+    peer but trainforge's own runs builds through here, in the process that trains."""
     from trainforge.data import build_datasets
     from trainforge.models import build_model
+
+    if workload.peers_reuse_freed_memory:
+        from trainforge.worker.allocator import apply
+
+        apply(True)
 
     train_set, _, spec = build_datasets(workload.data_config(), workload.seed)
     torch.manual_seed(workload.seed)

@@ -53,6 +53,14 @@ def bench_peers(
             help="Override a key of trainforge's runs, (d) and (e) only: --set parallel.channels_last=false.",
         ),
     ] = None,
+    peers_reuse_freed_memory: Annotated[
+        bool,
+        typer.Option(
+            "--peers-reuse-freed-memory",
+            help="Give the other peers' processes trainforge's allocator thresholds (train.reuse_freed_memory), "
+            "so that only the training loops differ.",
+        ),
+    ] = False,
 ) -> None:
     """Throughput and time to the first step of plain PyTorch, torchrun+DDP, plain Ray Train, trainforge
     (observed and not), Lightning and Accelerate on one workload."""
@@ -88,6 +96,7 @@ def bench_peers(
         output=output,
         console=wide_console(),
         overrides=overrides or (),
+        peers_reuse_freed_memory=peers_reuse_freed_memory,
     )
 
 
