@@ -18,7 +18,6 @@ import argparse
 import dataclasses
 import statistics
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -52,41 +51,16 @@ class PartClock:
 
 
 def plain(workload: Workload) -> dict[str, float]:
-    """bench/workload.py's loop, with a clock around each part."""
+    """bench/workload.py's loop (peer (a)'s at one thread), each part of its steps timed."""
     from torch.utils.data import DataLoader
 
-    from trainforge.bench.workload import StepClock, build, loss_of, make_optimizer
+    from trainforge.bench.workload import StepClock, build, make_optimizer, run_steps
 
     dataset, model = build(workload)
     loader = DataLoader(dataset, batch_size=workload.batch_size, shuffle=True, drop_last=True)
-    optimizer = make_optimizer(model, workload.kind)
     clock, parts = StepClock(workload.batch_size), PartClock()
-    model.train()
-    batches = iter(loader)
-    for _ in range(workload.total_steps):
-        started = time.perf_counter()
-        inputs, targets = next(batches)
-        fetched = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
-        loss_of(model(inputs), targets).backward()
-        computed = time.perf_counter()
-        optimizer.step()
-        parts.add(fetched - started, computed - fetched, time.perf_counter() - computed)
-        clock.step_done()
+    run_steps(model, loader, make_optimizer(model, workload.kind), workload.total_steps, clock, parts=parts.add)
     return parts.figures(clock.result()["samples_per_s"], workload.batch_size)
-
-
-class KeptChannel:
-    """The reports stay in the process (no driver): the loop's channel."""
-
-    def __init__(self) -> None:
-        self.reports: list[Any] = []
-
-    def report(self, report: Any) -> None:
-        self.reports.append(report)
-
-    def preempted(self) -> bool:
-        return False
 
 
 def trainforge_loop(workload: Workload, scratch: Path, name: str) -> dict[str, float]:
@@ -98,6 +72,7 @@ def trainforge_loop(workload: Workload, scratch: Path, name: str) -> dict[str, f
     from trainforge.worker.loop import Session
     from trainforge.worker.saving import Checkpointing, restore
     from trainforge.worker.step import StepTimes
+    from trainforge.worker.warm import GatheringChannel
 
     equal = dataclasses.replace(workload, overrides=("parallel.channels_last=false",))
     config = Config.model_validate(equal.trainforge_config(1, name=name, output_dir=str(scratch), observed=True))
@@ -113,7 +88,9 @@ def trainforge_loop(workload: Workload, scratch: Path, name: str) -> dict[str, f
     run.runner.run = timed  # type: ignore[method-assign]  # this run's runner only
     checkpointing = Checkpointing(run, CheckpointStore.for_run(config.storage_path, config.run.name))
     try:
-        final = Session(run, checkpointing, restore(run, checkpointing.store), channel=KeptChannel()).train()
+        final = Session(
+            run, checkpointing, restore(run, checkpointing.store), channel=GatheringChannel(0, None)
+        ).train()
     finally:
         checkpointing.close()
     return parts.figures(float(final.figures["perf/steady_samples_per_s"]), workload.batch_size)

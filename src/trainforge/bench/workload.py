@@ -234,24 +234,32 @@ def run_steps(
     set_epoch: Callable[[int], None] | None = None,
     after_step: AfterStep | None = None,
     backward: Callable[[torch.Tensor], None] = torch.Tensor.backward,
+    parts: Callable[[float, float, float], None] | None = None,
 ) -> None:
-    """An ordinary training loop: epochs of shuffled batches, cross-entropy, backward, step."""
+    """An ordinary training loop: epochs of shuffled batches, cross-entropy, backward, step.
+    ``parts``: given each step's seconds waiting for data, in forward and backward, in the optimizer."""
     model.train()
     step = epoch = 0
     while step < total_steps:
         if set_epoch is not None:
             set_epoch(epoch)
+        mark = time.perf_counter()
         for inputs, targets in loader:
+            fetched = time.perf_counter()
             optimizer.zero_grad(set_to_none=True)
             loss = loss_of(model(inputs), targets)
             backward(loss)  # under DDP, gradients are all-reduced here
+            computed = time.perf_counter()
             optimizer.step()
+            if parts is not None:
+                parts(fetched - mark, computed - fetched, time.perf_counter() - computed)
             step += 1
             clock.step_done()
             if after_step is not None:
                 after_step(step, loss)
             if step >= total_steps:
                 break
+            mark = time.perf_counter()
         epoch += 1
 
 
