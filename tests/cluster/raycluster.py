@@ -95,12 +95,14 @@ class RayCluster:
         *,
         system_config: dict[str, Any] | None = None,
         dashboard: bool = False,
+        dashboard_host: str = "0.0.0.0",
         env: dict[str, str] | None = None,
     ) -> None:
         self.net = net
         self.root = root
         self.system_config = system_config or {}
         self.dashboard = dashboard
+        self.dashboard_host = dashboard_host
         self.token = secrets.token_hex(32)
         self.env = {
             **os.environ,
@@ -156,7 +158,7 @@ class RayCluster:
                 f"--port={GCS_PORT}",
                 f"--system-config={json.dumps(self.system_config)}",
                 f"--include-dashboard={str(self.dashboard).lower()}",
-                "--dashboard-host=0.0.0.0",
+                f"--dashboard-host={self.dashboard_host}",
                 f"--dashboard-port={DASHBOARD_PORT}",
             ]
         else:
@@ -320,6 +322,7 @@ def ray_cluster(
     *,
     system_config: dict[str, Any] | None = None,
     dashboard: bool = False,
+    dashboard_host: str = "0.0.0.0",
     env: dict[str, str] | None = None,
 ) -> Iterator[RayCluster]:
     """A running RayCluster in ``net`` (one node per spec, each in the namespace of its name) for
@@ -329,7 +332,9 @@ def ray_cluster(
     remove_stale_temp_dirs()
     root = Path("/tmp") / net.prefix
     shutil.rmtree(root, ignore_errors=True)
-    cluster = RayCluster(net, specs, root, system_config=system_config, dashboard=dashboard, env=env)
+    cluster = RayCluster(
+        net, specs, root, system_config=system_config, dashboard=dashboard, dashboard_host=dashboard_host, env=env
+    )
     try:
         cluster.start()
         yield cluster

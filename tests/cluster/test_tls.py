@@ -17,6 +17,12 @@ token authentication on as well; a fourth namespace, ``rogue``, for nodes that m
 * ``trainforge submit`` with ``cluster.tls`` reaches the head's Jobs API through a TLS proxy
   (tls_proxy.py; Ray's dashboard serves plain HTTP) and checks its certificate with the CA; the
   job trains across the nodes. Another CA is refused in one line.
+* The head's dashboard listens on loopback, as docs/security.md tells a TLS cluster to: every
+  node's dashboard agent sends the node's events to the dashboard's recorded address over plain
+  HTTP with the cluster's token (Ray's TLS does not cover it; a CI run with the dashboard on the
+  node network found the token on the switch when a worker node had an event). An event written
+  on a worker node is reported, fails there, and nothing of it crosses the switch; the driver
+  warns of a dashboard the nodes reach (tests/unit/test_tls.py) and here says nothing.
 
 Not covered by Ray's TLS, and so not claimed here: torch.distributed's own connections (gloo's
 pairs, the rendezvous store), which carry the gradients (docs/security.md).
@@ -43,7 +49,7 @@ from tests.cluster.conftest import namespace_network
 from tests.cluster.netns import SUBNET, Network, kill_namespace_processes
 from tests.cluster.raycluster import BIN, FAST_HEALTH_CHECKS, ROOT, NodeSpec, RayCluster, ray_cluster
 from tests.helpers.console import without_startup
-from tests.helpers.faults import reports
+from tests.helpers.faults import reports, wait_until
 from tests.helpers.runs import tiny_run
 from tests.helpers.timing import scaled
 from tests.helpers.user_models import WIRE_MARK
@@ -61,6 +67,8 @@ GRPC_PREFACE = b"PRI * HTTP/2.0"  # how every plaintext HTTP/2 (gRPC) connection
 MARKED_MODEL = {"name": None, "factory": "tests.helpers.user_models:marked_net"}
 WEIGHTS_IN_CLEAR = struct.pack("<f", WIRE_MARK) * 16
 TLS_NAMES = ("RAY_USE_TLS", "RAY_TLS_SERVER_CERT", "RAY_TLS_SERVER_KEY", "RAY_TLS_CA_CERT")
+LOOPBACK = "127.0.0.1"
+OPEN_DASHBOARD = "where its nodes reach it over plain HTTP"  # driver/ray_session.warn_open_dashboard
 
 
 def tls_of(files: CertFiles) -> TlsConfig:
@@ -84,16 +92,19 @@ def tls_network() -> Iterator[Network]:
 @pytest.fixture(scope="module")
 def tls_cluster(tls_network: Network, pki: dict[str, CertFiles]) -> Iterator[RayCluster]:
     env = ray_tls_env(tls_of(pki["cluster"]))
-    with ray_cluster(tls_network, SPECS, system_config=FAST_HEALTH_CHECKS, dashboard=True, env=env) as cluster:
+    with ray_cluster(
+        tls_network, SPECS, system_config=FAST_HEALTH_CHECKS, dashboard=True, dashboard_host=LOOPBACK, env=env
+    ) as cluster:
         yield cluster
 
 
 @pytest.fixture(scope="module")
 def https_dashboard(tls_cluster: RayCluster, pki: dict[str, CertFiles]) -> Iterator[str]:
-    """The head's dashboard behind a TLS proxy (tls_proxy.py) with the head's certificate, on 8443."""
+    """The head's dashboard (on the head's loopback) behind a TLS proxy (tls_proxy.py) with the
+    head's certificate, on 8443 of the head's address."""
     head = tls_cluster.head.address
     files = pki["cluster"]
-    argv = [sys.executable, "-m", "tests.cluster.tls_proxy", "8443", head, "8265", str(files.cert), str(files.key)]
+    argv = [sys.executable, "-m", "tests.cluster.tls_proxy", "8443", LOOPBACK, "8265", str(files.cert), str(files.key)]
     proxy = subprocess.Popen(tls_cluster.net.exec_argv("head", argv), stdout=subprocess.PIPE, text=True, cwd=ROOT)
     assert proxy.stdout is not None and proxy.stdout.readline().strip() == "listening"
     try:
@@ -158,6 +169,7 @@ def test_a_tls_cluster_trains_across_nodes_with_nothing_of_ray_in_clear_on_the_w
     wire = capture.data()
 
     assert done.returncode == 0, done.stderr[-4000:]
+    assert OPEN_DASHBOARD not in done.stderr, done.stderr[-4000:]  # the dashboard is on the head's loopback
     run_dir = tmp_path / marker
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "finished" and summary["global_step"] == 20 and summary["num_workers"] == 2
@@ -185,6 +197,41 @@ def test_a_tls_cluster_trains_across_nodes_with_nothing_of_ray_in_clear_on_the_w
         f"TCP payload {total / 1e6:.1f} MB, of which not TLS {clear / 1e6:.1f} MB "
         f"(torch.distributed between the workers and the control)"
     )
+
+
+def test_a_worker_nodes_events_never_cross_the_switch_with_the_token(tls_cluster: RayCluster, tmp_path: Path) -> None:
+    """An event in w1's event log (as its raylet writes one when a worker dies): w1's dashboard agent
+    reports it to the dashboard's recorded address, the head's loopback, which on w1 is w1's own
+    and refuses; nothing of the report crosses the switch. With the dashboard on the node network
+    the same report carries the token across in clear (docs/security.md)."""
+    tls_cluster.wait_whole()
+    logs = tls_cluster.nodes["w1"].temp_dir / "session_latest" / "logs"
+    probe = f"probeevent{secrets.token_hex(8)}"
+    event = {
+        "event_id": secrets.token_hex(18),
+        "source_type": "RAYLET",
+        "source_hostname": "w1",
+        "source_pid": 1,
+        "severity": "WARNING",
+        "label": "PROBE",
+        "message": probe,
+        "timestamp": int(time.time()),
+        "custom_fields": {},
+    }
+
+    def agent_log() -> list[str]:
+        return (logs / "dashboard_agent.log").read_text(errors="replace").splitlines()
+
+    with Capture(tls_cluster.net, tmp_path / "wire.bin") as capture:
+        with open(logs / "events" / "event_RAYLET.log", "a") as log:
+            log.write(json.dumps(event) + "\n")
+        what = "w1's dashboard agent to give up reporting the event (a dashboard that answered would take it)"
+        wait_until(lambda: [line for line in agent_log() if "Report event failed:" in line and probe in line], 60, what)
+    wire = capture.data()
+    tries = [line for line in agent_log() if "Report event failed, retrying" in line]
+    assert tries and all(f"{LOOPBACK}:8265" in line for line in tries), tries[-3:]
+    assert probe.encode() not in wire, "w1's event crossed the switch"
+    assert tls_cluster.token.encode() not in wire, "the cluster's token crossed the switch in clear"
 
 
 @contextlib.contextmanager

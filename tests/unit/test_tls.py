@@ -34,7 +34,7 @@ from trainforge.config import load_config
 from trainforge.config.schema import TlsConfig
 from trainforge.driver.certs import CertFiles, create_certs, default_hosts
 from trainforge.driver.jobs import job_config
-from trainforge.driver.tls import check_tls, dashboard_verify, ray_tls_env, use_tls
+from trainforge.driver.tls import check_tls, dashboard_verify, open_dashboard, ray_tls_env, use_tls
 from trainforge.driver.tls_files import TlsFiles, check_tls_files
 from trainforge.errors import ClusterError, ConfigError
 
@@ -881,3 +881,21 @@ def test_a_tls_file_every_user_may_replace_is_refused(certs: CertFiles, tmp_path
     open_ca.chmod(0o666)
     with pytest.raises(ConfigError, match=rf"cluster.tls.ca {open_ca}: writable by every user \(mode 0666\)"):
         load_config(tiny_run(tmp_path), [tls_set(open_ca, certs.cert, certs.key)])
+
+
+@pytest.mark.parametrize(
+    ("recorded", "open_at"),
+    [
+        (None, None),  # no dashboard
+        (b"127.0.0.1:8265", None),  # --dashboard-host=127.0.0.1 (Ray records loopback as given)
+        (b"localhost:8265", None),
+        (b"[::1]:8265", None),
+        (b"10.213.0.1:8265", "10.213.0.1:8265"),  # --dashboard-host=0.0.0.0: the head's node address
+        (b"http://10.213.0.1:8265", "http://10.213.0.1:8265"),
+        (b"[fd00::1]:8265", "[fd00::1]:8265"),
+        (b"ray-head:8265", "ray-head:8265"),  # a name: taken to be reachable
+    ],
+)
+def test_a_dashboard_the_nodes_reach_is_told_from_one_on_loopback(recorded: bytes | None, open_at: str | None) -> None:
+    """The address the head records for the nodes' event reports (tests/cluster/test_tls.py sends one)."""
+    assert open_dashboard(recorded) == open_at

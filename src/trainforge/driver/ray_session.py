@@ -21,14 +21,16 @@ from typing import Any
 from urllib.parse import urlparse
 
 import ray
+from ray.experimental import internal_kv
 
 from trainforge.config import Config
-from trainforge.driver.tls import check_node_tls, check_tls, tls_in_environment, use_tls
+from trainforge.driver.tls import check_node_tls, check_tls, open_dashboard, tls_in_environment, use_tls
 from trainforge.errors import ClusterError
 from trainforge.metrics.driver.session import check_cluster_options, local_ray_options, publish_local_targets
 from trainforge.redact import redacting
 
 LOOPBACK = "127.0.0.1"
+DASHBOARD_KEY = b"dashboard"  # the key, and its namespace, of the dashboard's address in the GCS (Ray's constants)
 # Ray reads this at import; False makes its node-address lookup answer 127.0.0.1 (as on macOS).
 CLUSTER_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
@@ -141,6 +143,8 @@ def ray_session(config: Config, address: str | None, *, verbose: bool) -> Iterat
         except (ConnectionError, RuntimeError) as err:
             raise ClusterError(f"cannot connect to the Ray cluster at {address}: {err}") from None
         where = f"the Ray cluster at {address}"
+        if tls_in_environment():
+            warn_open_dashboard()
     else:
         where = start_local(config, verbose=verbose)
     reattach_ray_log()
@@ -150,6 +154,24 @@ def ray_session(config: Config, address: str | None, *, verbose: bool) -> Iterat
             yield where
     finally:
         shutdown()
+
+
+def warn_open_dashboard() -> None:
+    """With TLS on, a warning when the cluster's dashboard is where the nodes reach it: Ray's TLS
+    does not cover the event reports every node's dashboard agent sends it (``open_dashboard``)."""
+    try:
+        recorded = internal_kv._internal_kv_get(DASHBOARD_KEY, namespace=DASHBOARD_KEY)
+    except Exception as err:  # a question for a warning: the run goes on without the answer
+        logging.getLogger("trainforge").debug("could not read the dashboard's address from the GCS: %s", err)
+        return
+    where = open_dashboard(recorded)
+    if where is not None:
+        logging.getLogger("trainforge").warning(
+            "the cluster's dashboard is at %s, where its nodes reach it over plain HTTP: Ray's TLS does not cover "
+            "the events each node's dashboard agent sends there, with the cluster's token; start the head with "
+            "--dashboard-host=127.0.0.1, or encrypt the node network (docs/security.md)",
+            where,
+        )
 
 
 def local_init_options(config: Config, *, verbose: bool) -> dict[str, object]:

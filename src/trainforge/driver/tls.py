@@ -15,6 +15,7 @@ Ray's dashboard (the Jobs API) serves plain HTTP whatever these say; ``dashboard
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import os
 import socket
 import ssl
@@ -107,6 +108,31 @@ def dashboard_verify(address: str, ca: str | None, source: str = "--ca") -> str 
         raise ConfigError(f"{source} {ca}: not a regular file")
     check_trust_file(str(path), source)
     return str(path)
+
+
+def open_dashboard(recorded: bytes | None) -> str | None:
+    """The dashboard's address as the head records it in the GCS for the nodes (``host:port``,
+    ``http://`` optional) when it is not on loopback, else None (none recorded: no dashboard).
+
+    Ray's TLS covers its gRPC, not the dashboard's HTTP, and every node's dashboard agent sends the
+    node's events (a worker that died, a task killed for memory) to this address over plain HTTP
+    with the cluster's token in the request. A head started with ``--dashboard-host=127.0.0.1``
+    records 127.0.0.1, where no other node reaches it: those reports then never leave a node."""
+    if not recorded:
+        return None
+    text = recorded.decode(errors="replace")
+    try:
+        host = urlparse(text if "://" in text else f"http://{text}").hostname
+    except ValueError:
+        return text
+    if host is None:
+        return text
+    if host == "localhost":
+        return None
+    with contextlib.suppress(ValueError):  # a host name: taken to be reachable
+        if ipaddress.ip_address(host).is_loopback:
+            return None
+    return text
 
 
 def check_tls(address: str, timeout_s: float = 5.0) -> None:
