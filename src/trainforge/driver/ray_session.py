@@ -30,7 +30,6 @@ from trainforge.metrics.driver.session import check_cluster_options, local_ray_o
 from trainforge.redact import redacting
 
 LOOPBACK = "127.0.0.1"
-DASHBOARD_KEY = b"dashboard"  # the key, and its namespace, of the dashboard's address in the GCS (Ray's constants)
 # Ray reads this at import; False makes its node-address lookup answer 127.0.0.1 (as on macOS).
 CLUSTER_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
@@ -159,8 +158,12 @@ def ray_session(config: Config, address: str | None, *, verbose: bool) -> Iterat
 def warn_open_dashboard() -> None:
     """With TLS on, a warning when the cluster's dashboard is where the nodes reach it: Ray's TLS
     does not cover the event reports every node's dashboard agent sends it (``open_dashboard``)."""
+    from ray._private import ray_constants
+
     try:
-        recorded = internal_kv._internal_kv_get(DASHBOARD_KEY, namespace=DASHBOARD_KEY)
+        recorded = internal_kv._internal_kv_get(
+            ray_constants.DASHBOARD_ADDRESS.encode(), namespace=ray_constants.KV_NAMESPACE_DASHBOARD
+        )
     except Exception as err:  # a question for a warning: the run goes on without the answer
         logging.getLogger("trainforge").debug("could not read the dashboard's address from the GCS: %s", err)
         return
